@@ -1,0 +1,74 @@
+"""The ``autoscale`` command line: a thin dispatcher over one class per subcommand.
+
+Each subcommand lives in ``autoscale/commands/`` as a :class:`~autoscale.commands.base.Command`
+subclass and is imported only when it runs, so ``autoscale --help`` stays fast. Errors autoscale
+raises on purpose (:class:`~autoscale.errors.AutoscaleError`) print as one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+import autoscale
+from autoscale.errors import AutoscaleError
+
+# name -> (module in autoscale.commands, class, one-line help). Order is the order of --help.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "list": ("listing", "ListCommand", "list every registered scaler with its defaults"),
+}
+
+EPILOG = """examples:
+  autoscale list                                   every scaler get_scaler() can build
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autoscale",
+        description="Learned loss-scale policies for fp16 mixed-precision training.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"autoscale {autoscale.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, _, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def _command(name: str):
+    module, cls, _ = COMMANDS[name]
+    return getattr(importlib.import_module(f"autoscale.commands.{module}"), cls)()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in COMMANDS:
+        args = parser.parse_args(argv)  # handles --help, --version and unknown commands
+        parser.print_help()
+        return 0 if args.command is None and not argv else 2
+    command = _command(argv[0])
+    sub = argparse.ArgumentParser(
+        prog=f"autoscale {argv[0]}",
+        description=command.__doc__.strip().splitlines()[0] if command.__doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=getattr(command, "epilog", None),
+    )
+    command.add_arguments(sub)
+    args = sub.parse_args(argv[1:])
+    try:
+        return int(command.run(args) or 0)
+    except AutoscaleError as exc:
+        print(f"autoscale {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"autoscale {argv[0]}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

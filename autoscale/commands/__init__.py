@@ -1,0 +1,1 @@
+"""One module per ``autoscale`` subcommand (see ``autoscale/cli.py``)."""

@@ -1,0 +1,67 @@
+"""The exceptions autoscale raises on user input, and how the CLI shows them.
+
+Each message states the rule, the value that broke it and the fix, so the CLI can print it as one
+line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = [
+    "AutoscaleError",
+    "UnknownNameError",
+    "ConfigError",
+    "PolicyError",
+    "BudgetError",
+    "StorageError",
+    "MinimumLossScaleError",
+    "unknown_name",
+]
+
+
+class AutoscaleError(Exception):
+    """Base of every error autoscale raises on purpose; the CLI prints it as one line."""
+
+
+class UnknownNameError(AutoscaleError, KeyError):
+    """A name (scaler, model, scenario, algorithm, study, instance) that is not registered."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ConfigError(AutoscaleError, ValueError):
+    """A value or file that does not satisfy its rule (bad parameter, unreadable YAML, bad path)."""
+
+
+class PolicyError(AutoscaleError):
+    """An exported policy that is missing, corrupt, or incompatible with this version."""
+
+
+class BudgetError(ConfigError):
+    """A malformed wall-clock budget."""
+
+
+class StorageError(AutoscaleError):
+    """An Optuna storage that cannot be reached or opened."""
+
+
+class MinimumLossScaleError(AutoscaleError, RuntimeError):
+    """Raised when a scaler asked to behave like DeepSpeed hits its minimum scale on an overflow."""
+
+
+def unknown_name(kind: str, name: str, known: Iterable[str], how_to_list: str) -> UnknownNameError:
+    """Build the standard 'unknown X; did you mean Y?' error.
+
+    Args:
+        kind: What was looked up, e.g. ``"scaler"``.
+        name: The name the user gave.
+        known: Every valid name.
+        how_to_list: Where the user sees all names, e.g. ``"autoscale list"``.
+    """
+    known = sorted(known)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return UnknownNameError(f"unknown {kind} '{name}'; {hint}({how_to_list} shows all: {', '.join(known)})")
