@@ -18,6 +18,7 @@ from autoscale.errors import AutoscaleError
 # name -> (module in autoscale.commands, class, one-line help). Order is the order of --help.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "list": ("listing", "ListCommand", "list every registered scaler with its defaults"),
+    "record": ("record", "RecordCommand", "record traces of real training for the replay environment"),
 }
 
 EPILOG = """examples:

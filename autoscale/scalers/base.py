@@ -46,6 +46,19 @@ def f32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
+def f32_bound(x: float, up: bool) -> float:
+    """The float32 nearest to a positive ``x`` on one side: >= x when ``up``, else <= x.
+
+    Bounds are stored this way so that a scale rounded to float32 never crosses them (1e-4 rounds
+    to 9.99999997e-05 < 1e-4).
+    """
+    r = f32(x)
+    if (r < x) if up else (r > x):
+        bits = struct.unpack("I", struct.pack("f", r))[0] + (1 if up else -1)
+        r = struct.unpack("f", struct.pack("I", bits))[0]
+    return r
+
+
 @dataclass(frozen=True)
 class StepStats:
     """What one optimizer step looked like, as the scale rule and the feature extractor see it.
@@ -59,6 +72,7 @@ class StepStats:
         grad_rms: Root mean square of the unscaled gradient elements (same conventions).
         loss: Mean of the unscaled losses passed to ``scale()`` this step (``nan`` if none was a
             single-element tensor). A non-finite loss means the batch fails at any scale.
+        loss_seen: Whether ``scale()`` received a single-element loss this step.
     """
 
     step: int
@@ -67,11 +81,12 @@ class StepStats:
     grad_amax: float = math.nan
     grad_rms: float = math.nan
     loss: float = math.nan
+    loss_seen: bool = False
 
     @property
     def loss_nonfinite(self) -> bool:
-        """The loss itself was inf (NaN counts as 'not seen'): the batch fails at any scale."""
-        return math.isinf(self.loss)
+        """The loss itself was non-finite: the batch fails at any scale."""
+        return self.loss_seen and not math.isfinite(self.loss)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +137,7 @@ class LossScaler(torch.amp.GradScaler):
         _check_positive_finite("min_scale", min_scale)
         _check_positive_finite("max_scale", max_scale)
         _check_positive_finite("init_scale", float(init_scale))
+        min_scale, max_scale = f32_bound(min_scale, up=True), f32_bound(max_scale, up=False)
         if min_scale > max_scale:
             raise ConfigError(
                 f"min_scale ({min_scale:g}) must not exceed max_scale ({max_scale:g}); swap or widen them"
@@ -149,6 +165,13 @@ class LossScaler(torch.amp.GradScaler):
             stats: This step's record (found-inf flag, and gradient statistics when collected).
         """
         raise NotImplementedError
+
+    def backs_off_on_overflow(self) -> bool:
+        """Whether an overflow now would lower the scale (False while a rule's hysteresis absorbs it).
+
+        ``raise_at_min`` raises only then, as DeepSpeed does.
+        """
+        return True
 
     def rule_params(self) -> dict[str, Any]:
         """The rule's hyperparameters as primitives (what ``get_scaler`` accepts to rebuild it)."""
@@ -185,15 +208,27 @@ class LossScaler(torch.amp.GradScaler):
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
-        if self._enabled and self.collect_stats:
-            self._collect_grad_stats(optimizer, inv_scale=None)
+        if self._enabled:
+            self._agree_on_found_inf(optimizer)
+            if self.collect_stats:
+                self._collect_grad_stats(optimizer, inv_scale=None)
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # The fused-optimizer path checks for infs without unscaling: statistics need 1/scale.
         found = super()._check_inf_per_device(optimizer)
+        self._agree_on_found_inf(optimizer)
         if self.collect_stats:
             self._collect_grad_stats(optimizer, inv_scale=1.0 / self._host_scale)
         return found
+
+    def _agree_on_found_inf(self, optimizer: torch.optim.Optimizer) -> None:
+        # Fused optimizers (AdamW(fused=True)) skip the step inside their kernel from the device
+        # found-inf flag and never pass through _maybe_opt_step: without DDP averaging the
+        # gradients, a rank whose gradients are finite would step while another skips. Reduce the
+        # flag on the device (no host sync) so that every rank skips together.
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and dist.is_available() and dist.is_initialized():
+            for flag in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
         self._sync_states([optimizer_state])
@@ -208,7 +243,7 @@ class LossScaler(torch.amp.GradScaler):
         self._check_scale_growth_tracker("update")
         if new_scale is not None:
             value = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
-            self._set_scale(self._clamp(value))
+            self._set_scale(self.clamp(value))
             self._end_step()
             return
         states = list(self._per_optimizer_states.values())
@@ -225,20 +260,20 @@ class LossScaler(torch.amp.GradScaler):
         else:
             rms = math.sqrt(sumsq / count) if count > 0 and math.isfinite(sumsq) else (math.inf if count else math.nan)
         loss = self._loss_host if self._loss_host is not None else math.nan
-        stats = StepStats(self.steps, self._host_scale, bool(found), amax, rms, loss)
+        stats = StepStats(self.steps, self._host_scale, bool(found), amax, rms, loss, self._loss_host is not None)
         self.last_stats = stats
         self.steps += 1
         if found:
             self.skipped += 1
             if self._host_scale <= self.min_scale:
                 self.min_hits += 1
-                if self.raise_at_min:
+                if self.raise_at_min and self.backs_off_on_overflow():
                     self._end_step()
                     raise MinimumLossScaleError(
                         f"Current loss scale already at minimum ({self.min_scale:g}) and the step "
                         f"overflowed again (rule '{self.name}'); lower min_scale or set raise_at_min=False"
                     )
-        self._set_scale(self._clamp(float(self.next_scale(self._host_scale, stats))))
+        self._set_scale(self.clamp(float(self.next_scale(self._host_scale, stats))))
         self._end_step()
 
     def set_scale(self, value: float) -> None:
@@ -247,7 +282,7 @@ class LossScaler(torch.amp.GradScaler):
         Used by controllers outside the rule, such as the environment that lets an agent choose.
         """
         if self._enabled:
-            self._set_scale(self._clamp(float(value)))
+            self._set_scale(self.clamp(float(value)))
 
     def get_scale(self) -> float:
         """The current scale as a Python float (no device sync: autoscale keeps a host copy)."""
@@ -320,7 +355,8 @@ class LossScaler(torch.amp.GradScaler):
         return f"{type(self).__name__}(name={self.name!r}, scale={self._host_scale:g}{', ' if params else ''}{params})"
 
     # ------------------------------------------------------------------ internals
-    def _clamp(self, value: float) -> float:
+    def clamp(self, value: float) -> float:
+        """``value`` clamped to ``[min_scale, max_scale]`` and rounded to float32 (NaN -> min)."""
         if math.isnan(value):
             value = self.min_scale
         return f32(min(max(value, self.min_scale), self.max_scale))
@@ -395,6 +431,8 @@ class LossScaler(torch.amp.GradScaler):
         world = dist.get_world_size()
         body = vec[: 4 * n_states].reshape(n_states, 4)
         maxed = body[:, :2].contiguous()
+        # a NaN amax (the gradients of an overflowing rank) must win the MAX, which drops NaN
+        maxed = torch.where(torch.isnan(maxed), math.inf, maxed)
         summed = body[:, 2:].reshape(-1)
         if with_loss:
             summed = torch.cat([summed, vec[-1:]])

@@ -86,7 +86,8 @@ def register_policy_loader(kind: str, loader: Callable[..., LossScaler]) -> None
 
 
 def _builtin() -> None:
-    import autoscale.scalers.policy  # noqa: F401  (registers the policy loaders)
+    import autoscale.scalers.neural  # noqa: F401  (registers the neural policy loader)
+    import autoscale.scalers.policy  # noqa: F401  (registers the parametric policy loader)
     import autoscale.scalers.rules  # noqa: F401  (registers the built-in rules)
 
 

@@ -1,0 +1,124 @@
+"""What the real-step and the replay environments share: spaces, actions, features, reward."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from autoscale.envs.spec import EnvSpec, InstanceSpec, RewardWeights, load_env_spec
+from autoscale.scalers.base import StepStats
+from autoscale.scalers.features import FEATURE_BOUND, N_FEATURES, FeatureExtractor
+
+__all__ = ["ScaleEnvBase", "step_reward"]
+
+
+def step_reward(
+    weights: RewardWeights,
+    skipped: bool,
+    precision_loss: float,
+    loss: float,
+    prev_loss: float,
+    diverged: bool,
+) -> float:
+    """The per-step reward from the scorecard's step metrics (see :class:`RewardWeights`)."""
+    r = -weights.skip * float(skipped)
+    if not skipped and math.isfinite(precision_loss):
+        r -= weights.precision * precision_loss
+    if (
+        weights.progress
+        and not skipped
+        and loss > 0
+        and prev_loss > 0
+        and math.isfinite(loss)
+        and math.isfinite(prev_loss)
+    ):
+        r += weights.progress * max(-1.0, min(1.0, math.log(prev_loss) - math.log(loss)))
+    if diverged:
+        r -= weights.divergence
+    return r
+
+
+class ScaleEnvBase(gym.Env):
+    """Base of the loss-scale environments; subclasses provide the steps.
+
+    Subclasses implement ``_start(instance) -> (scale, extractor_state)`` and
+    ``_advance(scale) -> (stats, precision_loss, diverged)``.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, spec: str | EnvSpec | dict, instances: str | list[str] = "train") -> None:
+        super().__init__()
+        self.env_spec = load_env_spec(spec)
+        self.instances: tuple[InstanceSpec, ...] = self.env_spec.instance_set(instances)
+        ep = self.env_spec.episode
+        self.action_map = ep.action
+        self.weights = self.env_spec.reward
+        self.episode_steps = ep.steps
+        self.min_scale, self.max_scale = ep.min_scale, ep.max_scale
+        if self.action_map.mode == "discrete":
+            self.action_space = spaces.Discrete(self.action_map.n)
+        else:
+            self.action_space = spaces.Box(-1.0, 1.0, shape=(1,), dtype=np.float32)
+        self.observation_space = spaces.Box(
+            -FEATURE_BOUND, FEATURE_BOUND, shape=(N_FEATURES,), dtype=np.float32
+        )
+        self.features = FeatureExtractor()
+        self.instance: InstanceSpec | None = None
+        self.scale = ep.init_scale
+        self._t = 0
+        self._prev_loss = math.nan
+        self._nonfinite_run = 0
+
+    # ------------------------------------------------------------------ gymnasium API
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        options = options or {}
+        if "instance" in options:
+            (self.instance,) = self.env_spec.instance_set([options["instance"]])
+        else:
+            self.instance = self.instances[int(self.np_random.integers(len(self.instances)))]
+        self.scale, fx_state = self._start(self.instance)
+        self.features.load_state_dict(fx_state)
+        self._t = 0
+        self._prev_loss = self.features.last_loss
+        self._nonfinite_run = 0
+        obs = np.asarray(self.features.features(self.scale), dtype=np.float32)
+        return obs, {"instance": self.instance.name, "scale": self.scale}
+
+    def step(self, action):
+        if self.instance is None:
+            raise RuntimeError("call reset() before step()")
+        bits = self.action_map.delta(action)
+        scale = min(max(self.scale * 2.0**bits, self.min_scale), self.max_scale)
+        stats, precision, diverged = self._advance(scale)
+        self._t += 1
+        self._nonfinite_run = self._nonfinite_run + 1 if stats.loss_nonfinite else 0
+        diverged = diverged or self._nonfinite_run >= 3
+        obs = np.asarray(self.features.observe(stats), dtype=np.float32)
+        reward = step_reward(
+            self.weights, stats.found_inf, precision, stats.loss, self._prev_loss, diverged
+        )
+        if math.isfinite(stats.loss) and not stats.found_inf:
+            self._prev_loss = stats.loss
+        self.scale = scale
+        truncated = self._t >= self.episode_steps and not diverged
+        info = {
+            "instance": self.instance.name,
+            "scale": scale,
+            "skipped": stats.found_inf,
+            "precision_loss": precision,
+            "loss": stats.loss,
+        }
+        return obs, float(reward), bool(diverged), bool(truncated), info
+
+    # ------------------------------------------------------------------ for subclasses
+    def _start(self, instance: InstanceSpec) -> tuple[float, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _advance(self, scale: float) -> tuple[StepStats, float, bool]:
+        raise NotImplementedError

@@ -1,0 +1,168 @@
+"""``ReplayEnv``: the loss-scale environment over recorded traces, for fast search."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from autoscale.envs.base import ScaleEnvBase
+from autoscale.envs.spec import EnvSpec, InstanceSpec
+from autoscale.envs.traces import InstanceTrace, Trace
+from autoscale.errors import ConfigError
+from autoscale.scalers.base import StepStats
+
+__all__ = ["ReplayEnv", "precision_table"]
+
+LOG2_FP16_MIN_NORMAL = -14.0
+TABLE_LO, TABLE_HI = -24, 64  # integer log2 scales tabulated; others are interpolated
+
+
+def precision_table(hist: np.ndarray, edges: np.ndarray, log2_scales: np.ndarray) -> np.ndarray:
+    """Precision loss of each traced step at each log2 scale, from the gradient histograms.
+
+    The share of non-zero gradient elements with ``|g| * S < 2^-14`` (the scorecard's definition),
+    with mass spread uniformly in log2 inside each 1-bit bin. Shape ``(steps, len(log2_scales))``.
+    """
+    totals = hist.sum(axis=1, keepdims=True)
+    cum = np.concatenate([np.zeros((hist.shape[0], 1)), np.cumsum(hist, axis=1)], axis=1)
+    cum = np.divide(cum, totals, out=np.zeros_like(cum), where=totals > 0)
+    x = LOG2_FP16_MIN_NORMAL - np.asarray(log2_scales, dtype=np.float64)
+    return (
+        np.stack([np.interp(x, edges, row) for row in cum]) if len(cum) else np.zeros((0, len(x)))
+    )
+
+
+class ReplayEnv(ScaleEnvBase):
+    """The :class:`~autoscale.envs.loss_scale_env.LossScaleEnv` problem answered from traces.
+
+    Same spaces, features and reward as ``LossScaleEnv``. A step at scale S overflows when the
+    loss was non-finite or ``log2 S`` exceeds the traced overflow threshold; its precision loss is
+    read from the traced gradient histogram at S; loss and gradient statistics are the traced ones.
+    What replay cannot show: how a skipped or imprecise step changes the later trajectory (the
+    trace continues as recorded). ``experiments/benchmarks/replay_fidelity.py`` measures the gap.
+
+    ## Action Space / Observation Space / Rewards
+    As ``LossScaleEnv``.
+
+    ## Starting State
+    An instance drawn from the set; with ``random_offset`` the episode starts at a random multiple
+    of the episode length inside the trace (features warmed up on the steps before it, at the
+    recorded scales), else at the trace's first step at ``init_scale``.
+
+    ## Episode End
+    ``truncated`` after ``episode.steps`` steps; never terminated (a trace has no divergence).
+
+    ## Version History
+    * v0: first version (trace format 1, feature spec 1).
+
+    Args:
+        spec: The env spec (path, name, dict or EnvSpec); must match the trace's workload.
+        trace: A :class:`Trace` or the path of one (``autoscale record``).
+        instances: ``"train"``, ``"test"`` or instance names; each must be in the trace.
+        random_offset: Start episodes at random points of longer traces.
+    """
+
+    def __init__(
+        self,
+        spec: str | EnvSpec | dict,
+        trace: str | Trace,
+        instances: str | list[str] = "train",
+        random_offset: bool = False,
+    ) -> None:
+        super().__init__(spec, instances)
+        self.trace = trace if isinstance(trace, Trace) else Trace.load(trace)
+        if self.trace.spec.get("workload") != self.env_spec.workload.to_dict():
+            raise ConfigError(
+                f"trace was recorded for workload {self.trace.spec.get('workload')}, the spec '{self.env_spec.name}' "
+                f"has {self.env_spec.workload.to_dict()}; record a trace for this spec"
+            )
+        self.random_offset = random_offset
+        self._scales = np.arange(TABLE_LO, TABLE_HI + 1, dtype=np.float64)
+        self._tables: dict[str, tuple[InstanceTrace, list[list[float]], dict[str, list]]] = {}
+        for inst in self.instances:
+            t = self.trace.instance(inst.name)
+            if t.steps < self.episode_steps:
+                raise ConfigError(
+                    f"trace of instance '{inst.name}' has {t.steps} steps, fewer than an episode ({self.episode_steps}); "
+                    "record more steps"
+                )
+            table = precision_table(t.hist, self.trace.hist_edges, self._scales).tolist()
+            cols = {
+                k: getattr(t, k).tolist()
+                for k in ("threshold", "nonfinite", "loss", "amax", "rms", "scale")
+            }
+            self._tables[inst.name] = (t, table, cols)
+        self._cur: tuple[InstanceTrace, list[list[float]], dict[str, list]] | None = None
+        self._offset = 0
+        self.records: list[tuple] = []
+
+    def _start(self, instance: InstanceSpec) -> tuple[float, dict[str, Any]]:
+        self._cur = self._tables[instance.name]
+        t, _, cols = self._cur
+        n_windows = t.steps // self.episode_steps
+        self._offset = (
+            int(self.np_random.integers(n_windows)) * self.episode_steps
+            if self.random_offset
+            else 0
+        )
+        self.features.reset()
+        scale = self.env_spec.episode.init_scale
+        for i in range(self._offset):  # warm the features on the recorded steps before the window
+            self.features.observe(self._stats(cols, i, cols["scale"][i]))
+            scale = cols["scale"][i]
+        self.records = []
+        return scale, self.features.state_dict()
+
+    def _stats(self, cols: dict[str, list], i: int, scale: float) -> StepStats:
+        nonfinite = cols["nonfinite"][i]
+        overflow = nonfinite or math.log2(scale) > cols["threshold"][i]
+        amax = math.inf if overflow else cols["amax"][i]
+        rms = math.inf if overflow else cols["rms"][i]
+        return StepStats(i, scale, overflow, amax, rms, cols["loss"][i], True)
+
+    def _advance(self, scale: float) -> tuple[StepStats, float, bool]:
+        _, table, cols = self._cur
+        i = self._offset + self._t
+        stats = self._stats(cols, i, scale)
+        if stats.found_inf:
+            precision = math.nan
+        else:
+            pos = min(max(math.log2(scale) - TABLE_LO, 0.0), TABLE_HI - TABLE_LO)
+            lo = int(pos)
+            row = table[i]
+            frac = pos - lo
+            precision = (
+                row[lo]
+                if frac == 0.0 or lo + 1 >= len(row)
+                else row[lo] * (1 - frac) + row[lo + 1] * frac
+            )
+        self.records.append((stats, precision))
+        return stats, precision, False
+
+    def scorecard(self):
+        """The episode's scorecard as replay predicts it (eval loss: the recording's)."""
+        from autoscale.training import Scorecard, StepRecord
+
+        t = self._cur[0]
+        recs = [
+            StepRecord(
+                step=s.step,
+                scale=s.scale,
+                found_inf=s.found_inf,
+                loss=s.loss,
+                loss_nonfinite=s.loss_nonfinite,
+                grad_amax=s.grad_amax,
+                grad_rms=s.grad_rms,
+                precision_loss=p,
+                lr=math.nan,
+                wall_s=0.0,
+                stats=s,
+                grad_log2_hist=None,
+                backward_amax=None,
+            )
+            for s, p in self.records
+        ]
+        hit_min = any(s.found_inf and s.scale <= self.min_scale for s, _ in self.records)
+        return Scorecard.from_records(recs, eval_loss=t.eval_loss, hit_min=hit_min, wall_s=0.0)

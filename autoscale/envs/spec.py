@@ -1,0 +1,274 @@
+"""Environment specs: workload, episode, instance sets and reward weights, from YAML.
+
+A spec file (``envs/*.yaml``) is parsed here, at the edge, into frozen dataclasses; nothing below
+sees nested dicts. Unknown keys are errors, with the nearest valid key suggested.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autoscale.errors import ConfigError, unknown_name
+from autoscale.scalers.actions import ActionMap
+
+__all__ = [
+    "EnvSpec",
+    "EpisodeSpec",
+    "InstanceSpec",
+    "RewardWeights",
+    "load_env_spec",
+    "find_env_spec",
+]
+
+
+def _check_keys(where: str, data: dict[str, Any], allowed: list[str]) -> None:
+    for key in data:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(
+                f"{where}: unknown key '{key}'; {hint}(allowed: {', '.join(allowed)})"
+            )
+
+
+@dataclass(frozen=True)
+class RewardWeights:
+    """Weights of the per-step reward, whose terms come from the scorecard's step metrics.
+
+    reward = -skip * skipped - precision * precision_loss + progress * (log prev_loss - log loss)
+             - divergence * diverged
+    The progress term telescopes over an episode to log(first loss) - log(last loss).
+    """
+
+    skip: float = 1.0
+    precision: float = 4.0
+    progress: float = 0.1
+    divergence: float = 10.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ConfigError(
+                    f"reward weight '{f.name}' must be a finite number >= 0, got {v!r}"
+                )
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """One episode: ``steps`` real training steps, the action mapping and the scale bounds."""
+
+    steps: int = 32
+    action: ActionMap = field(default_factory=ActionMap)
+    init_scale: float = 2.0**16
+    min_scale: float = 2.0**-24
+    max_scale: float = 2.0**48
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps <= 0:
+            raise ConfigError(f"episode steps must be a positive integer, got {self.steps!r}")
+        for name in ("init_scale", "min_scale", "max_scale"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"episode {name} must be a positive finite number, got {v!r}")
+        if self.min_scale > self.max_scale:
+            raise ConfigError(
+                f"episode min_scale ({self.min_scale:g}) exceeds max_scale ({self.max_scale:g})"
+            )
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """A workload instance: the workload with this seed, starting after ``start`` warm-up steps."""
+
+    name: str
+    seed: int = 0
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"instance '{self.name}': seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.start, int) or self.start < 0:
+            raise ConfigError(
+                f"instance '{self.name}': start must be an integer >= 0, got {self.start!r}"
+            )
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """Everything an environment needs: which workload, how episodes look, which instances.
+
+    ``instances`` maps a set name (``train``, ``test``) to its instances; the test set is never
+    trained on.
+    """
+
+    name: str
+    workload: Any  # autoscale.training.WorkloadSpec
+    episode: EpisodeSpec = field(default_factory=EpisodeSpec)
+    instances: dict[str, tuple[InstanceSpec, ...]] = field(default_factory=dict)
+    reward: RewardWeights = field(default_factory=RewardWeights)
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        for set_name in ("train", "test"):
+            if not self.instances.get(set_name):
+                raise ConfigError(
+                    f"env spec '{self.name}': instance set '{set_name}' is missing or empty"
+                )
+        train = {i.name for i in self.instances["train"]}
+        test = {i.name for i in self.instances["test"]}
+        if train & test:
+            raise ConfigError(
+                f"env spec '{self.name}': instances {sorted(train & test)} are in both train and test"
+            )
+        train_keys = {(i.seed, i.start) for i in self.instances["train"]}
+        clash = [i.name for i in self.instances["test"] if (i.seed, i.start) in train_keys]
+        if clash:
+            raise ConfigError(
+                f"env spec '{self.name}': test instances {clash} repeat a train instance's seed and start"
+            )
+
+    def instance_set(self, which: str | list[str] | tuple[str, ...]) -> tuple[InstanceSpec, ...]:
+        """Instances by set name (``"train"``/``"test"``) or by a list of instance names."""
+        if isinstance(which, str):
+            if which in self.instances:
+                return self.instances[which]
+            which = [which]
+        by_name = {i.name: i for group in self.instances.values() for i in group}
+        out = []
+        for name in which:
+            if name not in by_name:
+                raise unknown_name(
+                    "instance",
+                    name,
+                    list(by_name) + list(self.instances),
+                    f"the spec '{self.name}'",
+                )
+            out.append(by_name[name])
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "workload": self.workload.to_dict(),
+            "episode": {
+                "steps": self.episode.steps,
+                "action": self.episode.action.to_dict(),
+                "init_scale": self.episode.init_scale,
+                "min_scale": self.episode.min_scale,
+                "max_scale": self.episode.max_scale,
+            },
+            "instances": {k: [asdict(i) for i in v] for k, v in self.instances.items()},
+            "reward": asdict(self.reward),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str | None = None) -> EnvSpec:
+        from autoscale.training import WorkloadSpec
+
+        where = source or "env spec"
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"{where}: expected a mapping at the top level, got {type(data).__name__}"
+            )
+        _check_keys(where, data, ["name", "workload", "episode", "instances", "reward"])
+        name = str(data.get("name") or (Path(source).stem if source else "env"))
+        wl = data.get("workload") or {}
+        if not isinstance(wl, dict):
+            raise ConfigError(f"{where}: 'workload' must be a mapping")
+        workload = WorkloadSpec.from_dict(wl)
+        ep = dict(data.get("episode") or {})
+        _check_keys(
+            f"{where}: episode", ep, ["steps", "action", "init_scale", "min_scale", "max_scale"]
+        )
+        action = ep.pop("action", None) or {}
+        if isinstance(action, str):
+            action = {"mode": action}
+        _check_keys(
+            f"{where}: episode.action", action, ["mode", "deltas", "max_delta", "resolution"]
+        )
+        episode = EpisodeSpec(
+            action=ActionMap.from_dict(action), **{k: _num(k, v) for k, v in ep.items()}
+        )
+        inst_data = data.get("instances") or {}
+        if not isinstance(inst_data, dict):
+            raise ConfigError(f"{where}: 'instances' must map set names to lists")
+        instances: dict[str, tuple[InstanceSpec, ...]] = {}
+        for set_name, items in inst_data.items():
+            if not isinstance(items, list):
+                raise ConfigError(f"{where}: instances.{set_name} must be a list")
+            group = []
+            for item in items:
+                if isinstance(item, int):
+                    item = {"seed": item}
+                if not isinstance(item, dict):
+                    raise ConfigError(
+                        f"{where}: instances.{set_name} entries must be mappings or seeds, got {item!r}"
+                    )
+                _check_keys(f"{where}: instances.{set_name}", item, ["name", "seed", "start"])
+                seed, start = item.get("seed", 0), item.get("start", 0)
+                group.append(
+                    InstanceSpec(
+                        str(item.get("name") or f"{set_name}-s{seed}-t{start}"), seed, start
+                    )
+                )
+            instances[set_name] = tuple(group)
+        rw = data.get("reward") or {}
+        _check_keys(f"{where}: reward", rw, [f.name for f in fields(RewardWeights)])
+        return cls(name, workload, episode, instances, RewardWeights(**rw), source)
+
+
+def _num(key: str, value: Any) -> Any:
+    if key == "steps":
+        return value
+    if isinstance(value, str):  # allow "2**16" / "2^16" as well as plain numbers
+        m = re.fullmatch(r"\s*2\s*(?:\*\*|\^)\s*(-?\d+)\s*", value)
+        if m:
+            return 2.0 ** int(m.group(1))
+        try:
+            return float(value)
+        except ValueError as exc:
+            raise ConfigError(
+                f"episode {key}: '{value}' is not a number (write 65536 or 2**16)"
+            ) from exc
+    return value
+
+
+def find_env_spec(name_or_path: str | os.PathLike) -> Path:
+    """A spec path as given, or ``envs/NAME.yaml`` from the working directory or the checkout."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    candidates = [Path.cwd() / "envs", Path(__file__).resolve().parents[2] / "envs"]
+    for d in candidates:
+        for q in (d / f"{p.name}", d / f"{p.name}.yaml"):
+            if q.is_file():
+                return q
+    known = sorted({q.stem for d in candidates if d.is_dir() for q in d.glob("*.yaml")})
+    raise unknown_name("env spec", str(name_or_path), known, "ls envs/")
+
+
+def load_env_spec(spec: str | os.PathLike | dict[str, Any] | EnvSpec) -> EnvSpec:
+    """An :class:`EnvSpec` from a path, a spec name in ``envs/``, a dict, or an EnvSpec."""
+    if isinstance(spec, EnvSpec):
+        return spec
+    if isinstance(spec, dict):
+        return EnvSpec.from_dict(spec)
+    path = find_env_spec(spec)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read env spec '{path}': {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"env spec '{path}' is not valid YAML: {str(exc).splitlines()[0]}"
+        ) from exc
+    return EnvSpec.from_dict(data, source=str(path))

@@ -1,0 +1,211 @@
+"""Per-step traces of real training, recorded so that the replay env can answer "what would have
+happened at scale S" without training.
+
+For each step a trace keeps: the overflow threshold in log2(scale) (from the largest magnitude of
+every fp16 tensor the backward pass produced, intermediate gradients included, since backward is
+linear in the scale), whether the loss itself was non-finite (fails at any scale), a histogram of
+log2|g| of the unscaled gradients (precision loss at any scale), the loss, the gradient amax and RMS,
+and the scale the recording used. One compressed ``.npz`` file, versioned.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from autoscale.errors import ConfigError, unknown_name
+
+__all__ = ["TRACE_VERSION", "InstanceTrace", "Trace", "record_trace", "RECORD_RULE"]
+
+TRACE_VERSION = 1
+RECORD_RULE = {"name": "amax-history", "margin": 2.0}
+_ARRAYS = ("threshold", "nonfinite", "loss", "amax", "rms", "scale", "hist")
+
+
+@dataclass
+class InstanceTrace:
+    """The recorded steps of one instance (arrays of length ``steps``)."""
+
+    name: str
+    seed: int
+    start: int
+    threshold: np.ndarray  # log2 scale above which the step overflows
+    nonfinite: np.ndarray  # the loss itself was non-finite
+    loss: np.ndarray
+    amax: np.ndarray  # unscaled gradient amax
+    rms: np.ndarray
+    scale: np.ndarray  # scale used while recording
+    hist: np.ndarray  # (steps, bins): fractions of non-zero grad elements per 1-bit log2 bin
+    eval_loss: float
+
+    @property
+    def steps(self) -> int:
+        return int(self.threshold.shape[0])
+
+
+@dataclass
+class Trace:
+    """Traces of several instances of one env spec."""
+
+    spec: dict[str, Any]
+    instances: dict[str, InstanceTrace]
+    hist_edges: np.ndarray
+    feature_version: int
+    version: int = TRACE_VERSION
+
+    def instance(self, name: str) -> InstanceTrace:
+        if name not in self.instances:
+            raise unknown_name(
+                "traced instance",
+                name,
+                list(self.instances),
+                "the trace (record it with autoscale record)",
+            )
+        return self.instances[name]
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "version": self.version,
+            "feature_version": self.feature_version,
+            "spec": self.spec,
+            "instances": [
+                {"name": t.name, "seed": t.seed, "start": t.start, "eval_loss": t.eval_loss}
+                for t in self.instances.values()
+            ],
+        }
+        arrays = {"meta": np.array(json.dumps(meta)), "hist_edges": self.hist_edges}
+        for i, t in enumerate(self.instances.values()):
+            for key in _ARRAYS:
+                arrays[f"{i}.{key}"] = getattr(t, key)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez_compressed(tmp, **arrays)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Trace:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(
+                f"no trace file '{path}'; record one with: autoscale record --env SPEC --steps N --out {path}"
+            )
+        try:
+            data = np.load(path, allow_pickle=False)
+            meta = json.loads(str(data["meta"]))
+        except Exception as exc:
+            raise ConfigError(
+                f"'{path}' is not an autoscale trace ({exc.__class__.__name__}); record it again"
+            ) from exc
+        if meta.get("version") != TRACE_VERSION:
+            raise ConfigError(
+                f"trace '{path}' has version {meta.get('version')}, this autoscale reads version {TRACE_VERSION}; record it again"
+            )
+        from autoscale.scalers.features import FEATURE_VERSION
+
+        if meta.get("feature_version") != FEATURE_VERSION:
+            raise ConfigError(
+                f"trace '{path}' was recorded with feature spec {meta.get('feature_version')}, this autoscale uses "
+                f"{FEATURE_VERSION}; record it again"
+            )
+        instances = {}
+        for i, info in enumerate(meta["instances"]):
+            arrays = {key: data[f"{i}.{key}"] for key in _ARRAYS}
+            instances[info["name"]] = InstanceTrace(
+                info["name"], info["seed"], info["start"], eval_loss=info["eval_loss"], **arrays
+            )
+        return cls(
+            meta["spec"], instances, data["hist_edges"], meta["feature_version"], meta["version"]
+        )
+
+
+def record_trace(
+    spec,
+    steps: int,
+    out: str | os.PathLike | None = None,
+    instances=("train", "test"),
+    progress: bool = False,
+) -> Trace:
+    """Record ``steps`` real steps of each instance of ``spec`` (both sets by default).
+
+    The recording is driven by the ``amax-history`` rule (2 bits of margin): it stays close below
+    the overflow threshold, so few steps overflow (their threshold is then only known to lie below
+    the scale used: it is stored as that scale minus one bit) and few gradients underflow.
+    """
+    from autoscale.envs.loss_scale_env import LossScaleEnv
+    from autoscale.scalers.features import FEATURE_VERSION
+    from autoscale.scalers.registry import get_scaler
+    from autoscale.training import HIST_EDGES
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+        raise ConfigError(f"--steps must be a positive integer, got {steps!r}")
+    names: list[str] = []
+    env = LossScaleEnv(spec, instances="train", record=True)
+    for group in instances:
+        names.extend(i.name for i in env.env_spec.instance_set(group))
+    chosen = env.env_spec.instance_set(names)
+    ep = env.env_spec.episode
+    total = steps * len(chosen)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="recording", unit="step")
+    traced: dict[str, InstanceTrace] = {}
+    for inst in chosen:
+        run, snap, _, scale = env.prepare(inst)
+        run.restore(snap)
+        rule = get_scaler(
+            RECORD_RULE["name"],
+            device="cpu",
+            margin=RECORD_RULE["margin"],
+            init_scale=scale,
+            min_scale=ep.min_scale,
+            max_scale=ep.max_scale,
+        )
+        cols: dict[str, list] = {k: [] for k in _ARRAYS}
+        for _ in range(steps):
+            run.scaler.set_scale(scale)
+            rec = run.step()
+            thr = rec.overflow_threshold_log2
+            if thr is None or not math.isfinite(thr):
+                thr = math.log2(rec.scale) - 1.0
+            cols["threshold"].append(thr)
+            cols["nonfinite"].append(bool(rec.loss_nonfinite))
+            cols["loss"].append(rec.loss)
+            cols["amax"].append(rec.grad_amax if not rec.found_inf else math.nan)
+            cols["rms"].append(rec.grad_rms if not rec.found_inf else math.nan)
+            cols["scale"].append(rec.scale)
+            hist = rec.grad_log2_hist
+            cols["hist"].append(np.zeros(len(HIST_EDGES) - 1) if hist is None else np.asarray(hist))
+            scale = rule.clamp(rule.next_scale(scale, rec.stats))
+            if bar is not None:
+                bar.update(1)
+        traced[inst.name] = InstanceTrace(
+            inst.name,
+            inst.seed,
+            inst.start,
+            threshold=np.asarray(cols["threshold"], dtype=np.float64),
+            nonfinite=np.asarray(cols["nonfinite"], dtype=bool),
+            loss=np.asarray(cols["loss"], dtype=np.float64),
+            amax=np.asarray(cols["amax"], dtype=np.float64),
+            rms=np.asarray(cols["rms"], dtype=np.float64),
+            scale=np.asarray(cols["scale"], dtype=np.float64),
+            hist=np.asarray(cols["hist"], dtype=np.float32),
+            eval_loss=float(run.eval_loss()),
+        )
+    if bar is not None:
+        bar.close()
+    trace = Trace(
+        env.env_spec.to_dict(), traced, np.asarray(HIST_EDGES, dtype=np.float64), FEATURE_VERSION
+    )
+    if out is not None:
+        trace.save(out)
+    return trace

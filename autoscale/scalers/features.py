@@ -1,0 +1,145 @@
+"""The feature extractor shared by the environments and by exported policies.
+
+Observation parity is an invariant: a policy must see in deployment exactly what it saw in
+training. Both the Gymnasium environments and :class:`~autoscale.scalers.neural.PolicyScaler`
+turn the same :class:`~autoscale.scalers.base.StepStats` records into features with this class.
+The spec is versioned; a policy trained on another ``FEATURE_VERSION`` is refused.
+
+Pure Python on host floats: the statistics were already read in the scaler's one sync per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+from autoscale.scalers.base import FP16_MAX, StepStats
+
+__all__ = ["FeatureExtractor", "FEATURE_VERSION", "FEATURE_NAMES", "N_FEATURES", "FEATURE_BOUND"]
+
+FEATURE_VERSION = 1
+WINDOW = 16
+FEATURE_BOUND = 4.0
+LOG2_FP16_MAX = math.log2(FP16_MAX)
+LOG2_FP16_MIN_NORMAL = -14.0
+
+FEATURE_NAMES: tuple[str, ...] = (
+    "log2_scale",  # log2 of the scale the last step used, / 16
+    "overflow",  # 1 when the last step was skipped (non-finite gradients)
+    "overflow_rate",  # share of skipped steps over the last 16
+    "since_overflow",  # log2(1 + clean steps since the last skip) / 11 (2047 steps -> 1)
+    "headroom",  # bits between fp16 max and (last finite grad amax x scale), / 16
+    "floor",  # bits between (last finite grad RMS x scale) and the fp16 normal minimum 2^-14, / 16
+    "stats_known",  # 1 once a finite gradient amax has been seen
+    "loss_nonfinite",  # 1 when the last loss itself was non-finite (fails at any scale)
+    "nonfinite_rate",  # share of non-finite losses over the last 16 steps
+    "loss_trend",  # log(loss) - log(EMA of loss), clipped to [-1, 1]
+    "progress",  # log2(1 + steps seen) / 16
+)
+N_FEATURES = len(FEATURE_NAMES)
+
+
+def _clip(x: float, bound: float = FEATURE_BOUND) -> float:
+    return max(-bound, min(bound, x))
+
+
+class FeatureExtractor:
+    """Turns the stream of per-step statistics into a fixed-size observation vector.
+
+    Call :meth:`observe` once per optimizer step with that step's :class:`StepStats`; it returns
+    the features describing the situation after the step. :meth:`features` gives the features
+    for a given current scale without consuming a step (the first observation of an episode).
+    State is primitive (:meth:`state_dict`) so it checkpoints with the scaler.
+    """
+
+    version = FEATURE_VERSION
+    names = FEATURE_NAMES
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.since_overflow = 0
+        self.overflows: deque[int] = deque(maxlen=WINDOW)
+        self.nonfinite: deque[int] = deque(maxlen=WINDOW)
+        self.last_amax = math.nan
+        self.last_rms = math.nan
+        self.loss_ema = math.nan
+        self.last_loss = math.nan
+        self.last_overflow = 0
+        self.last_nonfinite = 0
+
+    def observe(self, stats: StepStats) -> list[float]:
+        """Consume one step's statistics; return the features after it (scale = ``stats.scale``)."""
+        self.steps += 1
+        overflow = int(stats.found_inf)
+        nonfinite = int(stats.loss_nonfinite)
+        self.overflows.append(overflow)
+        self.nonfinite.append(nonfinite)
+        self.last_overflow = overflow
+        self.last_nonfinite = nonfinite
+        self.since_overflow = 0 if overflow else self.since_overflow + 1
+        if not overflow and math.isfinite(stats.grad_amax) and stats.grad_amax > 0:
+            self.last_amax = stats.grad_amax
+            if math.isfinite(stats.grad_rms) and stats.grad_rms > 0:
+                self.last_rms = stats.grad_rms
+        if math.isfinite(stats.loss) and stats.loss > 0:
+            self.last_loss = stats.loss
+            self.loss_ema = (
+                stats.loss if math.isnan(self.loss_ema) else 0.9 * self.loss_ema + 0.1 * stats.loss
+            )
+        return self.features(stats.scale)
+
+    def features(self, scale: float) -> list[float]:
+        """The observation for the current state if the next decision is made at ``scale``."""
+        log2_scale = math.log2(scale)
+        known = math.isfinite(self.last_amax)
+        headroom = LOG2_FP16_MAX - (math.log2(self.last_amax) + log2_scale) if known else 0.0
+        floor = (
+            (math.log2(self.last_rms) + log2_scale - LOG2_FP16_MIN_NORMAL)
+            if math.isfinite(self.last_rms)
+            else 0.0
+        )
+        trend = 0.0
+        if math.isfinite(self.loss_ema) and math.isfinite(self.last_loss):
+            trend = max(-1.0, min(1.0, math.log(self.last_loss) - math.log(self.loss_ema)))
+        n = max(1, len(self.overflows))
+        return [
+            _clip(log2_scale / 16.0),
+            float(self.last_overflow),
+            sum(self.overflows) / n,
+            min(1.0, math.log2(1 + self.since_overflow) / 11.0),
+            _clip(headroom / 16.0),
+            _clip(floor / 16.0),
+            float(known),
+            float(self.last_nonfinite),
+            sum(self.nonfinite) / n,
+            trend,
+            min(1.0, math.log2(1 + self.steps) / 16.0),
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": FEATURE_VERSION,
+            "steps": self.steps,
+            "since_overflow": self.since_overflow,
+            "overflows": list(self.overflows),
+            "nonfinite": list(self.nonfinite),
+            "last_amax": self.last_amax,
+            "last_rms": self.last_rms,
+            "loss_ema": self.loss_ema,
+            "last_loss": self.last_loss,
+            "last_overflow": self.last_overflow,
+            "last_nonfinite": self.last_nonfinite,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reset()
+        for key in ("steps", "since_overflow", "last_overflow", "last_nonfinite"):
+            setattr(self, key, int(state[key]))
+        for key in ("last_amax", "last_rms", "loss_ema", "last_loss"):
+            setattr(self, key, float(state[key]))
+        self.overflows.extend(int(v) for v in state["overflows"])
+        self.nonfinite.extend(int(v) for v in state["nonfinite"])
