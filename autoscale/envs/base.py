@@ -73,6 +73,7 @@ class ScaleEnvBase(gym.Env):
         self._t = 0
         self._prev_loss = math.nan
         self._nonfinite_run = 0
+        self.last_stats: StepStats | None = None
 
     # ------------------------------------------------------------------ gymnasium API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -94,8 +95,19 @@ class ScaleEnvBase(gym.Env):
         if self.instance is None:
             raise RuntimeError("call reset() before step()")
         bits = self.action_map.delta(action)
-        scale = min(max(self.scale * 2.0**bits, self.min_scale), self.max_scale)
+        return self.step_at(self.scale * 2.0**bits)
+
+    def step_at(self, scale: float):
+        """Take the next step at ``scale`` (clamped to the episode's bounds) instead of an action.
+
+        Lets a rule or an exported scaler drive the environment, with the same reward and
+        bookkeeping as an agent's actions.
+        """
+        if self.instance is None:
+            raise RuntimeError("call reset() before step_at()")
+        scale = min(max(scale, self.min_scale), self.max_scale)
         stats, precision, diverged = self._advance(scale)
+        self.last_stats = stats
         self._t += 1
         self._nonfinite_run = self._nonfinite_run + 1 if stats.loss_nonfinite else 0
         diverged = diverged or self._nonfinite_run >= 3

@@ -125,16 +125,12 @@ class LossScaleEnv(ScaleEnvBase):
         rec = self.run.step()
         self._wall += time.perf_counter() - t0
         self.records.append(rec)
-        diverged = False
-        if len(self.records) >= self.episode_steps:
-            diverged = not self._params_finite()
+        diverged = len(self.records) >= self.episode_steps and not self.run.params_finite()
         return rec.stats, rec.precision_loss, diverged
 
-    def _params_finite(self) -> bool:
-        import torch
-
-        params = [p.detach() for p in self.run.model.parameters()]
-        return bool(torch.isfinite(torch.stack(torch._foreach_norm(params, 2))).all())
+    def episode_records(self) -> list:
+        """The episode's steps (:class:`~autoscale.training.StepRecord`)."""
+        return list(self.records)
 
     def scorecard(self):
         """The scorecard of the episode so far (real steps; eval loss measured now)."""

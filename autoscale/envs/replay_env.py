@@ -141,12 +141,11 @@ class ReplayEnv(ScaleEnvBase):
         self.records.append((stats, precision))
         return stats, precision, False
 
-    def scorecard(self):
-        """The episode's scorecard as replay predicts it (eval loss: the recording's)."""
-        from autoscale.training import Scorecard, StepRecord
+    def episode_records(self) -> list:
+        """The episode's steps as :class:`~autoscale.training.StepRecord` (replayed: no wall time)."""
+        from autoscale.training import StepRecord
 
-        t = self._cur[0]
-        recs = [
+        return [
             StepRecord(
                 step=s.step,
                 scale=s.scale,
@@ -159,10 +158,15 @@ class ReplayEnv(ScaleEnvBase):
                 lr=math.nan,
                 wall_s=0.0,
                 stats=s,
-                grad_log2_hist=None,
-                backward_amax=None,
             )
             for s, p in self.records
         ]
+
+    def scorecard(self):
+        """The episode's scorecard as replay predicts it (eval loss: the recording's)."""
+        from autoscale.training import Scorecard
+
         hit_min = any(s.found_inf and s.scale <= self.min_scale for s, _ in self.records)
-        return Scorecard.from_records(recs, eval_loss=t.eval_loss, hit_min=hit_min, wall_s=0.0)
+        return Scorecard.from_records(
+            self.episode_records(), eval_loss=self._cur[0].eval_loss, hit_min=hit_min, wall_s=0.0
+        )

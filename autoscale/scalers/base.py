@@ -142,7 +142,11 @@ class LossScaler(torch.amp.GradScaler):
             raise ConfigError(
                 f"min_scale ({min_scale:g}) must not exceed max_scale ({max_scale:g}); swap or widen them"
             )
-        super().__init__(device, init_scale=f32(min(max(float(init_scale), min_scale), max_scale)), enabled=enabled)
+        super().__init__(
+            device,
+            init_scale=f32(min(max(float(init_scale), min_scale), max_scale)),
+            enabled=enabled,
+        )
         self.min_scale = min_scale
         self.max_scale = max_scale
         self.raise_at_min = bool(raise_at_min)
@@ -172,6 +176,17 @@ class LossScaler(torch.amp.GradScaler):
         ``raise_at_min`` raises only then, as DeepSpeed does.
         """
         return True
+
+    def start_episode(self, scale: float, features_state: dict[str, Any] | None = None) -> float:
+        """Prepare the rule for a run that continues from ``scale``; return the first step's scale.
+
+        Rules that read the shared features (exported policies) load ``features_state``, the
+        :class:`~autoscale.scalers.features.FeatureExtractor` state of that point, and take their
+        first decision from it, as an agent does at an environment's reset. Counter rules keep
+        ``scale``.
+        """
+        self.set_scale(scale)
+        return self.get_scale()
 
     def rule_params(self) -> dict[str, Any]:
         """The rule's hyperparameters as primitives (what ``get_scaler`` accepts to rebuild it)."""
@@ -226,7 +241,11 @@ class LossScaler(torch.amp.GradScaler):
         # found-inf flag and never pass through _maybe_opt_step: without DDP averaging the
         # gradients, a rank whose gradients are finite would step while another skips. Reduce the
         # flag on the device (no host sync) so that every rank skips together.
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and dist.is_available() and dist.is_initialized():
+        if (
+            getattr(optimizer, "_step_supports_amp_scaling", False)
+            and dist.is_available()
+            and dist.is_initialized()
+        ):
             for flag in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
@@ -258,9 +277,15 @@ class LossScaler(torch.amp.GradScaler):
         if not self.collect_stats:
             amax = rms = math.nan
         else:
-            rms = math.sqrt(sumsq / count) if count > 0 and math.isfinite(sumsq) else (math.inf if count else math.nan)
+            rms = (
+                math.sqrt(sumsq / count)
+                if count > 0 and math.isfinite(sumsq)
+                else (math.inf if count else math.nan)
+            )
         loss = self._loss_host if self._loss_host is not None else math.nan
-        stats = StepStats(self.steps, self._host_scale, bool(found), amax, rms, loss, self._loss_host is not None)
+        stats = StepStats(
+            self.steps, self._host_scale, bool(found), amax, rms, loss, self._loss_host is not None
+        )
         self.last_stats = stats
         self.steps += 1
         if found:
@@ -378,7 +403,9 @@ class LossScaler(torch.amp.GradScaler):
         self._loss_count = 0
         self._loss_host = None
 
-    def _collect_grad_stats(self, optimizer: torch.optim.Optimizer, inv_scale: float | None) -> None:
+    def _collect_grad_stats(
+        self, optimizer: torch.optim.Optimizer, inv_scale: float | None
+    ) -> None:
         grads = [
             p.grad._values() if p.grad.is_sparse else p.grad
             for group in optimizer.param_groups
@@ -391,8 +418,14 @@ class LossScaler(torch.amp.GradScaler):
             state["autoscale_stats"] = torch.zeros(3, device=dev)
             return
         with torch.no_grad():
-            amax = torch.stack([n.to(dev, torch.float32) for n in torch._foreach_norm(grads, math.inf)]).max()
-            sumsq = torch.stack([n.to(dev, torch.float32) for n in torch._foreach_norm(grads, 2)]).square().sum()
+            amax = torch.stack(
+                [n.to(dev, torch.float32) for n in torch._foreach_norm(grads, math.inf)]
+            ).max()
+            sumsq = (
+                torch.stack([n.to(dev, torch.float32) for n in torch._foreach_norm(grads, 2)])
+                .square()
+                .sum()
+            )
             if inv_scale is not None:
                 amax, sumsq = amax * inv_scale, sumsq * (inv_scale * inv_scale)
             count = torch.tensor(float(sum(g.numel() for g in grads)), device=dev)

@@ -72,17 +72,23 @@ def read_manifest(path: str | os.PathLike) -> PolicyManifest:
     folder = Path(path)
     file = folder / "policy.yaml"
     if not file.is_file():
-        raise PolicyError(f"no policy.yaml in '{folder}'; export a policy there with 'autoscale export'")
+        raise PolicyError(
+            f"no policy.yaml in '{folder}'; export a policy there with 'autoscale export'"
+        )
     try:
         data = yaml.safe_load(file.read_text())
     except (OSError, yaml.YAMLError) as exc:
-        raise PolicyError(f"cannot read '{file}': {str(exc).splitlines()[0]}; re-export the policy") from exc
+        raise PolicyError(
+            f"cannot read '{file}': {str(exc).splitlines()[0]}; re-export the policy"
+        ) from exc
     if not isinstance(data, dict):
         raise PolicyError(f"'{file}' is not a mapping; re-export the policy")
     known = set(PolicyManifest.__dataclass_fields__)
     unknown = sorted(set(data) - known)
     if unknown:
-        raise PolicyError(f"'{file}' has unknown keys {unknown}; it was written by a newer autoscale, upgrade it")
+        raise PolicyError(
+            f"'{file}' has unknown keys {unknown}; it was written by a newer autoscale, upgrade it"
+        )
     for key in ("name", "kind", "family"):
         if not isinstance(data.get(key), str) or not data[key]:
             raise PolicyError(f"'{file}' lacks '{key}'; re-export the policy")
@@ -126,6 +132,8 @@ def _plain(obj: Any) -> Any:
         return {str(k): _plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_plain(v) for v in obj]
+    if isinstance(obj, str):
+        return str(obj)  # str subclasses such as torch's TorchVersion
     if hasattr(obj, "item") and callable(obj.item):
         return obj.item()
     return obj

@@ -1,0 +1,259 @@
+"""Train Stable-Baselines3 agents on the loss-scale environments and export the best one."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autoscale.envs.spec import EnvSpec, load_env_spec
+from autoscale.errors import ConfigError, unknown_name
+
+__all__ = ["ALGOS", "AgentResult", "train_agent", "default_hyperparams"]
+
+# algorithm -> action modes it supports
+ALGOS: dict[str, tuple[str, ...]] = {
+    "ppo": ("discrete", "continuous"),
+    "a2c": ("discrete", "continuous"),
+    "dqn": ("discrete",),
+    "sac": ("continuous",),
+}
+
+
+def default_hyperparams(algo: str, episode_steps: int) -> dict[str, Any]:
+    """Defaults sized for short episodes and budgets of 10^4 - 10^5 steps."""
+    if algo == "ppo":
+        return {
+            "n_steps": max(64, 4 * episode_steps),
+            "batch_size": 64,
+            "learning_rate": 3e-4,
+            "ent_coef": 0.01,
+            "gamma": 0.98,
+        }
+    if algo == "a2c":
+        return {"n_steps": 16, "learning_rate": 7e-4, "ent_coef": 0.01, "gamma": 0.98}
+    if algo == "dqn":
+        return {
+            "learning_starts": 256,
+            "buffer_size": 20000,
+            "exploration_fraction": 0.3,
+            "target_update_interval": 250,
+            "train_freq": 4,
+            "gamma": 0.98,
+        }
+    if algo == "sac":
+        return {"learning_starts": 256, "buffer_size": 20000, "gamma": 0.98}
+    raise unknown_name("algorithm", algo, ALGOS, "autoscale train-agent --help")
+
+
+@dataclass
+class AgentResult:
+    """What :func:`train_agent` produced."""
+
+    model: Any
+    algo: str
+    timesteps: int
+    wall_s: float
+    best_eval_reward: float
+    policy_dir: Path | None = None
+    eval_history: list[tuple[int, float]] = field(default_factory=list)
+
+
+def _sb3_class(algo: str):
+    import stable_baselines3 as sb3
+
+    return {"ppo": sb3.PPO, "a2c": sb3.A2C, "dqn": sb3.DQN, "sac": sb3.SAC}[algo]
+
+
+def _progress_callback(total: int):
+    from stable_baselines3.common.callbacks import BaseCallback
+    from tqdm.auto import tqdm
+
+    class TqdmCallback(BaseCallback):
+        """A tqdm bar over the training timesteps."""
+
+        def _on_training_start(self) -> None:
+            self.bar = tqdm(total=total, desc="training", unit="step")
+
+        def _on_step(self) -> bool:
+            self.bar.update(self.training_env.num_envs)
+            return True
+
+        def _on_training_end(self) -> None:
+            self.bar.close()
+
+    return TqdmCallback()
+
+
+def _deadline_callback(deadline: float | None):
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class DeadlineCallback(BaseCallback):
+        """Stops training at a wall-clock deadline (budgeted searches)."""
+
+        def _on_step(self) -> bool:
+            return deadline is None or time.monotonic() < deadline
+
+    return DeadlineCallback()
+
+
+def train_agent(
+    spec: str | EnvSpec,
+    algo: str = "ppo",
+    timesteps: int = 10_000,
+    *,
+    replay: Any = None,
+    seed: int = 0,
+    hyperparams: dict[str, Any] | None = None,
+    eval_freq: int | None = None,
+    tensorboard: str | None = None,
+    progress: bool = False,
+    deadline: float | None = None,
+    export_name: str | None = None,
+    export_dir: str | None = None,
+    force: bool = False,
+) -> AgentResult:
+    """Train an SB3 agent; evaluate it on the test instances during training; export the best.
+
+    Args:
+        spec: Env spec (path, name or EnvSpec).
+        algo: ``ppo``, ``a2c``, ``dqn`` or ``sac``.
+        timesteps: Environment steps to train for.
+        replay: A trace (path or Trace) to train and evaluate on replay instead of real steps.
+        seed: Seed of the agent and the environment.
+        hyperparams: Overrides of :func:`default_hyperparams`.
+        eval_freq: Evaluate on the test instances every this many steps (default: 10 per run).
+        tensorboard: Folder for TensorBoard logs (needs the ``tensorboard`` package).
+        progress: Show a progress bar.
+        deadline: ``time.monotonic()`` value at which training stops early.
+        export_name: Export the best model as ``policies/NAME`` (nothing is overwritten without
+            ``force``; the name is checked before training starts).
+        export_dir: Folder to export into (default: the first policy directory).
+    """
+    from stable_baselines3.common.callbacks import CallbackList, EvalCallback
+    from stable_baselines3.common.monitor import Monitor
+
+    from autoscale.agents.evaluate import make_env
+
+    algo = algo.lower()
+    if algo not in ALGOS:
+        raise unknown_name("algorithm", algo, ALGOS, "autoscale train-agent --help")
+    spec = load_env_spec(spec)
+    mode = spec.episode.action.mode
+    if mode not in ALGOS[algo]:
+        raise ConfigError(
+            f"{algo} cannot use {mode} actions; set episode.action.mode to {' or '.join(ALGOS[algo])} in the spec, "
+            f"or pick another --algo"
+        )
+    if isinstance(timesteps, bool) or not isinstance(timesteps, int) or timesteps <= 0:
+        raise ConfigError(f"--timesteps must be a positive integer, got {timesteps!r}")
+    if export_name:
+        from autoscale.agents.export import _check_name, default_policy_dir
+
+        _check_name(export_name)
+        dest = Path(export_dir or default_policy_dir()) / export_name
+        if dest.exists() and not force:
+            raise ConfigError(
+                f"policy folder '{dest}' already exists; choose another name or pass --force"
+            )
+    if tensorboard:
+        try:
+            import tensorboard as _tb  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(
+                "--tensorboard needs the 'tensorboard' package: pip install tensorboard"
+            ) from exc
+
+    train_env = Monitor(make_env(spec, "train", replay))
+    if replay is not None:
+        train_env.unwrapped.random_offset = True
+    eval_env = Monitor(make_env(spec, "test", replay))
+    n_eval = len(spec.instances["test"])
+    params = {**default_hyperparams(algo, spec.episode.steps), **(hyperparams or {})}
+    model = _sb3_class(algo)(
+        "MlpPolicy", train_env, seed=seed, verbose=0, tensorboard_log=tensorboard, **params
+    )
+    eval_freq = eval_freq or max(spec.episode.steps, timesteps // 10)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="autoscale-agent-") as tmp:
+        evaluator = EvalCallback(
+            eval_env,
+            best_model_save_path=tmp,
+            log_path=tmp,
+            eval_freq=eval_freq,
+            n_eval_episodes=n_eval,
+            deterministic=True,
+            verbose=0,
+        )
+        callbacks = [evaluator, _deadline_callback(deadline)]
+        if progress:
+            callbacks.append(_progress_callback(timesteps))
+        model.learn(total_timesteps=timesteps, callback=CallbackList(callbacks), progress_bar=False)
+        best = Path(tmp) / "best_model.zip"
+        if best.exists():
+            model = _sb3_class(algo).load(best, env=train_env)
+        history = [
+            (int(t), sum(r) / len(r))
+            for t, r in zip(evaluator.evaluations_timesteps, evaluator.evaluations_results)
+        ]
+    result = AgentResult(
+        model,
+        algo,
+        timesteps,
+        time.monotonic() - t0,
+        float(evaluator.best_mean_reward),
+        eval_history=history,
+    )
+    if export_name:
+        result.policy_dir = export_agent(
+            model, spec, export_name, export_dir=export_dir, force=force, replay=replay
+        )
+    return result
+
+
+def export_agent(
+    model: Any, spec: EnvSpec, name: str, *, export_dir=None, force=False, replay=None
+) -> Path:
+    """Export ``model`` and record its test-set scorecard (mean over instances) in the manifest."""
+    from autoscale.agents.export import export_neural
+
+    ep = spec.episode
+    workload = {
+        **spec.workload.to_dict(),
+        "env": spec.name,
+        "trained_on": "replay" if replay is not None else "real steps",
+    }
+    path = export_neural(
+        model,
+        name,
+        ep.action.to_dict(),
+        workload=workload,
+        scales={"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale},
+        out_dir=export_dir,
+        force=force,
+    )
+    try:
+        from autoscale.agents.evaluate import evaluate_scalers, scaler_for
+        from autoscale.scalers.manifest import read_manifest, write_manifest
+        from autoscale.training import summarize
+
+        cards = evaluate_scalers(spec, {name: lambda: scaler_for(str(path), spec)}, trace=replay)[
+            name
+        ]
+        summary = {k: v["mean"] for k, v in summarize(cards).items()}
+        summary = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in summary.items()
+        }
+        summary["evaluated_on"] = "test instances, " + (
+            "replay" if replay is not None else "real steps"
+        )
+        import dataclasses
+
+        write_manifest(path, dataclasses.replace(read_manifest(path), scorecard=summary))
+    except Exception as exc:  # the export itself succeeded; a failed scoring must not lose it
+        print(f"warning: exported {path} but could not score it: {exc}")
+    return path

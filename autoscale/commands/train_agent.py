@@ -1,0 +1,74 @@
+"""``autoscale train-agent``."""
+
+from __future__ import annotations
+
+import argparse
+
+from autoscale.commands.base import Command
+
+
+class TrainAgentCommand(Command):
+    """Train a Stable-Baselines3 agent to set the loss scale, and export the best one."""
+
+    epilog = """examples:
+  autoscale record --env envs/bad-batches.yaml --steps 256 --out traces/bad-batches.npz
+  autoscale train-agent --env envs/bad-batches.yaml --algo ppo --replay traces/bad-batches.npz \\
+      --timesteps 50000 --out ppo-bad-batches
+  autoscale eval --policy ppo-bad-batches --env envs/bad-batches.yaml --seeds 3
+
+algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (continuous)
+"""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--env", required=True, help="env spec: a YAML path or a name in envs/")
+        parser.add_argument("--algo", default="ppo", help="ppo, a2c, dqn or sac (default ppo)")
+        parser.add_argument(
+            "--timesteps", type=int, default=20000, help="environment steps to train for"
+        )
+        parser.add_argument(
+            "--replay",
+            metavar="TRACE",
+            help="train (and evaluate) on this recorded trace, not real steps",
+        )
+        parser.add_argument(
+            "--out", metavar="NAME", required=True, help="export the best model as policies/NAME"
+        )
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument(
+            "--eval-freq",
+            type=int,
+            default=None,
+            help="evaluate on the test instances every N steps",
+        )
+        parser.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard logs here")
+        parser.add_argument(
+            "--policy-dir",
+            metavar="DIR",
+            help="export folder (default: $AUTOSCALE_POLICY_PATH or ./policies)",
+        )
+        parser.add_argument(
+            "--force", action="store_true", help="overwrite an existing policy of that name"
+        )
+        parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from autoscale.agents.train import train_agent
+
+        result = train_agent(
+            args.env,
+            args.algo,
+            args.timesteps,
+            replay=args.replay,
+            seed=args.seed,
+            eval_freq=args.eval_freq,
+            tensorboard=args.tensorboard,
+            progress=not args.quiet,
+            export_name=args.out,
+            export_dir=args.policy_dir,
+            force=args.force,
+        )
+        print(
+            f"trained {result.algo} for {result.timesteps} steps in {result.wall_s:.1f} s; best mean test reward {result.best_eval_reward:.3f}"
+        )
+        print(f"exported {result.policy_dir}; use it with autoscale.get_scaler('{args.out}')")
+        return 0
