@@ -91,12 +91,19 @@ class PolicyScaler(LossScaler):
                 + float(obs_norm.get("eps", 1e-8))
             )
             self._norm = (mean, std, float(obs_norm.get("clip", 10.0)))
-        # The environment takes its first decision at reset, before any step: so does the scaler.
-        first = self.clamp(
-            self._host_scale * 2.0 ** self.decide(self.features.features(self._host_scale))
-        )
-        self._set_scale(first)
         self._first_scale = float(kw["init_scale"])
+        # The environment takes its first decision at reset, before any step: so does the scaler.
+        self.start_episode(self._host_scale)
+
+    def start_episode(self, scale: float, features_state: dict[str, Any] | None = None) -> float:
+        """Load the features of the starting point and take the first decision from them."""
+        if features_state is None:
+            self.features.reset()
+        else:
+            self.features.load_state_dict(features_state)
+        start = self.clamp(scale)
+        self.set_scale(start * 2.0 ** self.decide(self.features.features(start)))
+        return self.get_scale()
 
     @torch.no_grad()
     def act(self, features: list[float]) -> Any:

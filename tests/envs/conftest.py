@@ -1,0 +1,34 @@
+import pytest
+
+from autoscale.envs import load_env_spec
+
+
+@pytest.fixture(scope="session")
+def tiny_spec():
+    """An mlp workload with bad batches every 4 steps: fast real fp16 steps, visible skips."""
+    return load_env_spec(
+        {
+            "name": "tiny",
+            "workload": {
+                "model": "mlp",
+                "scenario": "bad-batches",
+                "scenario_params": {"every": 4},
+                "dtype": "fp16",
+            },
+            "episode": {"steps": 8, "init_scale": 65536, "min_scale": 1.0, "max_scale": 2**30},
+            "instances": {
+                "train": [{"seed": 0}, {"seed": 1, "start": 3}],
+                "test": [{"seed": 5}, {"seed": 6, "start": 2}],
+            },
+            "reward": {"skip": 1.0, "precision": 4.0, "progress": 0.1, "divergence": 10.0},
+        }
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_trace(tiny_spec, tmp_path_factory):
+    from autoscale.envs import record_trace
+
+    path = tmp_path_factory.mktemp("trace") / "tiny.npz"
+    record_trace(tiny_spec, 16, path)
+    return path

@@ -1,0 +1,157 @@
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+from stable_baselines3.common.env_checker import check_env as sb3_check_env
+
+import autoscale.envs  # noqa: F401  (registers the env ids)
+from autoscale.agents.evaluate import drive_episode, scaler_for
+from autoscale.envs import LossScaleEnv, ReplayEnv, Trace
+from autoscale.errors import ConfigError, UnknownNameError
+from autoscale.scalers.features import N_FEATURES
+
+
+def test_registered_ids_make_both_envs(tiny_spec, tiny_trace):
+    env = gym.make("autoscale.envs:autoscale/LossScale-v0", spec=tiny_spec)
+    assert env.spec.nondeterministic
+    obs, info = env.reset(seed=0)
+    assert obs.shape == (N_FEATURES,) and info["scale"] == 65536
+    replay = gym.make("autoscale/LossScaleReplay-v0", spec=tiny_spec, trace=str(tiny_trace))
+    assert replay.spec.nondeterministic
+    assert replay.reset(seed=0)[0].shape == (N_FEATURES,)
+
+
+def test_env_checkers_pass(tiny_spec, tiny_trace):
+    for env in (LossScaleEnv(tiny_spec), ReplayEnv(tiny_spec, tiny_trace)):
+        check_env(env, skip_render_check=True)
+        sb3_check_env(env, warn=False)
+
+
+def test_continuous_actions(tiny_spec, tiny_trace):
+    spec = {
+        **tiny_spec.to_dict(),
+        "episode": {
+            **tiny_spec.to_dict()["episode"],
+            "action": {"mode": "continuous", "max_delta": 2},
+        },
+    }
+    env = ReplayEnv(spec, tiny_trace)
+    check_env(env, skip_render_check=True)
+    env.reset(seed=0)
+    _, _, _, _, info = env.step(np.array([0.5], dtype=np.float32))  # +1 bit
+    assert info["scale"] == 2.0**17
+
+
+def test_seeded_resets_reproduce_first_observations(tiny_spec):
+    env = LossScaleEnv(tiny_spec)
+    firsts = []
+    for _ in range(2):
+        obs, info = env.reset(seed=123)
+        steps = [env.step(3)[0] for _ in range(3)]
+        firsts.append((info["instance"], obs, steps))
+    assert firsts[0][0] == firsts[1][0]
+    np.testing.assert_array_equal(firsts[0][1], firsts[1][1])
+    for a, b in zip(firsts[0][2], firsts[1][2]):
+        np.testing.assert_array_equal(a, b)
+    # a warmed-up start point (start=3) starts with a non-trivial history
+    obs, _ = env.reset(options={"instance": "train-s1-t3"})
+    assert obs[10] > 0  # progress feature: steps seen during warm-up
+
+
+def test_episode_truncates_and_reward_scores_skips(tiny_spec):
+    env = LossScaleEnv(tiny_spec)
+    env.reset(options={"instance": "train-s0-t0"})
+    rewards, skipped = [], []
+    for t in range(tiny_spec.episode.steps):
+        _, r, terminated, truncated, info = env.step(2)  # keep the scale
+        rewards.append(r)
+        skipped.append(info["skipped"])
+        assert not terminated
+        assert truncated == (t == tiny_spec.episode.steps - 1)
+    # every 4th step carries an inf loss: skipped at any scale, and charged the skip weight
+    assert skipped == [False, False, False, True] * 2
+    assert all(r <= -1.0 for r, s in zip(rewards, skipped) if s)
+    assert all(r > -1.0 for r, s in zip(rewards, skipped) if not s)
+
+
+def test_rule_through_env_matches_autoscale_run(tiny_spec):
+    from autoscale.training import TrainingRun
+
+    env = LossScaleEnv(tiny_spec, instances="test")
+    card, _ = drive_episode(env, scaler_for("torch", tiny_spec, growth_interval=2), "test-s5-t0")
+    run = TrainingRun(
+        tiny_spec.workload.replace(seed=5),
+        "torch",
+        init_scale=65536,
+        min_scale=1.0,
+        max_scale=2**30,
+        growth_interval=2,
+    )
+    ref = run.run(tiny_spec.episode.steps)
+    a, b = card.to_dict(), ref.to_dict()
+    for key in ("wall_s", "useful_steps_per_s"):
+        a.pop(key), b.pop(key)
+    assert a == b
+    assert (
+        card.skipped == 2 and card.max_scale > card.min_scale
+    )  # growth after 2 clean steps happened
+
+
+def test_bad_instance_names_and_sets(tiny_spec):
+    with pytest.raises(
+        UnknownNameError, match="unknown instance 'train-s0-t1'; did you mean 'train-s0-t0'"
+    ):
+        LossScaleEnv(tiny_spec, instances=["train-s0-t1"])
+    env = LossScaleEnv(tiny_spec)
+    with pytest.raises(UnknownNameError, match="unknown instance 'nope'"):
+        env.reset(options={"instance": "nope"})
+
+
+def test_replay_reproduces_recorded_overflows(tiny_spec, tiny_trace):
+    trace = Trace.load(tiny_trace)
+    t = trace.instance("train-s0-t0")
+    assert t.steps == 16 and t.nonfinite.tolist() == [False, False, False, True] * 4
+    env = ReplayEnv(tiny_spec, trace)
+    env.reset(options={"instance": "train-s0-t0"})
+    # at the recorded scales nothing but the bad batches overflows
+    skipped = [env.step_at(float(t.scale[i]))[4]["skipped"] for i in range(8)]
+    assert skipped == t.nonfinite[:8].tolist()
+    # two bits above the threshold every step overflows
+    env.reset(options={"instance": "train-s0-t0"})
+    assert all(env.step_at(2.0 ** (t.threshold[i] + 2))[4]["skipped"] for i in range(8))
+
+
+def test_replay_precision_matches_scorecard_definition(tiny_spec, tiny_trace):
+    from autoscale.training import precision_loss_from_hist
+
+    trace = Trace.load(tiny_trace)
+    t = trace.instance("test-s5-t0")
+    env = ReplayEnv(tiny_spec, trace, instances="test")
+    env.reset(options={"instance": "test-s5-t0"})
+    for i, log2s in enumerate([4, 6.5, 10, 3, -2, 8, 12, 1]):
+        *_, info = env.step_at(2.0**log2s)
+        if not info["skipped"]:
+            expected = precision_loss_from_hist(t.hist[i].tolist(), math.log2(info["scale"]))
+            assert info["precision_loss"] == pytest.approx(expected, abs=1e-9)
+
+
+def test_trace_version_and_workload_are_checked(tiny_spec, tiny_trace, tmp_path):
+    import json
+
+    data = dict(np.load(tiny_trace))
+    meta = json.loads(str(data["meta"]))
+    meta["version"] = 99
+    data["meta"] = np.array(json.dumps(meta))
+    bad = tmp_path / "old.npz"
+    np.savez(bad, **data)
+    with pytest.raises(
+        ConfigError, match="version 99, this autoscale reads version 1; record it again"
+    ):
+        Trace.load(bad)
+    with pytest.raises(ConfigError, match="no trace file"):
+        Trace.load(tmp_path / "missing.npz")
+    other = {**tiny_spec.to_dict(), "workload": {**tiny_spec.workload.to_dict(), "seq_len": 32}}
+    with pytest.raises(ConfigError, match="record a trace for this spec"):
+        ReplayEnv(other, tiny_trace)
