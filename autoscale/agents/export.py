@@ -237,18 +237,25 @@ def deepspeed_fp16_config(rule: str, parameters: dict[str, Any]) -> dict[str, An
 
     s = get_scaler(rule, device="cpu", **parameters)
     init = s.get_scale()
+    if rule == "static":  # any value: DeepSpeed's loss_scale is a float
+        return {"enabled": True, "loss_scale": init}
     power = math.log2(init)
     if power != int(power):
         raise ConfigError(
             f"DeepSpeed takes initial_scale_power (a power of two); init_scale {init:g} is not one"
         )
+    # DeepSpeedFP16Config declares min_loss_scale an int: a floor under 1 (torch's rule keeps 2^-24)
+    # becomes 1, the lowest DeepSpeed can hold.
+    if s.min_scale > 1 and s.min_scale != int(s.min_scale):
+        raise ConfigError(
+            f"DeepSpeed's min_loss_scale is an integer; min_scale {s.min_scale:g} is not one "
+            f"(use min_scale={int(s.min_scale)} or {int(s.min_scale) + 1})"
+        )
     block: dict[str, Any] = {
         "enabled": True,
         "initial_scale_power": int(power),
-        "min_loss_scale": s.min_scale,
+        "min_loss_scale": max(1, int(s.min_scale)),
     }
-    if rule == "static":
-        return {"enabled": True, "loss_scale": init}
     if rule == "deepspeed":
         if s.scale_factor != 2.0:
             raise ConfigError(

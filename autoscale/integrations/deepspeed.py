@@ -1,0 +1,137 @@
+"""DeepSpeed: the scale rule as the ``fp16`` block of a DeepSpeed config.
+
+DeepSpeed scales the loss inside its engine (``deepspeed/runtime/fp16/loss_scaler.py``) and takes no
+GradScaler, so autoscale reaches it through the config: a static scale or the dynamic
+hysteresis/window rule, which covers the ``static``, ``deepspeed``, ``torch``, ``jmp`` and
+``megatron`` rules and parametric policies exported from them
+(:func:`autoscale.agents.export.deepspeed_fp16_config` does the translation). Rules that read
+gradient statistics and neural policies have no DeepSpeed equivalent. DeepSpeed itself is not needed
+to build the config.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from autoscale.errors import ConfigError
+from autoscale.scalers.base import LossScaler
+
+__all__ = ["deepspeed_config", "write_deepspeed_config", "HF_AUTO_BATCH"]
+
+# What Hugging Face Trainer and Accelerate fill in from their own arguments; plain
+# deepspeed.initialize needs numbers instead: pass them in base_config.
+HF_AUTO_BATCH = {
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+}
+_SCALE_KEYS = (
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+)
+
+
+def deepspeed_config(
+    name_or_policy: str | os.PathLike | LossScaler,
+    base_config: dict[str, Any] | str | os.PathLike | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """A DeepSpeed config whose ``fp16`` block runs the rule ``name_or_policy``.
+
+    Args:
+        name_or_policy: A rule id (``"deepspeed"``, ``"torch"``, ...), an exported parametric policy's
+            name or folder, or a built :class:`LossScaler` of such a rule.
+        base_config: The rest of the config, as a dict or a JSON file; its ``fp16`` entries other than
+            the scale keep their values (``auto_cast``, ...). Default: the batch-size keys set to
+            ``"auto"``, which Hugging Face Trainer and Accelerate fill in.
+        **overrides: Rule parameters on top of the rule's (or the policy's) own.
+
+    Returns:
+        A new dict; ``base_config`` is not modified.
+
+    Raises:
+        ConfigError: a neural policy, a rule DeepSpeed cannot express, a base config with bf16 on,
+            or an unreadable base config file.
+        UnknownNameError: ``name_or_policy`` is no scaler or policy.
+    """
+    from autoscale.agents.export import deepspeed_fp16_config
+
+    rule, params = _rule_and_parameters(name_or_policy, overrides)
+    fp16 = deepspeed_fp16_config(rule, params)
+    config = _base(base_config)
+    bf16 = config.get("bf16", config.get("bfloat16"))
+    if isinstance(bf16, dict) and bf16.get("enabled") in (True, "true"):
+        raise ConfigError(
+            "the base config enables bf16, which uses no loss scale; set bf16.enabled to false "
+            "(or 'auto') to train in fp16 with this rule"
+        )
+    kept = {k: v for k, v in (config.get("fp16") or {}).items() if k not in _SCALE_KEYS}
+    config["fp16"] = {**kept, **fp16}
+    return config
+
+
+def write_deepspeed_config(
+    name_or_policy: str | os.PathLike | LossScaler,
+    path: str | os.PathLike,
+    base_config: dict[str, Any] | str | os.PathLike | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write :func:`deepspeed_config` as JSON to ``path`` (for ``--deepspeed ds.json``); returns it."""
+    config = deepspeed_config(name_or_policy, base_config, **overrides)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _rule_and_parameters(
+    what: str | os.PathLike | LossScaler, overrides: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    if isinstance(what, LossScaler):
+        spec = what.spec()
+        return spec.pop("name"), {**spec, **overrides}
+    from autoscale.scalers.manifest import read_manifest
+    from autoscale.scalers.registry import find_policy, get_scaler, list_scalers
+
+    name = os.fspath(what)
+    if name in {info.name for info in list_scalers() if info.kind != "policy"}:
+        return name, dict(overrides)
+    path = find_policy(name)
+    if path is None:  # neither: get_scaler raises its "unknown scaler; did you mean" error
+        get_scaler(name, device="cpu")
+    manifest = read_manifest(path)
+    if manifest.kind != "parametric":
+        raise ConfigError(
+            f"policy '{manifest.name}' is a {manifest.kind} policy (a network that picks each step's scale); "
+            "DeepSpeed's fp16 block holds only a static scale or its hysteresis/window rule. Train it "
+            f"with autoscale's scaler instead (get_scaler('{manifest.name}') in a torch, Accelerate or "
+            "Lightning loop), or export a parametric policy for DeepSpeed"
+        )
+    return manifest.family, {**manifest.parameters, **overrides}
+
+
+def _base(base_config: dict[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
+    if base_config is None:
+        return dict(HF_AUTO_BATCH)
+    if isinstance(base_config, dict):
+        return copy.deepcopy(base_config)
+    file = Path(base_config)
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot read DeepSpeed config '{file}': {exc}; pass a dict or a JSON file"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"DeepSpeed config '{file}' is not a JSON object; pass a dict or a JSON file"
+        )
+    return data

@@ -1,0 +1,106 @@
+"""transformers.Trainer: AutoscaleTrainer trains with the scaler and checkpoints it in scaler.pt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import TrainerCallback, TrainingArguments
+
+from autoscale.errors import ConfigError
+from autoscale.integrations.trainer import AutoscaleTrainer
+from autoscale.scalers.base import LossScaler
+from tests.integrations.helpers import (
+    SCALE,
+    ByteDataset,
+    assert_clipped_unscaled,
+    n_params,
+    record_output_dtypes,
+    tiny_gpt2,
+)
+
+
+class _Record(TrainerCallback):
+    """The scale each step starts with, and the scaler's record of each step."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.scales: list[float] = []
+        self.stats = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.scales.append(self.trainer.loss_scaler.get_scale())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.stats.append(self.trainer.loss_scaler.last_stats)
+
+
+def _args(out, max_steps: int, **kw) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(out),
+        fp16=True,
+        use_cpu=True,
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        max_grad_norm=1.0,
+        save_strategy="steps",
+        save_steps=2,
+        logging_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        **kw,
+    )
+
+
+def _trainer(out, max_steps: int, init_scale: float) -> tuple[AutoscaleTrainer, _Record]:
+    trainer = AutoscaleTrainer(
+        model=tiny_gpt2(),
+        args=_args(out, max_steps),
+        train_dataset=ByteDataset(),
+        scaler="torch",
+        scaler_overrides={"init_scale": init_scale, "growth_interval": 3, "collect_stats": True},
+    )
+    record = _Record(trainer)
+    trainer.add_callback(record)
+    return trainer, record
+
+
+def test_trains_with_the_scaler_and_resumes_its_state(tmp_path, clip_spy):
+    trainer, record = _trainer(tmp_path, max_steps=2, init_scale=SCALE)
+    scaler = trainer.loss_scaler
+    assert isinstance(scaler, LossScaler) and trainer.accelerator.scaler is scaler
+    dtypes = record_output_dtypes(trainer.model.transformer.h[0].attn.c_attn)
+
+    trainer.train()
+
+    assert (scaler.steps, scaler.skipped) == (2, 0)
+    assert set(dtypes) == {torch.float16}  # Accelerate autocast the forward pass
+    assert_clipped_unscaled(clip_spy.norms, record.stats, n_params(trainer.model))
+    saved = torch.load(tmp_path / "checkpoint-2" / "scaler.pt", weights_only=True)
+    assert saved["scale"] == SCALE
+    assert saved["autoscale"]["steps"] == 2 and saved["autoscale"]["rule_state"] == {
+        "growth_tracker": 2
+    }
+
+    # A new trainer built with another initial scale picks the saved state up on resume.
+    resumed, record = _trainer(tmp_path, max_steps=3, init_scale=32.0)
+    assert resumed.loss_scaler.get_scale() == 32.0
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+    assert record.scales == [SCALE]  # step 3 started from the saved scale, not 32
+    # the restored growth tracker (2) reached growth_interval=3 at step 3: the scale doubled
+    assert resumed.loss_scaler.get_scale() == SCALE * 2
+    assert resumed.loss_scaler.steps == 3 and resumed.loss_scaler.rule_state() == {
+        "growth_tracker": 0
+    }
+
+
+def test_requires_fp16(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+    with pytest.raises(
+        ConfigError,
+        match=r"AutoscaleTrainer needs TrainingArguments\(fp16=True\), got mixed precision 'no'",
+    ):
+        AutoscaleTrainer(model=tiny_gpt2(), args=args, train_dataset=ByteDataset(), scaler="torch")
