@@ -18,11 +18,21 @@ from autoscale.errors import AutoscaleError
 # name -> (module in autoscale.commands, class, one-line help). Order is the order of --help.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "list": ("listing", "ListCommand", "list every registered scaler with its defaults"),
+    "run": ("run", "RunCommand", "train one workload under one scaler and print its scorecard"),
+    "compare": ("compare", "CompareCommand", "compare scalers side by side on one workload over seeds"),
+    "doctor": ("doctor", "DoctorCommand", "check fp16/bf16 support and speed here, and recommend one"),
     "record": ("record", "RecordCommand", "record traces of real training for the replay environment"),
+    "train-agent": ("train_agent", "TrainAgentCommand", "train an RL agent (SB3) to set the scale; export it"),
+    "eval": ("eval", "EvalCommand", "evaluate a policy against every built-in rule on test instances"),
 }
 
 EPILOG = """examples:
   autoscale list                                   every scaler get_scaler() can build
+  autoscale run --scaler torch --scenario bad-batches --steps 200
+                                                   one training run, its scorecard (--json, --plot)
+  autoscale compare --scalers torch,deepspeed,amax-history --seeds 3
+                                                   the rules side by side, mean and spread over seeds
+  autoscale doctor                                 device, fp16/bf16 support, step speeds, advice
 """
 
 

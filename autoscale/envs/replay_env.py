@@ -19,16 +19,19 @@ LOG2_FP16_MIN_NORMAL = -14.0
 TABLE_LO, TABLE_HI = -24, 64  # integer log2 scales tabulated; others are interpolated
 
 
-def precision_table(hist: np.ndarray, edges: np.ndarray, log2_scales: np.ndarray) -> np.ndarray:
+def precision_table(
+    hist: np.ndarray, edges: np.ndarray, log2_scales: np.ndarray, log2_min_normal: float = LOG2_FP16_MIN_NORMAL
+) -> np.ndarray:
     """Precision loss of each traced step at each log2 scale, from the gradient histograms.
 
-    The share of non-zero gradient elements with ``|g| * S < 2^-14`` (the scorecard's definition),
-    with mass spread uniformly in log2 inside each 1-bit bin. Shape ``(steps, len(log2_scales))``.
+    The share of non-zero gradient elements with ``|g| * S`` below the normal minimum (2^-14 for
+    fp16: the scorecard's definition), with mass spread uniformly in log2 inside each 1-bit bin.
+    Shape ``(steps, len(log2_scales))``.
     """
     totals = hist.sum(axis=1, keepdims=True)
     cum = np.concatenate([np.zeros((hist.shape[0], 1)), np.cumsum(hist, axis=1)], axis=1)
     cum = np.divide(cum, totals, out=np.zeros_like(cum), where=totals > 0)
-    x = LOG2_FP16_MIN_NORMAL - np.asarray(log2_scales, dtype=np.float64)
+    x = log2_min_normal - np.asarray(log2_scales, dtype=np.float64)
     return (
         np.stack([np.interp(x, edges, row) for row in cum]) if len(cum) else np.zeros((0, len(x)))
     )
@@ -80,6 +83,9 @@ class ReplayEnv(ScaleEnvBase):
             )
         self.random_offset = random_offset
         self._scales = np.arange(TABLE_LO, TABLE_HI + 1, dtype=np.float64)
+        from autoscale.training.run import MIN_NORMAL
+
+        log2_min_normal = math.log2(MIN_NORMAL[self.env_spec.workload.dtype])
         self._tables: dict[str, tuple[InstanceTrace, list[list[float]], dict[str, list]]] = {}
         for inst in self.instances:
             t = self.trace.instance(inst.name)
@@ -88,7 +94,7 @@ class ReplayEnv(ScaleEnvBase):
                     f"trace of instance '{inst.name}' has {t.steps} steps, fewer than an episode ({self.episode_steps}); "
                     "record more steps"
                 )
-            table = precision_table(t.hist, self.trace.hist_edges, self._scales).tolist()
+            table = precision_table(t.hist, self.trace.hist_edges, self._scales, log2_min_normal).tolist()
             cols = {
                 k: getattr(t, k).tolist()
                 for k in ("threshold", "nonfinite", "loss", "amax", "rms", "scale")

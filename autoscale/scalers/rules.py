@@ -165,10 +165,13 @@ class DeepSpeedScaler(LossScaler):
         self.last_overflow_iter = -1
         self.cur_hysteresis = self.hysteresis
 
+    def backs_off_on_overflow(self) -> bool:
+        return self.hysteresis == 1 or self.cur_hysteresis == 1
+
     def next_scale(self, scale: float, stats: StepStats) -> float:
         new = scale
         if stats.found_inf:
-            if self.hysteresis == 1 or self.cur_hysteresis == 1:
+            if self.backs_off_on_overflow():
                 new = max(scale / self.scale_factor, self.min_scale)
             else:
                 self.cur_hysteresis -= 1
@@ -445,6 +448,7 @@ class AmaxHistoryScaler(LossScaler):
     description = "scale from max gradient amax of the last 16 steps, 2 bits below fp16 max"
     source = "Transformer Engine DelayedScaling, adapted to fp16"
     needs_stats = True
+    needs_rms = False  # reads the amax only: one reduction pass, not two
 
     def __init__(
         self,

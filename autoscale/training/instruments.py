@@ -1,0 +1,123 @@
+"""Gradient statistics of the instrumented step: cheap exact counts, and the recording extras.
+
+:class:`GradientCensus` copies every gradient's magnitude into one flat float32 buffer (a single
+batched ``cat``) that it keeps between steps, then counts with a few whole-buffer ops: no Python
+loop over parameters beyond gathering them, no allocation per step (on CPU, a fresh gradient-sized
+allocation costs page faults every step), no host sync. :class:`BackwardAmaxMode` runs only when a
+run records traces.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autoscale.scalers.base import FP16_MIN_NORMAL
+
+__all__ = [
+    "HIST_EDGES",
+    "HIST_LO",
+    "HIST_HI",
+    "GradientCensus",
+    "underflow_counts",
+    "log2_histogram",
+    "BackwardAmaxMode",
+]
+
+HIST_LO = -64
+HIST_HI = 16
+#: Edges of the log2|g| histogram: 1 bit wide, -64 .. +16 (80 bins). Bin ``k`` holds elements
+#: with ``HIST_EDGES[k] <= log2|g| < HIST_EDGES[k+1]``; elements beyond either end are counted in
+#: the first or last bin.
+HIST_EDGES: tuple[float, ...] = tuple(float(e) for e in range(HIST_LO, HIST_HI + 1))
+
+
+class GradientCensus:
+    """Counts over the magnitudes of a list of gradients, in a buffer reused from step to step.
+
+    Call :meth:`load` once per step, then any of :meth:`underflow_counts` and
+    :meth:`log2_histogram`. Holds one float32 and one bool buffer the size of all gradients.
+    """
+
+    def __init__(self) -> None:
+        self._abs: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+
+    def load(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Copy ``|g|`` of every gradient into the flat buffer (float32, on ``grads[0]``'s device)."""
+        device = grads[0].device
+        n = sum(g.numel() for g in grads)
+        if self._abs is None or self._abs.numel() != n or self._abs.device != device:
+            self._abs = torch.empty(n, dtype=torch.float32, device=device)
+            self._mask = torch.empty(n, dtype=torch.bool, device=device)
+        with torch.no_grad():
+            try:
+                torch.cat([g.flatten() for g in grads], out=self._abs)
+            except RuntimeError:  # a model split across devices
+                torch.cat([g.flatten().to(device) for g in grads], out=self._abs)
+            return self._abs.abs_()
+
+    def underflow_counts(self, scale: float, min_normal: float = FP16_MIN_NORMAL) -> torch.Tensor:
+        """``[below, nonzero]`` (int64): non-zero elements with ``|g| * scale < min_normal``, and all.
+
+        ``min_normal`` defaults to fp16's normal minimum 2^-14. Exact integer counts. With
+        non-finite gradients the counts mean nothing; such a step is skipped and its precision
+        loss is NaN anyway.
+        """
+        flat = self._abs
+        nonzero = torch.count_nonzero(flat)
+        torch.lt(flat, min_normal / scale, out=self._mask)
+        below_or_zero = torch.count_nonzero(self._mask)
+        return torch.stack([below_or_zero - (flat.numel() - nonzero), nonzero])
+
+    def log2_histogram(self) -> torch.Tensor:
+        """Counts (int64, 80 bins of :data:`HIST_EDGES`) of ``floor(log2|g|)`` over finite non-zero elements."""
+        flat = self._abs
+        with torch.no_grad():
+            keep = (flat > 0) & torch.isfinite(flat)
+            idx = (
+                torch.where(keep, flat, 1.0).log2_().floor_().clamp_(HIST_LO, HIST_HI - 1).long()
+                - HIST_LO
+            )
+            return torch.zeros(HIST_HI - HIST_LO, dtype=torch.long, device=flat.device).index_add_(
+                0, idx, keep.long()
+            )
+
+
+def underflow_counts(
+    grads: list[torch.Tensor], scale: float, min_normal: float = FP16_MIN_NORMAL
+) -> torch.Tensor:
+    """One-off :meth:`GradientCensus.underflow_counts` of ``grads`` (unscaled gradients)."""
+    census = GradientCensus()
+    census.load(grads)
+    return census.underflow_counts(scale, min_normal)
+
+
+def log2_histogram(grads: list[torch.Tensor]) -> torch.Tensor:
+    """One-off :meth:`GradientCensus.log2_histogram` of ``grads``."""
+    census = GradientCensus()
+    census.load(grads)
+    return census.log2_histogram()
+
+
+class BackwardAmaxMode(TorchDispatchMode):
+    """Tracks ``max |x|`` over every tensor of ``dtype`` that any op produces while active.
+
+    Used around ``backward()`` it sees every fp16 tensor of the backward pass, intermediate
+    activation gradients included, not only the parameter gradients. ``amax`` stays a device
+    tensor (no host sync); it is NaN if any tensor held a NaN and None if none was seen.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float16) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.amax: torch.Tensor | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dtype == self.dtype and t.numel():
+                m = t.detach().abs().amax().float()
+                self.amax = m if self.amax is None else torch.maximum(self.amax, m)
+        return out

@@ -1,0 +1,356 @@
+"""`TrainingRun`: the instrumented AMP training loop of one workload under one loss scaler."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autoscale.errors import ConfigError
+from autoscale.scalers.base import FP16_MIN_NORMAL, LossScaler
+from autoscale.training.data import BatchStream, MixtureStream, TokenStream, byte_tokens, load_text
+from autoscale.training.instruments import BackwardAmaxMode, GradientCensus
+from autoscale.training.models import BuiltModel, build_model
+from autoscale.training.records import Snapshot, StepRecord
+from autoscale.training.scenarios import make_scenario
+from autoscale.training.scorecard import Scorecard, precision_loss_from_counts
+from autoscale.training.spec import WorkloadSpec
+
+__all__ = ["TrainingRun", "AMP_DTYPES", "resolve_device"]
+
+AMP_DTYPES: dict[str, torch.dtype | None] = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": None,
+}
+# Normal minimum of the dtype the backward runs in: what precision loss is measured against.
+MIN_NORMAL = {"fp16": FP16_MIN_NORMAL, "bf16": 2.0**-126, "fp32": 2.0**-126}
+
+
+class TrainingRun:
+    """One workload trained step by step under one loss scaler, with every step measured.
+
+    Each :meth:`step` is the standard AMP recipe: ``zero_grad``; per micro-batch, forward under
+    ``torch.autocast`` and ``scaler.scale(loss).backward()``; ``scaler.unscale_``; gradient
+    clipping; ``scaler.step``; ``scaler.update``. On top of GradScaler's work (and the scaler's
+    fused gradient statistics) it counts gradient elements below the dtype's normal range with a
+    few whole-buffer ops (:class:`~autoscale.training.instruments.GradientCensus`) and reads them,
+    with the loss, in one extra host sync per step, after ``update()``. The scenario sets the
+    learning rate, the loss weight and the objective.
+
+    Args:
+        spec: The workload.
+        scaler: A registered scaler name (built with ``get_scaler(name, device=...,
+            collect_stats=True, **scaler_overrides)``) or a :class:`LossScaler` instance (its
+            ``collect_stats`` is switched on).
+        record: Also record, per step, the log2 histogram of the gradients and the max |x| over
+            every fp16 tensor of the backward pass (for traces and replay; slower).
+        **scaler_overrides: Keyword arguments of the scaler, when given by name.
+
+    Attributes:
+        spec, model, optimizer (AdamW; fused on CUDA), scaler, data (a BatchStream), scenario,
+        device, step_index (steps taken), records (a :class:`StepRecord` per step since
+        construction or the last :meth:`restore`), built (what the model is and where it came
+        from), scaler_spec (``scaler.spec()`` as built, before training moved the scale).
+    """
+
+    def __init__(
+        self,
+        spec: WorkloadSpec,
+        scaler: LossScaler | str = "torch",
+        *,
+        record: bool = False,
+        **scaler_overrides: Any,
+    ) -> None:
+        if not isinstance(spec, WorkloadSpec):
+            raise ConfigError(f"TrainingRun needs a WorkloadSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.record = bool(record)
+        self.device = resolve_device(spec.device)
+        self._amp_dtype = AMP_DTYPES[spec.dtype]
+        _seed_everything(spec.seed)
+        self.built: BuiltModel = build_model(spec)
+        self.model = self.built.model.to(self.device).train()
+        self.data = _make_data(spec, self.built, self.device)
+        self.scenario = make_scenario(spec.scenario, spec.scenario_params, spec.seed)
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self._params, lr=spec.lr, fused=self.device.type == "cuda"
+        )
+        self.scaler = self._make_scaler(scaler, scaler_overrides)
+        self.scaler_spec = self.scaler.spec()  # as configured, before training moves the scale
+        self._census = GradientCensus()
+        self.step_index = 0
+        self.records: list[StepRecord] = []
+
+    def _make_scaler(self, scaler: LossScaler | str, overrides: dict[str, Any]) -> LossScaler:
+        if isinstance(scaler, str):
+            from autoscale.scalers import get_scaler
+
+            return get_scaler(scaler, device=self.device.type, collect_stats=True, **overrides)
+        if not isinstance(scaler, LossScaler):
+            raise ConfigError(
+                f"scaler must be a registered name or a LossScaler, got {type(scaler).__name__}"
+            )
+        if overrides:
+            raise ConfigError(
+                f"scaler overrides ({', '.join(overrides)}) apply only to a scaler given by name"
+            )
+        if not scaler.is_enabled():
+            raise ConfigError(
+                "TrainingRun needs an enabled scaler; for no scaling use get_scaler('static', init_scale=1)"
+            )
+        if scaler._device != self.device.type:
+            raise ConfigError(
+                f"scaler is for device '{scaler._device}' but the run is on '{self.device.type}'"
+            )
+        scaler.collect_stats = True
+        return scaler
+
+    # ------------------------------------------------------------------ training
+    def _autocast(self):
+        if self._amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._amp_dtype)
+
+    def step(self) -> StepRecord:
+        """Take one optimizer step and return its record (also appended to :attr:`records`)."""
+        start = time.perf_counter()
+        spec, index = self.spec, self.step_index
+        lr = spec.lr * self.scenario.lr_factor(index)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        weight = self.scenario.loss_weight(index) / spec.grad_accum
+        scale = self.scaler.get_scale()
+        self.optimizer.zero_grad(set_to_none=True)
+        watch = BackwardAmaxMode() if self.record and self._amp_dtype is torch.float16 else None
+        objective_sum = None
+        for micro in range(spec.grad_accum):
+            batch = self.data.next_batch()
+            with self._autocast():
+                objective = self.scenario.objective(self.data, self.model, batch, index, micro)
+            with watch if watch is not None else contextlib.nullcontext():
+                self.scaler.scale(objective if weight == 1.0 else objective * weight).backward()
+            value = objective.detach().float().reshape(1)
+            objective_sum = value if objective_sum is None else objective_sum + value
+        self.scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        self._census.load(grads)
+        extras = [
+            objective_sum / spec.grad_accum,
+            self._census.underflow_counts(scale, MIN_NORMAL[spec.dtype]),
+        ]
+        if self.record:
+            extras.append(self._census.log2_histogram())
+            if watch is not None and watch.amax is not None:
+                extras.append(watch.amax.reshape(1))
+        if spec.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, spec.clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        # The one extra host sync, after update(): where the scaler syncs with fused optimizers.
+        host = torch.cat([e.to(self.device, torch.float64) for e in extras]).tolist()
+        stats = self.scaler.last_stats
+        hist = amax = None
+        if self.record:
+            counts = host[3:83]
+            total = math.fsum(counts)
+            hist = tuple(c / total for c in counts) if total > 0 else None
+            if len(host) > 83:
+                amax = host[83] if math.isfinite(host[83]) else math.inf
+        loss = host[0]
+        record = StepRecord(
+            step=index,
+            scale=stats.scale,
+            found_inf=stats.found_inf,
+            loss=loss,
+            loss_nonfinite=not math.isfinite(loss),
+            grad_amax=stats.grad_amax,
+            grad_rms=stats.grad_rms,
+            precision_loss=precision_loss_from_counts(host[1], host[2], stats.found_inf),
+            lr=lr,
+            wall_s=time.perf_counter() - start,
+            stats=stats,
+            grad_log2_hist=hist,
+            backward_amax=amax,
+        )
+        self.step_index += 1
+        self.records.append(record)
+        return record
+
+    def run(
+        self,
+        steps: int,
+        *,
+        progress: bool = False,
+        callback: Callable[[StepRecord], Any] | None = None,
+    ) -> Scorecard:
+        """Take ``steps`` steps and score them.
+
+        Args:
+            steps: Number of steps (> 0).
+            progress: Show a tqdm progress bar (on stderr).
+            callback: Called with each :class:`StepRecord`; returning ``False`` stops early.
+
+        Returns:
+            The :class:`Scorecard` of the steps taken by this call.
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+            raise ConfigError(f"steps must be a positive integer, got {steps!r}")
+        from tqdm.auto import tqdm
+
+        first, skipped = len(self.records), 0
+        with tqdm(total=steps, disable=not progress, unit="step", dynamic_ncols=True) as bar:
+            for _ in range(steps):
+                rec = self.step()
+                skipped += rec.found_inf
+                if progress:
+                    bar.set_postfix(
+                        scale=f"2^{math.log2(rec.scale):.1f}",
+                        loss=f"{rec.loss:.4g}",
+                        skipped=skipped,
+                        refresh=False,
+                    )
+                    bar.update(1)
+                if callback is not None and callback(rec) is False:
+                    break
+        return self.scorecard(self.records[first:])
+
+    def scorecard(self, records: list[StepRecord] | None = None) -> Scorecard:
+        """Score ``records`` (default: all of :attr:`records`) with the current eval loss."""
+        records = self.records if records is None else records
+        return Scorecard.from_records(
+            records,
+            eval_loss=self.eval_loss(),
+            hit_min=self.scaler.hit_min,
+            wall_s=math.fsum(r.wall_s for r in records),
+            params_finite=self.params_finite(),
+        )
+
+    def eval_loss(self) -> float:
+        """Mean held-out loss over ``spec.eval_batches`` fixed batches (no grad, same autocast dtype).
+
+        The model is in eval mode meanwhile, so no random numbers are drawn.
+        """
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self._autocast():
+                losses = [
+                    self.scenario.eval_objective(self.data, self.model, b).float()
+                    for b in self.data.eval_batches()
+                ]
+            return float(torch.stack(losses).mean())
+        finally:
+            self.model.train(was_training)
+
+    def params_finite(self) -> bool:
+        """Whether every parameter is finite."""
+        with torch.no_grad():
+            norms = torch._foreach_norm(self._params, math.inf)
+            return bool(torch.stack([n.float() for n in norms]).isfinite().all())
+
+    # ------------------------------------------------------------------ snapshots
+    def snapshot(self) -> Snapshot:
+        """Copy, in memory, everything that decides how training continues."""
+        return Snapshot(
+            step_index=self.step_index,
+            model={k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            optimizer=copy.deepcopy(self.optimizer.state_dict()),
+            scaler=copy.deepcopy(self.scaler.state_dict()),
+            scaler_last_stats=self.scaler.last_stats,
+            rng=_rng_state(self.device),
+            data=self.data.state_dict(),
+            scenario=copy.deepcopy(self.scenario.state_dict()),
+            records=tuple(self.records),
+        )
+
+    def restore(self, snap: Snapshot) -> None:
+        """Return to ``snap``: continuing is then bit-identical (on CPU) to continuing back then.
+
+        :attr:`records` becomes the records the run had when the snapshot was taken.
+        """
+        self.model.load_state_dict(snap.model)
+        self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
+        self.scaler.load_state_dict(copy.deepcopy(snap.scaler))
+        self.scaler.last_stats = snap.scaler_last_stats
+        _set_rng_state(snap.rng)
+        self.data.load_state_dict(snap.data)
+        self.scenario.load_state_dict(copy.deepcopy(snap.scenario))
+        self.step_index = snap.step_index
+        self.records = list(snap.records)
+
+    def __repr__(self) -> str:
+        return f"TrainingRun(model={self.spec.model!r}, scenario={self.spec.scenario!r}, scaler={self.scaler.name!r}, step={self.step_index})"
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """``name`` as a torch.device (None: CUDA when present); ConfigError for CUDA without CUDA."""
+    from autoscale.scalers.base import default_device
+
+    device = torch.device(name or default_device())
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"device '{name}' asked for but CUDA is not available here; use --device cpu"
+        )
+    return device
+
+
+def _make_data(spec: WorkloadSpec, built: BuiltModel, device: torch.device) -> BatchStream:
+    common = {
+        "batch_size": spec.batch_size,
+        "seed": spec.seed,
+        "eval_batches": spec.eval_batches,
+        "device": device,
+    }
+    if built.kind == "classifier":
+        return MixtureStream(**common)
+    text = load_text(spec.data)
+    source = f"'{spec.data}'" if spec.data else "pydoc_data.topics"
+    if built.tokenizer is not None:
+        built.tokenizer.model_max_length = int(1e12)  # one long text, cut into windows here
+        tokens = torch.tensor(
+            built.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long
+        )
+    else:
+        tokens = byte_tokens(text)
+    return TokenStream(
+        tokens, seq_len=spec.seq_len, vocab_size=built.vocab_size, source=source, **common
+    )
+
+
+def _seed_everything(seed: int) -> None:
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    import numpy as np
+
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])

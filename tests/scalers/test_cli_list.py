@@ -1,0 +1,91 @@
+"""``autoscale list``, ``--version``, ``--help`` and errors of the command line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import autoscale
+from autoscale.cli import main
+from autoscale.scalers import registry
+from autoscale.scalers.manifest import PolicyManifest, write_manifest
+
+BUILTIN = ["static", "torch", "deepspeed", "megatron", "jmp", "fairseq", "metaseq", "amax-history"]
+
+
+def test_list_shows_every_rule_with_defaults(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Built-in rules:\n")
+    for name in BUILTIN:
+        assert f"  {name} " in out
+    assert "growth_interval=2000" in out  # torch's defaults
+    assert "init_scale=2^32" in out  # megatron's, written as a power of two
+    assert "autoscale.get_scaler(NAME" in out
+
+
+def test_list_json(capsys):
+    assert main(["list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    by_name = {r["name"]: r for r in rows}
+    assert [r["name"] for r in rows] == [i.name for i in autoscale.list_scalers()]
+    assert set(BUILTIN) <= set(by_name)
+    assert by_name["torch"]["kind"] == "rule"
+    assert by_name["torch"]["defaults"]["growth_interval"] == 2000
+    assert by_name["deepspeed"]["defaults"]["min_scale"] == 1.0
+    assert by_name["amax-history"]["source"].startswith("Transformer Engine")
+
+
+def test_list_shows_exported_policies(capsys, tmp_path, monkeypatch):
+    write_manifest(
+        tmp_path / "tuned", PolicyManifest(name="tuned", kind="parametric", family="deepspeed")
+    )
+    monkeypatch.setenv(registry.POLICY_PATH_ENV, str(tmp_path))
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "Exported policies:\n  tuned" in out
+    assert "parametric policy (deepspeed)" in out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"autoscale {autoscale.__version__}"
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: autoscale" in out and "list" in out and "every registered scaler" in out
+
+
+def test_no_arguments_prints_help(capsys):
+    assert main([]) == 0
+    assert "usage: autoscale" in capsys.readouterr().out
+
+
+def test_unknown_subcommand_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code == 2
+    assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
+
+
+def test_console_script():
+    exe = shutil.which("autoscale", path=str(Path(sys.executable).parent)) or shutil.which(
+        "autoscale"
+    )
+    assert exe, "the autoscale console script is not installed"
+    out = subprocess.run([exe, "list", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert set(BUILTIN) <= {r["name"] for r in json.loads(out.stdout)}
+    bad = subprocess.run([exe, "frobnicate"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2

@@ -1,0 +1,204 @@
+"""Lookup by name: built-in rules, registered and third-party rules, exported policies, errors."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import pytest
+
+import autoscale
+from autoscale.errors import ConfigError, PolicyError, UnknownNameError
+from autoscale.scalers import LossScaler, StepStats, registry
+from autoscale.scalers.manifest import PolicyManifest, write_manifest
+from autoscale.scalers.rules import TorchScaler
+
+
+@pytest.fixture
+def clean_registry(monkeypatch):
+    """Rules registered by a test disappear after it; entry points are scanned afresh."""
+    monkeypatch.setattr(registry, "_RULES", dict(registry._RULES))
+    monkeypatch.setattr(registry, "_ENTRY_POINTS_LOADED", False)
+    return registry
+
+
+def test_unknown_name_suggests_the_nearest_and_how_to_list():
+    with pytest.raises(UnknownNameError) as info:
+        autoscale.get_scaler("troch", device="cpu")
+    message = str(info.value)
+    assert "unknown scaler 'troch'" in message
+    assert "did you mean 'torch'" in message
+    assert "autoscale list" in message
+    assert isinstance(info.value, KeyError)  # callers catching a missing key still work
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "match"),
+    [
+        ("torch", {"growth_factor": 1.0}, r"growth factor must be > 1.*got 1\.0"),
+        ("deepspeed", {"scale_factor": 0.5}, r"growth factor must be > 1.*got 0\.5"),
+        ("torch", {"backoff_factor": 1.0}, r"backoff factor must be in \(0, 1\).*got 1\.0"),
+        ("megatron", {"backoff_factor": 1.5}, r"backoff factor.*got 1\.5"),
+        (
+            "torch",
+            {"min_scale": 1e6, "max_scale": 10.0},
+            r"min_scale \(1e\+06\) must not exceed max_scale \(10\)",
+        ),
+        ("torch", {"growth_interval": 0}, r"growth_interval must be a positive integer.*got 0"),
+        ("deepspeed", {"loss_scale_window": -3}, r"loss_scale_window.*got -3"),
+        ("jmp", {"period": 2.5}, r"period.*got 2\.5"),
+        ("torch", {"init_scale": 0.0}, r"init_scale must be a positive finite number, got 0\.0"),
+        ("static", {"init_scale": -1}, r"init_scale.*got -1"),
+        ("torch", {"min_scale": math.inf}, r"min_scale.*got inf"),
+        ("fairseq", {"tolerance": 2.0}, r"tolerance.*got 2\.0"),
+        ("amax-history", {"margin": -1.0}, r"margin.*got -1\.0"),
+        (
+            "torch",
+            {"growth_intervall": 5},
+            r"takes no parameter 'growth_intervall'; did you mean 'growth_interval'",
+        ),
+    ],
+)
+def test_invalid_parameters_raise_value_error_naming_the_value(name, kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        autoscale.get_scaler(name, device="cpu", **kwargs)
+    assert isinstance(info.value, ConfigError)
+
+
+def test_register_a_custom_rule(clean_registry):
+    @autoscale.register_loss_scaler("thirds")
+    class ThirdsScaler(LossScaler):
+        description = "divide by 3 on overflow"
+
+        def next_scale(self, scale: float, stats: StepStats) -> float:
+            return scale / 3 if stats.found_inf else scale
+
+    scaler = autoscale.get_scaler("thirds", device="cpu", init_scale=9.0)
+    assert isinstance(scaler, ThirdsScaler) and scaler.name == "thirds"
+    assert scaler.clamp(scaler.next_scale(9.0, StepStats(0, 9.0, True))) == 3.0
+    info = {i.name: i for i in autoscale.list_scalers()}["thirds"]
+    assert info.kind == "rule" and info.description == "divide by 3 on overflow"
+    assert info.defaults["init_scale"] == 2.0**16
+
+    with pytest.raises(ConfigError, match="already registered"):
+        autoscale.register_loss_scaler("thirds")(type("Other", (LossScaler,), {}))
+    with pytest.raises(TypeError, match="expects a LossScaler subclass"):
+        autoscale.register_loss_scaler("not-a-scaler")(dict)
+
+
+def _plugin_dist(tmp_path, module: str, target: str) -> None:
+    """An installed distribution on sys.path whose entry point publishes ``target``."""
+    (tmp_path / f"{module}.py").write_text(
+        textwrap.dedent(
+            """
+            from autoscale.scalers import LossScaler
+
+            class QuarterScaler(LossScaler):
+                description = "x0.25 on overflow"
+                source = "a third-party package"
+
+                def next_scale(self, scale, stats):
+                    return scale / 4 if stats.found_inf else scale
+            """
+        )
+    )
+    info = tmp_path / f"{module}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[autoscale.scalers]\nquarter = {target}\n")
+
+
+def test_third_party_rule_through_entry_point(clean_registry, tmp_path, monkeypatch):
+    _plugin_dist(tmp_path, "autoscale_quarter_plugin", "autoscale_quarter_plugin:QuarterScaler")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "autoscale_quarter_plugin", raising=False)
+
+    scaler = autoscale.get_scaler("quarter", device="cpu", init_scale=64.0)
+    assert type(scaler).__name__ == "QuarterScaler" and scaler.name == "quarter"
+    assert scaler.clamp(scaler.next_scale(64.0, StepStats(0, 64.0, True))) == 16.0
+    info = {i.name: i for i in autoscale.list_scalers()}["quarter"]
+    assert info.kind == "plugin" and info.source == "a third-party package"
+
+
+def test_broken_plugin_is_reported(clean_registry, tmp_path, monkeypatch):
+    _plugin_dist(tmp_path, "autoscale_broken_plugin", "autoscale_broken_plugin:Missing")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(
+        ConfigError,
+        match=r"scaler plugin 'quarter' \(autoscale_broken_plugin:Missing\) failed to load",
+    ):
+        autoscale.get_scaler("quarter", device="cpu")
+
+
+def _export(folder, **fields):
+    manifest = PolicyManifest(
+        **{
+            "kind": "parametric",
+            "family": "torch",
+            "parameters": {"growth_interval": 100},
+            **fields,
+        }
+    )
+    return write_manifest(folder / manifest.name, manifest)
+
+
+def test_exported_parametric_policy(tmp_path, monkeypatch):
+    _export(tmp_path, name="tuned-torch", workload={"model": "mlp", "scenario": "clean"})
+    monkeypatch.setenv(registry.POLICY_PATH_ENV, str(tmp_path))
+
+    scaler = autoscale.get_scaler("tuned-torch", device="cpu")
+    assert isinstance(scaler, TorchScaler)
+    assert scaler.get_growth_interval() == 100 and scaler.policy_name == "tuned-torch"
+    assert (
+        autoscale.get_scaler("tuned-torch", device="cpu", growth_interval=7).get_growth_interval()
+        == 7
+    )
+    # a path to the folder works as well as the name
+    assert (
+        autoscale.get_scaler(str(tmp_path / "tuned-torch"), device="cpu").get_growth_interval()
+        == 100
+    )
+
+    info = {i.name: i for i in autoscale.list_scalers()}["tuned-torch"]
+    assert info.kind == "policy" and info.defaults == {"growth_interval": 100}
+    assert info.description == "parametric policy (torch) searched on mlp/clean"
+    assert registry.policy_dirs()[0] == tmp_path
+
+
+def test_policies_folder_in_the_working_directory(tmp_path, monkeypatch):
+    _export(tmp_path / "policies", name="local-policy")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(registry.POLICY_PATH_ENV, raising=False)
+    assert autoscale.get_scaler("local-policy", device="cpu").get_growth_interval() == 100
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("name: [unclosed\n", "cannot read"),
+        ("- just\n- a list\n", "is not a mapping"),
+        ("name: broken\nkind: parametric\n", "lacks 'family'"),
+        ("name: broken\nkind: magic\nfamily: torch\n", "kind 'magic'"),
+        ("name: broken\nkind: parametric\nfamily: torch\nfrom_the_future: 1\n", "unknown keys"),
+        ("name: broken\nkind: parametric\nfamily: torch\nformat: 99\n", "format 99"),
+        ("name: broken\nkind: parametric\nfamily: no-such-rule\n", "uses rule 'no-such-rule'"),
+    ],
+)
+def test_corrupt_manifest_raises_policy_error(tmp_path, monkeypatch, text, match):
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "policy.yaml").write_text(text)
+    monkeypatch.setenv(registry.POLICY_PATH_ENV, str(tmp_path))
+    with pytest.raises(PolicyError, match=match):
+        autoscale.get_scaler("broken", device="cpu")
+    # one broken policy does not break the listing
+    info = {i.name: i for i in autoscale.list_scalers()}["broken"]
+    assert info.kind == "policy"
+    if match != "uses rule 'no-such-rule'":
+        assert info.description.startswith("UNUSABLE:")
+
+
+def test_policy_with_invalid_parameters(tmp_path, monkeypatch):
+    _export(tmp_path, name="bad-params", parameters={"growth_interval": 0})
+    monkeypatch.setenv(registry.POLICY_PATH_ENV, str(tmp_path))
+    with pytest.raises(ConfigError, match="growth_interval.*got 0"):
+        autoscale.get_scaler("bad-params", device="cpu")

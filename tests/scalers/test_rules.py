@@ -1,0 +1,274 @@
+"""Each classic rule against a hand-computed sequence of overflow flags.
+
+The expected sequences were worked out by hand from the published code paths quoted in the rules'
+docstrings. Most tests drive the rule through real ``scale``/``step``/``update`` calls on a tiny
+model (``T`` = that step's loss is multiplied by inf); a few feed ``next_scale`` directly where
+the statistics must take exact values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import autoscale
+from autoscale.scalers import FP16_MAX, StepStats
+from tests.scalers.helpers import adamw, batches, forward_loss, run, tiny_model
+
+T, F = True, False
+
+
+def drive(
+    name: str, flags: list[bool], fused: bool = False, **kw
+) -> tuple[list[float], autoscale.LossScaler]:
+    """Run ``len(flags)`` real steps; return the scale after each ``update()`` and the scaler."""
+    scaler = autoscale.get_scaler(name, device="cpu", **kw)
+    model = tiny_model()
+    trace = run(
+        model,
+        adamw(model, fused=fused),
+        scaler,
+        batches(len(flags)),
+        [i for i, f in enumerate(flags) if f],
+    )
+    assert trace.skipped == [i for i, f in enumerate(flags) if f], "a step overflowed by itself"
+    return trace.after, scaler
+
+
+def feed(scaler: autoscale.LossScaler, flags: list[bool]) -> list[float]:
+    """Drive ``next_scale`` directly, as ``update()`` would (clamped and rounded to float32)."""
+    out, scale = [], scaler.get_scale()
+    for i, found in enumerate(flags):
+        scale = scaler.clamp(scaler.next_scale(scale, StepStats(i, scale, found)))
+        out.append(scale)
+    return out
+
+
+# ---------------------------------------------------------------- static
+def test_static_never_moves():
+    flags = [F, T, T, F, F, F, F, T, F, F]
+    after, scaler = drive("static", flags)
+    assert after == [128.0] * 10
+    assert scaler.skipped == 3
+
+
+# ---------------------------------------------------------------- torch
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+def test_torch_grows_after_interval_and_halves_on_overflow(fused):
+    flags = [F, F, F, T, F, F, F, F, T, T, F, F, F]
+    after, scaler = drive("torch", flags, fused=fused, init_scale=16.0, growth_interval=3)
+    assert after == [16, 16, 32, 16, 16, 16, 32, 32, 16, 8, 8, 8, 16]
+    assert scaler.state_dict()["_growth_tracker"] == 0
+
+
+# ---------------------------------------------------------------- DeepSpeed
+def test_deepspeed_first_growth_after_window_plus_one_and_hysteresis():
+    #        0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    flags = [F, F, F, F, T, T, F, F, F, F, T, F, T, T]
+    after, _ = drive("deepspeed", flags, init_scale=16.0, loss_scale_window=3)
+    # growth at step 3 = window+1 clean steps (stable_interval = cur_iter - last_overflow - 1 = 3);
+    # step 4 spends the hysteresis, step 5 halves; after that a clean step does not refill it
+    # (only a growth does), so step 12 halves at once and step 13 halves again.
+    assert after == [16, 16, 16, 32, 32, 16, 16, 16, 16, 32, 32, 32, 16, 8]
+
+
+def test_deepspeed_consecutive_hysteresis_refills_on_every_clean_step():
+    flags = [F, F, F, F, T, T, F, F, F, F, T, F, T, T]
+    after, _ = drive(
+        "deepspeed", flags, init_scale=16.0, loss_scale_window=3, consecutive_hysteresis=True
+    )
+    # same as above until step 11, whose clean step refills the hysteresis: step 12 only spends it
+    assert after == [16, 16, 16, 32, 32, 16, 16, 16, 16, 32, 32, 32, 32, 16]
+
+
+def test_deepspeed_growth_window_restarts_after_overflow():
+    scaler = autoscale.get_scaler(
+        "deepspeed", device="cpu", init_scale=16.0, loss_scale_window=2, hysteresis=1
+    )
+    # overflow at 1 -> 8; clean steps 2, 3, 4: stable_interval 0, 1, 2 -> growth at step 4
+    assert feed(scaler, [F, T, F, F, F, F, F]) == [16, 8, 8, 8, 16, 16, 32]
+
+
+def test_deepspeed_min_scale_and_raise_only_when_hysteresis_is_used_up():
+    scaler = autoscale.get_scaler("deepspeed", device="cpu", init_scale=2.0, raise_at_min=False)
+    assert scaler.min_scale == 1.0  # DeepSpeed's min_loss_scale default
+    assert feed(scaler, [T, T, T, T]) == [2, 1, 1, 1]
+
+    flags = [T, T, T]
+    with pytest.raises(autoscale.errors.MinimumLossScaleError, match="already at minimum"):
+        drive("deepspeed", flags, init_scale=1.0, raise_at_min=True)
+    # at the minimum, the first overflow only spends the hysteresis (DeepSpeed raises on the second)
+    after, scaler = drive("deepspeed", [T], init_scale=1.0, raise_at_min=True)
+    assert after == [1.0] and scaler.cur_hysteresis == 1
+
+
+# ---------------------------------------------------------------- Megatron
+def test_megatron_hysteresis_refilled_only_on_growth():
+    #        0  1  2  3  4  5  6  7  8  9 10
+    flags = [T, T, T, F, F, T, F, F, F, T, T]
+    after, scaler = drive("megatron", flags, init_scale=16.0, growth_interval=3)
+    # 0 spends the hysteresis; 1 and 2 halve; clean steps 3-4 do not refill it, so 5 halves at once;
+    # the growth at 8 refills it: 9 only spends it, 10 halves.
+    assert after == [16, 8, 4, 4, 4, 2, 2, 2, 4, 4, 2]
+    assert scaler.rule_state() == {"growth_tracker": 0, "hysteresis_tracker": 0}
+
+
+def test_megatron_defaults():
+    scaler = autoscale.get_scaler("megatron", device="cpu")
+    assert scaler.get_scale() == 2.0**32 and scaler.min_scale == 1.0
+    assert (scaler.growth_interval, scaler.hysteresis) == (1000, 2)
+
+
+# ---------------------------------------------------------------- jmp
+def test_jmp_period():
+    flags = [F, F, F, T, F, F, F, F, F, T, T, F]
+    after, _ = drive("jmp", flags, init_scale=16.0, period=3)
+    assert after == [16, 16, 32, 16, 16, 16, 32, 32, 32, 16, 8, 8]
+
+
+def test_jmp_floor_is_min_scale():
+    scaler = autoscale.get_scaler("jmp", device="cpu", init_scale=4.0)
+    assert feed(scaler, [T, T, T, T]) == [2, 1, 1, 1]
+
+
+# ---------------------------------------------------------------- fairseq
+def test_fairseq_tolerance():
+    #        0  1  2  3  4  5  6  7  8  9 10 11 12
+    flags = [F, F, F, F, T, F, F, T, T, F, F, F, F]
+    after, _ = drive("fairseq", flags, init_scale=16.0, scale_window=4, tolerance=0.5)
+    # growth when (iter - last_overflow) % window == 0: at 3 (4 clean steps from the start);
+    # 4 backs off (1 overflow in 1 step since the rescale at 3); 7 does not (1 in 3 < 0.5);
+    # 8 does (2 in 4 = 0.5); then 4 clean steps after the overflow at 8 grow at 12.
+    assert after == [16, 16, 16, 32, 16, 16, 16, 16, 8, 8, 8, 8, 16]
+
+
+def test_fairseq_zero_tolerance_backs_off_on_every_overflow():
+    scaler = autoscale.get_scaler("fairseq", device="cpu", init_scale=16.0, scale_window=4)
+    assert feed(scaler, [F, T, F, T, T, F, F, F, F]) == [16, 8, 8, 4, 2, 2, 2, 2, 4]
+    assert scaler.scale_window == 4
+
+
+# ---------------------------------------------------------------- metaseq
+def test_metaseq_window_doubles_on_growth_and_halves_on_backoff():
+    flags = [F, F, F, F, F, F, F, F, T] + [F] * 8 + [T, T, F, F, F, F]
+    windows = []
+    scaler = autoscale.get_scaler("metaseq", device="cpu", init_scale=4.0, scale_window=2)
+    model = tiny_model()
+    trace = run(
+        model,
+        adamw(model),
+        scaler,
+        batches(len(flags)),
+        [i for i, f in enumerate(flags) if f],
+        each=lambda i: windows.append(scaler.scale_window),
+    )
+    expected = [4, 8, 8, 16, 16, 16, 16, 32, 16] + [16] * 7 + [32, 16, 8, 8, 8, 8, 16]
+    assert trace.after == expected
+    assert windows == [2, 4, 4, 8, 8, 8, 8, 16, 8] + [8] * 7 + [16, 8, 4, 4, 4, 4, 8]
+    # the window is state: a checkpoint keeps the grown one, the parameters keep the initial one
+    assert scaler.state_dict()["autoscale"]["rule_state"]["scale_window"] == 8
+    assert scaler.rule_params()["scale_window"] == 2
+
+
+def test_metaseq_window_never_below_one():
+    scaler = autoscale.get_scaler("metaseq", device="cpu", init_scale=4.0, scale_window=2)
+    feed(scaler, [T, T, T])
+    assert scaler.scale_window == 1
+    assert scaler.min_scale == 2.0**-5
+
+
+# ---------------------------------------------------------------- amax-history
+def _expected_amax_scale(history: list[float], margin: float) -> float:
+    return 2.0 ** math.floor(math.log2(FP16_MAX / max(history)) - margin)
+
+
+def test_amax_history_hand_computed():
+    scaler = autoscale.get_scaler("amax-history", device="cpu", history_len=3, margin=2.0)
+    steps = [  # (found_inf, amax) -> scale
+        ((F, 1.0), 2.0**13),  # log2(65504 / 1) - 2 = 13.9997
+        ((F, 0.25), 2.0**13),  # max over [1, .25]
+        ((F, 0.01), 2.0**13),
+        ((F, 0.01), 2.0**15),  # 1.0 left the history: max .25 -> 15.9997
+        ((T, math.inf), 2.0**14),  # overflow: x0.5, history kept
+        ((F, 0.01), 2.0**20),  # history [.01, .01, .01]: log2(6550400) - 2 = 20.64
+        ((F, 3.0), 2.0**12),  # log2(65504 / 3) - 2 = 12.41
+        ((F, 0.0), 2.0**12),  # an all-zero gradient says nothing: not recorded
+    ]
+    scale = scaler.get_scale()
+    for i, ((found, amax), expected) in enumerate(steps):
+        scale = scaler.next_scale(scale, StepStats(i, scale, found, grad_amax=amax))
+        assert scale == expected, f"step {i}"
+    assert scaler.rule_state() == {"history": [0.01, 0.01, 3.0]}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+def test_amax_history_on_real_steps(fused):
+    scaler = autoscale.get_scaler(
+        "amax-history", device="cpu", history_len=3, margin=2.0, init_scale=2.0**8
+    )
+    model = tiny_model()
+    opt = adamw(model, fused=fused)
+    data = batches(9)
+    inf_steps = {5}
+    history: list[float] = []
+    for i, (x, y) in enumerate(data):
+        before = scaler.get_scale()
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y) * (math.inf if i in inf_steps else 1.0)
+        scaler.scale(loss).backward()
+        # the true amax of the unscaled gradient, from the scaled one (the scale is a power of two)
+        true_amax = max(p.grad.abs().max().item() for p in model.parameters()) / before
+        scaler.step(opt)
+        scaler.update()
+        stats = scaler.last_stats
+        if i in inf_steps:
+            assert stats.found_inf and scaler.get_scale() == before * 0.5
+            continue
+        assert stats.grad_amax == pytest.approx(true_amax, rel=1e-6)
+        history = (history + [stats.grad_amax])[-3:]
+        assert scaler.get_scale() == _expected_amax_scale(history, 2.0)
+        assert scaler.get_scale() * max(history) <= FP16_MAX / 4
+
+
+# ---------------------------------------------------------------- statistics the rules read
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+def test_collected_amax_and_rms_are_those_of_the_unscaled_gradients(fused):
+    scaler = autoscale.get_scaler("torch", device="cpu", init_scale=2.0**10, collect_stats=True)
+    model = tiny_model()
+    opt = adamw(model, fused=fused)
+    (x, y), (x2, y2) = batches(2)
+    opt.zero_grad()
+    scaler.scale(forward_loss(model, x, y)).backward()
+    grads = torch.cat([p.grad.reshape(-1) / 2.0**10 for p in model.parameters()])
+    scaler.step(opt)
+    scaler.update()
+    stats = scaler.last_stats
+    assert stats.grad_amax == pytest.approx(grads.abs().max().item(), rel=1e-6)
+    assert stats.grad_rms == pytest.approx(grads.square().mean().sqrt().item(), rel=1e-5)
+
+    opt.zero_grad()
+    scaler.scale(forward_loss(model, x2, y2, inf=True)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_stats.found_inf
+    assert not math.isfinite(scaler.last_stats.grad_amax)
+
+
+def test_amax_history_skips_the_rms_pass_unless_asked():
+    model = tiny_model()
+    ((x, y),) = batches(1)
+    lean = autoscale.get_scaler("amax-history", device="cpu")
+    full = autoscale.get_scaler("amax-history", device="cpu", collect_stats=True)
+    plain = autoscale.get_scaler("torch", device="cpu")
+    for scaler in (lean, full, plain):
+        assert run(model, adamw(model), scaler, [(x, y)]).skipped == []
+    assert math.isfinite(lean.last_stats.grad_amax) and math.isnan(lean.last_stats.grad_rms)
+    assert math.isfinite(full.last_stats.grad_rms) and full.last_stats.grad_rms > 0
+    assert math.isnan(plain.last_stats.grad_amax) and math.isnan(plain.last_stats.grad_rms)
+    plain.collect_stats = True  # switching statistics on later collects all of them
+    run(model, adamw(model), plain, [(x, y)])
+    assert math.isfinite(plain.last_stats.grad_amax) and math.isfinite(plain.last_stats.grad_rms)

@@ -1,0 +1,96 @@
+"""Precision loss and the overflow threshold, checked against references."""
+
+import math
+
+import pytest
+import torch
+
+from autoscale.training import TrainingRun, WorkloadSpec, precision_loss_from_hist
+from autoscale.training.instruments import GradientCensus, log2_histogram, underflow_counts
+
+
+def test_underflow_counts_exact():
+    g = [
+        torch.tensor([0.0, 2.0**-20, -(2.0**-19), 2.0**-18, 1.0]),
+        torch.tensor([[2.0**-30, 0.0], [-(2.0**-10), 0.0]]),
+    ]
+    # scale 2^4: lost when |g| < 2^-18  ->  2^-20, 2^-19, 2^-30 (zeros are not counted)
+    below, nonzero = underflow_counts(g, 2.0**4).tolist()
+    assert (below, nonzero) == (3.0, 6.0)
+    below, nonzero = underflow_counts(g, 2.0**4, min_normal=2.0**-126).tolist()
+    assert (below, nonzero) == (0.0, 6.0)
+
+
+def test_census_reuses_its_buffer():
+    census = GradientCensus()
+    census.load([torch.tensor([1.0, -(2.0**-30)])])
+    buffer = census._abs
+    assert census.underflow_counts(1.0).tolist() == [1, 2]
+    census.load([torch.tensor([0.0, 2.0**-30])])
+    assert census._abs is buffer and census.underflow_counts(2.0**20).tolist() == [0, 1]
+    census.load([torch.ones(3)])  # a different size gets a new buffer
+    assert census.underflow_counts(1.0).tolist() == [0, 3] and census._abs is not buffer
+
+
+def test_log2_histogram_exact():
+    g = [torch.tensor([0.0, 1.0, 1.5, -0.25, 2.0**-70, 2.0**20, math.inf, math.nan])]
+    counts = log2_histogram(g).tolist()
+    assert sum(counts) == 5  # zero, inf and nan are left out
+    assert counts[64] == 2 and counts[62] == 1  # [0, 1): 1 and 1.5; [-2, -1): 0.25
+    assert counts[0] == 1 and counts[79] == 1  # beyond either end: first and last bin
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "mlp"])
+def test_precision_loss_matches_fp32_reference(model):
+    """The fp16 step's estimate vs the same step in fp32: the share of fp32 gradients with
+    |g|*S below 2^-14 among those fp16 can represent at all (|g|*S >= 2^-24)."""
+    scale = 2.0**12
+    spec = WorkloadSpec(model=model, scenario="small-grads", clip=None)
+    fp16 = TrainingRun(spec, "static", record=True, init_scale=scale)
+    rec = fp16.step()
+    ref = TrainingRun(
+        spec.replace(dtype="fp32"), "static", init_scale=scale
+    )  # same init, batch, dropout
+    ref.step()
+    g = (
+        torch.cat([p.grad.flatten() for p in ref.model.parameters() if p.grad is not None]).abs()
+        * scale
+    )
+    representable = g >= 2.0**-24
+    reference = ((g < 2.0**-14) & representable).sum().item() / representable.sum().item()
+    assert 0.3 < reference < 0.7  # a regime where the metric matters
+    assert rec.precision_loss == pytest.approx(reference, abs=0.02)
+    # the histogram estimate (what a replay uses) agrees with the fused count exactly at 2^k scales
+    assert precision_loss_from_hist(rec.grad_log2_hist, math.log2(scale)) == pytest.approx(
+        rec.precision_loss, abs=1e-9
+    )
+    assert sum(rec.grad_log2_hist) == pytest.approx(1.0)
+
+
+def test_overflow_threshold_predicts_overflow():
+    """One recorded backward at a safe scale predicts the scale at which the same step overflows."""
+    run = TrainingRun(WorkloadSpec(model="mlp"), "static", record=True, init_scale=2.0**8)
+    run.run(3)
+    snap = run.snapshot()
+    first = run.step()
+    threshold = first.overflow_threshold_log2
+    assert 12 < threshold < 24 and first.backward_amax >= first.grad_amax * first.scale
+    for delta, overflows in ((-0.25, False), (0.25, True)):
+        run.restore(snap)
+        run.scaler.set_scale(2.0 ** (threshold + delta))
+        rec = run.step()
+        assert rec.found_inf is overflows
+        assert (rec.backward_amax == math.inf) is overflows
+        assert (rec.overflow_threshold_log2 is None) is overflows
+
+
+def test_record_extras_absent_unless_asked_or_not_fp16():
+    rec = TrainingRun(WorkloadSpec(model="mlp"), "torch").step()
+    assert (
+        rec.grad_log2_hist is None
+        and rec.backward_amax is None
+        and rec.overflow_threshold_log2 is None
+    )
+    rec = TrainingRun(WorkloadSpec(model="mlp", dtype="bf16"), "torch", record=True).step()
+    assert rec.backward_amax is None and len(rec.grad_log2_hist) == 80
+    assert rec.precision_loss == 0.0  # bf16's range: nothing below its normal minimum at scale 2^16
