@@ -26,11 +26,15 @@ CACHE = ROOT / "experiments" / ".cache"
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--scenarios", nargs="+", default=["bad-batches", "small-grads"])
     p.add_argument("--timesteps", type=int, default=100_000)
     p.add_argument("--trace-steps", type=int, default=192)
-    p.add_argument("--seeds", type=int, default=2, help="seeds per test instance for the real-step evaluation")
+    p.add_argument(
+        "--seeds", type=int, default=2, help="seeds per test instance for the real-step evaluation"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -43,46 +47,90 @@ def main(argv=None) -> int:
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     CACHE.mkdir(parents=True, exist_ok=True)
-    report = ["# PPO against the torch rule (held-out instances, real steps)", "",
-              f"`python experiments/ppo_evidence.py {' '.join(argv or sys.argv[1:])}`", ""]
+    report = [
+        "# PPO against the torch rule (held-out instances, real steps)",
+        "",
+        f"`python experiments/ppo_evidence.py {' '.join(argv or sys.argv[1:])}`",
+        "",
+    ]
     data = {}
     for scenario in args.scenarios:
         spec = load_env_spec(ROOT / "envs" / f"{scenario}.yaml")
         trace_path = CACHE / f"{scenario}-{args.trace_steps}.npz"
         t0 = time.perf_counter()
-        trace = Trace.load(trace_path) if trace_path.exists() else record_trace(spec, args.trace_steps, trace_path, progress=True)
+        trace = (
+            Trace.load(trace_path)
+            if trace_path.exists()
+            else record_trace(spec, args.trace_steps, trace_path, progress=True)
+        )
         record_s = time.perf_counter() - t0
         cpu0, wall0 = time.process_time(), time.perf_counter()
         name = f"ppo-{scenario}"
-        result = train_agent(spec, "ppo", args.timesteps, replay=trace, seed=args.seed, progress=True,
-                             export_name=name, export_dir=str(ROOT / "policies"), force=True)
+        result = train_agent(
+            spec,
+            "ppo",
+            args.timesteps,
+            replay=trace,
+            seed=args.seed,
+            progress=True,
+            export_name=name,
+            export_dir=str(ROOT / "policies"),
+            force=True,
+        )
         cpu_min, wall_min = (time.process_time() - cpu0) / 60, (time.perf_counter() - wall0) / 60
-        cards, records = evaluate_scalers(spec, [str(result.policy_dir), "torch", "amax-history"], seeds=args.seeds,
-                                          progress=True, keep_records=True)
+        cards, records = evaluate_scalers(
+            spec,
+            [str(result.policy_dir), "torch", "amax-history"],
+            seeds=args.seeds,
+            progress=True,
+            keep_records=True,
+        )
         cards = {name if k == str(result.policy_dir) else k: v for k, v in cards.items()}
         records = {name if k == str(result.policy_dir) else k: v for k, v in records.items()}
         summaries = {k: summarize(v) for k, v in cards.items()}
         n = len(cards[name])
         plot = RESULTS / f"ppo_evidence_{scenario}.png"
-        plot_comparison(records, plot, title=f"{scenario}: PPO vs rules, test instances, real steps")
+        plot_comparison(
+            records, plot, title=f"{scenario}: PPO vs rules, test instances, real steps"
+        )
         ppo, torch_ = summaries[name], summaries["torch"]
         verdict = {
             "lower_skip_rate": ppo["skip_rate"]["mean"] < torch_["skip_rate"]["mean"],
             "equal_skip_rate": math.isclose(ppo["skip_rate"]["mean"], torch_["skip_rate"]["mean"]),
-            "lower_precision_loss": ppo["precision_loss"]["mean"] < torch_["precision_loss"]["mean"],
+            "lower_precision_loss": ppo["precision_loss"]["mean"]
+            < torch_["precision_loss"]["mean"],
             "eval_loss_no_worse": ppo["eval_loss"]["mean"] <= torch_["eval_loss"]["mean"] + 1e-3,
         }
-        data[scenario] = {"summaries": summaries, "verdict": verdict, "cpu_minutes": cpu_min, "wall_minutes": wall_min,
-                          "record_s": record_s, "timesteps": args.timesteps, "episodes": n,
-                          "scorecards": {k: [c.to_dict() for c in v] for k, v in cards.items()}}
-        report += [f"## {scenario}", "",
-                   f"PPO: {args.timesteps} timesteps on the replay of {len(spec.instances['train'])} train instances "
-                   f"({args.trace_steps} recorded steps each, {record_s:.0f} s to record), "
-                   f"{cpu_min:.1f} CPU-minutes / {wall_min:.1f} wall-minutes of training. "
-                   f"Evaluated on {n} episodes of {spec.episode.steps} real steps (test instances x {args.seeds} seeds).", "",
-                   "```", format_comparison(summaries, n), "```", "",
-                   "Verdict against torch: " + ", ".join(f"{k.replace('_', ' ')}: {'yes' if v else 'no'}" for k, v in verdict.items()),
-                   "", f"![{scenario}]({plot.name})", ""]
+        data[scenario] = {
+            "summaries": summaries,
+            "verdict": verdict,
+            "cpu_minutes": cpu_min,
+            "wall_minutes": wall_min,
+            "record_s": record_s,
+            "timesteps": args.timesteps,
+            "episodes": n,
+            "scorecards": {k: [c.to_dict() for c in v] for k, v in cards.items()},
+        }
+        report += [
+            f"## {scenario}",
+            "",
+            f"PPO: {args.timesteps} timesteps on the replay of {len(spec.instances['train'])} train instances "
+            f"({args.trace_steps} recorded steps each, {record_s:.0f} s to record), "
+            f"{cpu_min:.1f} CPU-minutes / {wall_min:.1f} wall-minutes of training. "
+            f"Evaluated on {n} episodes of {spec.episode.steps} real steps (test instances x {args.seeds} seeds).",
+            "",
+            "```",
+            format_comparison(summaries, n),
+            "```",
+            "",
+            "Verdict against torch: "
+            + ", ".join(
+                f"{k.replace('_', ' ')}: {'yes' if v else 'no'}" for k, v in verdict.items()
+            ),
+            "",
+            f"![{scenario}]({plot.name})",
+            "",
+        ]
         print(format_comparison(summaries, n))
     (RESULTS / "ppo_evidence.md").write_text("\n".join(report) + "\n")
     (RESULTS / "ppo_evidence.json").write_text(json.dumps(json_safe(data), indent=2) + "\n")

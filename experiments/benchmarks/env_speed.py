@@ -62,14 +62,22 @@ def real_env_ratio(spec, blocks: int, block_steps: int) -> tuple[float, float, f
         for _ in range(block_steps):
             env.step(2)
         env_t.append((time.perf_counter() - t0) / block_steps)
-    step, env_step, reset = statistics.median(bare_t), statistics.median(env_t), statistics.median(reset_t)
+    step, env_step, reset = (
+        statistics.median(bare_t),
+        statistics.median(env_t),
+        statistics.median(reset_t),
+    )
     return env_step / step, reset / step, step, reset
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--env", default="envs/gpt2-tiny.yaml")
-    p.add_argument("--dtype", default="bf16", help="autocast dtype for the real-step comparison (default bf16)")
+    p.add_argument(
+        "--dtype", default="bf16", help="autocast dtype for the real-step comparison (default bf16)"
+    )
     p.add_argument("--replay-steps", type=int, default=200_000)
     p.add_argument("--blocks", type=int, default=7)
     p.add_argument("--block-steps", type=int, default=8)
@@ -89,8 +97,18 @@ def main(argv=None) -> int:
     ratio, reset_ratio, step, reset = real_env_ratio(spec, args.blocks, args.block_steps)
     rows = [
         ("ReplayEnv steps/s (one core)", f"{steps_s:,.0f}", ">= 100,000", steps_s >= 100_000),
-        ("LossScaleEnv step / bare step", f"{ratio:.3f} ({step * 1e3:.1f} ms bare)", "<= 1.10", ratio <= 1.10),
-        ("LossScaleEnv reset / one step", f"{reset_ratio:.3f} ({reset * 1e3:.2f} ms)", "<= 1", reset_ratio <= 1.0),
+        (
+            "LossScaleEnv step / bare step",
+            f"{ratio:.3f} ({step * 1e3:.1f} ms bare)",
+            "<= 1.10",
+            ratio <= 1.10,
+        ),
+        (
+            "LossScaleEnv reset / one step",
+            f"{reset_ratio:.3f} ({reset * 1e3:.2f} ms)",
+            "<= 1",
+            reset_ratio <= 1.0,
+        ),
     ]
     lines = [
         f"env speed on {spec.name} ({spec.workload.model}, {args.dtype}, torch {torch.__version__}, 1 thread)",
@@ -102,7 +120,12 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as fh:
-            fh.write("\n".join(["# Environment speed", "", "`python " + " ".join(sys.argv) + "`", "", *lines]) + "\n")
+            fh.write(
+                "\n".join(
+                    ["# Environment speed", "", "`python " + " ".join(sys.argv) + "`", "", *lines]
+                )
+                + "\n"
+            )
     return 0
 
 

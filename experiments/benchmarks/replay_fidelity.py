@@ -47,10 +47,16 @@ def fidelity(env_path: str, trace_steps: int) -> list[tuple]:
     from autoscale.scalers import list_scalers
 
     spec = load_env_spec(env_path)
-    trace = record_trace(spec, max(trace_steps, spec.episode.steps), None, instances=("test",), progress=True)
+    trace = record_trace(
+        spec, max(trace_steps, spec.episode.steps), None, instances=("test",), progress=True
+    )
     ep = spec.episode
-    factories = {i.name: (lambda n=i.name: scaler_for(n, spec)) for i in list_scalers() if i.kind == "rule"}
-    factories["random"] = lambda: RandomDeltaScaler("cpu", seed=1, init_scale=ep.init_scale, min_scale=ep.min_scale, max_scale=ep.max_scale)
+    factories = {
+        i.name: (lambda n=i.name: scaler_for(n, spec)) for i in list_scalers() if i.kind == "rule"
+    }
+    factories["random"] = lambda: RandomDeltaScaler(
+        "cpu", seed=1, init_scale=ep.init_scale, min_scale=ep.min_scale, max_scale=ep.max_scale
+    )
     real = evaluate_scalers(spec, factories, progress=True)
     replay = evaluate_scalers(spec, factories, trace=trace)
     rows = []
@@ -63,7 +69,9 @@ def fidelity(env_path: str, trace_steps: int) -> list[tuple]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--env", nargs="+", default=["envs/bad-batches.yaml", "envs/small-grads.yaml"])
     p.add_argument("--trace-steps", type=int, default=64)
     p.add_argument("--out", help="also write the table as markdown here")
@@ -72,19 +80,37 @@ def main(argv=None) -> int:
     for env in args.env:
         rows.extend(fidelity(env, args.trace_steps))
     lines = [
-        "| env | scaler | metric | real | replay | rel. diff | within 20% |",
-        "|---|---|---|---|---|---|---|",
+        "| env | scaler | metric | real | replay | abs. diff | rel. diff | within 20% |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    misses = []
     for env, name, metric, r, q, d in rows:
-        ok = d <= 0.2 or (abs(r - q) < 0.005)  # both near zero counts as agreement
-        lines.append(f"| {env} | {name} | {metric} | {r:.4f} | {q:.4f} | {d:.1%} | {'yes' if ok else 'NO'} |")
-    n_ok = sum(1 for line in lines[2:] if line.endswith("yes |"))
+        ok = d <= 0.2
+        if not ok:
+            misses.append((env, name, metric, abs(r - q)))
+        lines.append(
+            f"| {env} | {name} | {metric} | {r:.4f} | {q:.4f} | {abs(r - q):.4f} | {d:.1%} | {'yes' if ok else 'NO'} |"
+        )
     lines.append("")
-    lines.append(f"{n_ok} of {len(rows)} comparisons within 20% (or both below 0.005 absolute).")
+    lines.append(f"{len(rows) - len(misses)} of {len(rows)} comparisons within 20% relative.")
+    if misses:
+        worst = max(m[3] for m in misses)
+        lines.append(
+            f"The {len(misses)} others differ by at most {worst:.4f} absolute. Replay reads precision loss from the "
+            "gradient histogram of the recorded step; a real run that used a lower scale than the recording "
+            "flushes more elements to zero (they leave the count) and its trajectory drifts from the trace, "
+            "so small precision losses differ in relative terms."
+        )
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as fh:
-            fh.write("# Replay fidelity\n\n`python " + " ".join(sys.argv) + "`\n\n" + "\n".join(lines) + "\n")
+            fh.write(
+                "# Replay fidelity\n\n`python "
+                + " ".join(sys.argv)
+                + "`\n\n"
+                + "\n".join(lines)
+                + "\n"
+            )
     return 0
 
 
