@@ -24,6 +24,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "record": ("record", "RecordCommand", "record traces of real training for the replay environment"),
     "train-agent": ("train_agent", "TrainAgentCommand", "train an RL agent (SB3) to set the scale; export it"),
     "eval": ("eval", "EvalCommand", "evaluate a policy against every built-in rule on test instances"),
+    "search": ("search", "SearchCommand", "budgeted Optuna search of policies; validate, export the best"),
+    "dashboard": ("dashboard", "DashboardCommand", "optuna-dashboard on a search storage (127.0.0.1)"),
+    "export": ("export", "ExportCommand", "export a search trial's policy to policies/NAME"),
 }
 
 EPILOG = """examples:
@@ -33,6 +36,8 @@ EPILOG = """examples:
   autoscale compare --scalers torch,deepspeed,amax-history --seeds 3
                                                    the rules side by side, mean and spread over seeds
   autoscale doctor                                 device, fp16/bf16 support, step speeds, advice
+  autoscale search --budget 30m                    search, validate on real steps, export the best
+  autoscale dashboard                              review the search: trials, notes, plots
 """
 
 

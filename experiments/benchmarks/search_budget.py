@@ -2,9 +2,9 @@
 
 Runs one search in this process (fresh SQLite storage in a temporary folder) and prints the wall
 time against the budget, then where the time went: training and evaluation (measuring, recording,
-replay trials, RL, real-step validation, export) against bookkeeping (Optuna's storage and
-sampler, user attributes, notes, artifacts, plots), the rest being start-up and glue. The target
-is bookkeeping under 5% of the wall time.
+replay trials, RL, real-step validation, export), the search algorithm (TPE sampler, pruner), and
+bookkeeping (Optuna storage: ask, tell, reports; user attributes, notes, artifacts, plots), the
+rest being start-up and glue. The target is bookkeeping under 5% of the wall time.
 
     python experiments/benchmarks/search_budget.py --budget 60s
     python experiments/benchmarks/search_budget.py --model mlp --budget 2m --space both
@@ -51,7 +51,8 @@ def main() -> None:
     ledger = result.ledger.seconds
     work = {k[5:]: v for k, v in ledger.items() if k.startswith("work:")}
     bk = {k[3:]: v for k, v in ledger.items() if k.startswith("bk:")}
-    other = wall - sum(work.values()) - sum(bk.values())
+    alg = {k[4:]: v for k, v in ledger.items() if k.startswith("alg:")}
+    other = wall - sum(work.values()) - sum(bk.values()) - sum(alg.values())
 
     def rows(title: str, parts: dict[str, float]) -> None:
         total = sum(parts.values())
@@ -72,6 +73,7 @@ def main() -> None:
         f"wall time {wall:.1f} s of a {seconds:.0f} s budget: {100 * wall / seconds:.1f}% (over by {max(0.0, wall - seconds):.1f} s)"
     )
     rows("training and evaluation", work)
+    rows("search algorithm", alg)
     rows("bookkeeping", bk)
     print(f"{'start-up and glue':<28} {other:8.2f} s  {100 * other / wall:5.1f}%")
     share = sum(bk.values()) / wall

@@ -1,0 +1,51 @@
+"""``autoscale dashboard``: optuna-dashboard on a search storage, with its artifacts."""
+
+from __future__ import annotations
+
+import argparse
+
+from autoscale.commands.base import Command
+
+
+class DashboardCommand(Command):
+    """Serve optuna-dashboard on a search storage (trials, notes, plots); local only by default."""
+
+    epilog = """examples:
+  autoscale dashboard                                  the default storage, http://127.0.0.1:8080
+  autoscale dashboard --storage runs.log --port 9000
+  autoscale dashboard --storage postgresql://user@db-host/autoscale --artifacts /shared/artifacts
+
+It binds 127.0.0.1: reach it from another machine through an SSH tunnel
+(ssh -L 8080:127.0.0.1:8080 HOST), or pass --host 0.0.0.0 on a trusted network only.
+"""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        from autoscale.commands.search import add_storage_arguments
+
+        add_storage_arguments(parser)
+        parser.add_argument("--port", type=int, default=8080, help="default 8080")
+        parser.add_argument(
+            "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)"
+        )
+
+    def run(self, args: argparse.Namespace) -> int:
+        from optuna_dashboard import run_server
+
+        from autoscale.search.storage import artifact_store, artifacts_dir, mask_url, open_storage
+
+        storage = open_storage(args.storage, must_exist=True)
+        store = artifact_store(artifacts_dir(args.storage, args.artifacts))
+        print(
+            f"optuna-dashboard on {mask_url(args.storage)}: http://{args.host}:{args.port}/ (Ctrl-C stops it)"
+        )
+        try:
+            run_server(storage, host=args.host, port=args.port, artifact_store=store)
+        except KeyboardInterrupt:
+            print("stopped")
+        except OSError as exc:
+            from autoscale.errors import ConfigError
+
+            raise ConfigError(
+                f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}; try another --port"
+            ) from None
+        return 0

@@ -1,0 +1,137 @@
+"""``autoscale search``: a budgeted Optuna search of loss-scale policies, validated and exported."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Any
+
+from autoscale.commands.base import Command
+
+EPILOG = """examples:
+  autoscale search --budget 5m                        gpt2-tiny / bad-batches, parametric rules
+  autoscale search --model gpt2 --scenario small-grads --budget 2h
+  autoscale search --env envs/moving.yaml --space both --budget 1h30m --export moving-best
+  autoscale search --storage runs.log --study shared --budget 30m      (run it in several shells)
+  autoscale search --storage postgresql://user:pw@db-host/autoscale --study team --budget 8h
+
+budgets: 90s, 30m, 2h, 1h30m. The search measures the step time, records traces of real steps,
+searches on their replay, validates the best candidates and every built-in rule on real steps of
+held-out instances, exports the winner, and ends within the budget. Ctrl-C keeps every finished
+trial; the same command resumes the study. Review it with: autoscale dashboard
+"""
+
+
+def add_storage_arguments(parser: Any) -> None:
+    """``--storage`` and ``--artifacts`` on a parser or argument group, shared by search,
+    dashboard and export."""
+    from autoscale.search.storage import DEFAULT_STORAGE
+
+    parser.add_argument(
+        "--storage",
+        default=DEFAULT_STORAGE,
+        help=f"Optuna URL, SQLite file, or FILE.log for a JournalFile (default {DEFAULT_STORAGE})",
+    )
+    parser.add_argument(
+        "--artifacts",
+        metavar="DIR",
+        help="plots, traces, RL policies (default: artifacts/ next to the storage file)",
+    )
+
+
+class SearchCommand(Command):
+    """Search loss-scale policies within a wall-clock budget; validate and export the best."""
+
+    epilog = EPILOG
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        wl = parser.add_argument_group("workload (default: gpt2-tiny, bad-batches)")
+        wl.add_argument(
+            "--env", help="env spec: a YAML path or a name in envs/ (sets the workload)"
+        )
+        wl.add_argument("--model", help="model preset, Hub id or local folder (default gpt2-tiny)")
+        wl.add_argument("--scenario", help="failure mode (default bad-batches)")
+        wl.add_argument(
+            "--param", action="append", default=[], metavar="KEY=VALUE", help="scenario parameter"
+        )
+        wl.add_argument("--dtype", help="autocast dtype (default: the spec's, fp16)")
+        s = parser.add_argument_group("search")
+        s.add_argument(
+            "--budget", default="10m", help="wall clock: 90s, 30m, 2h, 1h30m (default 10m)"
+        )
+        s.add_argument(
+            "--space",
+            default="parametric",
+            choices=("parametric", "rl", "both"),
+            help="rule families with their knobs, RL agents, or both (default parametric)",
+        )
+        s.add_argument("--n-trials", type=int, help="stop this worker after N trials")
+        s.add_argument("--seed", type=int, default=0, help="seed of the sampler and the agents")
+        st = parser.add_argument_group("storage and export")
+        add_storage_arguments(st)
+        st.add_argument(
+            "--study", help="study name (default MODEL-SCENARIO-SPACE); same name resumes"
+        )
+        st.add_argument(
+            "--export", metavar="NAME", help="policy name to export (default: the study name)"
+        )
+        st.add_argument(
+            "--force", action="store_true", help="overwrite another policy of that name"
+        )
+        st.add_argument("--policy-dir", metavar="DIR", help="export folder (default ./policies)")
+        parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from autoscale.search.budget import Budget, format_duration, parse_budget
+
+        budget = Budget.from_process_start(parse_budget(args.budget))
+        from autoscale.commands.run import parse_pairs
+        from autoscale.errors import ConfigError
+        from autoscale.search import SearchConfig, SearchRunner, base_spec, default_study_name
+        from autoscale.search.storage import mask_url
+
+        if args.n_trials is not None and args.n_trials <= 0:
+            raise ConfigError(f"--n-trials must be a positive number, got {args.n_trials}")
+        params = parse_pairs(args.param, "--param")
+        explicit = any(v is not None for v in (args.env, args.model, args.scenario)) or bool(params)
+        spec = base_spec(
+            args.env, model=args.model, scenario=args.scenario, params=params, dtype=args.dtype
+        )
+        study = args.study or default_study_name(spec, args.space)
+        cfg = SearchConfig(
+            spec,
+            study=study,
+            export=args.export or study,
+            explicit=explicit,
+            space=args.space,
+            storage=args.storage,
+            n_trials=args.n_trials,
+            seed=args.seed,
+            force=args.force,
+            artifacts=args.artifacts,
+            policy_dir=args.policy_dir,
+            progress=not args.quiet,
+            command=shlex.join(["autoscale", *sys.argv[1:]]) if sys.argv else "autoscale search",
+            budget_text=args.budget,
+        )
+        runner = SearchRunner(cfg, budget)
+        try:
+            result = runner.run()
+        except KeyboardInterrupt:
+            c = runner.counts
+            print(
+                f"interrupted: this worker's {c['complete']} complete and {c['pruned']} pruned trials are kept in "
+                f"study '{study}'; nothing was exported; the same command resumes it",
+                file=sys.stderr,
+            )
+            return 130
+        ledger = result.ledger
+        work, bk = ledger.total("work:"), ledger.total("bk:")
+        print(
+            f"done in {format_duration(result.wall_s)} of a {format_duration(result.budget_s)} budget; "
+            f"training and evaluation {100 * work / result.wall_s:.0f}%, bookkeeping (storage, plots, notes, "
+            f"artifacts) {100 * bk / result.wall_s:.1f}%; this worker ran {sum(result.trials.values())} trials"
+        )
+        print(f"review it with: autoscale dashboard --storage {mask_url(args.storage)}")
+        return 0

@@ -1,0 +1,46 @@
+"""Budgeted Optuna search of loss-scale policies: budget, plan, storage, trials, validation, export.
+
+Imports Optuna (and, for RL trials, Stable-Baselines3); ``import autoscale`` never loads this.
+
+Example::
+
+    from autoscale.search import Budget, SearchConfig, SearchRunner, base_spec
+
+    spec = base_spec(model="mlp", scenario="bad-batches")
+    cfg = SearchConfig(spec, study="demo", export="demo-policy", storage="sqlite:///demo.db")
+    result = SearchRunner(cfg, Budget.from_process_start(120)).run()
+"""
+
+from autoscale.search.budget import Budget, Ledger, format_duration, parse_budget
+from autoscale.search.export import best_trial, export_trial
+from autoscale.search.objective import OBJECTIVE_DOC, episode_cost, objective, objective_terms
+from autoscale.search.plan import Plan, Timing, make_plan, measure
+from autoscale.search.runner import SearchConfig, SearchResult, SearchRunner
+from autoscale.search.storage import DEFAULT_STORAGE, artifact_store, artifacts_dir, open_storage
+from autoscale.search.workload import base_spec, default_study_name
+
+__all__ = [
+    "Budget",
+    "DEFAULT_STORAGE",
+    "Ledger",
+    "OBJECTIVE_DOC",
+    "Plan",
+    "SearchConfig",
+    "SearchResult",
+    "SearchRunner",
+    "Timing",
+    "artifact_store",
+    "artifacts_dir",
+    "base_spec",
+    "best_trial",
+    "default_study_name",
+    "episode_cost",
+    "export_trial",
+    "format_duration",
+    "make_plan",
+    "measure",
+    "objective",
+    "objective_terms",
+    "open_storage",
+    "parse_budget",
+]

@@ -1,0 +1,133 @@
+"""The two search spaces: parametric rule families with their knobs, and RL agents.
+
+Parametric: a trial picks a rule (``rule``) among the registered built-in rules, then the knobs
+that rule takes, each under the name ``RULE.KNOB`` so that every rule keeps its own distribution.
+Knob ranges are defined by knob name in :data:`KNOBS`, so a new rule whose keywords reuse these
+names is searched without any change here; other keywords keep their defaults. The initial scale
+comes from the env spec's episode, except for ``static``, where the scale *is* the policy.
+
+RL: algorithm (those that support the spec's action mode), learning rate, discount, exploration,
+and a multiplier of the precision weight of the *training* reward (the objective keeps the spec's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from autoscale.envs.spec import EnvSpec
+
+__all__ = [
+    "KNOBS",
+    "Knob",
+    "parametric_families",
+    "suggest_parametric",
+    "default_trial_params",
+    "suggest_rl",
+]
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A searched keyword: ``kind`` is ``int``, ``float``, ``bool`` or ``log2`` (an integer
+    exponent k standing for the value 2**k)."""
+
+    kind: str
+    low: float = 0.0
+    high: float = 1.0
+    log: bool = False
+
+    def suggest(self, trial: Any, name: str) -> Any:
+        if self.kind == "int":
+            return trial.suggest_int(name, int(self.low), int(self.high), log=self.log)
+        if self.kind == "float":
+            return trial.suggest_float(name, self.low, self.high, log=self.log)
+        if self.kind == "bool":
+            return trial.suggest_categorical(name, [False, True])
+        return 2.0 ** trial.suggest_int(name, int(self.low), int(self.high))
+
+    def encode(self, value: Any) -> Any:
+        """The trial parameter that stands for ``value`` (clipped into the range)."""
+        if self.kind == "bool":
+            return bool(value)
+        if self.kind == "log2":
+            value = round(math.log2(value))
+        value = min(max(value, self.low), self.high)
+        return int(round(value)) if self.kind in ("int", "log2") else float(value)
+
+
+_FACTOR = Knob("float", 1.25, 8.0, log=True)
+KNOBS: dict[str, Knob] = {
+    "growth_factor": _FACTOR,
+    "scale_factor": _FACTOR,
+    "factor": _FACTOR,
+    "backoff_factor": Knob("float", 1 / 16, 0.9, log=True),
+    "growth_interval": Knob("int", 1, 2000, log=True),
+    "loss_scale_window": Knob("int", 1, 1000, log=True),
+    "period": Knob("int", 1, 2000, log=True),
+    "scale_window": Knob("int", 1, 16384, log=True),
+    "hysteresis": Knob("int", 1, 8),
+    "consecutive_hysteresis": Knob("bool"),
+    "tolerance": Knob("float", 0.0, 0.5),
+    "history_len": Knob("int", 1, 64, log=True),
+    "margin": Knob("float", 0.0, 6.0),
+}
+# Searched only for these rules (elsewhere the episode's value is used).
+RULE_KNOBS: dict[str, dict[str, Knob]] = {"static": {"init_scale": Knob("log2", 0, 40)}}
+
+
+def parametric_families() -> dict[str, dict[str, Any]]:
+    """Built-in rule -> its keyword defaults (plugins and exported policies are not searched)."""
+    from autoscale.scalers import list_scalers
+
+    return {i.name: dict(i.defaults) for i in list_scalers() if i.kind == "rule"}
+
+
+def _knobs(rule: str, defaults: dict[str, Any]) -> dict[str, Knob]:
+    out = {k: KNOBS[k] for k in defaults if k in KNOBS}
+    out.update(RULE_KNOBS.get(rule, {}))
+    return out
+
+
+def _param_name(rule: str, knob: str, spec: Knob) -> str:
+    return f"{rule}.log2_{knob}" if spec.kind == "log2" else f"{rule}.{knob}"
+
+
+def suggest_parametric(
+    trial: Any, families: dict[str, dict[str, Any]]
+) -> tuple[str, dict[str, Any]]:
+    """Sample a rule and its knobs; returns ``(rule, keyword arguments)``."""
+    rule = trial.suggest_categorical("rule", sorted(families))
+    params = {
+        knob: spec.suggest(trial, _param_name(rule, knob, spec))
+        for knob, spec in _knobs(rule, families[rule]).items()
+    }
+    return rule, params
+
+
+def default_trial_params(rule: str, defaults: dict[str, Any], spec: EnvSpec) -> dict[str, Any]:
+    """The trial parameters of ``rule`` as the built-in rule is evaluated (for enqueueing)."""
+    values = {**defaults, "init_scale": spec.episode.init_scale}
+    out: dict[str, Any] = {"rule": rule}
+    for knob, k in _knobs(rule, defaults).items():
+        out[_param_name(rule, knob, k)] = k.encode(values[knob])
+    return out
+
+
+def suggest_rl(trial: Any, action_mode: str) -> dict[str, Any]:
+    """Sample an SB3 algorithm and its hyperparameters for the spec's action mode."""
+    from autoscale.agents.train import ALGOS
+
+    algos = sorted(a for a, modes in ALGOS.items() if action_mode in modes)
+    algo = trial.suggest_categorical("algo", algos)
+    hp: dict[str, Any] = {
+        "learning_rate": trial.suggest_float(f"{algo}.learning_rate", 1e-4, 3e-3, log=True),
+        "gamma": trial.suggest_float(f"{algo}.gamma", 0.9, 0.999),
+    }
+    if algo in ("ppo", "a2c"):
+        hp["ent_coef"] = trial.suggest_float(f"{algo}.ent_coef", 1e-4, 0.05, log=True)
+    if algo == "dqn":
+        hp["exploration_fraction"] = trial.suggest_float(f"{algo}.exploration_fraction", 0.1, 0.5)
+    precision_x = trial.suggest_float("reward.precision_x", 0.25, 4.0, log=True)
+    return {"algo": algo, "hyperparams": hp, "precision_x": precision_x}

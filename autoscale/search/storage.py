@@ -1,0 +1,221 @@
+"""Optuna storages from URLs, the artifact store and the cache folder next to them.
+
+``--storage`` takes an SQLite URL or file (``sqlite:///autoscale.db``, ``runs.db``; the default),
+a path ending in ``.log`` (a JournalFile: several processes on one host), or any URL SQLAlchemy
+knows (``postgresql://user:pw@host/db``: several hosts). SQLite runs in WAL mode with
+``synchronous=NORMAL``: every commit survives a crash of the process, and a trial costs a few
+milliseconds of storage instead of tens (the default mode syncs the disk on every write).
+
+Next to a file storage lives ``artifacts/`` (for a server URL: ``./artifacts``, or ``--artifacts``):
+``store/`` is Optuna's FileSystemArtifactStore (plots, RL policies), ``traces/`` caches recorded
+traces, ``locks/`` serialises work that several local workers would otherwise repeat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from autoscale.errors import StorageError, UnknownNameError, unknown_name
+
+__all__ = [
+    "DEFAULT_STORAGE",
+    "open_storage",
+    "artifacts_dir",
+    "artifact_store",
+    "study_names",
+    "load_study",
+    "mask_url",
+    "file_lock",
+]
+
+DEFAULT_STORAGE = "sqlite:///autoscale.db"
+_FILE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
+
+
+def mask_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", str(url))
+
+
+def _file_of(url: str) -> tuple[str, Path | None]:
+    """(kind, file) of a storage: kind is ``sqlite``, ``journal`` or ``rdb``."""
+    if "://" not in url:
+        if url.endswith(".log"):
+            return "journal", Path(url)
+        if url.endswith(_FILE_SUFFIXES):
+            return "sqlite", Path(url)
+        raise StorageError(
+            f"storage '{url}' is neither a URL nor a file ending in .db or .log; use e.g. "
+            f"{DEFAULT_STORAGE}, runs.log or postgresql://user@host/db"
+        )
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///") :]
+        return "sqlite", None if path in ("", ":memory:") else Path(path)
+    return "rdb", None
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return re.sub(r"^\([\w.]+\)\s*", "", line).strip().rstrip(".")
+
+
+def open_storage(url: str, *, must_exist: bool = False) -> Any:
+    """An Optuna storage for ``url`` (see the module docstring).
+
+    Args:
+        must_exist: Refuse to create a new file storage (for commands that only read).
+
+    Raises:
+        StorageError: a storage that cannot be opened or reached, in one line.
+    """
+    url = str(url)
+    kind, path = _file_of(url)
+    shown = mask_url(url)
+    if path is not None:
+        if must_exist and not path.is_file():
+            raise StorageError(
+                f"no storage at '{path}'; run autoscale search first, or pass --storage URL"
+            )
+        if not path.resolve().parent.is_dir():
+            raise StorageError(
+                f"cannot open storage '{shown}': folder '{path.parent}' does not exist"
+            )
+    try:
+        if kind == "journal":
+            from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+            return JournalStorage(JournalFileBackend(str(path)))
+        if kind == "sqlite":
+            storage = _rdb(url if "://" in url else f"sqlite:///{path}", {})
+            _sqlite_wal(storage.engine)
+            return storage
+        url = _postgres_driver(url)
+        connect = {"connect_timeout": 10} if url.startswith("postgresql") else {}
+        return _rdb(url, {"pool_pre_ping": True, "connect_args": connect})
+    except ImportError as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else exc
+        name = getattr(cause, "name", None) or "for this URL"
+        hint = " (pip install 'autoscale[postgres]')" if url.startswith("postgres") else ""
+        raise StorageError(
+            f"cannot open storage '{shown}': its database driver {name} is not installed{hint}"
+        ) from None
+    except Exception as exc:
+        raise StorageError(
+            f"cannot open storage '{shown}': {_reason(exc)}; check the URL, that the server runs "
+            "and that the database exists"
+        ) from None
+
+
+_RACE = ("already exists", "unique constraint", "duplicate key", "database is locked")
+
+
+def _rdb(url: str, engine_kwargs: dict[str, Any], attempts: int = 5) -> Any:
+    """An RDBStorage; retried when workers starting together race to create its tables (one
+    sees 'table already exists' or a duplicate schema version)."""
+    import random
+    import time
+
+    import optuna
+
+    for _ in range(attempts - 1):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+        except Exception as exc:
+            if not any(r in _reason(exc).lower() for r in _RACE):
+                raise
+            time.sleep(0.2 + 0.3 * random.random())
+    return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+
+
+def _postgres_driver(url: str) -> str:
+    """A PostgreSQL URL with the driver that is installed: SQLAlchemy 2.1 reads a bare
+    ``postgresql://`` as psycopg 3, while ``autoscale[postgres]`` installs psycopg2."""
+    import importlib.util
+
+    scheme, sep, rest = url.partition("://")
+    if scheme not in ("postgresql", "postgres") or not sep:
+        return url
+    if (
+        importlib.util.find_spec("psycopg") is None
+        and importlib.util.find_spec("psycopg2") is not None
+    ):
+        return f"postgresql+psycopg2://{rest}"
+    return f"postgresql://{rest}"
+
+
+def _sqlite_wal(engine: Any) -> None:
+    from sqlalchemy import event
+
+    def on_connect(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    event.listen(engine, "connect", on_connect)
+    engine.dispose()  # connections made so far lack the pragmas
+
+
+def artifacts_dir(url: str, override: str | os.PathLike | None = None) -> Path:
+    """The folder of artifacts, caches and locks of the storage ``url``."""
+    if override:
+        return Path(override)
+    _, path = _file_of(str(url))
+    return (path.resolve().parent if path is not None else Path.cwd()) / "artifacts"
+
+
+def artifact_store(folder: Path) -> Any:
+    """Optuna's FileSystemArtifactStore in ``folder/store`` (created)."""
+    from optuna.artifacts import FileSystemArtifactStore
+
+    store = folder / "store"
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(
+            f"cannot create the artifact folder '{store}': {exc.strerror}; pass --artifacts DIR"
+        ) from None
+    return FileSystemArtifactStore(str(store))
+
+
+def study_names(storage: Any) -> list[str]:
+    """Names of the studies in ``storage``."""
+    return sorted(s.study_name for s in storage.get_all_studies())
+
+
+def load_study(name: str, storage: Any, url: str, **kwargs: Any) -> Any:
+    """The study ``name``; an UnknownNameError listing the storage's studies if there is none."""
+    import optuna
+
+    names = study_names(storage)
+    if name not in names:
+        if not names:
+            raise UnknownNameError(
+                f"unknown study '{name}': storage '{mask_url(url)}' holds no study yet "
+                "(autoscale search creates one)"
+            )
+        raise unknown_name("study", name, names, f"storage '{mask_url(url)}'")
+    return optuna.load_study(study_name=name, storage=storage, **kwargs)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock between processes of this host (a no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

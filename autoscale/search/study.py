@@ -1,0 +1,190 @@
+"""The Optuna study of a search: sampler and pruner, what a new study records, and what a worker
+that joins or resumes one checks and cleans up."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+from typing import Any
+
+from autoscale.envs.spec import EnvSpec
+from autoscale.errors import ConfigError
+from autoscale.search.budget import Ledger
+from autoscale.search.export import study_spec
+from autoscale.search.objective import OBJECTIVE_DOC
+from autoscale.search.plan import Plan
+from autoscale.search.space import default_trial_params, parametric_families
+
+__all__ = [
+    "study_kwargs",
+    "describe_spec",
+    "describe_new_study",
+    "study_note",
+    "wait_for_spec",
+    "check_workload",
+    "fail_stale_trials",
+]
+
+
+def study_kwargs(seed: int, trials_before: int, ledger: Ledger | None = None) -> dict[str, Any]:
+    """A seeded TPE sampler and a median pruner (it starts once every family's default and a
+    few sampled trials are complete). The seed is offset by the trials already in the study, so a
+    fresh study is reproducible and a resume or a second worker samples differently; with
+    ``constant_liar`` running trials of other workers count as bad, so workers spread out.
+    With a ledger, their time is counted as ``alg:sampler`` and ``alg:pruner``."""
+    import optuna
+
+    sampler = optuna.samplers.TPESampler(seed=seed + trials_before, constant_liar=True)
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=len(parametric_families()) + 4)
+    if ledger is not None:
+        sampler, pruner = _timed_sampler(sampler, ledger), _timed_pruner(pruner, ledger)
+    return {"sampler": sampler, "pruner": pruner}
+
+
+def _timed_sampler(inner: Any, ledger: Ledger) -> Any:
+    from optuna.samplers import BaseSampler
+
+    class TimedSampler(BaseSampler):
+        """Delegates to ``inner``, timing each call into the ledger."""
+
+        def infer_relative_search_space(self, study, trial):
+            with ledger.track("alg:sampler"):
+                return inner.infer_relative_search_space(study, trial)
+
+        def sample_relative(self, study, trial, search_space):
+            with ledger.track("alg:sampler"):
+                return inner.sample_relative(study, trial, search_space)
+
+        def sample_independent(self, study, trial, param_name, param_distribution):
+            with ledger.track("alg:sampler"):
+                return inner.sample_independent(study, trial, param_name, param_distribution)
+
+        def before_trial(self, study, trial):
+            with ledger.track("alg:sampler"):
+                inner.before_trial(study, trial)
+
+        def after_trial(self, study, trial, state, values):
+            with ledger.track("alg:sampler"):
+                inner.after_trial(study, trial, state, values)
+
+        def reseed_rng(self) -> None:
+            inner.reseed_rng()
+
+    return TimedSampler()
+
+
+def _timed_pruner(inner: Any, ledger: Ledger) -> Any:
+    from optuna.pruners import BasePruner
+
+    class TimedPruner(BasePruner):
+        """Delegates to ``inner``, timing each decision into the ledger."""
+
+        def prune(self, study, trial) -> bool:
+            with ledger.track("alg:pruner"):
+                return inner.prune(study, trial)
+
+    return TimedPruner()
+
+
+def describe_spec(spec: EnvSpec) -> str:
+    wl = spec.workload
+    return f"{spec.name} ({wl.model}, {wl.scenario}, {wl.dtype})"
+
+
+def _versions() -> dict[str, str]:
+    import optuna
+    import optuna_dashboard
+    import torch
+
+    import autoscale
+
+    return {
+        "autoscale": autoscale.__version__,
+        "torch": torch.__version__,
+        "optuna": optuna.__version__,
+        "optuna_dashboard": optuna_dashboard.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def study_note(name: str, plan: Plan, table: str = "") -> str:
+    """The study's markdown note: workload, objective, plan, and the final table once there."""
+    text = [
+        f"## {name}",
+        f"{describe_spec(plan.spec)}; objective: {OBJECTIVE_DOC}.",
+        "",
+        f"Plan: {plan.describe()}".replace("\n", "  \n"),
+    ]
+    if table:
+        text += ["", "### Result on real steps of the test instances", "```", table, "```"]
+    return "\n".join(text) + "\n"
+
+
+def describe_new_study(study: Any, plan: Plan, *, command: str, budget: dict[str, Any]) -> None:
+    """Record what a new study is (user attributes and note) and enqueue every rule family's
+    defaults, so the search starts from the built-in rules."""
+    from autoscale.search.trials import write_note
+
+    attrs = {
+        "command": command,
+        "versions": _versions(),
+        "workload": plan.spec.workload.to_dict(),
+        "budget": budget,
+        "plan": plan.to_dict(),
+        "objective": OBJECTIVE_DOC,
+        "env_spec": plan.spec.to_dict(),  # last: joining workers wait for it
+    }
+    for key, value in attrs.items():
+        study.set_user_attr(key, value)
+    if plan.space in ("parametric", "both"):
+        for rule, defaults in parametric_families().items():
+            study.enqueue_trial(
+                default_trial_params(rule, defaults, plan.spec), user_attrs={"baseline": True}
+            )
+    write_note(study, study_note(study.study_name, plan))
+
+
+def wait_for_spec(study: Any, timeout: float = 60.0) -> EnvSpec:
+    """The study's env spec, waiting for a worker that is creating the study to store it."""
+    deadline = time.monotonic() + timeout
+    while "env_spec" not in study.user_attrs and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return study_spec(study)
+
+
+def check_workload(stored: EnvSpec, asked: EnvSpec, study: str) -> None:
+    """Refuse to add trials of another workload to a study."""
+    mine, theirs = asked.workload.to_dict(), stored.workload.to_dict()
+    if mine != theirs:
+        diff = ", ".join(
+            f"{k}={theirs[k]!r} (asked {mine[k]!r})" for k in theirs if mine.get(k) != theirs[k]
+        )
+        raise ConfigError(
+            f"study '{study}' searches another workload: {diff}; use another --study, or drop "
+            "--env/--model/--scenario to join it"
+        )
+
+
+def fail_stale_trials(study: Any, storage: Any) -> int:
+    """Fail the running trials left by workers of this host that no longer run (killed hard)."""
+    from optuna.trial import TrialState
+
+    n = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        host, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
+        if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            n += 1
+    return n
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

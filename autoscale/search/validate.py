@@ -1,0 +1,174 @@
+"""Validation on real steps of the test instances, shared by every worker of a study.
+
+The real-step episodes of a scaler (``rule:NAME`` or ``trial:NUMBER``) are stored in the study's
+user attributes under ``real:SCALER`` as ``{"cards": {instance: scorecard}}``: written when the
+scaler is done, and at least every :data:`FLUSH_S` seconds before that, so an interrupt loses at
+most that much work, and a resumed search or another worker never repeats an episode stored:
+built-in rules are validated once per study. A scaler is started only when all its remaining
+episodes fit before the deadline (measured step time, 20% margin), so validation ends in budget
+and every validated scaler has the full test set.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autoscale.envs.spec import EnvSpec
+from autoscale.search.budget import Ledger
+from autoscale.search.objective import objective
+from autoscale.search.plan import Timing
+from autoscale.training.scorecard import Scorecard, json_safe
+
+__all__ = ["Validated", "Validator", "real_cards", "validated_trials"]
+
+PREFIX = "real:"
+FLUSH_S = 5.0
+
+
+def real_cards(attrs: dict[str, Any], scaler: str, names: Sequence[str]) -> dict[str, Scorecard]:
+    """The stored real-step scorecards of ``scaler`` among the instances ``names``."""
+    stored = (attrs.get(PREFIX + scaler) or {}).get("cards", {})
+    return {n: Scorecard.from_dict(stored[n]) for n in names if n in stored}
+
+
+@dataclass
+class Validated:
+    """A scaler scored on every test instance.
+
+    Attributes:
+        key: ``rule:NAME`` or ``trial:NUMBER``.
+        label: Row name in tables.
+        cards: One scorecard per test instance, in the spec's order.
+        real: Real steps (False: replay of the recorded real test steps).
+        records: Step records of this worker's episode on the first test instance, if it ran it.
+    """
+
+    key: str
+    label: str
+    cards: list[Scorecard]
+    real: bool = True
+    records: list | None = None
+
+    def objective(self, weights: Any) -> float:
+        return objective(self.cards, weights)
+
+
+def validated_trials(study: Any, spec: EnvSpec) -> dict[int, list[Scorecard]]:
+    """Trial number -> its real-step scorecards, for every trial validated on all test instances
+    of ``spec`` by any worker."""
+    attrs = study.user_attrs
+    names = [i.name for i in spec.instances["test"]]
+    out = {}
+    for key in attrs:
+        number = key[len(PREFIX + "trial:") :]
+        if key.startswith(PREFIX + "trial:") and number.isdigit():
+            cards = real_cards(attrs, f"trial:{number}", names)
+            if len(cards) == len(names):
+                out[int(number)] = [cards[n] for n in names]
+    return dict(sorted(out.items()))
+
+
+class Validator:
+    """Runs scalers on real steps of the test instances, within a deadline.
+
+    Args:
+        study: The study whose user attributes keep the episodes.
+        spec: The plan's env spec (its test instances are validated).
+        timing: Measured costs; the episode time is refined by every episode run here.
+    """
+
+    def __init__(
+        self,
+        study: Any,
+        spec: EnvSpec,
+        ledger: Ledger,
+        timing: Timing,
+        *,
+        worker: str,
+        progress: bool = False,
+    ) -> None:
+        from autoscale.envs.loss_scale_env import LossScaleEnv
+
+        self.study, self.spec, self.ledger, self.worker = study, spec, ledger, worker
+        self.progress = progress
+        self.env = LossScaleEnv(spec, instances="test")
+        self.names = [i.name for i in spec.instances["test"]]
+        self.starts = {i.name: i.start for i in spec.instances["test"]}
+        self.episode_s = spec.episode.steps * timing.step_s + timing.eval_s
+        self.timing = timing
+        self.prepared: set[str] = set()
+        self.skipped: list[str] = []
+
+    def _cost(self, todo: list[str]) -> float:
+        """Estimated seconds of ``todo`` episodes, with a 20% margin for noisy step times."""
+        t = self.timing
+        return 1.2 * sum(
+            self.episode_s + (0.0 if n in self.prepared else t.build_s + self.starts[n] * t.step_s)
+            for n in todo
+        )
+
+    def run(
+        self,
+        scalers: Sequence[tuple[str, str, Callable[[], Any]]],
+        stop_at: float,
+        on_done: Callable[[Validated], None] | None = None,
+    ) -> dict[str, Validated]:
+        """Validate ``(key, label, factory)`` scalers in order; those that do not fit are
+        skipped (listed in :attr:`skipped`). ``on_done`` is called for each scaler this call ran
+        episodes of (not for those wholly stored before)."""
+        with self.ledger.track("bk:attrs"):
+            attrs = self.study.user_attrs
+        have = {key: real_cards(attrs, key, self.names) for key, _, _ in scalers}
+        todo_all = {key: [n for n in self.names if n not in have[key]] for key, _, _ in scalers}
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=sum(map(len, todo_all.values())), desc="validate", unit="episode")
+        out: dict[str, Validated] = {}
+        try:
+            for key, label, factory in scalers:
+                todo, cards = todo_all[key], have[key]
+                if todo and time.monotonic() + self._cost(todo) > stop_at:
+                    self.skipped.append(label)
+                    if bar is not None:
+                        bar.total -= len(todo)
+                        bar.refresh()
+                    continue
+                records, flushed = None, time.monotonic()
+                for i, name in enumerate(todo):
+                    cards[name], recs = self._episode(factory, name)
+                    records = recs if name == self.names[0] else records
+                    if i + 1 == len(todo) or time.monotonic() - flushed > FLUSH_S:
+                        self._store(key, cards)
+                        flushed = time.monotonic()
+                    if bar is not None:
+                        bar.update(1)
+                out[key] = Validated(key, label, [cards[n] for n in self.names], True, records)
+                if on_done is not None and todo:
+                    on_done(out[key])
+        finally:
+            if bar is not None:
+                bar.close()
+        return out
+
+    def _episode(self, factory: Callable[[], Any], name: str):
+        from autoscale.agents.evaluate import drive_episode
+
+        with self.ledger.track("work:validate"):
+            if name not in self.prepared:
+                (inst,) = self.spec.instance_set([name])
+                self.env.prepare(inst)
+                self.prepared.add(name)
+            t0 = time.monotonic()
+            result = drive_episode(self.env, factory(), name)
+            self.episode_s = 0.5 * self.episode_s + 0.5 * (time.monotonic() - t0)
+        return result
+
+    def _store(self, key: str, cards: dict[str, Scorecard]) -> None:
+        value = {"cards": {n: c.to_dict() for n, c in cards.items()}, "worker": self.worker}
+        with self.ledger.track("bk:attrs"):
+            self.study.set_user_attr(PREFIX + key, json_safe(value))

@@ -1,0 +1,89 @@
+"""Shared setup of the search tests: the CLI run as a real subprocess, and one searched storage.
+
+Subprocesses get one intra-op thread, as the tests here do (tests/training/conftest.py): with two
+cores and another process running, OpenMP oversubscription makes steps many times slower.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.training.conftest import torch  # noqa: F401  (sets one intra-op thread)
+
+SEARCH_BUDGET_S = 60.0
+RULES = ("torch", "static", "deepspeed", "megatron", "jmp", "fairseq", "metaseq", "amax-history")
+
+
+@dataclass
+class CliRun:
+    rc: int
+    out: str
+    err: str
+    wall_s: float
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("AUTOSCALE_POLICY_PATH", None)
+    return env
+
+
+def autoscale_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "autoscale.cli", *args]
+
+
+def spawn(*args: str, cwd: Path) -> subprocess.Popen:
+    """``autoscale ARGS`` started in the background (text pipes)."""
+    return subprocess.Popen(
+        autoscale_cmd(*args),
+        cwd=cwd,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 180) -> CliRun:
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        autoscale_cmd(*args),
+        cwd=cwd,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return CliRun(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
+
+
+@dataclass
+class Searched:
+    """The 60-second default search, shared by the tests that read its storage."""
+
+    root: Path
+    run: CliRun
+    study: str = "gpt2-tiny-bad-batches-parametric"
+
+    @property
+    def db(self) -> Path:
+        return self.root / "autoscale.db"
+
+    @property
+    def url(self) -> str:
+        return f"sqlite:///{self.db}"
+
+
+@pytest.fixture(scope="session")
+def searched(tmp_path_factory) -> Searched:
+    """``autoscale search --budget 60s`` with every default, in a fresh folder."""
+    root = tmp_path_factory.mktemp("search60")
+    run = run_cli("search", "--budget", "60s", "--quiet", cwd=root, timeout=SEARCH_BUDGET_S + 120)
+    return Searched(root, run)

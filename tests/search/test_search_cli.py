@@ -1,0 +1,252 @@
+"""``autoscale search``, ``dashboard`` and ``export`` end to end, as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import urllib.request
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+import optuna
+import pytest
+
+from autoscale.scalers import LossScaler, get_scaler
+from autoscale.scalers.manifest import read_manifest
+from autoscale.search.export import study_spec
+from autoscale.search.objective import objective
+from autoscale.search.storage import artifact_store, artifacts_dir, open_storage
+from autoscale.training.scorecard import Scorecard
+from tests.search.conftest import RULES, SEARCH_BUDGET_S, run_cli, spawn
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+pytestmark = pytest.mark.slow  # real `autoscale` subprocesses, seconds to a minute each
+
+
+def _study(url: str, name: str):
+    return optuna.load_study(study_name=name, storage=open_storage(url, must_exist=True))
+
+
+def _trials(study, *states):
+    return study.get_trials(deepcopy=False, states=states or None)
+
+
+def test_sixty_second_search_ends_in_budget_and_exports_a_loadable_policy(searched):
+    run = searched.run
+    assert run.rc == 0, run.err[-3000:]
+    assert run.wall_s <= SEARCH_BUDGET_S * 1.05, f"took {run.wall_s:.1f} s of {SEARCH_BUDGET_S} s"
+    for k, phase in enumerate(("measure", "plan", "record", "search", "validate", "export"), 1):
+        assert f"[{k}/6 {phase}]" in run.out
+    # the final table: the winner, then every built-in rule, on real steps of the test instances
+    table = run.out[run.out.index("test episodes of") :]
+    rows = [
+        line.split()[0]
+        for line in table.splitlines()[3:]
+        if line and not line.startswith("objective")
+    ]
+    assert rows[0] == searched.study and set(RULES) <= set(rows[1:])
+    assert not any("(replay)" in line for line in table.splitlines())
+
+    study = _study(searched.url, searched.study)
+    attrs = study.user_attrs
+    assert attrs["versions"]["optuna"] == optuna.__version__ and "torch" in attrs["versions"]
+    assert attrs["budget"]["seconds"] == 60.0 and attrs["command"].startswith("autoscale search")
+    assert attrs["workload"]["model"] == "gpt2-tiny" and attrs["plan"]["episode_steps"] >= 8
+
+    policy = searched.root / "policies" / searched.study
+    manifest = read_manifest(policy)
+    assert manifest.kind == "parametric" and manifest.workload["study"] == searched.study
+    assert manifest.scorecard["evaluated_on"].startswith("real steps")
+    winner = study.trials[manifest.workload["trial"]]
+    assert winner.state == optuna.trial.TrialState.COMPLETE
+    scaler = get_scaler(str(policy), device="cpu")
+    assert isinstance(scaler, LossScaler) and scaler.policy_name == searched.study
+    assert (
+        scaler.rule_params()
+        == get_scaler(manifest.family, device="cpu", **manifest.parameters).rule_params()
+    )
+
+
+def test_every_trial_keeps_scorecards_a_note_and_a_plot(searched):
+    from optuna.artifacts import get_all_artifact_meta
+    from optuna_dashboard import get_note
+
+    study = _study(searched.url, searched.study)
+    spec = study_spec(study)
+    train = [i.name for i in spec.instances["train"]]
+    complete = _trials(study, optuna.trial.TrialState.COMPLETE)
+    assert len(complete) >= 8  # at least the enqueued defaults of every rule family
+    store = artifact_store(artifacts_dir(searched.url))
+    for t in complete:
+        cards = [Scorecard.from_dict(c) for c in t.user_attrs["scorecards"].values()]
+        assert list(t.user_attrs["scorecards"]) == train
+        assert objective(cards, spec.reward) == pytest.approx(
+            t.value
+        )  # the stored value is the objective
+        note = get_note(optuna.trial.Trial(study, t._trial_id))
+        assert (
+            f"Trial {t.number}:" in note
+            and f"**objective {t.value:.4f}**" in note
+            and "`torch` on the same" in note
+        )
+        (meta,) = get_all_artifact_meta(t, storage=study._storage)
+        assert meta.mimetype == "image/svg+xml"
+        with store.open_reader(meta.artifact_id) as fh:
+            assert fh.read(4) == b"<svg"
+    for t in _trials(study, optuna.trial.TrialState.PRUNED):
+        assert 0 < len(t.user_attrs["scorecards"]) < len(train)
+
+
+def _get(url: str):
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        body = resp.read()
+        return json.loads(body) if resp.headers.get_content_type() == "application/json" else body
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def test_dashboard_api_lists_the_study_its_trials_notes_and_artifacts(searched):
+    from optuna_dashboard import wsgi
+
+    storage = open_storage(searched.url, must_exist=True)
+    app = wsgi(storage, artifact_store=artifact_store(artifacts_dir(searched.url)))
+    server = make_server("127.0.0.1", 0, app, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    try:
+        studies = {
+            s["study_name"]: s["study_id"] for s in _get(f"{base}/api/studies")["study_summaries"]
+        }
+        sid = studies[searched.study]
+        detail = _get(f"{base}/api/studies/{sid}")
+        assert "## " + searched.study in detail["note"]["body"]
+        assert "Result on real steps" in detail["note"]["body"]
+        complete = [t for t in detail["trials"] if t["state"] == "Complete"]
+        assert len(complete) == len(
+            _trials(_study(searched.url, searched.study), optuna.trial.TrialState.COMPLETE)
+        )
+        trial = complete[0]
+        assert "objective" in trial["note"]["body"]
+        (art,) = trial["artifacts"]
+        svg = _get(f"{base}/artifacts/{sid}/{trial['trial_id']}/{art['artifact_id']}")
+        assert svg.startswith(b"<svg") and b"polyline" in svg
+        keys = {a["key"] for a in trial["user_attrs"]}
+        assert {"policy", "scorecards", "objective_terms", "test_replay"} <= keys
+    finally:
+        server.shutdown()
+
+
+def test_export_command_exports_best_and_named_trials(searched):
+    run = run_cli("export", "--study", searched.study, "--name", "from-cli", cwd=searched.root)
+    assert run.rc == 0, run.err
+    assert "best on real steps of the test instances" in run.out
+    m = read_manifest(searched.root / "policies" / "from-cli")
+    first = read_manifest(searched.root / "policies" / searched.study)
+    assert m.name == "from-cli" and m.workload["trial"] == first.workload["trial"]
+    assert isinstance(
+        get_scaler(str(searched.root / "policies" / "from-cli"), device="cpu"), LossScaler
+    )
+    again = run_cli(
+        "export", "--study", searched.study, "--name", "from-cli", "--trial", "0", cwd=searched.root
+    )
+    assert again.rc == 2 and "already exists" in again.err and "--force" in again.err
+    forced = run_cli(
+        "export",
+        "--study",
+        searched.study,
+        "--name",
+        "from-cli",
+        "--trial",
+        "0",
+        "--force",
+        cwd=searched.root,
+    )
+    assert (
+        forced.rc == 0
+        and read_manifest(searched.root / "policies" / "from-cli").workload["trial"] == 0
+    )
+
+
+def _one_line_error(run, *fragments):
+    assert run.rc == 2, (run.out, run.err)
+    lines = [line for line in run.err.splitlines() if line.strip()]
+    errors = [line for line in lines if ": error: " in line]
+    assert len(errors) == 1, run.err
+    assert "Traceback" not in run.err
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+def test_bad_input_is_one_line_exit_2_and_loses_nothing(searched):
+    study = _study(searched.url, searched.study)
+    before = [(t.number, t.state, t.value) for t in study.get_trials(deepcopy=False)]
+    _one_line_error(
+        run_cli("search", "--budget", "5x", cwd=searched.root),
+        "'5x'",
+        "90s, 30m, 2h or 1h30m",
+    )
+    _one_line_error(
+        run_cli("search", "--model", "gpt3", "--budget", "30s", cwd=searched.root),
+        "unknown model 'gpt3'",
+        "did you mean 'gpt2'",
+    )
+    _one_line_error(
+        run_cli(
+            "search",
+            "--storage",
+            "postgresql://nobody@127.0.0.1:1/x",
+            "--budget",
+            "30s",
+            cwd=searched.root,
+        ),
+        "cannot open storage 'postgresql://nobody@127.0.0.1:1/x'",
+    )
+    _one_line_error(
+        run_cli("export", "--study", "nope", "--name", "x", cwd=searched.root),
+        "unknown study 'nope'",
+        searched.study,
+    )
+    study = _study(searched.url, searched.study)
+    assert [(t.number, t.state, t.value) for t in study.get_trials(deepcopy=False)] == before
+    names = optuna.study.get_all_study_names(open_storage(searched.url, must_exist=True))
+    assert names == [searched.study]
+    assert not (searched.root / "policies" / "x").exists()
+
+
+def test_slow_model_ends_in_budget_saying_what_it_would_need(tmp_path):
+    run = run_cli("search", "--model", "gpt2", "--budget", "20s", "--quiet", cwd=tmp_path)
+    _one_line_error(run, "the budget cannot hold a search of gpt2 here", "needs more than")
+    assert run.wall_s < 20 * 1.05
+    assert re.search(r"one real step takes more than [\d.]+s here", run.out)
+
+
+def test_dashboard_command_serves_the_storage_on_localhost(searched):
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = spawn("dashboard", "--storage", searched.url, "--port", str(port), cwd=searched.root)
+    try:
+        meta = None
+        deadline = time.monotonic() + 60
+        while meta is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                meta = _get(f"http://127.0.0.1:{port}/api/meta")
+            except OSError:
+                time.sleep(0.3)
+        assert meta is not None, proc.stderr.read() if proc.poll() is not None else "no answer"
+        assert meta["artifact_is_available"] is True
+        names = [
+            s["study_name"] for s in _get(f"http://127.0.0.1:{port}/api/studies")["study_summaries"]
+        ]
+        assert names == [searched.study]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert f"http://127.0.0.1:{port}/" in out

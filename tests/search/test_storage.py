@@ -1,0 +1,58 @@
+import optuna
+import pytest
+
+from autoscale.errors import StorageError, UnknownNameError
+from autoscale.search.storage import (
+    artifacts_dir,
+    load_study,
+    mask_url,
+    open_storage,
+    study_names,
+)
+
+
+def test_sqlite_file_runs_in_wal_mode(tmp_path):
+    storage = open_storage(f"sqlite:///{tmp_path / 'a.db'}")
+    optuna.create_study(study_name="s", storage=storage)
+    with storage.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    assert study_names(open_storage(str(tmp_path / "a.db"))) == ["s"]
+    assert artifacts_dir(f"sqlite:///{tmp_path / 'a.db'}") == tmp_path / "artifacts"
+
+
+def test_log_path_is_a_journal_file(tmp_path):
+    from optuna.storages.journal import JournalStorage
+
+    path = tmp_path / "runs.log"
+    storage = open_storage(str(path))
+    assert isinstance(storage, JournalStorage)
+    optuna.create_study(study_name="j", storage=storage)
+    assert path.is_file() and study_names(open_storage(str(path))) == ["j"]
+
+
+def test_unreachable_server_is_one_line_storage_error():
+    with pytest.raises(StorageError) as info:
+        open_storage("postgresql://nobody:secret@127.0.0.1:1/x")
+    msg = str(info.value)
+    assert "cannot open storage 'postgresql://nobody:***@127.0.0.1:1/x'" in msg
+    assert "secret" not in msg and "\n" not in msg
+
+
+def test_missing_folder_and_missing_file_are_refused(tmp_path):
+    with pytest.raises(StorageError, match="does not exist"):
+        open_storage(f"sqlite:///{tmp_path / 'nope' / 'a.db'}")
+    with pytest.raises(StorageError, match="no storage at"):
+        open_storage(str(tmp_path / "absent.db"), must_exist=True)
+    with pytest.raises(StorageError, match="neither a URL"):
+        open_storage("autoscale")
+
+
+def test_unknown_study_lists_the_studies(tmp_path):
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    storage = open_storage(url)
+    with pytest.raises(UnknownNameError, match="holds no study yet"):
+        load_study("x", storage, url)
+    optuna.create_study(study_name="bad-batches-run", storage=storage)
+    with pytest.raises(UnknownNameError, match="did you mean 'bad-batches-run'"):
+        load_study("bad-batches-rnu", storage, url)
+    assert mask_url("postgresql://u:p@h/db") == "postgresql://u:***@h/db"

@@ -1,0 +1,137 @@
+"""Interrupt and resume, and several workers on one storage (JournalFile; PostgreSQL when
+``AUTOSCALE_TEST_POSTGRES_URL`` is set), with real ``autoscale search`` subprocesses."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import uuid
+
+import optuna
+import pytest
+
+from autoscale.scalers import LossScaler, get_scaler
+from autoscale.scalers.manifest import read_manifest
+from autoscale.search.storage import open_storage
+from tests.search.conftest import run_cli, spawn
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+pytestmark = pytest.mark.slow  # real `autoscale` subprocesses, seconds to a minute each
+TrialState = optuna.trial.TrialState
+POSTGRES_ENV = "AUTOSCALE_TEST_POSTGRES_URL"
+
+
+def _snapshot(url: str, study: str) -> dict[int, tuple]:
+    s = optuna.load_study(study_name=study, storage=open_storage(url, must_exist=True))
+    return {t.number: (t.state, t.value, t.params) for t in s.get_trials(deepcopy=False)}
+
+
+def _complete_count(url: str, study: str) -> int:
+    try:
+        return sum(
+            1 for state, _, _ in _snapshot(url, study).values() if state == TrialState.COMPLETE
+        )
+    except Exception:  # storage or study not created yet
+        return 0
+
+
+def test_interrupt_keeps_finished_trials_and_resume_continues_the_study(tmp_path):
+    url, study = f"sqlite:///{tmp_path / 'autoscale.db'}", "int"
+    args = ("search", "--model", "mlp", "--budget", "60s", "--study", study, "--quiet")
+    proc = spawn(*args, cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline and _complete_count(url, study) < 3:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the search ended before it could be interrupted"
+    seen = _snapshot(url, study)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "kept in study 'int'" in err and "Traceback" not in err
+    after = _snapshot(url, study)
+    for number, (state, value, params) in seen.items():
+        if state == TrialState.COMPLETE:  # every finished trial is kept as it was
+            assert after[number] == (state, value, params)
+    assert all(state != TrialState.RUNNING for state, _, _ in after.values())
+    assert not (tmp_path / "policies" / study).exists()  # nothing exported, nothing half-written
+    assert (
+        not list((tmp_path / "policies").glob(".*")) if (tmp_path / "policies").exists() else True
+    )
+
+    resumed = run_cli(
+        "search", "--model", "mlp", "--budget", "25s", "--study", study, "--quiet", cwd=tmp_path
+    )
+    assert resumed.rc == 0, resumed.err[-3000:]
+    assert "(resuming)" in resumed.out
+    m = re.search(
+        r"\[3/6 record\] (\d+) instances .*: (\d+) recorded .*, (\d+) from the cache", resumed.out
+    )
+    assert m and m.group(2) == "0" and m.group(3) == m.group(1)  # traces were not recorded again
+    final = _snapshot(url, study)
+    for number, entry in after.items():
+        if entry[0] == TrialState.COMPLETE:
+            assert final[number] == entry
+    new = [n for n in final if n not in after]
+    assert new and min(new) == max(after) + 1  # the same study, numbering continued
+    assert sorted(final) == list(range(len(final)))
+    assert isinstance(get_scaler(str(tmp_path / "policies" / study), device="cpu"), LossScaler)
+
+
+def _two_workers(tmp_path, storage: str, study: str) -> list[str]:
+    args = (
+        "search",
+        "--model",
+        "mlp",
+        "--budget",
+        "30s",
+        "--storage",
+        storage,
+        "--study",
+        study,
+        "--quiet",
+    )
+    procs = [spawn(*args, cwd=tmp_path) for _ in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(out)
+    return outs
+
+
+def _check_one_study(tmp_path, storage: str, study: str, outs: list[str]) -> None:
+    ran = [int(re.search(r"this worker ran (\d+) trials", o).group(1)) for o in outs]
+    s = optuna.load_study(study_name=study, storage=open_storage(storage, must_exist=True))
+    trials = s.get_trials(deepcopy=False)
+    assert len(trials) == sum(ran) and min(ran) > 0  # no trial lost, none duplicated
+    assert sorted(t.number for t in trials) == list(range(len(trials)))
+    assert len({t.user_attrs.get("worker") for t in trials}) == 2
+    # one plan for the study: both workers scored the same instances with the same episodes
+    shapes = [
+        re.search(r"\[3/6 record\] (\d+) instances x (\d+) real steps", o).groups() for o in outs
+    ]
+    assert shapes[0] == shapes[1]
+    recorded = [int(re.search(r": (\d+) recorded", o).group(1)) for o in outs]
+    assert sum(recorded) == int(shapes[0][0])  # each trace recorded once, by one worker
+    manifest = read_manifest(tmp_path / "policies" / study)
+    assert manifest.workload["study"] == study
+    assert s.trials[manifest.workload["trial"]].state == TrialState.COMPLETE
+
+
+def test_two_journal_file_workers_form_one_study(tmp_path):
+    storage = str(tmp_path / "runs.log")
+    outs = _two_workers(tmp_path, storage, "shared")
+    _check_one_study(tmp_path, storage, "shared", outs)
+
+
+@pytest.mark.skipif(
+    not os.environ.get(POSTGRES_ENV),
+    reason=f"{POSTGRES_ENV} is not set: start PostgreSQL and export it (see .ci/run) to test two workers on it",
+)
+def test_two_postgresql_workers_form_one_study(tmp_path):
+    storage = os.environ[POSTGRES_ENV]
+    study = f"pg-{uuid.uuid4().hex[:8]}"
+    outs = _two_workers(tmp_path, storage, study)
+    _check_one_study(tmp_path, storage, study, outs)
