@@ -36,7 +36,11 @@ def main(argv=None) -> int:
         "--seeds", type=int, default=2, help="seeds per test instance for the real-step evaluation"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--readme-only", action="store_true", help="only rewrite the README block from the last results")
     args = p.parse_args(argv)
+    if args.readme_only:
+        update_readme(json.loads((RESULTS / "ppo_evidence.json").read_text()))
+        return 0
 
     from autoscale.agents.evaluate import evaluate_scalers
     from autoscale.agents.train import train_agent
@@ -134,8 +138,25 @@ def main(argv=None) -> int:
         print(format_comparison(summaries, n))
     (RESULTS / "ppo_evidence.md").write_text("\n".join(report) + "\n")
     (RESULTS / "ppo_evidence.json").write_text(json.dumps(json_safe(data), indent=2) + "\n")
+    update_readme(json.loads((RESULTS / "ppo_evidence.json").read_text()))
     print("\n".join(report))
     return 0
+
+
+def update_readme(data: dict) -> None:
+    """Rewrite the README block between the evidence markers from the results JSON."""
+    start, end = "<!-- evidence:start -->", "<!-- evidence:end -->"
+    rows = ["| scenario | scaler | skip rate | precision loss | eval loss | min scale |", "|---|---|---|---|---|---|"]
+    for scenario, d in data.items():
+        for name, s in d["summaries"].items():
+            fmt = lambda k, pct=False: ("n/a" if s[k]["mean"] is None else (f"{100 * s[k]['mean']:.2f}%" if pct else f"{s[k]['mean']:.4g}"))  # noqa: E731
+            rows.append(f"| {scenario} | {name} | {fmt('skip_rate', True)} | {fmt('precision_loss', True)} | {fmt('eval_loss')} | "
+                        f"2^{math.log2(s['min_scale']['mean']):.1f} |")
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    if start in text and end in text:
+        block = "\n".join([start, *rows, end])
+        readme.write_text(text[: text.index(start)] + block + text[text.index(end) + len(end) :])
 
 
 if __name__ == "__main__":

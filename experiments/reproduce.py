@@ -152,80 +152,103 @@ def main(argv=None) -> int:
     p.add_argument(
         "--skip-search", action="store_true", help="evaluate the policies already exported"
     )
+    p.add_argument(
+        "--readme-only", action="store_true", help="only rebuild the summary and README block"
+    )
     args = p.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     CACHE.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    for cfg in [] if args.readme_only else load_configs(args.only):
+        run_config(cfg, args)
+    write_summary((time.monotonic() - t0) / 60)
+    return 0
+
+
+def run_config(cfg: dict, args: argparse.Namespace) -> None:
+    from autoscale.scalers.manifest import read_manifest
+    from autoscale.scalers.registry import find_policy
+
+    budget = args.budget or cfg["budget"]
+    name = f"auto-{cfg['name']}" if args.skip_search else search(cfg, budget)
+    manifest = read_manifest(find_policy(name))
+    what = (
+        f"{manifest.family} {manifest.parameters}"
+        if manifest.kind == "parametric"
+        else manifest.family
+    )
+    seeds = cfg.get("seeds", 2)
+    spec, _, table, n = evaluate(
+        cfg["env"], name, seeds, f"{cfg['name']}: held-out seeds, real steps", cfg["name"]
+    )
+    _annotate(cfg["name"], winner=what, budget=budget)
+    (RESULTS / f"{cfg['name']}.md").write_text(
+        f"# {cfg['name']}\n\nSearched with `autoscale search --env {cfg['env']} --budget {budget} "
+        f"--space {cfg.get('space', 'parametric')}`; winner `{name}`: {what}.\n\n"
+        f"Held-out: {n} episodes of {spec.episode.steps} real steps (test instances x {seeds} seeds), "
+        f"every built-in rule and a bf16 reference.\n\n```\n{table}\n```\n\n![{cfg['name']}]({cfg['name']}.png)\n"
+    )
+    for target in cfg.get("transfer_to", []):
+        out = f"transfer_{cfg['name']}_to_{Path(target).stem}"
+        _, _, ttable, _ = evaluate(
+            target, name, seeds, f"{name} on {Path(target).stem} (never seen)", out
+        )
+        (RESULTS / f"{out}.md").write_text(
+            f"# Transfer: {name} (searched on {cfg['name']}) on {Path(target).stem}\n\n```\n{ttable}\n```\n\n![transfer]({out}.png)\n"
+        )
+
+
+def _annotate(out: str, **fields) -> None:
+    path = RESULTS / f"{out}.json"
+    data = json.loads(path.read_text())
+    data.update(fields)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_summary(minutes: float) -> None:
+    """Build experiments/results/summary.md and the README block from every saved result."""
     summary = [
         "| study | winner (policy) | vs torch on held-out seeds | episodes |",
         "|---|---|---|---|",
     ]
-    transfer = ["| policy searched on | evaluated on | vs torch | episodes |", "|---|---|---|---|"]
-    for cfg in load_configs(args.only):
-        name = (
-            f"auto-{cfg['name']}" if args.skip_search else search(cfg, args.budget or cfg["budget"])
-        )
-        from autoscale.scalers.manifest import read_manifest
-        from autoscale.scalers.registry import find_policy
-
-        manifest = read_manifest(find_policy(name))
-        spec, summaries, table, n = evaluate(
-            cfg["env"],
-            name,
-            cfg.get("seeds", 2),
-            f"{cfg['name']}: held-out seeds, real steps",
-            cfg["name"],
-        )
-        what = (
-            f"{manifest.family} {manifest.parameters}"
-            if manifest.kind == "parametric"
-            else manifest.family
-        )
-        (RESULTS / f"{cfg['name']}.md").write_text(
-            f"# {cfg['name']}\n\nSearched with `autoscale search --env {cfg['env']} --budget {args.budget or cfg['budget']} "
-            f"--space {cfg.get('space', 'parametric')}`; winner `{name}`: {what}.\n\n"
-            f"Held-out: {n} episodes of {spec.episode.steps} real steps (test instances x {cfg.get('seeds', 2)} seeds).\n\n"
-            f"```\n{table}\n```\n\n![{cfg['name']}]({cfg['name']}.png)\n"
-        )
+    transfer = [
+        "| policy searched on | evaluated on (never seen) | vs torch | episodes |",
+        "|---|---|---|---|",
+    ]
+    for cfg in load_configs(None):
+        path = RESULTS / f"{cfg['name']}.json"
+        if not path.exists():
+            continue
+        res = json.loads(path.read_text())
         summary.append(
-            f"| [{cfg['name']}](experiments/results/{cfg['name']}.md) | `{name}`: {what} | {verdict(summaries, name)} | {n} |"
+            f"| [{cfg['name']}](experiments/results/{cfg['name']}.md) | `{res['policy']}`: {res.get('winner', '')} "
+            f"| {res['verdict']} | {res['episodes']} |"
         )
         for target in cfg.get("transfer_to", []):
             tname = Path(target).stem
-            _, tsum, ttable, tn = evaluate(
-                target,
-                name,
-                cfg.get("seeds", 2),
-                f"{name} on {tname} (never seen)",
-                f"transfer_{cfg['name']}_to_{tname}",
-            )
-            (RESULTS / f"transfer_{cfg['name']}_to_{tname}.md").write_text(
-                f"# Transfer: {name} on {tname}\n\n```\n{ttable}\n```\n\n![transfer](transfer_{cfg['name']}_to_{tname}.png)\n"
-            )
-            transfer.append(
-                f"| {cfg['name']} | [{tname}](experiments/results/transfer_{cfg['name']}_to_{tname}.md) | {verdict(tsum, name)} | {tn} |"
-            )
-    block = [
-        START,
-        "",
-        f"Regenerated by `python experiments/reproduce.py` ({(time.monotonic() - t0) / 60:.0f} min on this machine).",
+            tpath = RESULTS / f"transfer_{cfg['name']}_to_{tname}.json"
+            if tpath.exists():
+                t = json.loads(tpath.read_text())
+                transfer.append(
+                    f"| {cfg['name']} | [{tname}](experiments/results/transfer_{cfg['name']}_to_{tname}.md) "
+                    f"| {t['verdict']} | {t['episodes']} |"
+                )
+    body = [
+        f"Regenerated by `python experiments/reproduce.py` (last run: {minutes:.0f} min on this machine).",
         "",
         *summary,
         "",
-        "Transfer (policies on workloads they never saw):",
+        "Transfer: each policy on workloads it never saw.",
         "",
         *transfer,
-        "",
-        END,
     ]
-    (RESULTS / "summary.md").write_text("\n".join(block[1:-1]) + "\n")
+    (RESULTS / "summary.md").write_text("# Results\n\n" + "\n".join(body) + "\n")
     readme = ROOT / "README.md"
     text = readme.read_text()
     if START in text and END in text:
-        text = text[: text.index(START)] + "\n".join(block) + text[text.index(END) + len(END) :]
-        readme.write_text(text)
-    print("\n".join(block))
-    return 0
+        block = "\n".join([START, "", *body, "", END])
+        readme.write_text(text[: text.index(START)] + block + text[text.index(END) + len(END) :])
+    print("\n".join(body))
 
 
 if __name__ == "__main__":
