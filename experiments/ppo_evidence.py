@@ -36,7 +36,11 @@ def main(argv=None) -> int:
         "--seeds", type=int, default=2, help="seeds per test instance for the real-step evaluation"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--readme-only", action="store_true", help="only rewrite the README block from the last results")
+    p.add_argument(
+        "--readme-only",
+        action="store_true",
+        help="only rewrite the README block from the last results",
+    )
     args = p.parse_args(argv)
     if args.readme_only:
         update_readme(json.loads((RESULTS / "ppo_evidence.json").read_text()))
@@ -143,15 +147,26 @@ def main(argv=None) -> int:
     return 0
 
 
+def _fmt(summary: dict, key: str, pct: bool = False) -> str:
+    mean = summary[key]["mean"]
+    if mean is None:
+        return "n/a"
+    return f"{100 * mean:.2f}%" if pct else f"{mean:.4g}"
+
+
 def update_readme(data: dict) -> None:
     """Rewrite the README block between the evidence markers from the results JSON."""
     start, end = "<!-- evidence:start -->", "<!-- evidence:end -->"
-    rows = ["| scenario | scaler | skip rate | precision loss | eval loss | min scale |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| scenario | scaler | skip rate | precision loss | eval loss | min scale |",
+        "|---|---|---|---|---|---|",
+    ]
     for scenario, d in data.items():
         for name, s in d["summaries"].items():
-            fmt = lambda k, pct=False: ("n/a" if s[k]["mean"] is None else (f"{100 * s[k]['mean']:.2f}%" if pct else f"{s[k]['mean']:.4g}"))  # noqa: E731
-            rows.append(f"| {scenario} | {name} | {fmt('skip_rate', True)} | {fmt('precision_loss', True)} | {fmt('eval_loss')} | "
-                        f"2^{math.log2(s['min_scale']['mean']):.1f} |")
+            rows.append(
+                f"| {scenario} | {name} | {_fmt(s, 'skip_rate', True)} | {_fmt(s, 'precision_loss', True)} | {_fmt(s, 'eval_loss')} | "
+                f"2^{math.log2(s['min_scale']['mean']):.1f} |"
+            )
     readme = ROOT / "README.md"
     text = readme.read_text()
     if start in text and end in text:
