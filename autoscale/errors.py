@@ -18,6 +18,7 @@ __all__ = [
     "StorageError",
     "MinimumLossScaleError",
     "unknown_name",
+    "check_keys",
 ]
 
 
@@ -64,4 +65,24 @@ def unknown_name(kind: str, name: str, known: Iterable[str], how_to_list: str) -
     known = sorted(known)
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
-    return UnknownNameError(f"unknown {kind} '{name}'; {hint}({how_to_list} shows all: {', '.join(known)})")
+    return UnknownNameError(
+        f"unknown {kind} '{name}'; {hint}({how_to_list} shows all: {', '.join(known)})"
+    )
+
+
+def check_keys(where: str, data: Iterable[str], allowed: Iterable[str]) -> None:
+    """Raise ConfigError for the first key of ``data`` not in ``allowed``, suggesting the nearest.
+
+    Args:
+        where: What holds the keys, e.g. ``"envs/x.yaml: episode"``.
+        data: The keys given (a mapping works).
+        allowed: The valid keys.
+    """
+    allowed = list(allowed)
+    for key in data:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(
+                f"{where}: unknown key '{key}'; {hint}(allowed: {', '.join(allowed)})"
+            )

@@ -6,7 +6,6 @@ sees nested dicts. Unknown keys are errors, with the nearest valid key suggested
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
@@ -16,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from autoscale.errors import ConfigError, unknown_name
+from autoscale.errors import ConfigError, check_keys, unknown_name
 from autoscale.scalers.actions import ActionMap
 
 __all__ = [
@@ -27,16 +26,6 @@ __all__ = [
     "load_env_spec",
     "find_env_spec",
 ]
-
-
-def _check_keys(where: str, data: dict[str, Any], allowed: list[str]) -> None:
-    for key in data:
-        if key not in allowed:
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(
-                f"{where}: unknown key '{key}'; {hint}(allowed: {', '.join(allowed)})"
-            )
 
 
 @dataclass(frozen=True)
@@ -179,20 +168,20 @@ class EnvSpec:
             raise ConfigError(
                 f"{where}: expected a mapping at the top level, got {type(data).__name__}"
             )
-        _check_keys(where, data, ["name", "workload", "episode", "instances", "reward"])
+        check_keys(where, data, ["name", "workload", "episode", "instances", "reward"])
         name = str(data.get("name") or (Path(source).stem if source else "env"))
         wl = data.get("workload") or {}
         if not isinstance(wl, dict):
             raise ConfigError(f"{where}: 'workload' must be a mapping")
         workload = WorkloadSpec.from_dict(wl)
         ep = dict(data.get("episode") or {})
-        _check_keys(
+        check_keys(
             f"{where}: episode", ep, ["steps", "action", "init_scale", "min_scale", "max_scale"]
         )
         action = ep.pop("action", None) or {}
         if isinstance(action, str):
             action = {"mode": action}
-        _check_keys(
+        check_keys(
             f"{where}: episode.action", action, ["mode", "deltas", "max_delta", "resolution"]
         )
         episode = EpisodeSpec(
@@ -213,7 +202,7 @@ class EnvSpec:
                     raise ConfigError(
                         f"{where}: instances.{set_name} entries must be mappings or seeds, got {item!r}"
                     )
-                _check_keys(f"{where}: instances.{set_name}", item, ["name", "seed", "start"])
+                check_keys(f"{where}: instances.{set_name}", item, ["name", "seed", "start"])
                 seed, start = item.get("seed", 0), item.get("start", 0)
                 group.append(
                     InstanceSpec(
@@ -222,7 +211,7 @@ class EnvSpec:
                 )
             instances[set_name] = tuple(group)
         rw = data.get("reward") or {}
-        _check_keys(f"{where}: reward", rw, [f.name for f in fields(RewardWeights)])
+        check_keys(f"{where}: reward", rw, [f.name for f in fields(RewardWeights)])
         return cls(name, workload, episode, instances, RewardWeights(**rw), source)
 
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoscale.errors import ConfigError
+from autoscale.errors import ConfigError, check_keys
 
 __all__ = ["WorkloadSpec", "DTYPES", "INITS"]
 
@@ -133,14 +132,7 @@ class WorkloadSpec:
 
 
 def _check_keys(d: dict[str, Any]) -> None:
-    known = [f.name for f in dataclasses.fields(WorkloadSpec)]
-    for key in d:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(
-                f"workload spec has no field '{key}'; {hint}(fields: {', '.join(known)})"
-            )
+    check_keys("workload spec", d, [f.name for f in dataclasses.fields(WorkloadSpec)])
 
 
 def _positive_int(name: str, value: Any) -> int:

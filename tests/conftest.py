@@ -1,3 +1,5 @@
+"""Fixtures shared by the environment and agent tests."""
+
 import pytest
 
 from autoscale.envs import load_env_spec
