@@ -5,8 +5,15 @@ Importing autoscale loads torch and PyYAML only; the learning parts (Gymnasium, 
 when their subpackages are imported.
 """
 
-from autoscale.errors import AutoscaleError
-from autoscale.scalers import LossScaler, StepStats, get_scaler, list_scalers, register_loss_scaler
+import time as _time
+
+#: ``time.monotonic()`` when autoscale was first imported: budgets count from here, so imports
+#: (torch and the rest) are paid from them. Not the process's start: under ``bash -c 'a && autoscale'``
+#: the shell execs autoscale in its own process, whose start would include ``a``.
+IMPORT_TIME = _time.monotonic()
+
+from autoscale.errors import AutoscaleError  # noqa: E402
+from autoscale.scalers import LossScaler, StepStats, get_scaler, list_scalers, register_loss_scaler  # noqa: E402
 
 __version__ = "0.1.0"
 

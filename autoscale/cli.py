@@ -19,13 +19,41 @@ from autoscale.errors import AutoscaleError
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "list": ("listing", "ListCommand", "list every registered scaler with its defaults"),
     "run": ("run", "RunCommand", "train one workload under one scaler and print its scorecard"),
-    "compare": ("compare", "CompareCommand", "compare scalers side by side on one workload over seeds"),
-    "doctor": ("doctor", "DoctorCommand", "check fp16/bf16 support and speed here, and recommend one"),
-    "record": ("record", "RecordCommand", "record traces of real training for the replay environment"),
-    "train-agent": ("train_agent", "TrainAgentCommand", "train an RL agent (SB3) to set the scale; export it"),
-    "eval": ("eval", "EvalCommand", "evaluate a policy against every built-in rule on test instances"),
-    "search": ("search", "SearchCommand", "budgeted Optuna search of policies; validate, export the best"),
-    "dashboard": ("dashboard", "DashboardCommand", "optuna-dashboard on a search storage (127.0.0.1)"),
+    "compare": (
+        "compare",
+        "CompareCommand",
+        "compare scalers side by side on one workload over seeds",
+    ),
+    "doctor": (
+        "doctor",
+        "DoctorCommand",
+        "check fp16/bf16 support and speed here, and recommend one",
+    ),
+    "record": (
+        "record",
+        "RecordCommand",
+        "record traces of real training for the replay environment",
+    ),
+    "train-agent": (
+        "train_agent",
+        "TrainAgentCommand",
+        "train an RL agent (SB3) to set the scale; export it",
+    ),
+    "eval": (
+        "eval",
+        "EvalCommand",
+        "evaluate a policy against every built-in rule on test instances",
+    ),
+    "search": (
+        "search",
+        "SearchCommand",
+        "budgeted Optuna search of policies; validate, export the best",
+    ),
+    "dashboard": (
+        "dashboard",
+        "DashboardCommand",
+        "optuna-dashboard on a search storage (127.0.0.1)",
+    ),
     "export": ("export", "ExportCommand", "export a search trial's policy to policies/NAME"),
 }
 

@@ -269,19 +269,15 @@ def deepspeed_fp16_config(rule: str, parameters: dict[str, Any]) -> dict[str, An
             "consecutive_hysteresis": s.consecutive_hysteresis,
         }
     if rule in ("torch", "jmp", "megatron"):
-        growth = (
-            getattr(s, "_growth_factor", None)
-            or getattr(s, "growth_factor", None)
-            or getattr(s, "factor", None)
-        )
-        backoff = getattr(s, "_backoff_factor", None) or getattr(s, "backoff_factor", 1.0 / growth)
+        p = s.rule_params()  # each rule's own knobs (not GradScaler's inherited defaults)
+        if rule == "jmp":
+            growth, backoff, window = p["factor"], 1.0 / p["factor"], p["period"]
+        else:
+            growth, backoff, window = p["growth_factor"], p["backoff_factor"], p["growth_interval"]
         if growth != 2.0 or backoff != 0.5:
             raise ConfigError(
                 f"DeepSpeed fixes the factors at 2 and 1/2; rule '{rule}' uses {growth:g} and {backoff:g}"
             )
-        window = (
-            getattr(s, "_growth_interval", None) or getattr(s, "growth_interval", None) or s.period
-        )
         hysteresis = getattr(s, "hysteresis", 1)
         # DeepSpeed's first growth comes after window+1 clean steps, torch/jmp/megatron's after
         # `window`: window-1 matches the first growth; DeepSpeed's later growths then come every

@@ -10,7 +10,12 @@ from autoscale.scalers import list_scalers
 
 
 def _fmt(value) -> str:
-    if isinstance(value, float) and value > 0 and value == 2.0 ** round(__import__("math").log2(value)) and value >= 64:
+    if (
+        isinstance(value, float)
+        and value > 0
+        and value == 2.0 ** round(__import__("math").log2(value))
+        and value >= 64
+    ):
         return f"2^{round(__import__('math').log2(value))}"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
@@ -27,7 +32,11 @@ class ListCommand(Command):
             print(json.dumps([i.__dict__ for i in infos], indent=2, default=str))
             return 0
         width = max(len(i.name) for i in infos)
-        for kind, title in (("rule", "Built-in rules"), ("plugin", "Plugins"), ("policy", "Exported policies")):
+        for kind, title in (
+            ("rule", "Built-in rules"),
+            ("plugin", "Plugins"),
+            ("policy", "Exported policies"),
+        ):
             rows = [i for i in infos if i.kind == kind]
             if not rows:
                 continue
@@ -35,7 +44,12 @@ class ListCommand(Command):
             for i in rows:
                 print(f"  {i.name:<{width}}  {i.description}")
                 if i.defaults:
-                    print(f"  {'':<{width}}  defaults: " + ", ".join(f"{k}={_fmt(v)}" for k, v in i.defaults.items()))
+                    print(
+                        f"  {'':<{width}}  defaults: "
+                        + ", ".join(f"{k}={_fmt(v)}" for k, v in i.defaults.items())
+                    )
             print()
-        print("Use one with: scaler = autoscale.get_scaler(NAME, device=...)  (keyword arguments override defaults)")
+        print(
+            "Use one with: scaler = autoscale.get_scaler(NAME, device=...)  (keyword arguments override defaults)"
+        )
         return 0

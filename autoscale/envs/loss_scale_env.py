@@ -44,7 +44,8 @@ class LossScaleEnv(ScaleEnvBase):
     - divergence x diverged``.
 
     ## Starting State
-    The instance's snapshot; the first observation describes that point at ``init_scale``.
+    The instance's snapshot; the first observation describes that point at the scale the warm-up
+    rule reached there (``init_scale`` for instances that start at step 0).
     Instances are drawn uniformly from the chosen set (``train`` by default, ``test`` for
     evaluation; the test set is never trained on), or named with ``options={"instance": NAME}``.
 

@@ -20,7 +20,10 @@ TABLE_LO, TABLE_HI = -24, 64  # integer log2 scales tabulated; others are interp
 
 
 def precision_table(
-    hist: np.ndarray, edges: np.ndarray, log2_scales: np.ndarray, log2_min_normal: float = LOG2_FP16_MIN_NORMAL
+    hist: np.ndarray,
+    edges: np.ndarray,
+    log2_scales: np.ndarray,
+    log2_min_normal: float = LOG2_FP16_MIN_NORMAL,
 ) -> np.ndarray:
     """Precision loss of each traced step at each log2 scale, from the gradient histograms.
 
@@ -50,9 +53,10 @@ class ReplayEnv(ScaleEnvBase):
     As ``LossScaleEnv``.
 
     ## Starting State
-    An instance drawn from the set; with ``random_offset`` the episode starts at a random multiple
-    of the episode length inside the trace (features warmed up on the steps before it, at the
-    recorded scales), else at the trace's first step at ``init_scale``.
+    An instance drawn from the set, at its start point as the real env has it (the scale and
+    features its warm-up reached, stored in the trace); with ``random_offset`` the episode starts at
+    a random multiple of the episode length inside the trace, features and scale carried on through
+    the recorded steps before it.
 
     ## Episode End
     ``truncated`` after ``episode.steps`` steps; never terminated (a trace has no divergence).
@@ -94,7 +98,9 @@ class ReplayEnv(ScaleEnvBase):
                     f"trace of instance '{inst.name}' has {t.steps} steps, fewer than an episode ({self.episode_steps}); "
                     "record more steps"
                 )
-            table = precision_table(t.hist, self.trace.hist_edges, self._scales, log2_min_normal).tolist()
+            table = precision_table(
+                t.hist, self.trace.hist_edges, self._scales, log2_min_normal
+            ).tolist()
             cols = {
                 k: getattr(t, k).tolist()
                 for k in ("threshold", "nonfinite", "loss", "amax", "rms", "scale")
@@ -113,8 +119,9 @@ class ReplayEnv(ScaleEnvBase):
             if self.random_offset
             else 0
         )
-        self.features.reset()
-        scale = self.env_spec.episode.init_scale
+        # the instance's start point, as the real env has it after its warm-up
+        self.features.load_state_dict(t.start_features)
+        scale = t.start_scale
         for i in range(self._offset):  # warm the features on the recorded steps before the window
             self.features.observe(self._stats(cols, i, cols["scale"][i]))
             scale = cols["scale"][i]

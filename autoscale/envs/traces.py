@@ -23,7 +23,7 @@ from autoscale.errors import ConfigError, unknown_name
 
 __all__ = ["TRACE_VERSION", "InstanceTrace", "Trace", "record_trace", "RECORD_RULE"]
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2  # 2: instances carry their start scale and features
 RECORD_RULE = {"name": "amax-history", "margin": 2.0}
 _ARRAYS = ("threshold", "nonfinite", "loss", "amax", "rms", "scale", "hist")
 
@@ -43,6 +43,8 @@ class InstanceTrace:
     scale: np.ndarray  # scale used while recording
     hist: np.ndarray  # (steps, bins): fractions of non-zero grad elements per 1-bit log2 bin
     eval_loss: float
+    start_scale: float = 0.0  # scale at the instance's start point (after its warm-up)
+    start_features: dict[str, Any] | None = None  # FeatureExtractor state at that point
 
     @property
     def steps(self) -> int:
@@ -77,7 +79,14 @@ class Trace:
             "feature_version": self.feature_version,
             "spec": self.spec,
             "instances": [
-                {"name": t.name, "seed": t.seed, "start": t.start, "eval_loss": t.eval_loss}
+                {
+                    "name": t.name,
+                    "seed": t.seed,
+                    "start": t.start,
+                    "eval_loss": t.eval_loss,
+                    "start_scale": t.start_scale,
+                    "start_features": t.start_features,
+                }
                 for t in self.instances.values()
             ],
         }
@@ -119,7 +128,13 @@ class Trace:
         for i, info in enumerate(meta["instances"]):
             arrays = {key: data[f"{i}.{key}"] for key in _ARRAYS}
             instances[info["name"]] = InstanceTrace(
-                info["name"], info["seed"], info["start"], eval_loss=info["eval_loss"], **arrays
+                info["name"],
+                info["seed"],
+                info["start"],
+                eval_loss=info["eval_loss"],
+                start_scale=info["start_scale"],
+                start_features=info["start_features"],
+                **arrays,
             )
         return cls(
             meta["spec"], instances, data["hist_edges"], meta["feature_version"], meta["version"]
@@ -160,7 +175,8 @@ def record_trace(
         bar = tqdm(total=total, desc="recording", unit="step")
     traced: dict[str, InstanceTrace] = {}
     for inst in chosen:
-        run, snap, _, scale = env.prepare(inst)
+        run, snap, start_features, scale = env.prepare(inst)
+        start_scale = scale
         run.restore(snap)
         rule = get_scaler(
             RECORD_RULE["name"],
@@ -192,6 +208,8 @@ def record_trace(
             inst.name,
             inst.seed,
             inst.start,
+            start_scale=start_scale,
+            start_features=start_features,
             threshold=np.asarray(cols["threshold"], dtype=np.float64),
             nonfinite=np.asarray(cols["nonfinite"], dtype=bool),
             loss=np.asarray(cols["loss"], dtype=np.float64),

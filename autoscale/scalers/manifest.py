@@ -56,7 +56,9 @@ class PolicyManifest:
         what = f"{self.kind} policy ({self.family})"
         wl = self.workload
         if wl:
-            what += (" trained on " if self.kind == "neural" else " searched on ") + "/".join(str(wl[k]) for k in ("model", "scenario") if k in wl)
+            what += (" trained on " if self.kind == "neural" else " searched on ") + "/".join(
+                str(wl[k]) for k in ("model", "scenario") if k in wl
+            )
         return what
 
     def to_dict(self) -> dict[str, Any]:

@@ -16,13 +16,17 @@ from autoscale.scalers.registry import get_scaler, register_policy_loader
 __all__ = ["load_parametric"]
 
 
-def load_parametric(path: Path, manifest: PolicyManifest, device: str | None, overrides: dict[str, Any]):
+def load_parametric(
+    path: Path, manifest: PolicyManifest, device: str | None, overrides: dict[str, Any]
+):
     """Build the rule ``manifest.family`` with the exported parameters (overrides win)."""
     params = {**manifest.parameters, **overrides}
     try:
         scaler = get_scaler(manifest.family, device=device, **params)
     except UnknownNameError as exc:
-        raise PolicyError(f"policy '{manifest.name}' ({path}) uses rule '{manifest.family}', unknown here: {exc}") from exc
+        raise PolicyError(
+            f"policy '{manifest.name}' ({path}) uses rule '{manifest.family}', unknown here: {exc}"
+        ) from exc
     scaler.policy_name = manifest.name
     return scaler
 

@@ -55,7 +55,9 @@ class ScalerInfo:
     source: str = ""
 
 
-def register_loss_scaler(name: str, *, override: bool = False) -> Callable[[type[LossScaler]], type[LossScaler]]:
+def register_loss_scaler(
+    name: str, *, override: bool = False
+) -> Callable[[type[LossScaler]], type[LossScaler]]:
     """Class decorator that registers a :class:`LossScaler` subclass under ``name``.
 
     Example::
@@ -70,9 +72,13 @@ def register_loss_scaler(name: str, *, override: bool = False) -> Callable[[type
         from autoscale.scalers.base import LossScaler
 
         if not (isinstance(cls, type) and issubclass(cls, LossScaler)):
-            raise TypeError(f"register_loss_scaler('{name}') expects a LossScaler subclass, got {cls!r}")
+            raise TypeError(
+                f"register_loss_scaler('{name}') expects a LossScaler subclass, got {cls!r}"
+            )
         if name in _RULES and _RULES[name] is not cls and not override:
-            raise ConfigError(f"scaler '{name}' is already registered ({_RULES[name].__qualname__}); pass override=True")
+            raise ConfigError(
+                f"scaler '{name}' is already registered ({_RULES[name].__qualname__}); pass override=True"
+            )
         cls.name = name
         _RULES[name] = cls
         return cls
@@ -102,7 +108,9 @@ def _load_entry_points() -> None:
         try:
             cls = ep.load()
         except Exception as exc:  # a broken plugin must not break the built-in rules
-            raise ConfigError(f"scaler plugin '{ep.name}' ({ep.value}) failed to load: {exc}") from exc
+            raise ConfigError(
+                f"scaler plugin '{ep.name}' ({ep.value}) failed to load: {exc}"
+            ) from exc
         register_loss_scaler(ep.name)(cls)
         cls._plugin = True
 
@@ -137,7 +145,11 @@ def _policy_names() -> list[str]:
     names: list[str] = []
     for d in policy_dirs():
         if d.is_dir():
-            names.extend(p.name for p in sorted(d.iterdir()) if (p / MANIFEST).is_file() and p.name not in names)
+            names.extend(
+                p.name
+                for p in sorted(d.iterdir())
+                if (p / MANIFEST).is_file() and p.name not in names
+            )
     return names
 
 
@@ -229,7 +241,13 @@ def list_scalers() -> list[ScalerInfo]:
     _builtin()
     _load_entry_points()
     infos = [
-        ScalerInfo(name, "plugin" if getattr(cls, "_plugin", False) else "rule", cls.description, rule_defaults(cls), cls.source)
+        ScalerInfo(
+            name,
+            "plugin" if getattr(cls, "_plugin", False) else "rule",
+            cls.description,
+            rule_defaults(cls),
+            cls.source,
+        )
         for name, cls in _RULES.items()
     ]
     from autoscale.scalers.manifest import read_manifest

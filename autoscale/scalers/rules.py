@@ -30,14 +30,18 @@ __all__ = [
 def _growth(value: float) -> float:
     value = float(value)
     if not value > 1.0 or not math.isfinite(value):
-        raise ConfigError(f"growth factor must be > 1 (it multiplies the scale on growth), got {value!r}")
+        raise ConfigError(
+            f"growth factor must be > 1 (it multiplies the scale on growth), got {value!r}"
+        )
     return value
 
 
 def _backoff(value: float) -> float:
     value = float(value)
     if not 0.0 < value < 1.0:
-        raise ConfigError(f"backoff factor must be in (0, 1) (it multiplies the scale on overflow), got {value!r}")
+        raise ConfigError(
+            f"backoff factor must be in (0, 1) (it multiplies the scale on overflow), got {value!r}"
+        )
     return value
 
 
@@ -266,7 +270,10 @@ class MegatronScaler(LossScaler):
         }
 
     def rule_state(self) -> dict[str, Any]:
-        return {"growth_tracker": self.growth_tracker, "hysteresis_tracker": self.hysteresis_tracker}
+        return {
+            "growth_tracker": self.growth_tracker,
+            "hysteresis_tracker": self.hysteresis_tracker,
+        }
 
     def load_rule_state(self, state: dict[str, Any]) -> None:
         self.growth_tracker = int(state.get("growth_tracker", 0))
@@ -379,7 +386,11 @@ class FairseqScaler(LossScaler):
         return new
 
     def rule_params(self) -> dict[str, Any]:
-        return {"scale_factor": self.scale_factor, "scale_window": self._initial_window(), "tolerance": self.tolerance}
+        return {
+            "scale_factor": self.scale_factor,
+            "scale_window": self._initial_window(),
+            "tolerance": self.tolerance,
+        }
 
     def _initial_window(self) -> int:
         return getattr(self, "_window0", self.scale_window)
@@ -426,7 +437,12 @@ class MetaseqScaler(FairseqScaler):
         **kw: Any,
     ) -> None:
         super().__init__(
-            device, init_scale=init_scale, scale_factor=scale_factor, scale_window=scale_window, tolerance=tolerance, **kw
+            device,
+            init_scale=init_scale,
+            scale_factor=scale_factor,
+            scale_window=scale_window,
+            tolerance=tolerance,
+            **kw,
         )
         self._window0 = self.scale_window
 
@@ -480,7 +496,11 @@ class AmaxHistoryScaler(LossScaler):
         return 2.0 ** math.floor(math.log2(FP16_MAX / amax) - self.margin)
 
     def rule_params(self) -> dict[str, Any]:
-        return {"history_len": self.history_len, "margin": self.margin, "backoff_factor": self.backoff_factor}
+        return {
+            "history_len": self.history_len,
+            "margin": self.margin,
+            "backoff_factor": self.backoff_factor,
+        }
 
     def rule_state(self) -> dict[str, Any]:
         return {"history": [float(a) for a in self.history]}

@@ -1,20 +1,18 @@
 """Wall-clock budgets: parsing (``90s``, ``30m``, ``2h``, ``1h30m``), deadlines, and a time ledger.
 
-The budget clock starts when the process started (Linux ``/proc``), not when the search code
-runs, so interpreter start-up and imports are paid from the budget the user gave.
+The budget clock starts when autoscale was first imported (``autoscale.IMPORT_TIME``), not when the
+search code runs, so imports (torch and the rest) are paid from the budget the user gave.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from autoscale.errors import BudgetError
 
@@ -57,14 +55,14 @@ def format_duration(seconds: float) -> str:
 
 
 def process_elapsed() -> float:
-    """Seconds since this process started (from ``/proc``); 0.0 where that is unknown."""
-    try:
-        stat = Path("/proc/self/stat").read_text()
-        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22: starttime
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError, AttributeError):
-        return 0.0
+    """Seconds since autoscale was first imported in this process.
+
+    Not the process's start time from ``/proc``: a shell that runs ``setup && autoscale ...``
+    execs the last command in its own process, whose start would count the setup.
+    """
+    import autoscale
+
+    return max(0.0, time.monotonic() - autoscale.IMPORT_TIME)
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ def test_trace_version_and_workload_are_checked(tiny_spec, tiny_trace, tmp_path)
     bad = tmp_path / "old.npz"
     np.savez(bad, **data)
     with pytest.raises(
-        ConfigError, match="version 99, this autoscale reads version 1; record it again"
+        ConfigError, match="version 99, this autoscale reads version 2; record it again"
     ):
         Trace.load(bad)
     with pytest.raises(ConfigError, match="no trace file"):
@@ -155,3 +155,15 @@ def test_trace_version_and_workload_are_checked(tiny_spec, tiny_trace, tmp_path)
     other = {**tiny_spec.to_dict(), "workload": {**tiny_spec.workload.to_dict(), "seq_len": 32}}
     with pytest.raises(ConfigError, match="record a trace for this spec"):
         ReplayEnv(other, tiny_trace)
+
+
+def test_replay_starts_instances_where_the_real_env_does(tiny_spec, tiny_trace):
+    """An instance with warm-up steps starts at the same scale and features in both envs."""
+    real = LossScaleEnv(tiny_spec)
+    replay = ReplayEnv(tiny_spec, tiny_trace)
+    for name in ("train-s0-t0", "train-s1-t3"):
+        obs_real, info_real = real.reset(options={"instance": name})
+        obs_replay, info_replay = replay.reset(options={"instance": name})
+        assert info_real["scale"] == info_replay["scale"]
+        np.testing.assert_array_equal(obs_real, obs_replay)
+    assert obs_real[10] > 0  # the warm-up steps are in the features (progress), in both

@@ -190,3 +190,16 @@ def test_written_file_reads_back(tmp_path):
     read = HfDeepSpeedConfig(str(path))  # what Accelerate's DeepSpeedPlugin parses
     assert read.is_true("fp16.enabled") and read.get_value("fp16.initial_scale_power") == 32
     assert_deepspeed_accepts(read.config["fp16"])
+
+
+def test_rule_knobs_not_gradscaler_defaults_decide_the_block():
+    """megatron/jmp keep their knobs in their own attributes, not GradScaler's private ones."""
+    from autoscale.agents.export import deepspeed_fp16_config
+
+    assert deepspeed_fp16_config("megatron", {})["loss_scale_window"] == 999
+    assert deepspeed_fp16_config("megatron", {"growth_interval": 50})["loss_scale_window"] == 49
+    assert deepspeed_fp16_config("jmp", {"period": 10})["loss_scale_window"] == 9
+    with pytest.raises(
+        ConfigError, match="fixes the factors at 2 and 1/2; rule 'megatron' uses 3.05"
+    ):
+        deepspeed_fp16_config("megatron", {"growth_factor": 3.05, "backoff_factor": 0.81})
