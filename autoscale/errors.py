@@ -64,9 +64,9 @@ def unknown_name(kind: str, name: str, known: Iterable[str], how_to_list: str) -
     """
     known = sorted(known)
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-    hint = f"did you mean '{close[0]}'? " if close else ""
+    hint = f"; did you mean '{close[0]}'?" if close else ""
     return UnknownNameError(
-        f"unknown {kind} '{name}'; {hint}({how_to_list} shows all: {', '.join(known)})"
+        f"unknown {kind} '{name}'{hint} ({how_to_list} shows all: {', '.join(known)})"
     )
 
 

@@ -105,6 +105,12 @@ def sb3_actor(model: Any) -> tuple[nn.Sequential, dict[str, Any]]:
 
 
 def _publish(tmp: Path, dest: Path, force: bool) -> None:
+    # mkdtemp/mkstemp make private (0700/0600) entries: give the policy the usual umask modes
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    for f in tmp.iterdir():
+        os.chmod(f, 0o666 & ~umask)
     if dest.exists():
         if not force:
             raise ConfigError(

@@ -28,6 +28,7 @@ def load_parametric(
             f"policy '{manifest.name}' ({path}) uses rule '{manifest.family}', unknown here: {exc}"
         ) from exc
     scaler.policy_name = manifest.name
+    scaler.name = manifest.name  # checkpoints and spec() name the policy, not its rule
     return scaler
 
 
