@@ -134,12 +134,12 @@ def verdict(summaries: dict, policy: str) -> str:
         ("eval_loss", "eval loss"),
     ):
         a, b = p[key]["mean"], t[key]["mean"]
-        if not (math.isfinite(a) and math.isfinite(b)):
+        if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
             parts.append(f"{label}: n/a")
         elif math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12):
             parts.append(f"{label}: equal")
         else:
-            parts.append(f"{label}: {'lower' if a < b else 'higher'} ({a:.4g} vs {b:.4g})")
+            parts.append(f"{label}: {'lower' if a < b else 'higher'} ({a:.5g} vs {b:.5g})")
     return "; ".join(parts)
 
 
@@ -161,22 +161,15 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     for cfg in [] if args.readme_only else load_configs(args.only):
         run_config(cfg, args)
-    write_summary((time.monotonic() - t0) / 60)
+    write_summary()
+    print(f"took {(time.monotonic() - t0) / 60:.0f} min")
     return 0
 
 
 def run_config(cfg: dict, args: argparse.Namespace) -> None:
-    from autoscale.scalers.manifest import read_manifest
-    from autoscale.scalers.registry import find_policy
-
     budget = args.budget or cfg["budget"]
     name = f"auto-{cfg['name']}" if args.skip_search else search(cfg, budget)
-    manifest = read_manifest(find_policy(name))
-    what = (
-        f"{manifest.family} {manifest.parameters}"
-        if manifest.kind == "parametric"
-        else manifest.family
-    )
+    what = describe_policy(name)
     seeds = cfg.get("seeds", 2)
     spec, _, table, n = evaluate(
         cfg["env"], name, seeds, f"{cfg['name']}: held-out seeds, real steps", cfg["name"]
@@ -189,13 +182,37 @@ def run_config(cfg: dict, args: argparse.Namespace) -> None:
         f"every built-in rule and a bf16 reference.\n\n```\n{table}\n```\n\n![{cfg['name']}]({cfg['name']}.png)\n"
     )
     for target in cfg.get("transfer_to", []):
-        out = f"transfer_{cfg['name']}_to_{Path(target).stem}"
-        _, _, ttable, _ = evaluate(
-            target, name, seeds, f"{name} on {Path(target).stem} (never seen)", out
-        )
-        (RESULTS / f"{out}.md").write_text(
-            f"# Transfer: {name} (searched on {cfg['name']}) on {Path(target).stem}\n\n```\n{ttable}\n```\n\n![transfer]({out}.png)\n"
-        )
+        for policy in [name, *cfg.get("transfer_also", [])]:
+            out = transfer_name(cfg["name"], policy, target)
+            _, _, ttable, _ = evaluate(
+                target, policy, seeds, f"{policy} on {Path(target).stem} (never seen)", out
+            )
+            (RESULTS / f"{out}.md").write_text(
+                f"# Transfer: {policy} (made for {cfg['name']}) on {Path(target).stem}\n\n```\n{ttable}\n```\n\n"
+                f"![transfer]({out}.png)\n"
+            )
+
+
+def describe_policy(name: str) -> str:
+    """What an exported policy is: the rule and its tuned knobs, or the network's family."""
+    from autoscale.scalers.manifest import read_manifest
+    from autoscale.scalers.registry import find_policy
+
+    m = read_manifest(find_policy(name))
+    if m.kind != "parametric":
+        return m.family
+    knobs = {
+        k: (round(v, 3) if isinstance(v, float) else v)
+        for k, v in m.parameters.items()
+        if k not in ("init_scale", "min_scale", "max_scale")
+    }
+    return f"{m.family} {knobs}" if knobs else f"{m.family} (its defaults)"
+
+
+def transfer_name(study: str, policy: str, target: str) -> str:
+    """Result file stem of ``policy`` (made for ``study``) evaluated on ``target``."""
+    who = study if policy == f"auto-{study}" else policy
+    return f"transfer_{who}_to_{Path(target).stem}"
 
 
 def _annotate(out: str, **fields) -> None:
@@ -205,14 +222,14 @@ def _annotate(out: str, **fields) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def write_summary(minutes: float) -> None:
+def write_summary() -> None:
     """Build experiments/results/summary.md and the README block from every saved result."""
     summary = [
         "| study | winner (policy) | vs torch on held-out seeds | episodes |",
         "|---|---|---|---|",
     ]
     transfer = [
-        "| policy searched on | evaluated on (never seen) | vs torch | episodes |",
+        "| policy (made for) | evaluated on (never seen) | vs torch | episodes |",
         "|---|---|---|---|",
     ]
     for cfg in load_configs(None):
@@ -220,21 +237,23 @@ def write_summary(minutes: float) -> None:
         if not path.exists():
             continue
         res = json.loads(path.read_text())
+        res["winner"] = describe_policy(res["policy"])
         summary.append(
             f"| [{cfg['name']}](experiments/results/{cfg['name']}.md) | `{res['policy']}`: {res.get('winner', '')} "
-            f"| {res['verdict']} | {res['episodes']} |"
+            f"| {verdict(res['summaries'], res['policy'])} | {res['episodes']} |"
         )
         for target in cfg.get("transfer_to", []):
             tname = Path(target).stem
-            tpath = RESULTS / f"transfer_{cfg['name']}_to_{tname}.json"
-            if tpath.exists():
-                t = json.loads(tpath.read_text())
-                transfer.append(
-                    f"| {cfg['name']} | [{tname}](experiments/results/transfer_{cfg['name']}_to_{tname}.md) "
-                    f"| {t['verdict']} | {t['episodes']} |"
-                )
+            for policy in [res["policy"], *cfg.get("transfer_also", [])]:
+                tpath = RESULTS / f"{transfer_name(cfg['name'], policy, target)}.json"
+                if tpath.exists():
+                    t = json.loads(tpath.read_text())
+                    transfer.append(
+                        f"| `{policy}` ({cfg['name']}) | [{tname}](experiments/results/{tpath.stem}.md) "
+                        f"| {verdict(t['summaries'], policy)} | {t['episodes']} |"
+                    )
     body = [
-        f"Regenerated by `python experiments/reproduce.py` (last run: {minutes:.0f} min on this machine).",
+        "Regenerated by `python experiments/reproduce.py` from the results in experiments/results/.",
         "",
         *summary,
         "",
