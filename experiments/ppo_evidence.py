@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     from autoscale.agents.evaluate import evaluate_scalers
     from autoscale.agents.train import train_agent
     from autoscale.envs import Trace, load_env_spec, record_trace
+    from autoscale.errors import ConfigError
     from autoscale.training import summarize
     from autoscale.training.report import format_comparison, plot_comparison
     from autoscale.training.scorecard import json_safe
@@ -66,11 +67,10 @@ def main(argv=None) -> int:
         spec = load_env_spec(ROOT / "envs" / f"{scenario}.yaml")
         trace_path = CACHE / f"{scenario}-{args.trace_steps}.npz"
         t0 = time.perf_counter()
-        trace = (
-            Trace.load(trace_path)
-            if trace_path.exists()
-            else record_trace(spec, args.trace_steps, trace_path, progress=True)
-        )
+        try:
+            trace = Trace.load(trace_path)
+        except ConfigError:  # not recorded yet, or by another trace version
+            trace = record_trace(spec, args.trace_steps, trace_path, progress=True)
         record_s = time.perf_counter() - t0
         cpu0, wall0 = time.process_time(), time.perf_counter()
         name = f"ppo-{scenario}"
