@@ -160,7 +160,10 @@ def main(argv=None) -> int:
     CACHE.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     for cfg in [] if args.readme_only else load_configs(args.only):
-        run_config(cfg, args)
+        if args.transfer_only:
+            run_transfers(cfg, f"auto-{cfg['name']}", cfg.get("seeds", 2))
+        else:
+            run_config(cfg, args)
     write_summary()
     print(f"took {(time.monotonic() - t0) / 60:.0f} min")
     return 0
@@ -181,12 +184,16 @@ def run_config(cfg: dict, args: argparse.Namespace) -> None:
         f"Held-out: {n} episodes of {spec.episode.steps} real steps (test instances x {seeds} seeds), "
         f"every built-in rule and a bf16 reference.\n\n```\n{table}\n```\n\n![{cfg['name']}]({cfg['name']}.png)\n"
     )
+    run_transfers(cfg, name, seeds)
+
+
+def run_transfers(cfg: dict, name: str, seeds: int) -> None:
+    """Evaluate the study's winner (and ``transfer_also`` policies) on the ``transfer_to`` specs."""
     for target in cfg.get("transfer_to", []):
         for policy in [name, *cfg.get("transfer_also", [])]:
             out = transfer_name(cfg["name"], policy, target)
-            _, _, ttable, _ = evaluate(
-                target, policy, seeds, f"{policy} on {Path(target).stem} (never seen)", out
-            )
+            title = f"{policy} on {Path(target).stem} (never seen)"
+            _, _, ttable, _ = evaluate(target, policy, seeds, title, out)
             (RESULTS / f"{out}.md").write_text(
                 f"# Transfer: {policy} (made for {cfg['name']}) on {Path(target).stem}\n\n```\n{ttable}\n```\n\n"
                 f"![transfer]({out}.png)\n"
