@@ -155,6 +155,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--readme-only", action="store_true", help="only rebuild the summary and README block"
     )
+    p.add_argument(
+        "--transfer-only",
+        action="store_true",
+        help="only the transfer evaluations, of exported policies",
+    )
     args = p.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     CACHE.mkdir(parents=True, exist_ok=True)
