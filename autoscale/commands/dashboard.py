@@ -38,6 +38,20 @@ It binds 127.0.0.1: reach it from another machine through an SSH tunnel
         print(
             f"optuna-dashboard on {mask_url(args.storage)}: http://{args.host}:{args.port}/ (Ctrl-C stops it)"
         )
+        import os
+        import signal
+        import sys
+
+        def stop(signum, frame):
+            # wsgiref catches every exception inside a request (a bare except), so a Ctrl-C that
+            # lands while a request is served would be swallowed and the server would go on:
+            # leave at once instead (the dashboard holds nothing that needs flushing).
+            print("stopped", flush=True)
+            sys.stderr.flush()
+            os._exit(0)
+
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
         try:
             run_server(storage, host=args.host, port=args.port, artifact_store=store)
         except KeyboardInterrupt:
