@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -141,7 +140,3 @@ class LossScaleEnv(ScaleEnvBase):
         return Scorecard.from_records(
             self.records, eval_loss=self.run.eval_loss(), hit_min=hit_min, wall_s=self._wall
         )
-
-    @property
-    def last_loss(self) -> float:
-        return self.records[-1].loss if self.records else math.nan

@@ -253,32 +253,27 @@ class LossScaler(torch.amp.GradScaler):
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # The fused-optimizer path checks for infs without unscaling: statistics need 1/scale.
-        if self.collect_stats and self._found_inf_from_amax(optimizer):
+        if self.collect_stats:
+            self._found_inf_from_amax(optimizer)
             found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         else:
             found = super()._check_inf_per_device(optimizer)
-            if self.collect_stats:
-                self._collect_grad_stats(optimizer, inv_scale=1.0 / self._host_scale)
         self._agree_on_found_inf(optimizer)
         return found
 
-    def _found_inf_from_amax(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _found_inf_from_amax(self, optimizer: torch.optim.Optimizer) -> None:
         """Derive found-inf from the gradient amax the rule reads anyway (fused-optimizer path).
 
         The amax is non-finite exactly when some gradient element is (NaN and inf propagate
-        through it), so GradScaler's separate found-inf pass over every gradient can be skipped.
-        Only when all gradients live on the scale's device; returns False otherwise.
+        through it), so GradScaler's separate found-inf pass over every gradient is skipped. The
+        flag lives on the scale's device, where GradScaler's fused path gathers it anyway.
         """
-        dev = self._scale.device
-        state = self._per_optimizer_states[id(optimizer)]
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p.grad.device != dev:
-                    return False
         self._collect_grad_stats(optimizer, inv_scale=1.0 / self._host_scale)
+        state = self._per_optimizer_states[id(optimizer)]
         amax = state["autoscale_stats"][0]
-        state["found_inf_per_device"] = {dev: (~torch.isfinite(amax)).to(torch.float32)}
-        return True
+        state["found_inf_per_device"] = {
+            self._scale.device: (~torch.isfinite(amax)).to(torch.float32)
+        }
 
     def _agree_on_found_inf(self, optimizer: torch.optim.Optimizer) -> None:
         # Fused optimizers (AdamW(fused=True)) skip the step inside their kernel from the device

@@ -51,12 +51,6 @@ def _interval(name: str, value: int) -> int:
     return int(value)
 
 
-def _non_negative_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or int(value) != value or int(value) < 0:
-        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
-
-
 @register_loss_scaler("static")
 class StaticScaler(LossScaler):
     """A fixed scale: overflowing steps are skipped, the scale never moves.
