@@ -13,13 +13,21 @@ import time as _time
 IMPORT_TIME = _time.monotonic()
 
 from autoscale.errors import AutoscaleError  # noqa: E402
-from autoscale.scalers import LossScaler, StepStats, get_scaler, list_scalers, register_loss_scaler  # noqa: E402
+from autoscale.scalers import (  # noqa: E402
+    LossScaler,
+    ScaleRule,
+    StepStats,
+    get_scaler,
+    list_scalers,
+    register_loss_scaler,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutoscaleError",
     "LossScaler",
+    "ScaleRule",
     "StepStats",
     "get_scaler",
     "list_scalers",

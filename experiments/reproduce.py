@@ -207,8 +207,7 @@ def run_transfers(cfg: dict, name: str, seeds: int) -> None:
 
 def describe_policy(name: str) -> str:
     """What an exported policy is: the rule and its tuned knobs, or the network's family."""
-    from autoscale.scalers.manifest import read_manifest
-    from autoscale.scalers.registry import find_policy
+    from autoscale.scalers.policies import find_policy, read_manifest
 
     m = read_manifest(find_policy(name))
     if m.kind != "parametric":

@@ -68,12 +68,13 @@ def drive_episode(env: ScaleEnvBase, scaler: LossScaler, instance: str):
         (scorecard, step records) of the episode.
     """
     _, info = env.reset(options={"instance": instance})
-    scale = scaler.start_episode(info["scale"], env.features.state_dict())
+    controller = scaler.controller
+    scale = controller.start(info["scale"], env.features.state_dict())
     while True:
         _, _, terminated, truncated, _ = env.step_at(scale)
         if terminated or truncated:
             break
-        scale = scaler.clamp(scaler.next_scale(scale, env.last_stats))
+        scale = controller.step(env.last_stats)
     return env.scorecard(), env.episode_records()
 
 

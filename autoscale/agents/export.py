@@ -1,16 +1,15 @@
-"""Export learned policies to ``policies/NAME/`` (manifest + weights), and rules to DeepSpeed JSON.
+"""Export learned policies to ``policies/NAME/`` (manifest + weights).
 
 A neural export turns a trained SB3 policy into a plain ``nn.Sequential`` actor (its state_dict in
-``weights.pt``), so that :class:`~autoscale.scalers.neural.PolicyScaler` runs it with torch alone.
-Nothing is overwritten without ``force``; files are written to a temporary folder and moved into
-place, so an interrupted export leaves no half-written policy.
+``weights.pt``), so that :class:`~autoscale.scalers.neural.NeuralPolicyRule` runs it with torch
+alone. Folders are staged and published by :func:`autoscale.scalers.policies.staged_policy`:
+nothing is overwritten without ``force``, and an interrupted export leaves no half-written policy.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +17,12 @@ import torch
 from torch import nn
 
 import autoscale
-from autoscale.errors import ConfigError, PolicyError, UnknownNameError
+from autoscale.errors import ConfigError, PolicyError, unknown_name
 from autoscale.scalers.features import FEATURE_VERSION
-from autoscale.scalers.manifest import PolicyManifest, sha256_file, write_manifest
+from autoscale.scalers.policies import PolicyManifest, sha256_file, staged_policy, write_manifest
+from autoscale.scalers.registry import build_scaler, rule_class, rule_names
 
-__all__ = [
-    "sb3_actor",
-    "export_neural",
-    "export_parametric",
-    "deepspeed_fp16_config",
-    "default_policy_dir",
-]
+__all__ = ["sb3_actor", "export_neural", "export_parametric"]
 
 _ACT_NAMES = {
     nn.Tanh: "tanh",
@@ -37,12 +31,6 @@ _ACT_NAMES = {
     nn.ELU: "elu",
     nn.LeakyReLU: "leaky_relu",
 }
-
-
-def default_policy_dir() -> Path:
-    """Where exports go: the first entry of ``$AUTOSCALE_POLICY_PATH``, else ``./policies``."""
-    env = [p for p in os.environ.get("AUTOSCALE_POLICY_PATH", "").split(os.pathsep) if p]
-    return Path(env[0]) if env else Path.cwd() / "policies"
 
 
 def _flatten(seq: nn.Module, head: nn.Linear) -> tuple[nn.Sequential, list[int], str]:
@@ -74,8 +62,8 @@ def sb3_actor(model: Any) -> tuple[nn.Sequential, dict[str, Any]]:
     """The deterministic actor of a trained SB3 model as a plain Sequential, and its head.
 
     PPO/A2C: policy MLP + action_net (argmax for discrete actions, clip to [-1, 1] for
-    continuous, as ``predict(deterministic=True)`` does); DQN: the Q-network (argmax); SAC/TD3:
-    the actor's latent network + mu (tanh squashing).
+    continuous, as ``predict(deterministic=True)`` does); DQN: the Q-network (argmax); SAC: the
+    actor's latent network + mu (tanh squashing).
     """
     policy = model.policy
     name = type(model).__name__.lower()
@@ -88,52 +76,14 @@ def sb3_actor(model: Any) -> tuple[nn.Sequential, dict[str, Any]]:
         linears = list(seq)
         actor, layers, act = _flatten(nn.Sequential(*linears[:-1]), linears[-1])
         head = "argmax"
-    elif hasattr(policy, "actor") and hasattr(policy.actor, "mu"):
-        latent = policy.actor.latent_pi
-        mu = policy.actor.mu
-        if isinstance(mu, nn.Sequential):  # TD3-style actor: Linear + Tanh inside mu
-            lin = [m for m in mu if isinstance(m, nn.Linear)]
-            actor, layers, act = _flatten(latent, lin[-1])
-        else:
-            actor, layers, act = _flatten(latent, mu)
+    elif hasattr(policy, "actor") and hasattr(policy.actor, "latent_pi"):  # SAC
+        actor, layers, act = _flatten(policy.actor.latent_pi, policy.actor.mu)
         head = "tanh"
     else:
         raise PolicyError(
             f"cannot export a {type(model).__name__} policy ({type(policy).__name__})"
         )
     return actor, {"algo": name, "layers": layers, "activation": act, "head": head}
-
-
-def _publish(tmp: Path, dest: Path, force: bool) -> None:
-    # mkdtemp/mkstemp make private (0700/0600) entries: give the policy the usual umask modes
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    for f in tmp.iterdir():
-        os.chmod(f, 0o666 & ~umask)
-    if dest.exists():
-        if not force:
-            raise ConfigError(
-                f"policy folder '{dest}' already exists; choose another --name or pass --force"
-            )
-        backup = dest.with_name(f".{dest.name}.old")
-        if backup.exists():
-            shutil.rmtree(backup)
-        os.replace(dest, backup)
-        os.replace(tmp, dest)
-        shutil.rmtree(backup)
-    else:
-        os.replace(tmp, dest)
-
-
-def _check_name(name: str) -> None:
-    if not name or not all(c.isalnum() or c in "-_." for c in name) or name.startswith("."):
-        raise ConfigError(f"policy name '{name}' must use letters, digits, '-', '_' or '.' only")
-    from autoscale.scalers.registry import _RULES, _builtin
-
-    _builtin()
-    if name in _RULES:
-        raise ConfigError(f"policy name '{name}' is a built-in rule's name; choose another")
 
 
 def export_neural(
@@ -149,13 +99,9 @@ def export_neural(
     force: bool = False,
 ) -> Path:
     """Export a trained SB3 model as ``out_dir/NAME`` (manifest + weights.pt)."""
-    _check_name(name)
     actor, params = sb3_actor(model)
     params = {**params, "action": action, **(scales or {})}
-    root = Path(out_dir) if out_dir else default_policy_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
-    try:
+    with staged_policy(name, out_dir, force=force) as tmp:
         blob = {"actor": {k: v.detach().cpu().clone() for k, v in actor.state_dict().items()}}
         if obs_norm:
             blob["obs_norm"] = obs_norm
@@ -173,11 +119,7 @@ def export_neural(
             weights_sha256=sha256_file(tmp / "weights.pt"),
         )
         write_manifest(tmp, manifest)
-        _publish(tmp, root / name, force)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return root / name
+    return Path(tmp.parent) / name
 
 
 def export_parametric(
@@ -192,17 +134,11 @@ def export_parametric(
 ) -> Path:
     """Export a rule with tuned parameters as ``out_dir/NAME`` (manifest only; + deepspeed.json
     when DeepSpeed can express the rule)."""
-    from autoscale.scalers.registry import get_scaler
-
-    _check_name(name)
-    try:
-        get_scaler(rule, device="cpu", **parameters)  # validates rule and parameters
-    except UnknownNameError as exc:
-        raise ConfigError(str(exc)) from exc
-    root = Path(out_dir) if out_dir else default_policy_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
-    try:
+    cls = rule_class(rule)
+    if cls is None:
+        raise ConfigError(str(unknown_name("rule", rule, rule_names(), "autoscale list")))
+    scaler = build_scaler(cls, "cpu", parameters)  # validates the parameters
+    with staged_policy(name, out_dir, force=force) as tmp:
         manifest = PolicyManifest(
             name=name,
             kind="parametric",
@@ -215,87 +151,9 @@ def export_parametric(
         )
         write_manifest(tmp, manifest)
         try:
-            import json
-
-            (tmp / "deepspeed.json").write_text(
-                json.dumps({"fp16": deepspeed_fp16_config(rule, parameters)}, indent=2) + "\n"
-            )
+            block = scaler.rule.deepspeed_config(scaler.init_scale, scaler.min_scale)
         except ConfigError:
-            pass
-        _publish(tmp, root / name, force)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return root / name
-
-
-def deepspeed_fp16_config(rule: str, parameters: dict[str, Any]) -> dict[str, Any]:
-    """The DeepSpeed ``fp16`` config block equivalent to a rule, where DeepSpeed can express it.
-
-    DeepSpeed fixes the growth and backoff factors at 2 and 1/2 and has no statistics-driven rules.
-
-    Raises:
-        ConfigError: the rule (or a parameter value) has no DeepSpeed equivalent.
-    """
-    import math
-
-    from autoscale.scalers.registry import get_scaler
-
-    s = get_scaler(rule, device="cpu", **parameters)
-    init = s.get_scale()
-    if rule == "static":  # any value: DeepSpeed's loss_scale is a float
-        return {"enabled": True, "loss_scale": init}
-    power = math.log2(init)
-    if power != int(power):
-        raise ConfigError(
-            f"DeepSpeed takes initial_scale_power (a power of two); init_scale {init:g} is not one"
-        )
-    # DeepSpeedFP16Config declares min_loss_scale an int: a floor under 1 (torch's rule keeps 2^-24)
-    # becomes 1, the lowest DeepSpeed can hold.
-    if s.min_scale > 1 and s.min_scale != int(s.min_scale):
-        raise ConfigError(
-            f"DeepSpeed's min_loss_scale is an integer; min_scale {s.min_scale:g} is not one "
-            f"(use min_scale={int(s.min_scale)} or {int(s.min_scale) + 1})"
-        )
-    block: dict[str, Any] = {
-        "enabled": True,
-        "initial_scale_power": int(power),
-        "min_loss_scale": max(1, int(s.min_scale)),
-    }
-    if rule == "deepspeed":
-        if s.scale_factor != 2.0:
-            raise ConfigError(
-                f"DeepSpeed's config fixes scale_factor at 2; this rule uses {s.scale_factor:g}"
-            )
-        return {
-            **block,
-            "loss_scale": 0,
-            "loss_scale_window": s.loss_scale_window,
-            "hysteresis": s.hysteresis,
-            "consecutive_hysteresis": s.consecutive_hysteresis,
-        }
-    if rule in ("torch", "jmp", "megatron"):
-        p = s.rule_params()  # each rule's own knobs (not GradScaler's inherited defaults)
-        if rule == "jmp":
-            growth, backoff, window = p["factor"], 1.0 / p["factor"], p["period"]
-        else:
-            growth, backoff, window = p["growth_factor"], p["backoff_factor"], p["growth_interval"]
-        if growth != 2.0 or backoff != 0.5:
-            raise ConfigError(
-                f"DeepSpeed fixes the factors at 2 and 1/2; rule '{rule}' uses {growth:g} and {backoff:g}"
-            )
-        hysteresis = getattr(s, "hysteresis", 1)
-        # DeepSpeed's first growth comes after window+1 clean steps, torch/jmp/megatron's after
-        # `window`: window-1 matches the first growth; DeepSpeed's later growths then come every
-        # window-1 steps instead of every window (DeepSpeed cannot express the rule exactly).
-        return {
-            **block,
-            "loss_scale": 0,
-            "loss_scale_window": max(1, window - 1),
-            "hysteresis": hysteresis,
-            "consecutive_hysteresis": False,
-        }
-    raise ConfigError(
-        f"rule '{rule}' cannot be expressed in DeepSpeed's fp16 block (it supports static scales and the "
-        "hysteresis/window rule only); use autoscale's scaler through a torch training loop instead"
-    )
+            block = None  # DeepSpeed cannot express this rule: no deepspeed.json
+        if block is not None:
+            (tmp / "deepspeed.json").write_text(json.dumps({"fp16": block}, indent=2) + "\n")
+    return Path(tmp.parent) / name

@@ -151,14 +151,15 @@ def train_agent(
     if isinstance(timesteps, bool) or not isinstance(timesteps, int) or timesteps <= 0:
         raise ConfigError(f"--timesteps must be a positive integer, got {timesteps!r}")
     if export_name:
-        from autoscale.agents.export import _check_name, default_policy_dir
+        from autoscale.scalers.policies import (
+            check_policy_name,
+            default_policy_dir,
+            existing_policy_error,
+        )
 
-        _check_name(export_name)
-        dest = Path(export_dir or default_policy_dir()) / export_name
+        dest = Path(export_dir or default_policy_dir()) / check_policy_name(export_name)
         if dest.exists() and not force:
-            raise ConfigError(
-                f"policy folder '{dest}' already exists; choose another name or pass --force"
-            )
+            raise existing_policy_error(dest)
     if tensorboard:
         try:
             import tensorboard as _tb  # noqa: F401
@@ -237,7 +238,7 @@ def export_agent(
     )
     try:
         from autoscale.agents.evaluate import evaluate_scalers, scaler_for
-        from autoscale.scalers.manifest import read_manifest, write_manifest
+        from autoscale.scalers.policies import read_manifest, write_manifest
         from autoscale.training import summarize
 
         cards = evaluate_scalers(spec, {name: lambda: scaler_for(str(path), spec)}, trace=replay)[

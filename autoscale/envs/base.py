@@ -10,8 +10,8 @@ import numpy as np
 from gymnasium import spaces
 
 from autoscale.envs.spec import EnvSpec, InstanceSpec, RewardWeights, load_env_spec
-from autoscale.scalers.base import StepStats
 from autoscale.scalers.features import FEATURE_BOUND, N_FEATURES, FeatureExtractor
+from autoscale.scalers.rule import ScaleBounds, StepStats
 
 __all__ = ["ScaleEnvBase", "step_reward"]
 
@@ -59,7 +59,8 @@ class ScaleEnvBase(gym.Env):
         self.action_map = ep.action
         self.weights = self.env_spec.reward
         self.episode_steps = ep.steps
-        self.min_scale, self.max_scale = ep.min_scale, ep.max_scale
+        self.bounds = ScaleBounds.of(ep.min_scale, ep.max_scale)
+        self.min_scale, self.max_scale = self.bounds.min_scale, self.bounds.max_scale
         if self.action_map.mode == "discrete":
             self.action_space = spaces.Discrete(self.action_map.n)
         else:
@@ -74,6 +75,7 @@ class ScaleEnvBase(gym.Env):
         self._prev_loss = math.nan
         self._nonfinite_run = 0
         self.last_stats: StepStats | None = None
+        self.hit_min = False  # an overflow at the minimum scale this episode
 
     # ------------------------------------------------------------------ gymnasium API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -88,6 +90,7 @@ class ScaleEnvBase(gym.Env):
         self._t = 0
         self._prev_loss = self.features.last_loss
         self._nonfinite_run = 0
+        self.hit_min = False
         obs = np.asarray(self.features.features(self.scale), dtype=np.float32)
         return obs, {"instance": self.instance.name, "scale": self.scale}
 
@@ -98,16 +101,18 @@ class ScaleEnvBase(gym.Env):
         return self.step_at(self.scale * 2.0**bits)
 
     def step_at(self, scale: float):
-        """Take the next step at ``scale`` (clamped to the episode's bounds) instead of an action.
+        """Take the next step at ``scale`` (clamped to the episode's bounds, as a scaler clamps it)
+        instead of an action.
 
         Lets a rule or an exported scaler drive the environment, with the same reward and
         bookkeeping as an agent's actions.
         """
         if self.instance is None:
             raise RuntimeError("call reset() before step_at()")
-        scale = min(max(scale, self.min_scale), self.max_scale)
+        scale = self.bounds.clamp(scale)
         stats, precision, diverged = self._advance(scale)
         self.last_stats = stats
+        self.hit_min = self.hit_min or self.bounds.overflow_at_min(scale, stats.found_inf)
         self._t += 1
         self._nonfinite_run = self._nonfinite_run + 1 if stats.loss_nonfinite else 0
         diverged = diverged or self._nonfinite_run >= 3

@@ -7,9 +7,9 @@ from typing import Any
 
 from autoscale.envs.base import ScaleEnvBase
 from autoscale.envs.spec import EnvSpec, InstanceSpec
-from autoscale.scalers.base import StepStats
 from autoscale.scalers.features import FeatureExtractor
 from autoscale.scalers.registry import get_scaler
+from autoscale.scalers.rule import StepStats
 
 __all__ = ["LossScaleEnv"]
 
@@ -101,12 +101,12 @@ class LossScaleEnv(ScaleEnvBase):
             max_scale=ep.max_scale,
         )
         fx = FeatureExtractor()
-        scale = ep.init_scale
+        scale = run.scaler.get_scale()
         for _ in range(instance.start):
             run.scaler.set_scale(scale)
             rec = run.step()
             fx.observe(rec.stats)
-            scale = rule.clamp(rule.next_scale(scale, rec.stats))
+            scale = rule.controller.step(rec.stats)
         entry = (run, run.snapshot(), fx.state_dict(), scale)
         self._cache[instance.name] = entry
         return entry
@@ -136,7 +136,6 @@ class LossScaleEnv(ScaleEnvBase):
         """The scorecard of the episode so far (real steps; eval loss measured now)."""
         from autoscale.training import Scorecard
 
-        hit_min = any(r.found_inf and r.scale <= self.min_scale for r in self.records)
         return Scorecard.from_records(
-            self.records, eval_loss=self.run.eval_loss(), hit_min=hit_min, wall_s=self._wall
+            self.records, eval_loss=self.run.eval_loss(), hit_min=self.hit_min, wall_s=self._wall
         )

@@ -11,7 +11,7 @@ from autoscale.envs.base import ScaleEnvBase
 from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.errors import ConfigError
-from autoscale.scalers.base import StepStats
+from autoscale.scalers.rule import StepStats
 
 __all__ = ["ReplayEnv", "precision_table"]
 
@@ -179,7 +179,9 @@ class ReplayEnv(ScaleEnvBase):
         """The episode's scorecard as replay predicts it (eval loss: the recording's)."""
         from autoscale.training import Scorecard
 
-        hit_min = any(s.found_inf and s.scale <= self.min_scale for s, _ in self.records)
         return Scorecard.from_records(
-            self.episode_records(), eval_loss=self._cur[0].eval_loss, hit_min=hit_min, wall_s=0.0
+            self.episode_records(),
+            eval_loss=self._cur[0].eval_loss,
+            hit_min=self.hit_min,
+            wall_s=0.0,
         )

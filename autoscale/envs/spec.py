@@ -25,6 +25,7 @@ __all__ = [
     "RewardWeights",
     "load_env_spec",
     "find_env_spec",
+    "spec_dirs",
 ]
 
 
@@ -231,12 +232,20 @@ def _num(key: str, value: Any) -> Any:
     return value
 
 
+def spec_dirs() -> list[Path]:
+    """Where spec names are looked up: ``./envs``, then the specs shipped with autoscale."""
+    from autoscale.resources import shipped_dir
+
+    shipped = shipped_dir("envs")
+    return [Path.cwd() / "envs"] + ([shipped] if shipped is not None else [])
+
+
 def find_env_spec(name_or_path: str | os.PathLike) -> Path:
-    """A spec path as given, or ``envs/NAME.yaml`` from the working directory or the checkout."""
+    """A spec path as given, or ``NAME.yaml`` in :func:`spec_dirs`."""
     p = Path(name_or_path)
     if p.is_file():
         return p
-    candidates = [Path.cwd() / "envs", Path(__file__).resolve().parents[2] / "envs"]
+    candidates = spec_dirs()
     for d in candidates:
         for q in (d / f"{p.name}", d / f"{p.name}.yaml"):
             if q.is_file():

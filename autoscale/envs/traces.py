@@ -201,7 +201,7 @@ def record_trace(
             cols["scale"].append(rec.scale)
             hist = rec.grad_log2_hist
             cols["hist"].append(np.zeros(len(HIST_EDGES) - 1) if hist is None else np.asarray(hist))
-            scale = rule.clamp(rule.next_scale(scale, rec.stats))
+            scale = rule.controller.step(rec.stats)
             if bar is not None:
                 bar.update(1)
         traced[inst.name] = InstanceTrace(

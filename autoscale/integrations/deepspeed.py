@@ -3,8 +3,8 @@
 DeepSpeed scales the loss inside its engine (``deepspeed/runtime/fp16/loss_scaler.py``) and takes no
 GradScaler, so autoscale reaches it through the config: a static scale or the dynamic
 hysteresis/window rule, which covers the ``static``, ``deepspeed``, ``torch``, ``jmp`` and
-``megatron`` rules and parametric policies exported from them
-(:func:`autoscale.agents.export.deepspeed_fp16_config` does the translation). Rules that read
+``megatron`` rules and parametric policies exported from them (each rule's ``deepspeed_config``
+does the translation). Rules that read
 gradient statistics and neural policies have no DeepSpeed equivalent. DeepSpeed itself is not needed
 to build the config.
 """
@@ -19,6 +19,9 @@ from typing import Any
 
 from autoscale.errors import ConfigError
 from autoscale.scalers.base import LossScaler
+from autoscale.scalers.neural import deepspeed_refusal
+from autoscale.scalers.policies import find_policy, read_manifest
+from autoscale.scalers.registry import build_scaler, get_scaler, rule_class
 
 __all__ = ["deepspeed_config", "write_deepspeed_config", "HF_AUTO_BATCH"]
 
@@ -62,10 +65,8 @@ def deepspeed_config(
             or an unreadable base config file.
         UnknownNameError: ``name_or_policy`` is no scaler or policy.
     """
-    from autoscale.agents.export import deepspeed_fp16_config
-
-    rule, params = _rule_and_parameters(name_or_policy, overrides)
-    fp16 = deepspeed_fp16_config(rule, params)
+    scaler = _scaler(name_or_policy, overrides)
+    fp16 = scaler.rule.deepspeed_config(scaler.init_scale, scaler.min_scale)
     config = _base(base_config)
     bf16 = config.get("bf16", config.get("bfloat16"))
     if isinstance(bf16, dict) and bf16.get("enabled") in (True, "true"):
@@ -92,30 +93,21 @@ def write_deepspeed_config(
     return out
 
 
-def _rule_and_parameters(
-    what: str | os.PathLike | LossScaler, overrides: dict[str, Any]
-) -> tuple[str, dict[str, Any]]:
+def _scaler(what: str | os.PathLike | LossScaler, overrides: dict[str, Any]) -> LossScaler:
+    """The scaler whose rule goes into the config: ``what`` itself, or rebuilt with overrides."""
     if isinstance(what, LossScaler):
+        if not overrides:
+            return what
         spec = what.spec()
-        return spec.pop("name"), {**spec, **overrides}
-    from autoscale.scalers.manifest import read_manifest
-    from autoscale.scalers.registry import find_policy, get_scaler, list_scalers
-
+        spec.pop("name")
+        return build_scaler(type(what.rule), "cpu", {**spec, **overrides}, name=what.name)
     name = os.fspath(what)
-    if name in {info.name for info in list_scalers() if info.kind != "policy"}:
-        return name, dict(overrides)
-    path = find_policy(name)
-    if path is None:  # neither: get_scaler raises its "unknown scaler; did you mean" error
-        get_scaler(name, device="cpu")
-    manifest = read_manifest(path)
-    if manifest.kind != "parametric":
-        raise ConfigError(
-            f"policy '{manifest.name}' is a {manifest.kind} policy (a network that picks each step's scale); "
-            "DeepSpeed's fp16 block holds only a static scale or its hysteresis/window rule. Train it "
-            f"with autoscale's scaler instead (get_scaler('{manifest.name}') in a torch, Accelerate or "
-            "Lightning loop), or export a parametric policy for DeepSpeed"
-        )
-    return manifest.family, {**manifest.parameters, **overrides}
+    path = find_policy(name) if rule_class(name) is None else None
+    if path is not None:  # refuse a policy DeepSpeed cannot run before loading its weights
+        manifest = read_manifest(path)
+        if manifest.kind != "parametric":
+            raise deepspeed_refusal(manifest.name, manifest.kind)
+    return get_scaler(name, device="cpu", **overrides)
 
 
 def _base(base_config: dict[str, Any] | str | os.PathLike | None) -> dict[str, Any]:

@@ -1,46 +1,69 @@
 """The run-time product: loss scalers that drop in for ``torch.amp.GradScaler``.
 
-Imports torch and PyYAML only (never stable-baselines3, optuna or gymnasium).
+A scaler (:class:`LossScaler`, a GradScaler) hosts a rule (:class:`ScaleRule`) that decides each
+next scale. Imports torch and PyYAML only (never stable-baselines3, optuna or gymnasium).
 """
 
-from autoscale.scalers.base import FP16_MAX, FP16_MIN_NORMAL, LossScaler, StepStats, default_device
+from autoscale.scalers import neural, policy  # noqa: E402,F401,I001  (register the policy kinds)
+from autoscale.scalers.base import LossScaler, default_device
+from autoscale.scalers.policies import (
+    PolicyManifest,
+    find_policy,
+    policy_dirs,
+    read_manifest,
+    register_policy_kind,
+)
 from autoscale.scalers.registry import (
     ScalerInfo,
-    find_policy,
     get_scaler,
     list_scalers,
-    policy_dirs,
     register_loss_scaler,
+    rule_class,
 )
-from autoscale.scalers.rules import (  # noqa: F401  (registers the built-in rules)
-    AmaxHistoryScaler,
-    DeepSpeedScaler,
-    FairseqScaler,
-    JmpScaler,
-    MegatronScaler,
-    MetaseqScaler,
-    StaticScaler,
-    TorchScaler,
+from autoscale.scalers.rule import (
+    FP16_MAX,
+    FP16_MIN_NORMAL,
+    ScaleBounds,
+    ScaleController,
+    ScaleRule,
+    StepStats,
+)
+from autoscale.scalers.rules import (
+    AmaxHistoryRule,
+    DeepSpeedRule,
+    FairseqRule,
+    JmpRule,
+    MegatronRule,
+    MetaseqRule,
+    StaticRule,
+    TorchRule,
 )
 
 __all__ = [
     "FP16_MAX",
     "FP16_MIN_NORMAL",
     "LossScaler",
-    "StepStats",
+    "PolicyManifest",
+    "ScaleBounds",
+    "ScaleController",
+    "ScaleRule",
     "ScalerInfo",
+    "StepStats",
     "default_device",
     "find_policy",
     "get_scaler",
     "list_scalers",
     "policy_dirs",
+    "read_manifest",
     "register_loss_scaler",
-    "AmaxHistoryScaler",
-    "DeepSpeedScaler",
-    "FairseqScaler",
-    "JmpScaler",
-    "MegatronScaler",
-    "MetaseqScaler",
-    "StaticScaler",
-    "TorchScaler",
+    "register_policy_kind",
+    "rule_class",
+    "AmaxHistoryRule",
+    "DeepSpeedRule",
+    "FairseqRule",
+    "JmpRule",
+    "MegatronRule",
+    "MetaseqRule",
+    "StaticRule",
+    "TorchRule",
 ]

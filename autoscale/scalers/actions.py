@@ -1,4 +1,4 @@
-"""How an action becomes the next loss scale: shared by the environments and PolicyScaler.
+"""How an action becomes the next loss scale: shared by the environments and exported neural policies.
 
 Actions change log2(scale). Discrete mode picks one of ``deltas`` (bits); continuous mode maps
 an action in [-1, 1] to ``action * max_delta`` bits, rounded to ``resolution`` bits so that scales

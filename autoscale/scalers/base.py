@@ -1,9 +1,10 @@
-"""`LossScaler`: a `torch.amp.GradScaler` whose scale update is a pluggable rule.
+"""`LossScaler`: a `torch.amp.GradScaler` that hosts a :class:`~autoscale.scalers.rule.ScaleRule`.
 
 The parent's ``scale``/``unscale_``/``step`` are kept as they are, so fused optimizers, gradient
-clipping after ``unscale_`` and every framework that drives a GradScaler keep working. Only the
-decision of the next scale changes: a subclass implements :meth:`LossScaler.next_scale`, which sees
-the current scale and one :class:`StepStats` record with host floats.
+clipping after ``unscale_`` and every framework that drives a GradScaler keep working. What a
+GradScaler cannot do is added here: gradient statistics for the rule, their reduction across ranks,
+and checkpoints of the rule's state. The decision itself is the rule's, made through a
+:class:`~autoscale.scalers.rule.ScaleController` (bounds, minimum), as in the environments.
 
 Host syncs: GradScaler reads the found-inf flag once per step in ``step()`` (non-fused optimizers).
 LossScaler packs the flag, the gradient statistics and the loss into one small tensor and reads it
@@ -15,21 +16,28 @@ in ``update()``: one sync per step.
 from __future__ import annotations
 
 import math
-import struct
+import warnings
 from collections import defaultdict
-from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-from autoscale.errors import ConfigError, MinimumLossScaleError
+from autoscale.errors import ConfigError
+from autoscale.scalers.rule import (
+    FP16_MAX,
+    FP16_MIN_NORMAL,
+    ScaleBounds,
+    ScaleController,
+    ScaleRule,
+    StepStats,
+    f32,
+    positive_finite,
+)
 
-__all__ = ["LossScaler", "StepStats", "FP16_MAX", "FP16_MIN_NORMAL", "default_device"]
+__all__ = ["LossScaler", "StepStats", "FP16_MAX", "FP16_MIN_NORMAL", "default_device", "f32"]
 
-FP16_MAX = 65504.0
-FP16_MIN_NORMAL = 2.0**-14
 STATE_VERSION = 1
 
 
@@ -38,135 +46,87 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def f32(x: float) -> float:
-    """Round a Python float to float32, as torch's scale tensor stores it."""
-    if math.isinf(x) or math.isnan(x):
-        return x
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
-
-
-def f32_bound(x: float, up: bool) -> float:
-    """The float32 nearest to a positive ``x`` on one side: >= x when ``up``, else <= x.
-
-    Bounds are stored this way so that a scale rounded to float32 never crosses them (1e-4 rounds
-    to 9.99999997e-05 < 1e-4).
-    """
-    r = f32(x)
-    if (r < x) if up else (r > x):
-        bits = struct.unpack("I", struct.pack("f", r))[0] + (1 if up else -1)
-        r = struct.unpack("f", struct.pack("I", bits))[0]
-    return r
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one optimizer step looked like, as the scale rule and the feature extractor see it.
-
-    Attributes:
-        step: Index of the step (0-based) in this scaler's life.
-        scale: The loss scale the step's backward pass used.
-        found_inf: Whether any gradient was non-finite (the optimizer step was skipped).
-        grad_amax: Largest absolute unscaled gradient element (``nan`` when not collected; ``inf``
-            or ``nan`` when ``found_inf``).
-        grad_rms: Root mean square of the unscaled gradient elements (same conventions).
-        loss: Mean of the unscaled losses passed to ``scale()`` this step (``nan`` if none was a
-            single-element tensor). A non-finite loss means the batch fails at any scale.
-        loss_seen: Whether ``scale()`` received a single-element loss this step.
-    """
-
-    step: int
-    scale: float
-    found_inf: bool
-    grad_amax: float = math.nan
-    grad_rms: float = math.nan
-    loss: float = math.nan
-    loss_seen: bool = False
-
-    @property
-    def loss_nonfinite(self) -> bool:
-        """The loss itself was non-finite: the batch fails at any scale."""
-        return self.loss_seen and not math.isfinite(self.loss)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 class LossScaler(torch.amp.GradScaler):
-    """Base of every autoscale scaler: a GradScaler with an explicit, pluggable scale rule.
+    """Every autoscale scaler: a GradScaler whose scale update is a rule's.
 
-    Subclasses set ``name``/``description``/``source`` (the registry fills ``name``), implement
-    :meth:`next_scale`, and keep any state they need as primitives returned by
-    :meth:`rule_state` and restored by :meth:`load_rule_state`.
+    Build one with :func:`autoscale.get_scaler`, which also finds exported policies; or directly
+    from a rule object.
 
     Args:
+        rule: The :class:`ScaleRule` deciding the scale (this scaler keeps and checkpoints it).
         device: ``"cuda"``, ``"cpu"``, ... Defaults to CUDA when present, else CPU. As with
             GradScaler, ``"cuda"`` without CUDA disables scaling with a warning.
-        init_scale: Scale of the first step (clamped into ``[min_scale, max_scale]``).
-        min_scale: Smallest scale the rule may set; never 0.
-        max_scale: Largest scale the rule may set; never inf.
-        raise_at_min: Raise :class:`MinimumLossScaleError` on an overflow at the minimum scale that
-            the rule would answer by lowering the scale, as DeepSpeed does ("Current loss scale
-            already at minimum"; an overflow its hysteresis absorbs does not raise). Off by
-            default: the event is counted in ``min_hits`` and training goes on with the step
-            skipped.
+        init_scale: Scale of the first step (clamped into ``[min_scale, max_scale]``); default:
+            the rule's ``default_init_scale``.
+        min_scale: Smallest scale the rule may set; never 0. Default: the rule's.
+        max_scale: Largest scale the rule may set; never inf. Default: the rule's.
+        raise_at_min: Raise :class:`~autoscale.errors.MinimumLossScaleError` on an overflow at the
+            minimum scale that the rule would answer by lowering the scale, as DeepSpeed does
+            ("Current loss scale already at minimum"; an overflow that hysteresis or a tolerance
+            absorbs does not raise). Off by default: the event is counted in ``min_hits`` and
+            training goes on with the step skipped.
         collect_stats: Compute gradient amax/RMS each step (two fused foreach reductions). Defaults
             to what the rule needs (``needs_stats``; a rule with ``needs_rms = False`` then skips
             the RMS pass). Passing or setting it True collects both.
         enabled: As in GradScaler.
-    """
+        name: The name checkpoints and ``spec()`` carry (an exported policy's); default the rule's.
 
-    name: ClassVar[str] = ""
-    description: ClassVar[str] = ""
-    source: ClassVar[str] = ""
-    needs_stats: ClassVar[bool] = False
-    needs_rms: ClassVar[bool] = True
-    default_min_scale: ClassVar[float] = 2.0**-24
-    default_max_scale: ClassVar[float] = 2.0**64
+    Attributes:
+        rule: The rule. controller: Its :class:`ScaleController` (bounds and counters).
+        name: Registry name. last_stats: The last step's :class:`StepStats`.
+    """
 
     def __init__(
         self,
+        rule: ScaleRule,
         device: str | None = None,
         *,
-        init_scale: float = 2.0**16,
+        init_scale: float | None = None,
         min_scale: float | None = None,
         max_scale: float | None = None,
         raise_at_min: bool = False,
         collect_stats: bool | None = None,
         enabled: bool = True,
+        name: str | None = None,
     ) -> None:
-        device = device or default_device()
-        min_scale = self.default_min_scale if min_scale is None else float(min_scale)
-        max_scale = self.default_max_scale if max_scale is None else float(max_scale)
-        _check_positive_finite("min_scale", min_scale)
-        _check_positive_finite("max_scale", max_scale)
-        _check_positive_finite("init_scale", float(init_scale))
-        min_scale, max_scale = f32_bound(min_scale, up=True), f32_bound(max_scale, up=False)
-        if min_scale > max_scale:
+        if not isinstance(rule, ScaleRule):
             raise ConfigError(
-                f"min_scale ({min_scale:g}) must not exceed max_scale ({max_scale:g}); swap or widen them"
+                f"LossScaler hosts a ScaleRule, got {type(rule).__name__}; build scalers with "
+                "autoscale.get_scaler(NAME)"
             )
+        device = device or default_device()
+        bounds = ScaleBounds.of(
+            rule.default_min_scale if min_scale is None else min_scale,
+            rule.default_max_scale if max_scale is None else max_scale,
+        )
+        first = bounds.clamp(
+            positive_finite(
+                "init_scale", rule.default_init_scale if init_scale is None else init_scale
+            )
+        )
+        knobs = rule.params()
         super().__init__(
             device,
-            init_scale=f32(min(max(float(init_scale), min_scale), max_scale)),
+            init_scale=first,
+            growth_factor=float(knobs.get("growth_factor", 2.0)),
+            backoff_factor=float(knobs.get("backoff_factor", 0.5)),
+            growth_interval=int(knobs.get("growth_interval", 2000)),
             enabled=enabled,
         )
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        self.raise_at_min = bool(raise_at_min)
-        self.collect_stats = self.needs_stats if collect_stats is None else bool(collect_stats)
+        self.rule = rule
+        self.controller = ScaleController(rule, bounds, raise_at_min)
+        self.name = name or rule.name
+        self.init_scale = first  # as configured, for spec(): the rule moves the scale from here
+        self.collect_stats = rule.needs_stats if collect_stats is None else bool(collect_stats)
         # a rule that reads only the amax skips the sum-of-squares pass unless asked for it
-        self._collect_rms = self.collect_stats and (self.needs_rms or collect_stats is True)
-        self._host_scale = self._init_scale if self._enabled else 1.0
-        self.steps = 0
-        self.skipped = 0
-        self.min_hits = 0
+        self._collect_rms = self.collect_stats and (rule.needs_rms or collect_stats is True)
+        self._host_scale = first if self._enabled else 1.0
         self.last_stats: StepStats | None = None
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
         self._loss_host: float | None = None
+        if self._enabled:  # a policy takes its first decision now, as the env does at reset
+            self._set_scale(self.controller.start(first))
 
     @property
     def collect_stats(self) -> bool:
@@ -177,57 +137,83 @@ class LossScaler(torch.amp.GradScaler):
     def collect_stats(self, value: bool) -> None:
         self._collect_stats = self._collect_rms = bool(value)
 
-    # ------------------------------------------------------------------ the rule
-    def next_scale(self, scale: float, stats: StepStats) -> float:
-        """Return the scale for the next step. Called once per ``update()``.
+    # ------------------------------------------------------------------ what the controller keeps
+    @property
+    def min_scale(self) -> float:
+        return self.controller.bounds.min_scale
 
-        Args:
-            scale: The scale this step used.
-            stats: This step's record (found-inf flag, and gradient statistics when collected).
-        """
-        raise NotImplementedError
+    @property
+    def max_scale(self) -> float:
+        return self.controller.bounds.max_scale
 
-    def backs_off_on_overflow(self) -> bool:
-        """Whether an overflow now would lower the scale (False while a rule's hysteresis absorbs it).
+    @property
+    def raise_at_min(self) -> bool:
+        return self.controller.raise_at_min
 
-        ``raise_at_min`` raises only then, as DeepSpeed does.
-        """
-        return True
+    @raise_at_min.setter
+    def raise_at_min(self, value: bool) -> None:
+        self.controller.raise_at_min = bool(value)
 
-    def start_episode(self, scale: float, features_state: dict[str, Any] | None = None) -> float:
-        """Prepare the rule for a run that continues from ``scale``; return the first step's scale.
+    @property
+    def steps(self) -> int:
+        """Optimizer steps this scaler has seen (``update()`` calls that ran the rule)."""
+        return self.controller.steps
 
-        Rules that read the shared features (exported policies) load ``features_state``, the
-        :class:`~autoscale.scalers.features.FeatureExtractor` state of that point, and take their
-        first decision from it, as an agent does at an environment's reset. Counter rules keep
-        ``scale``.
-        """
-        self.set_scale(scale)
-        return self.get_scale()
+    @property
+    def skipped(self) -> int:
+        """Steps skipped because a gradient was inf/NaN."""
+        return self.controller.skipped
 
-    def rule_params(self) -> dict[str, Any]:
-        """The rule's hyperparameters as primitives (what ``get_scaler`` accepts to rebuild it)."""
-        return {}
+    @property
+    def min_hits(self) -> int:
+        """Overflows that happened at the minimum scale."""
+        return self.controller.min_hits
 
-    def rule_state(self) -> dict[str, Any]:
-        """The rule's mutable state as primitives (counters, histories)."""
-        return {}
+    @property
+    def hit_min(self) -> bool:
+        """Whether an overflow ever happened at the minimum scale."""
+        return self.controller.hit_min
 
-    def load_rule_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`rule_state` returned."""
+    # GradScaler's getters and setters of growth_factor / backoff_factor / growth_interval act on
+    # the rule's parameter of that name (the torch rule has all three, megatron's the factors
+    # and interval); a rule without it has nothing to set.
+    def get_growth_factor(self) -> float:
+        return float(self.rule.params().get("growth_factor", self._growth_factor))
+
+    def get_backoff_factor(self) -> float:
+        return float(self.rule.params().get("backoff_factor", self._backoff_factor))
+
+    def get_growth_interval(self) -> int:
+        return int(self.rule.params().get("growth_interval", self._growth_interval))
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._set_knob("growth_factor", float(new_factor))
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._set_knob("backoff_factor", float(new_factor))
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._set_knob("growth_interval", new_interval)
+
+    def _set_knob(self, key: str, value: Any) -> None:
+        params = self.rule.params()
+        if key not in params:
+            raise ConfigError(
+                f"rule '{self.rule.name}' has no {key} (its parameters: {', '.join(params) or 'none'})"
+            )
+        checked = type(self.rule)(**{**params, key: value})  # the rule's own validation
+        setattr(self.rule, key, getattr(checked, key))
+        setattr(self, f"_{key}", getattr(checked, key))
 
     def spec(self) -> dict[str, Any]:
         """A dict that rebuilds this scaler: ``get_scaler(**spec)``."""
         return {
             "name": self.name,
-            "init_scale": self._init_scale_spec(),
+            "init_scale": self.init_scale,
             "min_scale": self.min_scale,
             "max_scale": self.max_scale,
-            **self.rule_params(),
+            **self.rule.params(),
         }
-
-    def _init_scale_spec(self) -> float:
-        return float(getattr(self, "_first_scale", self._host_scale))
 
     # ------------------------------------------------------------------ GradScaler overrides
     def scale(self, outputs):  # noqa: D401 - same contract as GradScaler.scale
@@ -299,9 +285,10 @@ class LossScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         self._check_scale_growth_tracker("update")
+        bounds = self.controller.bounds
         if new_scale is not None:
             value = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
-            self._set_scale(self.clamp(value))
+            self._set_scale(bounds.clamp(value))
             self._end_step()
             return
         states = list(self._per_optimizer_states.values())
@@ -328,19 +315,19 @@ class LossScaler(torch.amp.GradScaler):
             self.steps, self._host_scale, bool(found), amax, rms, loss, self._loss_host is not None
         )
         self.last_stats = stats
-        self.steps += 1
-        if found:
-            self.skipped += 1
-            if self._host_scale <= self.min_scale:
-                self.min_hits += 1
-                if self.raise_at_min and self.backs_off_on_overflow():
-                    self._end_step()
-                    raise MinimumLossScaleError(
-                        f"Current loss scale already at minimum ({self.min_scale:g}) and the step "
-                        f"overflowed again (rule '{self.name}'); lower min_scale or set raise_at_min=False"
-                    )
-        self._set_scale(self.clamp(float(self.next_scale(self._host_scale, stats))))
-        self._end_step()
+        try:
+            self._set_scale(self.controller.step(stats))
+        finally:
+            self._end_step()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``step()`` skipped the optimizer update (a gradient was inf/NaN).
+
+        Read it after ``update()``, e.g. to keep a learning-rate scheduler from advancing on a
+        skipped step. False before the first step.
+        """
+        return bool(self.last_stats is not None and self.last_stats.found_inf)
 
     def set_scale(self, value: float) -> None:
         """Set the scale of the next step (clamped to ``[min_scale, max_scale]``), between steps.
@@ -348,68 +335,126 @@ class LossScaler(torch.amp.GradScaler):
         Used by controllers outside the rule, such as the environment that lets an agent choose.
         """
         if self._enabled:
-            self._set_scale(self.clamp(float(value)))
+            self._set_scale(self.controller.bounds.clamp(float(value)))
 
     def get_scale(self) -> float:
         """The current scale as a Python float (no device sync: autoscale keeps a host copy)."""
         return self._host_scale if self._enabled else 1.0
 
-    @property
-    def hit_min(self) -> bool:
-        """Whether an overflow ever happened at the minimum scale."""
-        return self.min_hits > 0
-
     def state_dict(self) -> dict[str, Any]:
         """Primitive-only state (loads under ``torch.load(weights_only=True)``).
 
-        Keeps GradScaler's keys, so tools that read ``state["scale"]`` still work, and adds an
-        ``"autoscale"`` entry with the rule's name, bounds, counters and state.
+        Keeps GradScaler's keys, so tools that read ``state["scale"]`` (and a plain GradScaler)
+        still work, and adds an ``"autoscale"`` entry with the rule's name, bounds, counters and
+        state.
         """
         if not self._enabled:
             return {}
+        state = self.rule.state()
         return {
             "scale": self._host_scale,
-            "growth_factor": float(self._growth_factor),
-            "backoff_factor": float(self._backoff_factor),
-            "growth_interval": int(self._growth_interval),
-            "_growth_tracker": int(self.rule_state().get("growth_tracker", 0)),
+            "growth_factor": self.get_growth_factor(),
+            "backoff_factor": self.get_backoff_factor(),
+            "growth_interval": self.get_growth_interval(),
+            "_growth_tracker": int(state.get("growth_tracker", 0)),
             "autoscale": {
                 "version": STATE_VERSION,
                 "rule": self.name,
                 "min_scale": self.min_scale,
                 "max_scale": self.max_scale,
-                "steps": self.steps,
-                "skipped": self.skipped,
-                "min_hits": self.min_hits,
-                "rule_state": self.rule_state(),
+                **self.controller.counters(),
+                "rule_state": state,
             },
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a plain GradScaler state restores the scale and tracker."""
+        """Restore :meth:`state_dict`; a plain GradScaler state restores the scale and tracker.
+
+        The loaded scale is clamped into this scaler's bounds (its own ``min_scale`` and
+        ``max_scale`` are kept: they are configuration, not state); bounds that differ from the
+        checkpoint's, or a scale that had to be clamped, are warned about.
+
+        Raises:
+            ConfigError: a state of another rule, of a newer autoscale, or with a missing or
+                malformed entry (named in the message).
+        """
         if not self._enabled:
             return
+        if not isinstance(state_dict, dict):
+            raise ConfigError(
+                f"scaler state must be a mapping (a state_dict()), got {type(state_dict).__name__}"
+            )
         if len(state_dict) == 0:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved "
                 "from a disabled instance of GradScaler."
             )
+        scale = state_dict.get("scale")
+        scale = scale.item() if isinstance(scale, torch.Tensor) else scale
+        try:
+            scale = positive_finite("scale", scale)
+        except ConfigError:
+            raise ConfigError(
+                f"scaler state has scale {scale!r}, not a positive finite number; the checkpoint "
+                "is corrupt or was saved after the scale reached 0 or inf"
+            ) from None
         ours = state_dict.get("autoscale")
-        if ours is not None:
-            if ours.get("rule") != self.name:
-                raise ConfigError(
-                    f"scaler state was saved by rule '{ours.get('rule')}', not '{self.name}'; "
-                    f"load it with get_scaler('{ours.get('rule')}')"
-                )
-            self.min_scale = float(ours["min_scale"])
-            self.max_scale = float(ours["max_scale"])
-            self.steps = int(ours["steps"])
-            self.skipped = int(ours["skipped"])
-            self.min_hits = int(ours["min_hits"])
-            self.load_rule_state(dict(ours["rule_state"]))
+        if ours is None:  # a plain GradScaler's state
+            tracker = state_dict.get("_growth_tracker", 0)
+            tracker = tracker.item() if isinstance(tracker, torch.Tensor) else tracker
+            self.rule.load_state({"growth_tracker": int(tracker)})
         else:
-            self.load_rule_state({"growth_tracker": int(state_dict.get("_growth_tracker", 0))})
-        self._set_scale(float(state_dict["scale"]))
+            self._load_ours(ours)
+        bounds = self.controller.bounds
+        if bounds.clamp(scale) != f32(scale):
+            warnings.warn(
+                f"checkpoint scale {scale:g} lies outside this scaler's [{bounds.min_scale:g}, "
+                f"{bounds.max_scale:g}]; continuing from {bounds.clamp(scale):g}",
+                stacklevel=2,
+            )
+        self._set_scale(bounds.clamp(scale))
+
+    def _load_ours(self, ours: Any) -> None:
+        if not isinstance(ours, dict):
+            raise ConfigError(
+                "scaler state's 'autoscale' entry must be a mapping; the checkpoint is corrupt"
+            )
+        version = ours.get("version", STATE_VERSION)
+        if not isinstance(version, int) or version > STATE_VERSION:
+            raise ConfigError(
+                f"scaler state has format {version!r}, this autoscale reads up to {STATE_VERSION}; "
+                "upgrade autoscale to load it"
+            )
+        if ours.get("rule") != self.name:
+            raise ConfigError(
+                f"scaler state was saved by rule '{ours.get('rule')}', not '{self.name}'; "
+                f"load it with get_scaler('{ours.get('rule')}')"
+            )
+        missing = [k for k in ("steps", "skipped", "min_hits", "rule_state") if k not in ours]
+        if missing:
+            raise ConfigError(
+                f"scaler state of rule '{self.name}' lacks {missing}; the checkpoint is corrupt"
+            )
+        counters = {k: ours[k] for k in ("steps", "skipped", "min_hits")}
+        bad = {
+            k: v
+            for k, v in counters.items()
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0
+        }
+        if bad:
+            raise ConfigError(
+                f"scaler state of rule '{self.name}' has counters {bad}, not integers >= 0; the "
+                "checkpoint is corrupt"
+            )
+        self.rule.load_state(ours["rule_state"])
+        self.controller.load_counters(counters)
+        saved = (ours.get("min_scale"), ours.get("max_scale"))
+        if saved != (None, None) and saved != (self.min_scale, self.max_scale):
+            warnings.warn(
+                f"checkpoint of rule '{self.name}' was saved with scale bounds {saved}; this scaler "
+                f"keeps its own ({self.min_scale:g}, {self.max_scale:g})",
+                stacklevel=3,
+            )
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -417,16 +462,10 @@ class LossScaler(torch.amp.GradScaler):
         return state
 
     def __repr__(self) -> str:
-        params = ", ".join(f"{k}={v!r}" for k, v in self.rule_params().items())
+        params = ", ".join(f"{k}={v!r}" for k, v in self.rule.params().items())
         return f"{type(self).__name__}(name={self.name!r}, scale={self._host_scale:g}{', ' if params else ''}{params})"
 
     # ------------------------------------------------------------------ internals
-    def clamp(self, value: float) -> float:
-        """``value`` clamped to ``[min_scale, max_scale]`` and rounded to float32 (NaN -> min)."""
-        if math.isnan(value):
-            value = self.min_scale
-        return f32(min(max(value, self.min_scale), self.max_scale))
-
     def _set_scale(self, value: float) -> None:
         if self._scale is None:
             self._init_scale = value
@@ -546,8 +585,3 @@ def _stack_on(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
     except RuntimeError:  # model split across devices
         out = torch.stack([t.to(dev) for t in tensors])
     return out.to(dev, torch.float32)
-
-
-def _check_positive_finite(name: str, value: float) -> None:
-    if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{name} must be a positive finite number, got {value!r}")

@@ -1,7 +1,7 @@
 """The feature extractor shared by the environments and by exported policies.
 
 Observation parity is an invariant: a policy must see in deployment exactly what it saw in
-training. Both the Gymnasium environments and :class:`~autoscale.scalers.neural.PolicyScaler`
+training. Both the Gymnasium environments and :class:`~autoscale.scalers.neural.NeuralPolicyRule`
 turn the same :class:`~autoscale.scalers.base.StepStats` records into features with this class.
 The spec is versioned; a policy trained on another ``FEATURE_VERSION`` is refused.
 

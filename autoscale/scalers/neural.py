@@ -1,9 +1,9 @@
-"""``PolicyScaler``: runs an exported neural policy as a loss scaler, with torch alone.
+"""Exported neural policies as a rule (:class:`NeuralPolicyRule`), run with torch alone.
 
 The policy reads the shared features (:mod:`autoscale.scalers.features`) after every step and
 picks the change of log2(scale) deterministically, exactly as it did in the environment: the
-first decision is taken at construction, from the features of a fresh run at ``init_scale``, as
-the environment takes it at reset.
+first decision is taken when the scaler is built, from the features of a fresh run at
+``init_scale``, as the environment takes it at reset.
 """
 
 from __future__ import annotations
@@ -14,14 +14,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoscale.errors import PolicyError
+from autoscale.errors import ConfigError, PolicyError
 from autoscale.scalers.actions import ActionMap
-from autoscale.scalers.base import LossScaler, StepStats
+from autoscale.scalers.base import LossScaler
 from autoscale.scalers.features import FEATURE_VERSION, N_FEATURES, FeatureExtractor
-from autoscale.scalers.manifest import PolicyManifest, sha256_file
-from autoscale.scalers.registry import register_policy_loader
+from autoscale.scalers.policies import PolicyManifest, register_policy_kind, sha256_file
+from autoscale.scalers.registry import SCALER_OPTIONS
+from autoscale.scalers.rule import ScaleRule, StepStats
 
-__all__ = ["PolicyScaler", "build_actor", "ACTIVATIONS", "HEADS"]
+__all__ = [
+    "NeuralPolicyRule",
+    "build_actor",
+    "load_neural",
+    "deepspeed_refusal",
+    "ACTIVATIONS",
+    "HEADS",
+]
 
 ACTIVATIONS = {
     "tanh": nn.Tanh,
@@ -47,15 +55,14 @@ def build_actor(layers: list[int], activation: str) -> nn.Sequential:
     return nn.Sequential(*mods)
 
 
-class PolicyScaler(LossScaler):
-    """A loss scaler driven by an exported neural policy (``kind: neural``).
+class NeuralPolicyRule(ScaleRule):
+    """The rule of an exported neural policy (``kind: neural``): its actor picks each step's change
+    of log2(scale) from the shared features.
 
     Args:
-        device: Device of the scale tensor (the policy itself runs on the CPU: it is tiny).
         manifest: The policy's manifest.
-        actor: Its actor network.
+        actor: Its actor network (runs on the CPU: it is tiny).
         obs_norm: Optional ``{"mean": [...], "var": [...], "clip": c, "eps": e}`` applied to features.
-        **kw: LossScaler arguments (``init_scale``, ``min_scale``, ``max_scale``, ...).
     """
 
     description = "an exported neural policy"
@@ -64,20 +71,12 @@ class PolicyScaler(LossScaler):
 
     def __init__(
         self,
-        device: str | None = None,
         *,
         manifest: PolicyManifest,
         actor: nn.Sequential,
         obs_norm: dict[str, Any] | None = None,
-        **kw: Any,
     ) -> None:
         p = manifest.parameters
-        kw.setdefault("init_scale", p.get("init_scale", 2.0**16))
-        kw.setdefault("min_scale", p.get("min_scale"))
-        kw.setdefault("max_scale", p.get("max_scale"))
-        super().__init__(device, **kw)
-        self.name = manifest.name
-        self.policy_name = manifest.name
         self.manifest = manifest
         self.actor = actor.eval()
         self.head = p["head"]
@@ -91,19 +90,14 @@ class PolicyScaler(LossScaler):
                 + float(obs_norm.get("eps", 1e-8))
             )
             self._norm = (mean, std, float(obs_norm.get("clip", 10.0)))
-        self._first_scale = float(kw["init_scale"])
-        # The environment takes its first decision at reset, before any step: so does the scaler.
-        self.start_episode(self._host_scale)
 
-    def start_episode(self, scale: float, features_state: dict[str, Any] | None = None) -> float:
+    def start(self, scale: float, features_state: dict[str, Any] | None = None) -> float:
         """Load the features of the starting point and take the first decision from them."""
         if features_state is None:
             self.features.reset()
         else:
             self.features.load_state_dict(features_state)
-        start = self.clamp(scale)
-        self.set_scale(start * 2.0 ** self.decide(self.features.features(start)))
-        return self.get_scale()
+        return scale * 2.0 ** self.decide(self.features.features(scale))
 
     @torch.no_grad()
     def act(self, features: list[float]) -> Any:
@@ -126,28 +120,41 @@ class PolicyScaler(LossScaler):
     def next_scale(self, scale: float, stats: StepStats) -> float:
         return scale * 2.0 ** self.decide(self.features.observe(stats))
 
-    def rule_params(self) -> dict[str, Any]:
-        return {}
-
-    def rule_state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         return {"features": self.features.state_dict()}
 
-    def load_rule_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise ConfigError(
+                f"policy '{self.manifest.name}': state must be a mapping, got {type(state).__name__}"
+            )
         if "features" in state:
-            self.features.load_state_dict(state["features"])
+            try:
+                self.features.load_state_dict(state["features"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ConfigError(
+                    f"policy '{self.manifest.name}': the checkpoint's feature state is malformed "
+                    f"({type(exc).__name__}: {exc}); it was not written by this policy"
+                ) from None
 
-    def spec(self) -> dict[str, Any]:
-        return {
-            "name": self.policy_name,
-            "init_scale": self._first_scale,
-            "min_scale": self.min_scale,
-            "max_scale": self.max_scale,
-        }
+    def deepspeed_config(self, init_scale: float, min_scale: float) -> dict[str, Any]:
+        raise deepspeed_refusal(self.manifest.name, "neural")
+
+
+def deepspeed_refusal(name: str, kind: str) -> ConfigError:
+    """Why a policy of ``kind`` (not parametric) has no DeepSpeed ``fp16`` block."""
+    what = "a network that picks each step's scale" if kind == "neural" else f"kind '{kind}'"
+    return ConfigError(
+        f"policy '{name}' is a {kind} policy ({what}); DeepSpeed's fp16 block holds only a static "
+        "scale or its hysteresis/window rule. Train it with autoscale's scaler instead "
+        f"(get_scaler('{name}') in a torch, Accelerate or Lightning loop), or export a parametric "
+        "policy for DeepSpeed"
+    )
 
 
 def load_neural(
     path: Path, manifest: PolicyManifest, device: str | None, overrides: dict[str, Any]
-) -> PolicyScaler:
+) -> LossScaler:
     """Load ``path/weights.pt`` after checking its checksum and the feature version."""
     if manifest.feature_version != FEATURE_VERSION:
         raise PolicyError(
@@ -164,9 +171,16 @@ def load_neural(
         raise PolicyError(
             f"policy '{manifest.name}' has unknown head '{p['head']}' (known: {', '.join(HEADS)})"
         )
-    if p["layers"][0] != N_FEATURES:
+    if not isinstance(p["layers"], list) or not p["layers"] or p["layers"][0] != N_FEATURES:
         raise PolicyError(
-            f"policy '{manifest.name}' expects {p['layers'][0]} features, the extractor gives {N_FEATURES}"
+            f"policy '{manifest.name}' expects layers starting at {N_FEATURES} features (the "
+            f"extractor's), the manifest has {p['layers']!r}; re-export it"
+        )
+    unknown = sorted(set(overrides) - set(SCALER_OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"scaler '{manifest.name}' (a neural policy) takes no parameter {unknown[0]!r}; "
+            f"it takes: {', '.join(SCALER_OPTIONS)}"
         )
     weights = path / "weights.pt"
     if not weights.is_file():
@@ -186,13 +200,13 @@ def load_neural(
     actor = build_actor(list(p["layers"]), p["activation"])
     try:
         actor.load_state_dict(blob["actor"])
-    except (KeyError, RuntimeError) as exc:
+    except (KeyError, RuntimeError, TypeError) as exc:
         raise PolicyError(
             f"policy '{manifest.name}': weights do not fit the manifest's network ({exc}); re-export it"
         ) from exc
-    return PolicyScaler(
-        device, manifest=manifest, actor=actor, obs_norm=blob.get("obs_norm"), **overrides
-    )
+    rule = NeuralPolicyRule(manifest=manifest, actor=actor, obs_norm=blob.get("obs_norm"))
+    options = {k: p[k] for k in ("init_scale", "min_scale", "max_scale") if p.get(k) is not None}
+    return LossScaler(rule, device, name=manifest.name, **{**options, **overrides})
 
 
-register_policy_loader("neural", load_neural)
+register_policy_kind("neural", load_neural)

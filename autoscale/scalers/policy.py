@@ -1,7 +1,6 @@
-"""Loaders for exported policies, registered with the scaler registry.
+"""The ``parametric`` kind of exported policy: a registered rule with tuned parameters.
 
-A parametric policy is a built-in (or plugin) rule with tuned parameters: loading it is
-``get_scaler(family, **parameters)``. Neural policies are loaded by ``PolicyScaler``.
+Loading one is ``get_scaler(family, **parameters)`` under the policy's own name.
 """
 
 from __future__ import annotations
@@ -9,27 +8,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from autoscale.errors import PolicyError, UnknownNameError
-from autoscale.scalers.manifest import PolicyManifest
-from autoscale.scalers.registry import get_scaler, register_policy_loader
+from autoscale.errors import PolicyError
+from autoscale.scalers.base import LossScaler
+from autoscale.scalers.policies import PolicyManifest, register_policy_kind
+from autoscale.scalers.registry import build_scaler, rule_class
 
 __all__ = ["load_parametric"]
 
 
 def load_parametric(
     path: Path, manifest: PolicyManifest, device: str | None, overrides: dict[str, Any]
-):
+) -> LossScaler:
     """Build the rule ``manifest.family`` with the exported parameters (overrides win)."""
-    params = {**manifest.parameters, **overrides}
-    try:
-        scaler = get_scaler(manifest.family, device=device, **params)
-    except UnknownNameError as exc:
+    cls = rule_class(manifest.family)
+    if cls is None:
         raise PolicyError(
-            f"policy '{manifest.name}' ({path}) uses rule '{manifest.family}', unknown here: {exc}"
-        ) from exc
-    scaler.policy_name = manifest.name
-    scaler.name = manifest.name  # checkpoints and spec() name the policy, not its rule
-    return scaler
+            f"policy '{manifest.name}' ({path}) uses rule '{manifest.family}', which is not registered "
+            "here; install the package that provides it (autoscale list shows the rules)"
+        )
+    params = {**manifest.parameters, **overrides}
+    return build_scaler(cls, device, params, name=manifest.name)
 
 
-register_policy_loader("parametric", load_parametric)
+register_policy_kind("parametric", load_parametric)

@@ -2,22 +2,23 @@
 
 Lookup order for ``get_scaler(name)``: registered rules (built-in and ``register_loss_scaler``),
 then rules published by installed packages under the ``autoscale.scalers`` entry-point group,
-then exported policies: a folder ``NAME/`` holding ``policy.yaml`` in one of the policy
-directories (``$AUTOSCALE_POLICY_PATH``, ``os.pathsep``-separated; then ``./policies``; then the
-``policies/`` folder of a source checkout).
+then exported policies (:mod:`autoscale.scalers.policies`). A plugin that fails to load is
+reported (a warning, a line in ``autoscale list``, the error of ``get_scaler`` for its name) and the
+other plugins still load.
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
-import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoscale.errors import ConfigError, PolicyError, unknown_name
+from autoscale.errors import ConfigError, unknown_name
+from autoscale.scalers.rule import ScaleRule
 
 if TYPE_CHECKING:
     from autoscale.scalers.base import LossScaler
@@ -25,23 +26,32 @@ if TYPE_CHECKING:
 __all__ = [
     "register_loss_scaler",
     "get_scaler",
+    "build_scaler",
     "list_scalers",
+    "rule_class",
+    "rule_names",
+    "rule_defaults",
+    "plugin_errors",
     "ScalerInfo",
-    "policy_dirs",
-    "find_policy",
-    "register_policy_loader",
-    "POLICY_PATH_ENV",
+    "SCALER_OPTIONS",
     "ENTRY_POINT_GROUP",
 ]
 
-POLICY_PATH_ENV = "AUTOSCALE_POLICY_PATH"
 ENTRY_POINT_GROUP = "autoscale.scalers"
-MANIFEST = "policy.yaml"
+#: Keyword arguments every scaler takes, whatever its rule (LossScaler's own).
+SCALER_OPTIONS = (
+    "init_scale",
+    "min_scale",
+    "max_scale",
+    "raise_at_min",
+    "collect_stats",
+    "enabled",
+)
 
-_RULES: dict[str, type[LossScaler]] = {}
+_RULES: dict[str, type[ScaleRule]] = {}
+_PLUGINS: set[str] = set()
+_PLUGIN_ERRORS: dict[str, str] = {}
 _ENTRY_POINTS_LOADED = False
-# kind of exported policy -> loader(path, manifest, device, overrides) -> LossScaler
-_POLICY_LOADERS: dict[str, Callable[..., LossScaler]] = {}
 
 
 @dataclass(frozen=True)
@@ -54,26 +64,29 @@ class ScalerInfo:
     defaults: dict[str, Any] = field(default_factory=dict)
     source: str = ""
 
+    @property
+    def usable(self) -> bool:
+        return not self.description.startswith("UNUSABLE")
+
 
 def register_loss_scaler(
     name: str, *, override: bool = False
-) -> Callable[[type[LossScaler]], type[LossScaler]]:
-    """Class decorator that registers a :class:`LossScaler` subclass under ``name``.
+) -> Callable[[type[ScaleRule]], type[ScaleRule]]:
+    """Class decorator that registers a :class:`~autoscale.scalers.rule.ScaleRule` as ``name``.
 
-    Example::
+    ``get_scaler(name)`` then hosts the rule in a GradScaler. Example::
 
-        @register_loss_scaler("my-rule")
-        class MyRule(LossScaler):
+        @register_loss_scaler("halve-only")
+        class HalveOnly(ScaleRule):
             def next_scale(self, scale, stats):
                 return scale / 2 if stats.found_inf else scale
     """
 
-    def decorator(cls: type[LossScaler]) -> type[LossScaler]:
-        from autoscale.scalers.base import LossScaler
-
-        if not (isinstance(cls, type) and issubclass(cls, LossScaler)):
+    def decorator(cls: type[ScaleRule]) -> type[ScaleRule]:
+        if not (isinstance(cls, type) and issubclass(cls, ScaleRule)):
             raise TypeError(
-                f"register_loss_scaler('{name}') expects a LossScaler subclass, got {cls!r}"
+                f"register_loss_scaler('{name}') expects a ScaleRule subclass, got {cls!r}; a rule "
+                "decides next_scale(scale, stats) and get_scaler hosts it in a GradScaler"
             )
         if name in _RULES and _RULES[name] is not cls and not override:
             raise ConfigError(
@@ -86,18 +99,12 @@ def register_loss_scaler(
     return decorator
 
 
-def register_policy_loader(kind: str, loader: Callable[..., LossScaler]) -> None:
-    """Make ``get_scaler`` able to load exported policies whose manifest says ``kind: KIND``."""
-    _POLICY_LOADERS[kind] = loader
-
-
 def _builtin() -> None:
-    import autoscale.scalers.neural  # noqa: F401  (registers the neural policy loader)
-    import autoscale.scalers.policy  # noqa: F401  (registers the parametric policy loader)
     import autoscale.scalers.rules  # noqa: F401  (registers the built-in rules)
 
 
 def _load_entry_points() -> None:
+    """Load every plugin once per process; one that fails is recorded and warned about, alone."""
     global _ENTRY_POINTS_LOADED
     if _ENTRY_POINTS_LOADED:
         return
@@ -107,50 +114,77 @@ def _load_entry_points() -> None:
             continue
         try:
             cls = ep.load()
-        except Exception as exc:  # a broken plugin must not break the built-in rules
-            raise ConfigError(
-                f"scaler plugin '{ep.name}' ({ep.value}) failed to load: {exc}"
-            ) from exc
-        register_loss_scaler(ep.name)(cls)
-        cls._plugin = True
-
-
-def policy_dirs() -> list[Path]:
-    """The folders searched for exported policies, in order."""
-    dirs = [Path(p) for p in os.environ.get(POLICY_PATH_ENV, "").split(os.pathsep) if p]
-    dirs.append(Path.cwd() / "policies")
-    checkout = Path(__file__).resolve().parents[2] / "policies"
-    dirs.append(checkout)
-    seen: list[Path] = []
-    for d in dirs:
-        if d.resolve() not in [s.resolve() for s in seen]:
-            seen.append(d)
-    return seen
-
-
-def find_policy(name: str) -> Path | None:
-    """The folder of the exported policy ``name``, or None. A path to a policy folder also works."""
-    direct = Path(name)
-    if (direct / MANIFEST).is_file():
-        return direct
-    if os.sep in name or "/" in name:
-        return None
-    for d in policy_dirs():
-        if (d / name / MANIFEST).is_file():
-            return d / name
-    return None
-
-
-def _policy_names() -> list[str]:
-    names: list[str] = []
-    for d in policy_dirs():
-        if d.is_dir():
-            names.extend(
-                p.name
-                for p in sorted(d.iterdir())
-                if (p / MANIFEST).is_file() and p.name not in names
+            register_loss_scaler(ep.name)(cls)
+        except Exception as exc:  # a broken plugin must not break the others
+            first = (str(exc).splitlines() or [""])[0]
+            _PLUGIN_ERRORS[ep.name] = f"{ep.value} failed to load: {type(exc).__name__}: {first}"
+            warnings.warn(
+                f"scaler plugin '{ep.name}' ({_PLUGIN_ERRORS[ep.name]}); the other scalers work, "
+                "fix or uninstall the package that publishes it",
+                stacklevel=3,
             )
-    return names
+            continue
+        _PLUGINS.add(ep.name)
+
+
+def plugin_errors() -> dict[str, str]:
+    """Entry-point name -> why that plugin failed to load."""
+    _load_entry_points()
+    return dict(_PLUGIN_ERRORS)
+
+
+def rule_class(name: str) -> type[ScaleRule] | None:
+    """The rule registered (or published by a plugin) as ``name``, or None."""
+    _builtin()
+    if name not in _RULES:
+        _load_entry_points()
+    return _RULES.get(name)
+
+
+def rule_names() -> list[str]:
+    """Every registered rule's name (built-in and plugins that loaded)."""
+    _builtin()
+    _load_entry_points()
+    return list(_RULES)
+
+
+def build_scaler(
+    cls: type[ScaleRule],
+    device: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    name: str | None = None,
+    what: str | None = None,
+) -> LossScaler:
+    """Host a new ``cls`` rule in a scaler: ``overrides`` split into the rule's parameters and the
+    scaler's options (:data:`SCALER_OPTIONS`).
+
+    Args:
+        name: The scaler's name (an exported policy's); default the rule's.
+        what: How error messages name the scaler; default ``name``.
+
+    Raises:
+        ConfigError: a keyword neither takes (nearest valid one suggested), or an invalid value.
+    """
+    from autoscale.scalers.base import LossScaler
+
+    overrides = dict(overrides or {})
+    what = what or name or cls.name
+    params = _rule_params(cls)
+    for key in overrides:
+        if key not in params and key not in SCALER_OPTIONS:
+            accepted = params + list(SCALER_OPTIONS)
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(
+                f"scaler '{what}' takes no parameter '{key}'; {hint}(it takes: {', '.join(sorted(accepted))})"
+            )
+    options = {k: overrides.pop(k) for k in SCALER_OPTIONS if k in overrides}
+    try:
+        rule = cls(**overrides)
+    except TypeError as exc:  # a parameter of the wrong kind
+        raise ConfigError(f"scaler '{what}': {exc}") from None
+    return LossScaler(rule, device, name=name, **options)
 
 
 def get_scaler(name: str, device: str | None = None, **overrides: Any) -> LossScaler:
@@ -160,57 +194,35 @@ def get_scaler(name: str, device: str | None = None, **overrides: Any) -> LossSc
         name: A rule id (``torch``, ``deepspeed``, ...), a plugin's id, an exported policy's name, or
             the path of an exported policy folder.
         device: Device type of the scale tensor; CUDA when present, else CPU.
-        **overrides: Keyword arguments of the rule (``init_scale``, ``min_scale``, ...).
+        **overrides: The rule's keyword arguments, and the scaler's (``init_scale``, ``min_scale``,
+            ``max_scale``, ``raise_at_min``, ``collect_stats``, ``enabled``).
 
     Raises:
         UnknownNameError: ``name`` is nothing known; the message lists what is.
-        ConfigError: an override the rule does not take, or an invalid value.
+        ConfigError: an override the rule does not take, an invalid value, or a plugin that failed
+            to load.
         PolicyError: an exported policy that is corrupt or incompatible.
     """
-    _builtin()
-    if name not in _RULES:
-        _load_entry_points()
-    if name in _RULES:
-        cls = _RULES[name]
-        _check_overrides(name, cls, overrides)
-        return cls(device, **overrides)
-    path = find_policy(name)
-    if path is not None:
-        return load_policy(path, device=device, **overrides)
-    raise unknown_name("scaler", name, list(_RULES) + _policy_names(), "autoscale list")
+    from autoscale.scalers import policies
 
-
-def load_policy(path: Path, device: str | None = None, **overrides: Any) -> LossScaler:
-    """Load the exported policy in folder ``path`` as a scaler."""
-    from autoscale.scalers.manifest import read_manifest
-
-    manifest = read_manifest(path)
-    loader = _POLICY_LOADERS.get(manifest.kind)
-    if loader is None:
-        raise PolicyError(
-            f"policy '{path}' has kind '{manifest.kind}', which this autoscale cannot load "
-            f"(known: {', '.join(sorted(_POLICY_LOADERS))}); upgrade autoscale or re-export the policy"
+    cls = rule_class(name)
+    if cls is not None:
+        return build_scaler(cls, device, overrides)
+    if name in _PLUGIN_ERRORS:
+        raise ConfigError(
+            f"scaler plugin '{name}' ({_PLUGIN_ERRORS[name]}); fix or reinstall the package that publishes it"
         )
-    return loader(path, manifest, device, overrides)
+    path = policies.find_policy(name)
+    if path is not None:
+        return policies.load_policy(path, device=device, **overrides)
+    raise unknown_name("scaler", name, list(_RULES) + policies.policy_names(), "autoscale list")
 
 
-def _check_overrides(name: str, cls: type, overrides: dict[str, Any]) -> None:
-    accepted = _accepted_params(cls)
-    for key in overrides:
-        if key not in accepted:
-            import difflib
-
-            close = difflib.get_close_matches(key, accepted, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(
-                f"scaler '{name}' takes no parameter '{key}'; {hint}(it takes: {', '.join(sorted(accepted))})"
-            )
-
-
-def _accepted_params(cls: type) -> list[str]:
+def _rule_params(cls: type) -> list[str]:
+    """The keyword parameters of a rule class's ``__init__`` (its own and its bases')."""
     names: list[str] = []
     for klass in cls.__mro__:
-        if "__init__" not in vars(klass) or klass.__module__.startswith("torch"):
+        if "__init__" not in vars(klass) or klass is object:
             continue
         for p in inspect.signature(klass.__init__).parameters.values():
             if p.kind is p.KEYWORD_ONLY and p.name not in names:
@@ -218,45 +230,43 @@ def _accepted_params(cls: type) -> list[str]:
     return names
 
 
-def rule_defaults(cls: type) -> dict[str, Any]:
-    """The keyword defaults of a rule, its own first, then the base class's."""
+def rule_defaults(cls: type[ScaleRule]) -> dict[str, Any]:
+    """The defaults of a scaler of rule ``cls``: its parameters', then the scale bounds'."""
     out: dict[str, Any] = {}
     for klass in cls.__mro__:
-        if "__init__" not in vars(klass) or klass.__module__.startswith("torch"):
+        if "__init__" not in vars(klass) or klass is object:
             continue
         for p in inspect.signature(klass.__init__).parameters.values():
             if p.kind is p.KEYWORD_ONLY and p.name not in out and p.default is not p.empty:
                 out[p.name] = p.default
-    if out.get("min_scale") is None:
-        out["min_scale"] = cls.default_min_scale
-    if out.get("max_scale") is None:
-        out["max_scale"] = cls.default_max_scale
-    out.pop("enabled", None)
-    out.pop("collect_stats", None)
+    out.update(
+        init_scale=cls.default_init_scale,
+        min_scale=cls.default_min_scale,
+        max_scale=cls.default_max_scale,
+        raise_at_min=False,
+    )
     return out
 
 
 def list_scalers() -> list[ScalerInfo]:
-    """Every scaler ``get_scaler`` can build: rules, plugins, then exported policies."""
-    _builtin()
-    _load_entry_points()
+    """Every scaler ``get_scaler`` can build: rules, plugins (broken ones marked UNUSABLE), then
+    exported policies (corrupt ones marked UNUSABLE)."""
+    from autoscale.scalers import policies
+
+    names = rule_names()
     infos = [
         ScalerInfo(
             name,
-            "plugin" if getattr(cls, "_plugin", False) else "rule",
+            "plugin" if name in _PLUGINS else "rule",
             cls.description,
             rule_defaults(cls),
             cls.source,
         )
-        for name, cls in _RULES.items()
+        for name in names
+        for cls in (_RULES[name],)
     ]
-    from autoscale.scalers.manifest import read_manifest
-
-    for name in _policy_names():
-        path = find_policy(name)
-        try:
-            m = read_manifest(path)
-            infos.append(ScalerInfo(name, "policy", m.describe(), dict(m.parameters), str(path)))
-        except PolicyError as exc:
-            infos.append(ScalerInfo(name, "policy", f"UNUSABLE: {exc}", {}, str(path)))
-    return infos
+    infos += [
+        ScalerInfo(name, "plugin", f"UNUSABLE: {error}", {}, "")
+        for name, error in _PLUGIN_ERRORS.items()
+    ]
+    return infos + policies.policy_infos()

@@ -1,8 +1,9 @@
 """The classic loss-scale rules, each with its published defaults and where it comes from.
 
-Every rule is a :class:`~autoscale.scalers.base.LossScaler`; they differ only in ``next_scale``.
-The counters reproduce the original code paths step for step (tests hold them to hand-computed
-sequences), including their quirks, since learned policies are measured against them.
+Every rule is a pure :class:`~autoscale.scalers.rule.ScaleRule`: hyperparameters in ``__init__``,
+the decision in ``next_scale``, counters in ``state``. The counters reproduce the original code
+paths step for step (tests hold them to hand-computed sequences and to the upstream code itself),
+including their quirks, since learned policies are measured against them.
 """
 
 from __future__ import annotations
@@ -12,18 +13,18 @@ from collections import deque
 from typing import Any
 
 from autoscale.errors import ConfigError
-from autoscale.scalers.base import FP16_MAX, LossScaler, StepStats, f32
 from autoscale.scalers.registry import register_loss_scaler
+from autoscale.scalers.rule import FP16_MAX, ScaleRule, StepStats, f32
 
 __all__ = [
-    "StaticScaler",
-    "TorchScaler",
-    "DeepSpeedScaler",
-    "MegatronScaler",
-    "JmpScaler",
-    "FairseqScaler",
-    "MetaseqScaler",
-    "AmaxHistoryScaler",
+    "StaticRule",
+    "TorchRule",
+    "DeepSpeedRule",
+    "MegatronRule",
+    "JmpRule",
+    "FairseqRule",
+    "MetaseqRule",
+    "AmaxHistoryRule",
 ]
 
 
@@ -51,8 +52,78 @@ def _interval(name: str, value: int) -> int:
     return int(value)
 
 
+def _ints(rule: ScaleRule, state: dict[str, Any], defaults: dict[str, int]) -> dict[str, int]:
+    """The integer counters ``defaults`` names, read from ``state`` (missing keys: the default).
+
+    Raises:
+        ConfigError: ``state`` is no mapping, or a counter is no integer; names the rule and key.
+    """
+    if not isinstance(state, dict):
+        raise ConfigError(
+            f"rule '{rule.name}': state must be a mapping, got {type(state).__name__}; "
+            "the checkpoint was not written by this rule"
+        )
+    out = {}
+    for key, default in defaults.items():
+        value = state.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(
+                f"rule '{rule.name}': state '{key}' must be an integer, got {value!r}; "
+                "the checkpoint was not written by this rule"
+            )
+        out[key] = value
+    return out
+
+
+def _dynamic_block(rule: ScaleRule, init_scale: float, min_scale: float) -> dict[str, Any]:
+    """What every dynamic DeepSpeed ``fp16`` block holds: the initial power and the minimum."""
+    power = math.log2(init_scale)
+    if power != int(power):
+        raise ConfigError(
+            f"DeepSpeed takes initial_scale_power (a power of two); init_scale {init_scale:g} is not one"
+        )
+    # DeepSpeedFP16Config declares min_loss_scale an int: a floor under 1 (torch's rule keeps 2^-24)
+    # becomes 1, the lowest DeepSpeed can hold.
+    if min_scale > 1 and min_scale != int(min_scale):
+        raise ConfigError(
+            f"DeepSpeed's min_loss_scale is an integer; min_scale {min_scale:g} is not one "
+            f"(use min_scale={int(min_scale)} or {int(min_scale) + 1})"
+        )
+    return {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": int(power),
+        "min_loss_scale": max(1, int(min_scale)),
+    }
+
+
+def _window_block(
+    rule: ScaleRule,
+    init_scale: float,
+    min_scale: float,
+    growth: float,
+    backoff: float,
+    window: int,
+    hysteresis: int = 1,
+) -> dict[str, Any]:
+    """A counter rule with a growth window in DeepSpeed's terms (factors fixed at 2 and 1/2)."""
+    if growth != 2.0 or backoff != 0.5:
+        raise ConfigError(
+            f"DeepSpeed fixes the factors at 2 and 1/2; rule '{rule.name}' uses {growth:g} and {backoff:g}"
+        )
+    # DeepSpeed's first growth comes after window+1 clean steps, torch/jmp/megatron's after
+    # `window`: window-1 matches the first growth; DeepSpeed's later growths then come every
+    # window-1 steps instead of every window (DeepSpeed cannot express the rule exactly).
+    return {
+        **_dynamic_block(rule, init_scale, min_scale),
+        "loss_scale_window": max(1, window - 1),
+        "hysteresis": hysteresis,
+        "consecutive_hysteresis": False,
+    }
+
+
 @register_loss_scaler("static")
-class StaticScaler(LossScaler):
+class StaticRule(ScaleRule):
     """A fixed scale: overflowing steps are skipped, the scale never moves.
 
     Source: apex/DeepSpeed ``loss_scale: N`` (static loss scaling); 128 is a common hand-picked value.
@@ -60,16 +131,20 @@ class StaticScaler(LossScaler):
 
     description = "fixed scale; overflowing steps are skipped"
     source = "apex / DeepSpeed static loss scale"
-
-    def __init__(self, device: str | None = None, *, init_scale: float = 128.0, **kw: Any) -> None:
-        super().__init__(device, init_scale=init_scale, **kw)
+    default_init_scale = 128.0
 
     def next_scale(self, scale: float, stats: StepStats) -> float:
         return scale
 
+    def backs_off_on_overflow(self) -> bool:
+        return False  # nothing to lower: as DeepSpeed's static scale, it never aborts
+
+    def deepspeed_config(self, init_scale: float, min_scale: float) -> dict[str, Any]:
+        return {"enabled": True, "loss_scale": init_scale}  # any value: DeepSpeed's is a float
+
 
 @register_loss_scaler("torch")
-class TorchScaler(LossScaler):
+class TorchRule(ScaleRule):
     """Exactly ``torch.amp.GradScaler``: x0.5 on overflow, x2 after 2000 clean steps in a row.
 
     Reproduces ``torch._amp_update_scale_`` (float32 arithmetic, growth only to a finite value),
@@ -85,47 +160,53 @@ class TorchScaler(LossScaler):
 
     def __init__(
         self,
-        device: str | None = None,
         *,
-        init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
-        **kw: Any,
     ) -> None:
-        super().__init__(device, init_scale=init_scale, **kw)
-        self._growth_factor = _growth(growth_factor)
-        self._backoff_factor = _backoff(backoff_factor)
-        self._growth_interval = _interval("growth_interval", growth_interval)
+        self.growth_factor = _growth(growth_factor)
+        self.backoff_factor = _backoff(backoff_factor)
+        self.growth_interval = _interval("growth_interval", growth_interval)
         self.growth_tracker = 0
 
     def next_scale(self, scale: float, stats: StepStats) -> float:
         if stats.found_inf:
             self.growth_tracker = 0
-            return f32(scale * self._backoff_factor)
+            return f32(scale * self.backoff_factor)
         self.growth_tracker += 1
-        if self.growth_tracker == self._growth_interval:
+        if self.growth_tracker == self.growth_interval:
             self.growth_tracker = 0
-            grown = f32(scale * self._growth_factor)
+            grown = f32(scale * self.growth_factor)
             return grown if math.isfinite(grown) else scale
         return scale
 
-    def rule_params(self) -> dict[str, Any]:
+    def params(self) -> dict[str, Any]:
         return {
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
         }
 
-    def rule_state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         return {"growth_tracker": self.growth_tracker}
 
-    def load_rule_state(self, state: dict[str, Any]) -> None:
-        self.growth_tracker = int(state.get("growth_tracker", 0))
+    def load_state(self, state: dict[str, Any]) -> None:
+        vars(self).update(_ints(self, state, {"growth_tracker": 0}))
+
+    def deepspeed_config(self, init_scale: float, min_scale: float) -> dict[str, Any]:
+        return _window_block(
+            self,
+            init_scale,
+            min_scale,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+        )
 
 
 @register_loss_scaler("deepspeed")
-class DeepSpeedScaler(LossScaler):
+class DeepSpeedRule(ScaleRule):
     """DeepSpeed's ``DynamicLossScaler`` with the defaults of its ``fp16`` config block.
 
     On overflow: if hysteresis is used up, divide by ``scale_factor`` (not below ``min_scale``),
@@ -145,16 +226,12 @@ class DeepSpeedScaler(LossScaler):
 
     def __init__(
         self,
-        device: str | None = None,
         *,
-        init_scale: float = 2.0**16,
         scale_factor: float = 2.0,
         loss_scale_window: int = 1000,
         hysteresis: int = 2,
         consecutive_hysteresis: bool = False,
-        **kw: Any,
     ) -> None:
-        super().__init__(device, init_scale=init_scale, **kw)
         self.scale_factor = _growth(scale_factor)
         self.loss_scale_window = _interval("loss_scale_window", loss_scale_window)
         self.hysteresis = _interval("hysteresis", hysteresis)
@@ -170,7 +247,7 @@ class DeepSpeedScaler(LossScaler):
         new = scale
         if stats.found_inf:
             if self.backs_off_on_overflow():
-                new = max(scale / self.scale_factor, self.min_scale)
+                new = scale / self.scale_factor
             else:
                 self.cur_hysteresis -= 1
             self.last_overflow_iter = self.cur_iter
@@ -185,7 +262,7 @@ class DeepSpeedScaler(LossScaler):
         self.cur_iter += 1
         return new
 
-    def rule_params(self) -> dict[str, Any]:
+    def params(self) -> dict[str, Any]:
         return {
             "scale_factor": self.scale_factor,
             "loss_scale_window": self.loss_scale_window,
@@ -193,21 +270,32 @@ class DeepSpeedScaler(LossScaler):
             "consecutive_hysteresis": self.consecutive_hysteresis,
         }
 
-    def rule_state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         return {
             "cur_iter": self.cur_iter,
             "last_overflow_iter": self.last_overflow_iter,
             "cur_hysteresis": self.cur_hysteresis,
         }
 
-    def load_rule_state(self, state: dict[str, Any]) -> None:
-        self.cur_iter = int(state.get("cur_iter", 0))
-        self.last_overflow_iter = int(state.get("last_overflow_iter", -1))
-        self.cur_hysteresis = int(state.get("cur_hysteresis", self.hysteresis))
+    def load_state(self, state: dict[str, Any]) -> None:
+        defaults = {"cur_iter": 0, "last_overflow_iter": -1, "cur_hysteresis": self.hysteresis}
+        vars(self).update(_ints(self, state, defaults))
+
+    def deepspeed_config(self, init_scale: float, min_scale: float) -> dict[str, Any]:
+        if self.scale_factor != 2.0:
+            raise ConfigError(
+                f"DeepSpeed's config fixes scale_factor at 2; this rule uses {self.scale_factor:g}"
+            )
+        return {
+            **_dynamic_block(self, init_scale, min_scale),
+            "loss_scale_window": self.loss_scale_window,
+            "hysteresis": self.hysteresis,
+            "consecutive_hysteresis": self.consecutive_hysteresis,
+        }
 
 
 @register_loss_scaler("megatron")
-class MegatronScaler(LossScaler):
+class MegatronRule(ScaleRule):
     """Megatron-LM's ``DynamicGradScaler``.
 
     Overflow: reset the growth tracker and spend one unit of hysteresis; once it is used up, multiply
@@ -220,20 +308,17 @@ class MegatronScaler(LossScaler):
 
     description = "Megatron DynamicGradScaler: hysteresis 2 refilled only on growth, window 1000"
     source = "Megatron-LM megatron/core/optimizer/grad_scaler.py"
+    default_init_scale = 2.0**32
     default_min_scale = 1.0
 
     def __init__(
         self,
-        device: str | None = None,
         *,
-        init_scale: float = 2.0**32,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 1000,
         hysteresis: int = 2,
-        **kw: Any,
     ) -> None:
-        super().__init__(device, init_scale=init_scale, **kw)
         self.growth_factor = _growth(growth_factor)
         self.backoff_factor = _backoff(backoff_factor)
         self.growth_interval = _interval("growth_interval", growth_interval)
@@ -241,12 +326,15 @@ class MegatronScaler(LossScaler):
         self.growth_tracker = 0
         self.hysteresis_tracker = self.hysteresis
 
+    def backs_off_on_overflow(self) -> bool:
+        return self.hysteresis_tracker <= 1
+
     def next_scale(self, scale: float, stats: StepStats) -> float:
         if stats.found_inf:
             self.growth_tracker = 0
             self.hysteresis_tracker -= 1
             if self.hysteresis_tracker <= 0:
-                return max(scale * self.backoff_factor, self.min_scale)
+                return scale * self.backoff_factor
             return scale
         self.growth_tracker += 1
         if self.growth_tracker == self.growth_interval:
@@ -255,7 +343,7 @@ class MegatronScaler(LossScaler):
             return scale * self.growth_factor
         return scale
 
-    def rule_params(self) -> dict[str, Any]:
+    def params(self) -> dict[str, Any]:
         return {
             "growth_factor": self.growth_factor,
             "backoff_factor": self.backoff_factor,
@@ -263,19 +351,30 @@ class MegatronScaler(LossScaler):
             "hysteresis": self.hysteresis,
         }
 
-    def rule_state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         return {
             "growth_tracker": self.growth_tracker,
             "hysteresis_tracker": self.hysteresis_tracker,
         }
 
-    def load_rule_state(self, state: dict[str, Any]) -> None:
-        self.growth_tracker = int(state.get("growth_tracker", 0))
-        self.hysteresis_tracker = int(state.get("hysteresis_tracker", self.hysteresis))
+    def load_state(self, state: dict[str, Any]) -> None:
+        defaults = {"growth_tracker": 0, "hysteresis_tracker": self.hysteresis}
+        vars(self).update(_ints(self, state, defaults))
+
+    def deepspeed_config(self, init_scale: float, min_scale: float) -> dict[str, Any]:
+        return _window_block(
+            self,
+            init_scale,
+            min_scale,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+            self.hysteresis,
+        )
 
 
 @register_loss_scaler("jmp")
-class JmpScaler(LossScaler):
+class JmpRule(ScaleRule):
     """DeepMind jmp's ``DynamicLossScale``: /factor on overflow (not below min), x factor every
     ``period`` finite steps in a row.
 
@@ -285,18 +384,10 @@ class JmpScaler(LossScaler):
 
     description = "jmp DynamicLossScale: period 2000, factor 2, min 1"
     source = "DeepMind jmp jmp/_src/loss_scale.py"
+    default_init_scale = 2.0**15
     default_min_scale = 1.0
 
-    def __init__(
-        self,
-        device: str | None = None,
-        *,
-        init_scale: float = 2.0**15,
-        period: int = 2000,
-        factor: float = 2.0,
-        **kw: Any,
-    ) -> None:
-        super().__init__(device, init_scale=init_scale, **kw)
+    def __init__(self, *, period: int = 2000, factor: float = 2.0) -> None:
         self.period = _interval("period", period)
         self.factor = _growth(factor)
         self.counter = 0
@@ -304,23 +395,28 @@ class JmpScaler(LossScaler):
     def next_scale(self, scale: float, stats: StepStats) -> float:
         if stats.found_inf:
             self.counter = 0
-            return max(self.min_scale, scale / self.factor)
+            return scale / self.factor
         new = scale * self.factor if self.counter == self.period - 1 else scale
         self.counter = (self.counter + 1) % self.period
         return new
 
-    def rule_params(self) -> dict[str, Any]:
+    def params(self) -> dict[str, Any]:
         return {"period": self.period, "factor": self.factor}
 
-    def rule_state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         return {"growth_tracker": self.counter}
 
-    def load_rule_state(self, state: dict[str, Any]) -> None:
-        self.counter = int(state.get("growth_tracker", 0))
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.counter = _ints(self, state, {"growth_tracker": 0})["growth_tracker"]
+
+    def deepspeed_config(self, init_scale: float, min_scale: float) -> dict[str, Any]:
+        return _window_block(
+            self, init_scale, min_scale, self.factor, 1.0 / self.factor, self.period
+        )
 
 
 @register_loss_scaler("fairseq")
-class FairseqScaler(LossScaler):
+class FairseqRule(ScaleRule):
     """fairseq's ``DynamicLossScaler``: overflow tolerance and a fixed growth window.
 
     On overflow, the scale is divided by ``scale_factor`` only when the share of overflowing steps
@@ -334,22 +430,15 @@ class FairseqScaler(LossScaler):
 
     description = "fairseq DynamicLossScaler: tolerance 0, window 16384, init 128, min 1e-4"
     source = "fairseq fairseq/optim/dynamic_loss_scaler.py"
+    default_init_scale = 128.0
     default_min_scale = 1e-4
     grow_window = False
 
     def __init__(
-        self,
-        device: str | None = None,
-        *,
-        init_scale: float = 128.0,
-        scale_factor: float = 2.0,
-        scale_window: int = 16384,
-        tolerance: float = 0.0,
-        **kw: Any,
+        self, *, scale_factor: float = 2.0, scale_window: int = 16384, tolerance: float = 0.0
     ) -> None:
-        super().__init__(device, init_scale=init_scale, **kw)
         self.scale_factor = _growth(scale_factor)
-        self.scale_window = _interval("scale_window", scale_window)
+        self.scale_window = self.initial_window = _interval("scale_window", scale_window)
         tolerance = float(tolerance)
         if not 0.0 <= tolerance <= 1.0:
             raise ConfigError(f"tolerance must be a share of steps in [0, 1], got {tolerance!r}")
@@ -359,13 +448,20 @@ class FairseqScaler(LossScaler):
         self.last_rescale_iter = -1
         self.overflows_since_rescale = 0
 
+    def _would_rescale(self) -> bool:
+        since_rescale = self.iter - self.last_rescale_iter
+        return (self.overflows_since_rescale + 1) / float(since_rescale) >= self.tolerance
+
+    def backs_off_on_overflow(self) -> bool:
+        return self._would_rescale()
+
     def next_scale(self, scale: float, stats: StepStats) -> float:
         new = scale
         if stats.found_inf:
-            since_rescale = self.iter - self.last_rescale_iter
+            rescale = self._would_rescale()
             self.last_overflow_iter = self.iter
             self.overflows_since_rescale += 1
-            if self.overflows_since_rescale / float(since_rescale) >= self.tolerance:
+            if rescale:
                 new = scale / self.scale_factor
                 if self.grow_window:
                     self.scale_window = max(int(self.scale_window / self.scale_factor), 1)
@@ -379,17 +475,14 @@ class FairseqScaler(LossScaler):
         self.iter += 1
         return new
 
-    def rule_params(self) -> dict[str, Any]:
+    def params(self) -> dict[str, Any]:
         return {
             "scale_factor": self.scale_factor,
-            "scale_window": self._initial_window(),
+            "scale_window": self.initial_window,
             "tolerance": self.tolerance,
         }
 
-    def _initial_window(self) -> int:
-        return getattr(self, "_window0", self.scale_window)
-
-    def rule_state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         return {
             "iter": self.iter,
             "last_overflow_iter": self.last_overflow_iter,
@@ -398,16 +491,19 @@ class FairseqScaler(LossScaler):
             "scale_window": self.scale_window,
         }
 
-    def load_rule_state(self, state: dict[str, Any]) -> None:
-        self.iter = int(state.get("iter", 0))
-        self.last_overflow_iter = int(state.get("last_overflow_iter", -1))
-        self.last_rescale_iter = int(state.get("last_rescale_iter", -1))
-        self.overflows_since_rescale = int(state.get("overflows_since_rescale", 0))
-        self.scale_window = int(state.get("scale_window", self.scale_window))
+    def load_state(self, state: dict[str, Any]) -> None:
+        defaults = {
+            "iter": 0,
+            "last_overflow_iter": -1,
+            "last_rescale_iter": -1,
+            "overflows_since_rescale": 0,
+            "scale_window": self.scale_window,
+        }
+        vars(self).update(_ints(self, state, defaults))
 
 
 @register_loss_scaler("metaseq")
-class MetaseqScaler(FairseqScaler):
+class MetaseqRule(FairseqRule):
     """metaseq's ``DynamicLossScaler``: fairseq's rule whose window doubles on every growth and
     halves (not below 1) on every backoff.
 
@@ -417,32 +513,18 @@ class MetaseqScaler(FairseqScaler):
 
     description = "metaseq DynamicLossScaler: window 256 doubling on growth, halving on backoff"
     source = "metaseq metaseq/optim/dynamic_loss_scaler.py"
+    default_init_scale = 4.0
     default_min_scale = 2.0**-5
     grow_window = True
 
     def __init__(
-        self,
-        device: str | None = None,
-        *,
-        init_scale: float = 4.0,
-        scale_factor: float = 2.0,
-        scale_window: int = 256,
-        tolerance: float = 0.0,
-        **kw: Any,
+        self, *, scale_factor: float = 2.0, scale_window: int = 256, tolerance: float = 0.0
     ) -> None:
-        super().__init__(
-            device,
-            init_scale=init_scale,
-            scale_factor=scale_factor,
-            scale_window=scale_window,
-            tolerance=tolerance,
-            **kw,
-        )
-        self._window0 = self.scale_window
+        super().__init__(scale_factor=scale_factor, scale_window=scale_window, tolerance=tolerance)
 
 
 @register_loss_scaler("amax-history")
-class AmaxHistoryScaler(LossScaler):
+class AmaxHistoryRule(ScaleRule):
     """Delayed scaling from gradient amax history, Transformer Engine's FP8 recipe applied to fp16.
 
     After each clean step the scale becomes the largest power of two that keeps
@@ -461,16 +543,8 @@ class AmaxHistoryScaler(LossScaler):
     needs_rms = False  # reads the amax only: one reduction pass, not two
 
     def __init__(
-        self,
-        device: str | None = None,
-        *,
-        init_scale: float = 2.0**16,
-        history_len: int = 16,
-        margin: float = 2.0,
-        backoff_factor: float = 0.5,
-        **kw: Any,
+        self, *, history_len: int = 16, margin: float = 2.0, backoff_factor: float = 0.5
     ) -> None:
-        super().__init__(device, init_scale=init_scale, **kw)
         self.history_len = _interval("history_len", history_len)
         margin = float(margin)
         if not (math.isfinite(margin) and margin >= 0):
@@ -489,15 +563,23 @@ class AmaxHistoryScaler(LossScaler):
         amax = max(self.history)
         return 2.0 ** math.floor(math.log2(FP16_MAX / amax) - self.margin)
 
-    def rule_params(self) -> dict[str, Any]:
+    def params(self) -> dict[str, Any]:
         return {
             "history_len": self.history_len,
             "margin": self.margin,
             "backoff_factor": self.backoff_factor,
         }
 
-    def rule_state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         return {"history": [float(a) for a in self.history]}
 
-    def load_rule_state(self, state: dict[str, Any]) -> None:
-        self.history = deque((float(a) for a in state.get("history", [])), maxlen=self.history_len)
+    def load_state(self, state: dict[str, Any]) -> None:
+        history = state.get("history", []) if isinstance(state, dict) else None
+        if not isinstance(history, list) or not all(
+            isinstance(a, (int, float)) and not isinstance(a, bool) for a in history
+        ):
+            raise ConfigError(
+                f"rule '{self.name}': state 'history' must be a list of numbers, got {history!r}; "
+                "the checkpoint was not written by this rule"
+            )
+        self.history = deque((float(a) for a in history), maxlen=self.history_len)

@@ -8,8 +8,6 @@ from any machine that sees the storage and the artifact store.
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -144,12 +142,15 @@ def check_export_target(
     Raises:
         ConfigError: a bad name, or a folder holding another policy without ``force``.
     """
-    from autoscale.agents.export import _check_name, default_policy_dir
     from autoscale.errors import PolicyError
-    from autoscale.scalers.manifest import read_manifest
+    from autoscale.scalers.policies import (
+        check_policy_name,
+        default_policy_dir,
+        existing_policy_error,
+        read_manifest,
+    )
 
-    _check_name(name)
-    dest = Path(out_dir or default_policy_dir()) / name
+    dest = Path(out_dir or default_policy_dir()) / check_policy_name(name)
     if not dest.exists() or force:
         return True
     try:
@@ -157,10 +158,7 @@ def check_export_target(
     except PolicyError:
         ours = False
     if not ours:
-        raise ConfigError(
-            f"policy folder '{dest}' already exists and holds another policy; choose another name "
-            "or pass --force"
-        )
+        raise existing_policy_error(dest, other=True)
     return True
 
 
@@ -183,8 +181,8 @@ def export_trial(
     summary (validation on real steps where there is one). Replacing an existing folder follows
     :func:`check_export_target`.
     """
-    from autoscale.agents.export import _publish, default_policy_dir, export_parametric
-    from autoscale.scalers.manifest import read_manifest, write_manifest
+    from autoscale.agents.export import export_parametric
+    from autoscale.scalers.policies import read_manifest, staged_policy, write_manifest
 
     replace = check_export_target(name, out_dir, study.study_name, force, own_study_ok=own_study_ok)
     policy = trial_policy(trial)
@@ -214,10 +212,7 @@ def export_trial(
             out_dir=out_dir,
             force=replace,
         )
-    root = Path(out_dir or default_policy_dir())
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
-    try:
+    with staged_policy(name, out_dir, force=replace) as tmp:
         extract_policy(trial, store, tmp)
         manifest = read_manifest(tmp)
         write_manifest(
@@ -229,11 +224,7 @@ def export_trial(
                 scorecard=scorecard or manifest.scorecard,
             ),
         )
-        _publish(tmp, root / name, replace)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return root / name
+    return tmp.parent / name
 
 
 def best_trial(study: Any, spec: EnvSpec) -> tuple[Any, list[Scorecard] | None, str]:

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from autoscale.envs.spec import EnvSpec, InstanceSpec, load_env_spec
+from autoscale.envs.spec import EnvSpec, InstanceSpec, load_env_spec, spec_dirs
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_SCENARIO", "base_spec", "default_study_name"]
 
@@ -16,14 +16,10 @@ DEFAULT_MODEL = "gpt2-tiny"
 DEFAULT_SCENARIO = "bad-batches"
 
 
-def _spec_dirs() -> list[Path]:
-    return [Path.cwd() / "envs", Path(__file__).resolve().parents[2] / "envs"]
-
-
 def _template(scenario: str) -> EnvSpec | None:
     """The ``envs/*.yaml`` spec of ``scenario``: the file named after it, else the first whose
     workload has that scenario."""
-    files = [f for d in _spec_dirs() if d.is_dir() for f in sorted(d.glob("*.yaml"))]
+    files = [f for d in spec_dirs() if d.is_dir() for f in sorted(d.glob("*.yaml"))]
     files.sort(key=lambda f: f.stem != scenario)
     for f in files:
         spec = load_env_spec(f)

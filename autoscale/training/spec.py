@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from autoscale.errors import ConfigError, check_keys
+from autoscale.scalers.rule import positive_finite
 
 __all__ = ["WorkloadSpec", "DTYPES", "INITS"]
 
@@ -93,9 +93,9 @@ class WorkloadSpec:
             object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
         if self.seq_len < 2:
             raise ConfigError(f"seq_len must be at least 2 tokens, got {self.seq_len}")
-        object.__setattr__(self, "lr", _positive_float("lr", self.lr))
+        object.__setattr__(self, "lr", positive_finite("lr", self.lr))
         if self.clip is not None:
-            object.__setattr__(self, "clip", _positive_float("clip", self.clip))
+            object.__setattr__(self, "clip", positive_finite("clip", self.clip))
         if self.init not in INITS:
             raise ConfigError(f"init must be one of {', '.join(INITS)}, got {self.init!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -144,13 +144,3 @@ def _positive_int(name: str, value: Any) -> int:
     ):
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
-
-
-def _positive_float(name: str, value: Any) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        out = math.nan
-    if isinstance(value, bool) or not (out > 0 and math.isfinite(out)):
-        raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
-    return out

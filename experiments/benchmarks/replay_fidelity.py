@@ -17,16 +17,16 @@ import argparse
 import math
 import random
 import sys
-from typing import Any
 
-from autoscale.scalers.base import LossScaler, StepStats
+from autoscale.scalers import LossScaler, ScaleRule, StepStats
 
 
-class RandomDeltaScaler(LossScaler):
+class RandomDeltaRule(ScaleRule):
     """A seeded random policy: each step moves log2(scale) by one of -2..+2 bits."""
 
-    def __init__(self, device: str | None = None, *, seed: int = 0, **kw: Any) -> None:
-        super().__init__(device, **kw)
+    name = "random"
+
+    def __init__(self, *, seed: int = 0) -> None:
         self.rng = random.Random(seed)
 
     def next_scale(self, scale: float, stats: StepStats) -> float:
@@ -54,8 +54,12 @@ def fidelity(env_path: str, trace_steps: int) -> list[tuple]:
     factories = {
         i.name: (lambda n=i.name: scaler_for(n, spec)) for i in list_scalers() if i.kind == "rule"
     }
-    factories["random"] = lambda: RandomDeltaScaler(
-        "cpu", seed=1, init_scale=ep.init_scale, min_scale=ep.min_scale, max_scale=ep.max_scale
+    factories["random"] = lambda: LossScaler(
+        RandomDeltaRule(seed=1),
+        "cpu",
+        init_scale=ep.init_scale,
+        min_scale=ep.min_scale,
+        max_scale=ep.max_scale,
     )
     real = evaluate_scalers(spec, factories, progress=True)
     replay = evaluate_scalers(spec, factories, trace=trace)

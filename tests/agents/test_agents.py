@@ -12,8 +12,8 @@ from autoscale.agents.evaluate import evaluate_scalers
 from autoscale.agents.train import train_agent
 from autoscale.envs import LossScaleEnv, ReplayEnv
 from autoscale.errors import ConfigError, PolicyError, UnknownNameError
-from autoscale.scalers.manifest import read_manifest, write_manifest
-from autoscale.scalers.neural import PolicyScaler
+from autoscale.scalers.neural import NeuralPolicyRule
+from autoscale.scalers.policies import read_manifest, write_manifest
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +47,10 @@ def test_exported_policy_acts_like_sb3(agents, tiny_spec, tiny_trace, algo):
     out, trained = agents
     model = trained[algo].model
     scaler = autoscale.get_scaler(str(out / f"tiny-{algo}"), device="cpu")
-    assert isinstance(scaler, PolicyScaler)
+    assert isinstance(scaler.rule, NeuralPolicyRule)
     obs = _recorded_observations(tiny_spec, tiny_trace)
     expected, _ = model.predict(obs, deterministic=True)
-    got = np.array([scaler.act(o.tolist()) for o in obs])
+    got = np.array([scaler.rule.act(o.tolist()) for o in obs])
     assert len(obs) == 1000 and len(np.unique(obs, axis=0)) > 20
     np.testing.assert_array_equal(got, expected)
 
@@ -65,7 +65,7 @@ def test_manifest_records_workload_and_test_scorecard(agents):
 
 
 def test_features_in_env_equal_features_in_deployed_scaler(agents, tiny_spec):
-    """Observation parity: the env and a PolicyScaler in a plain training loop see the same."""
+    """Observation parity: the env and a deployed policy in a plain training loop see the same."""
     from autoscale.training import TrainingRun
 
     out, _ = agents
@@ -74,21 +74,22 @@ def test_features_in_env_equal_features_in_deployed_scaler(agents, tiny_spec):
     in_env = autoscale.get_scaler(name, device="cpu")
     env_features = []
     _, info = env.reset(options={"instance": "test-s5-t0"})
-    scale = in_env.start_episode(info["scale"], env.features.state_dict())
+    scale = in_env.controller.start(info["scale"], env.features.state_dict())
     for _ in range(tiny_spec.episode.steps):
         obs, *_ = env.step_at(scale)
         env_features.append(obs.tolist())
-        scale = in_env.clamp(in_env.next_scale(scale, env.last_stats))
+        scale = in_env.controller.step(env.last_stats)
     deployed = autoscale.get_scaler(name, device="cpu")
     run = TrainingRun(tiny_spec.workload.replace(seed=5), deployed)
     loop_features = []
     for _ in range(tiny_spec.episode.steps):
         run.step()
-        loop_features.append(deployed.features.features(deployed.last_stats.scale))
+        loop_features.append(deployed.rule.features.features(deployed.last_stats.scale))
     np.testing.assert_array_equal(np.float32(loop_features), np.float32(env_features))
     assert [r.scale for r in run.records] == [r.scale for r in env.records]
 
 
+@pytest.mark.slow
 def test_policy_in_plain_loop_without_learning_libraries(agents, tmp_path):
     out, _ = agents
     code = """
@@ -179,7 +180,7 @@ def test_policy_scaler_checkpoint_round_trip(agents):
     b = autoscale.get_scaler(str(out / "tiny-dqn"), device="cpu")
     b.load_state_dict(torch.load(out / "s.pt", weights_only=True))
     assert b.get_scale() == a.get_scale()
-    assert b.features.state_dict() == a.features.state_dict()
+    assert b.rule.features.state_dict() == a.rule.features.state_dict()
 
 
 def test_evaluate_and_cli(agents, tiny_spec, tiny_trace, tmp_path, monkeypatch, capsys):

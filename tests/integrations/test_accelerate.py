@@ -50,10 +50,10 @@ def test_fp16_steps_use_the_autoscale_scaler(how, clip_spy, tmp_path):
     # save_state / load_state carry the rule's state through torch.load(weights_only=True)
     accelerator.save_state(str(tmp_path / "state"))
     scaler.set_scale(1.0)
-    scaler.load_rule_state({"growth_tracker": 0})
+    scaler.rule.load_state({"growth_tracker": 0})
     accelerator.load_state(str(tmp_path / "state"))
     assert scaler.get_scale() == SCALE * 2
-    assert scaler.steps == 3 and scaler.rule_state() == {"growth_tracker": 1}
+    assert scaler.steps == 3 and scaler.rule.state() == {"growth_tracker": 1}
 
 
 def test_refuses_after_prepare():

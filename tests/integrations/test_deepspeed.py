@@ -17,7 +17,7 @@ import autoscale
 from autoscale.agents.export import export_parametric
 from autoscale.errors import ConfigError, UnknownNameError
 from autoscale.integrations.deepspeed import HF_AUTO_BATCH, deepspeed_config, write_deepspeed_config
-from autoscale.scalers.manifest import PolicyManifest, write_manifest
+from autoscale.scalers.policies import PolicyManifest, write_manifest
 
 # DeepSpeedFP16Config's fields and types; int fields take no fraction, so 2^-24 is refused there.
 DEEPSPEED_FP16_FIELDS = {
@@ -194,7 +194,9 @@ def test_written_file_reads_back(tmp_path):
 
 def test_rule_knobs_not_gradscaler_defaults_decide_the_block():
     """megatron/jmp keep their knobs in their own attributes, not GradScaler's private ones."""
-    from autoscale.agents.export import deepspeed_fp16_config
+
+    def deepspeed_fp16_config(name, params):
+        return deepspeed_config(name, **params)["fp16"]
 
     assert deepspeed_fp16_config("megatron", {})["loss_scale_window"] == 999
     assert deepspeed_fp16_config("megatron", {"growth_interval": 50})["loss_scale_window"] == 49
@@ -203,3 +205,26 @@ def test_rule_knobs_not_gradscaler_defaults_decide_the_block():
         ConfigError, match="fixes the factors at 2 and 1/2; rule 'megatron' uses 3.05"
     ):
         deepspeed_fp16_config("megatron", {"growth_factor": 3.05, "backoff_factor": 0.81})
+
+
+@pytest.mark.parametrize(
+    ("family", "params", "key", "value"),
+    [
+        ("deepspeed", {"loss_scale_window": 50, "hysteresis": 3}, "hysteresis", 3),
+        ("static", {"init_scale": 1024.0}, "loss_scale", 1024.0),
+        ("torch", {"growth_interval": 100}, "loss_scale_window", 99),
+    ],
+)
+def test_built_scaler_of_an_exported_policy_of_any_family(
+    tmp_path, monkeypatch, family, params, key, value
+):
+    """The block comes from the scaler's rule, not from its name: an exported policy is named
+    after itself, and its built scaler used to be refused as a rule DeepSpeed cannot express."""
+    export_parametric(family, params, f"tuned-{family}", out_dir=tmp_path)
+    monkeypatch.setenv("AUTOSCALE_POLICY_PATH", str(tmp_path))
+    scaler = autoscale.get_scaler(f"tuned-{family}", device="cpu")
+    assert scaler.name == f"tuned-{family}"
+    built = deepspeed_config(scaler)["fp16"]
+    assert built[key] == value
+    assert built == deepspeed_config(f"tuned-{family}")["fp16"]  # the string form agrees
+    assert_deepspeed_accepts(built)

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 FRAMEWORKS = ("accelerate", "transformers", "lightning", "pytorch_lightning", "deepspeed")
 
 
@@ -23,6 +25,7 @@ def test_integrations_load_their_framework_only_when_used():
     assert _loaded(code) == []
 
 
+@pytest.mark.slow
 def test_the_check_would_see_a_framework():
     code = (
         "from autoscale.integrations import make_accelerator\nmake_accelerator('torch', cpu=True)"

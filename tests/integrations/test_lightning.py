@@ -92,7 +92,7 @@ def test_fsdp_plugin_holds_the_scaler():
         "deepspeed", device="cpu", init_scale=2.0**10, loss_scale_window=5
     )
     assert isinstance(plugin, FSDPPrecision) and plugin.precision == "16-mixed"
-    assert isinstance(plugin.scaler, autoscale.scalers.DeepSpeedScaler)
+    assert isinstance(plugin.scaler.rule, autoscale.scalers.DeepSpeedRule)
     state = plugin.state_dict()
     assert state["scale"] == 2.0**10 and state["autoscale"]["rule"] == "deepspeed"
     other = fsdp_precision_plugin("deepspeed", device="cpu")

@@ -92,7 +92,7 @@ def test_trains_with_the_scaler_and_resumes_its_state(tmp_path, clip_spy):
     assert record.scales == [SCALE]  # step 3 started from the saved scale, not 32
     # the restored growth tracker (2) reached growth_interval=3 at step 3: the scale doubled
     assert resumed.loss_scaler.get_scale() == SCALE * 2
-    assert resumed.loss_scaler.steps == 3 and resumed.loss_scaler.rule_state() == {
+    assert resumed.loss_scaler.steps == 3 and resumed.loss_scaler.rule.state() == {
         "growth_tracker": 0
     }
 

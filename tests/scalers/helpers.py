@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -29,13 +30,27 @@ FAST = {
 }
 
 
-def rule_names() -> list[str]:
-    """Every scaler get_scaler can build: rules, plugins and the exported policies it finds."""
-    return [
-        info.name
-        for info in autoscale.list_scalers()
-        if not info.description.startswith("UNUSABLE")
-    ]
+FIXTURE_POLICIES = Path(__file__).resolve().parent / "fixtures" / "policies"
+
+
+def conformance_scalers() -> dict[str, str]:
+    """What the conformance suite holds to the drop-in contract, id -> what ``get_scaler`` takes:
+    every registered rule, every policy shipped with autoscale, and the fixture policies (one
+    parametric, one neural). Found by path, so collection does not depend on the working
+    directory or ``AUTOSCALE_POLICY_PATH``."""
+    from autoscale.resources import shipped_dir
+    from autoscale.scalers.registry import rule_names
+
+    out = {name: name for name in rule_names()}
+    for folder in (shipped_dir("policies"), FIXTURE_POLICIES):
+        if folder is not None:
+            out.update(
+                {p.name: str(p) for p in sorted(folder.iterdir()) if (p / "policy.yaml").is_file()}
+            )
+    return out
+
+
+SCALERS = conformance_scalers()
 
 
 def tiny_model(seed: int = 0) -> torch.nn.Module:
@@ -156,5 +171,7 @@ def is_primitive(obj) -> bool:
 
 
 def make(name: str, **kw) -> autoscale.LossScaler:
-    """``get_scaler(name)`` on CPU with the rule's fast counters."""
-    return autoscale.get_scaler(name, device="cpu", **{**FAST.get(name, {}), **kw})
+    """``get_scaler`` of a conformance id on CPU, with the rule's fast counters."""
+    return autoscale.get_scaler(
+        SCALERS.get(name, name), device="cpu", **{**FAST.get(name, {}), **kw}
+    )

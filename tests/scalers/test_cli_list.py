@@ -12,8 +12,8 @@ import pytest
 
 import autoscale
 from autoscale.cli import main
-from autoscale.scalers import registry
-from autoscale.scalers.manifest import PolicyManifest, write_manifest
+from autoscale.scalers import policies
+from autoscale.scalers.policies import PolicyManifest, write_manifest
 
 BUILTIN = ["static", "torch", "deepspeed", "megatron", "jmp", "fairseq", "metaseq", "amax-history"]
 
@@ -45,7 +45,7 @@ def test_list_shows_exported_policies(capsys, tmp_path, monkeypatch):
     write_manifest(
         tmp_path / "tuned", PolicyManifest(name="tuned", kind="parametric", family="deepspeed")
     )
-    monkeypatch.setenv(registry.POLICY_PATH_ENV, str(tmp_path))
+    monkeypatch.setenv(policies.POLICY_PATH_ENV, str(tmp_path))
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "Exported policies:\n  tuned" in out
@@ -79,6 +79,7 @@ def test_unknown_subcommand_exits_2(capsys):
     assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script():
     exe = shutil.which("autoscale", path=str(Path(sys.executable).parent)) or shutil.which(
         "autoscale"

@@ -1,7 +1,8 @@
 """The drop-in contract, checked for every registered scaler (DESIGN.md 3.1 and 3.4).
 
-Parametrized over ``autoscale.list_scalers()`` at collection time: registering a rule is enough
-for it to be held to this suite.
+Parametrized at collection time over every registered rule, every shipped policy and the fixture
+policies (``tests/scalers/helpers.py``): registering a rule or shipping a policy is enough for it
+to be held to this suite.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 import autoscale
 from autoscale.errors import MinimumLossScaleError
 from tests.scalers.helpers import (
+    FIXTURE_POLICIES,
+    SCALERS,
     adamw,
     assert_same_params,
     batches,
@@ -24,13 +27,12 @@ from tests.scalers.helpers import (
     forward_loss,
     is_primitive,
     make,
-    rule_names,
     run,
     tiny_model,
     train_step,
 )
 
-NAMES = rule_names()
+NAMES = list(SCALERS)
 pytestmark = pytest.mark.parametrize("name", NAMES)
 
 
@@ -287,9 +289,19 @@ def test_raise_at_min(name):
     ((x, y),) = batches(1)
     # max_scale pins policies too, which may choose to keep the scale up after an overflow
     scaler = make(name, init_scale=2.0, min_scale=2.0, max_scale=2.0, raise_at_min=True)
-    with pytest.raises(MinimumLossScaleError, match="minimum"):  # noqa: PT012
-        for _ in range(10):
+    # it raises exactly on the first overflow that the rule would answer by lowering the scale
+    # (not while hysteresis or a tolerance absorbs it; never for a static scale)
+    raised = None
+    for i in range(10):
+        backs_off = scaler.rule.backs_off_on_overflow()
+        try:
             train_step(model, opt, scaler, x, y, inf=True)
+        except MinimumLossScaleError as exc:
+            assert backs_off and "minimum" in str(exc), f"raised at overflow {i}"
+            raised = i
+            break
+        assert not backs_off, f"overflow {i} would lower the scale but did not raise"
+    assert (raised is None) == (type(scaler.rule).__name__ == "StaticRule")
     assert scaler.get_scale() == 2.0
     assert 1 <= scaler.skipped <= 10
     # the scaler is left usable: the next clean step runs
@@ -308,10 +320,11 @@ def test_minimum_is_reported_not_raised_by_default(name):
     assert scaler.hit_min and scaler.min_hits == 5
 
 
-def test_spec_rebuilds_the_scaler(name):
+def test_spec_rebuilds_the_scaler(name, monkeypatch):
+    monkeypatch.setenv("AUTOSCALE_POLICY_PATH", str(FIXTURE_POLICIES))  # policies by their name
     scaler = make(name)
     spec = scaler.spec()
     assert spec["name"] == name
     rebuilt = autoscale.get_scaler(device="cpu", **spec)
-    assert type(rebuilt) is type(scaler)
+    assert type(rebuilt.rule) is type(scaler.rule)
     assert rebuilt.spec() == spec

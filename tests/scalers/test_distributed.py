@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 import autoscale
 from tests.scalers.helpers import adamw, batches, flat_params, forward_loss, tiny_model
 
+pytestmark = pytest.mark.slow  # spawns process groups (seconds each)
 WORLD = 2
 INF_STEP = 1  # only rank 1 overflows, at this step
 STEPS = 3

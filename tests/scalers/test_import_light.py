@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 HEAVY = ("stable_baselines3", "gymnasium", "optuna")
 
 SCRIPT = textwrap.dedent(
@@ -40,6 +42,7 @@ def test_scaler_use_stays_light():
     assert result["heavy"] == []
 
 
+@pytest.mark.slow
 def test_the_check_would_see_a_heavy_import():
     code = f"HEAVY = {HEAVY!r}\nimport gymnasium\n{SCRIPT}"
     out = subprocess.run(

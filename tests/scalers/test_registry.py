@@ -9,15 +9,17 @@ import pytest
 
 import autoscale
 from autoscale.errors import ConfigError, PolicyError, UnknownNameError
-from autoscale.scalers import LossScaler, StepStats, registry
-from autoscale.scalers.manifest import PolicyManifest, write_manifest
-from autoscale.scalers.rules import TorchScaler
+from autoscale.scalers import LossScaler, ScaleRule, StepStats, policies, registry
+from autoscale.scalers.policies import PolicyManifest, write_manifest
+from autoscale.scalers.rules import TorchRule
 
 
 @pytest.fixture
 def clean_registry(monkeypatch):
     """Rules registered by a test disappear after it; entry points are scanned afresh."""
     monkeypatch.setattr(registry, "_RULES", dict(registry._RULES))
+    monkeypatch.setattr(registry, "_PLUGINS", set())
+    monkeypatch.setattr(registry, "_PLUGIN_ERRORS", {})
     monkeypatch.setattr(registry, "_ENTRY_POINTS_LOADED", False)
     return registry
 
@@ -67,33 +69,36 @@ def test_invalid_parameters_raise_value_error_naming_the_value(name, kwargs, mat
 
 def test_register_a_custom_rule(clean_registry):
     @autoscale.register_loss_scaler("thirds")
-    class ThirdsScaler(LossScaler):
+    class Thirds(ScaleRule):
         description = "divide by 3 on overflow"
 
         def next_scale(self, scale: float, stats: StepStats) -> float:
             return scale / 3 if stats.found_inf else scale
 
     scaler = autoscale.get_scaler("thirds", device="cpu", init_scale=9.0)
-    assert isinstance(scaler, ThirdsScaler) and scaler.name == "thirds"
-    assert scaler.clamp(scaler.next_scale(9.0, StepStats(0, 9.0, True))) == 3.0
+    assert isinstance(scaler, LossScaler) and isinstance(scaler.rule, Thirds)
+    assert scaler.name == "thirds"
+    assert scaler.controller.step(StepStats(0, 9.0, True)) == 3.0
     info = {i.name: i for i in autoscale.list_scalers()}["thirds"]
     assert info.kind == "rule" and info.description == "divide by 3 on overflow"
     assert info.defaults["init_scale"] == 2.0**16
 
     with pytest.raises(ConfigError, match="already registered"):
-        autoscale.register_loss_scaler("thirds")(type("Other", (LossScaler,), {}))
-    with pytest.raises(TypeError, match="expects a LossScaler subclass"):
+        autoscale.register_loss_scaler("thirds")(type("Other", (ScaleRule,), {}))
+    with pytest.raises(TypeError, match="expects a ScaleRule subclass"):
         autoscale.register_loss_scaler("not-a-scaler")(dict)
+    with pytest.raises(TypeError, match="expects a ScaleRule subclass"):
+        autoscale.register_loss_scaler("a-scaler-not-a-rule")(LossScaler)
 
 
-def _plugin_dist(tmp_path, module: str, target: str) -> None:
-    """An installed distribution on sys.path whose entry point publishes ``target``."""
+def _plugin_dist(tmp_path, module: str, entries: dict[str, str]) -> None:
+    """An installed distribution on sys.path whose entry points publish ``entries``."""
     (tmp_path / f"{module}.py").write_text(
         textwrap.dedent(
             """
-            from autoscale.scalers import LossScaler
+            from autoscale.scalers import ScaleRule
 
-            class QuarterScaler(LossScaler):
+            class Quarter(ScaleRule):
                 description = "x0.25 on overflow"
                 source = "a third-party package"
 
@@ -105,29 +110,52 @@ def _plugin_dist(tmp_path, module: str, target: str) -> None:
     info = tmp_path / f"{module}-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(f"[autoscale.scalers]\nquarter = {target}\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in entries.items())
+    (info / "entry_points.txt").write_text(f"[autoscale.scalers]\n{lines}")
 
 
 def test_third_party_rule_through_entry_point(clean_registry, tmp_path, monkeypatch):
-    _plugin_dist(tmp_path, "autoscale_quarter_plugin", "autoscale_quarter_plugin:QuarterScaler")
+    _plugin_dist(
+        tmp_path, "autoscale_quarter_plugin", {"quarter": "autoscale_quarter_plugin:Quarter"}
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(__import__("sys").modules, "autoscale_quarter_plugin", raising=False)
 
     scaler = autoscale.get_scaler("quarter", device="cpu", init_scale=64.0)
-    assert type(scaler).__name__ == "QuarterScaler" and scaler.name == "quarter"
-    assert scaler.clamp(scaler.next_scale(64.0, StepStats(0, 64.0, True))) == 16.0
+    assert type(scaler.rule).__name__ == "Quarter" and scaler.name == "quarter"
+    assert scaler.controller.step(StepStats(0, 64.0, True)) == 16.0
     info = {i.name: i for i in autoscale.list_scalers()}["quarter"]
     assert info.kind == "plugin" and info.source == "a third-party package"
 
 
-def test_broken_plugin_is_reported(clean_registry, tmp_path, monkeypatch):
-    _plugin_dist(tmp_path, "autoscale_broken_plugin", "autoscale_broken_plugin:Missing")
+def test_a_broken_plugin_fails_alone_and_is_reported(clean_registry, tmp_path, monkeypatch):
+    # one package publishes two rules: one loads, the other names a class that is not there
+    _plugin_dist(
+        tmp_path,
+        "autoscale_mixed_plugin",
+        {
+            "broken": "autoscale_mixed_plugin:Missing",
+            "quarter": "autoscale_mixed_plugin:Quarter",
+        },
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(
-        ConfigError,
-        match=r"scaler plugin 'quarter' \(autoscale_broken_plugin:Missing\) failed to load",
+    monkeypatch.delitem(__import__("sys").modules, "autoscale_mixed_plugin", raising=False)
+    with pytest.warns(
+        UserWarning, match=r"scaler plugin 'broken' \(autoscale_mixed_plugin:Missing"
     ):
-        autoscale.get_scaler("quarter", device="cpu")
+        infos = {i.name: i for i in autoscale.list_scalers()}
+    assert infos["quarter"].kind == "plugin" and infos["quarter"].usable  # the other still loads
+    assert autoscale.get_scaler("quarter", device="cpu").name == "quarter"
+    broken = infos["broken"]
+    assert broken.kind == "plugin" and not broken.usable
+    assert "AttributeError" in broken.description and "Missing" in broken.description
+    # reported again on every listing and by get_scaler, not only the first time
+    assert not {i.name: i for i in autoscale.list_scalers()}["broken"].usable
+    with pytest.raises(
+        ConfigError, match=r"scaler plugin 'broken' \(autoscale_mixed_plugin:Missing failed"
+    ):
+        autoscale.get_scaler("broken", device="cpu")
+    assert registry.plugin_errors().keys() == {"broken"}
 
 
 def _export(folder, **fields):
@@ -144,11 +172,11 @@ def _export(folder, **fields):
 
 def test_exported_parametric_policy(tmp_path, monkeypatch):
     _export(tmp_path, name="tuned-torch", workload={"model": "mlp", "scenario": "clean"})
-    monkeypatch.setenv(registry.POLICY_PATH_ENV, str(tmp_path))
+    monkeypatch.setenv(policies.POLICY_PATH_ENV, str(tmp_path))
 
     scaler = autoscale.get_scaler("tuned-torch", device="cpu")
-    assert isinstance(scaler, TorchScaler)
-    assert scaler.get_growth_interval() == 100 and scaler.policy_name == "tuned-torch"
+    assert isinstance(scaler.rule, TorchRule)
+    assert scaler.get_growth_interval() == 100 and scaler.name == "tuned-torch"
     assert (
         autoscale.get_scaler("tuned-torch", device="cpu", growth_interval=7).get_growth_interval()
         == 7
@@ -162,13 +190,13 @@ def test_exported_parametric_policy(tmp_path, monkeypatch):
     info = {i.name: i for i in autoscale.list_scalers()}["tuned-torch"]
     assert info.kind == "policy" and info.defaults == {"growth_interval": 100}
     assert info.description == "parametric policy (torch) searched on mlp/clean"
-    assert registry.policy_dirs()[0] == tmp_path
+    assert policies.policy_dirs()[0] == tmp_path
 
 
 def test_policies_folder_in_the_working_directory(tmp_path, monkeypatch):
     _export(tmp_path / "policies", name="local-policy")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(registry.POLICY_PATH_ENV, raising=False)
+    monkeypatch.delenv(policies.POLICY_PATH_ENV, raising=False)
     assert autoscale.get_scaler("local-policy", device="cpu").get_growth_interval() == 100
 
 
@@ -182,12 +210,20 @@ def test_policies_folder_in_the_working_directory(tmp_path, monkeypatch):
         ("name: broken\nkind: parametric\nfamily: torch\nfrom_the_future: 1\n", "unknown keys"),
         ("name: broken\nkind: parametric\nfamily: torch\nformat: 99\n", "format 99"),
         ("name: broken\nkind: parametric\nfamily: no-such-rule\n", "uses rule 'no-such-rule'"),
+        (
+            "name: broken\nkind: parametric\nfamily: torch\nformat: two\n",
+            "format must be an integer",
+        ),
+        (
+            "name: broken\nkind: parametric\nfamily: torch\nparameters: [1]\n",
+            "'parameters' must be",
+        ),
     ],
 )
 def test_corrupt_manifest_raises_policy_error(tmp_path, monkeypatch, text, match):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "policy.yaml").write_text(text)
-    monkeypatch.setenv(registry.POLICY_PATH_ENV, str(tmp_path))
+    monkeypatch.setenv(policies.POLICY_PATH_ENV, str(tmp_path))
     with pytest.raises(PolicyError, match=match):
         autoscale.get_scaler("broken", device="cpu")
     # one broken policy does not break the listing
@@ -199,6 +235,6 @@ def test_corrupt_manifest_raises_policy_error(tmp_path, monkeypatch, text, match
 
 def test_policy_with_invalid_parameters(tmp_path, monkeypatch):
     _export(tmp_path, name="bad-params", parameters={"growth_interval": 0})
-    monkeypatch.setenv(registry.POLICY_PATH_ENV, str(tmp_path))
+    monkeypatch.setenv(policies.POLICY_PATH_ENV, str(tmp_path))
     with pytest.raises(ConfigError, match="growth_interval.*got 0"):
         autoscale.get_scaler("bad-params", device="cpu")

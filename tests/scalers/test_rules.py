@@ -38,10 +38,11 @@ def drive(
 
 
 def feed(scaler: autoscale.LossScaler, flags: list[bool]) -> list[float]:
-    """Drive ``next_scale`` directly, as ``update()`` would (clamped and rounded to float32)."""
+    """Drive the rule directly, through the scaler's controller as ``update()`` does (clamped and
+    rounded to float32)."""
     out, scale = [], scaler.get_scale()
     for i, found in enumerate(flags):
-        scale = scaler.clamp(scaler.next_scale(scale, StepStats(i, scale, found)))
+        scale = scaler.controller.step(StepStats(i, scale, found))
         out.append(scale)
     return out
 
@@ -101,7 +102,7 @@ def test_deepspeed_min_scale_and_raise_only_when_hysteresis_is_used_up():
         drive("deepspeed", flags, init_scale=1.0, raise_at_min=True)
     # at the minimum, the first overflow only spends the hysteresis (DeepSpeed raises on the second)
     after, scaler = drive("deepspeed", [T], init_scale=1.0, raise_at_min=True)
-    assert after == [1.0] and scaler.cur_hysteresis == 1
+    assert after == [1.0] and scaler.rule.cur_hysteresis == 1
 
 
 # ---------------------------------------------------------------- Megatron
@@ -112,13 +113,13 @@ def test_megatron_hysteresis_refilled_only_on_growth():
     # 0 spends the hysteresis; 1 and 2 halve; clean steps 3-4 do not refill it, so 5 halves at once;
     # the growth at 8 refills it: 9 only spends it, 10 halves.
     assert after == [16, 8, 4, 4, 4, 2, 2, 2, 4, 4, 2]
-    assert scaler.rule_state() == {"growth_tracker": 0, "hysteresis_tracker": 0}
+    assert scaler.rule.state() == {"growth_tracker": 0, "hysteresis_tracker": 0}
 
 
 def test_megatron_defaults():
     scaler = autoscale.get_scaler("megatron", device="cpu")
     assert scaler.get_scale() == 2.0**32 and scaler.min_scale == 1.0
-    assert (scaler.growth_interval, scaler.hysteresis) == (1000, 2)
+    assert (scaler.rule.growth_interval, scaler.rule.hysteresis) == (1000, 2)
 
 
 # ---------------------------------------------------------------- jmp
@@ -147,7 +148,7 @@ def test_fairseq_tolerance():
 def test_fairseq_zero_tolerance_backs_off_on_every_overflow():
     scaler = autoscale.get_scaler("fairseq", device="cpu", init_scale=16.0, scale_window=4)
     assert feed(scaler, [F, T, F, T, T, F, F, F, F]) == [16, 8, 8, 4, 2, 2, 2, 2, 4]
-    assert scaler.scale_window == 4
+    assert scaler.rule.scale_window == 4
 
 
 # ---------------------------------------------------------------- metaseq
@@ -162,20 +163,20 @@ def test_metaseq_window_doubles_on_growth_and_halves_on_backoff():
         scaler,
         batches(len(flags)),
         [i for i, f in enumerate(flags) if f],
-        each=lambda i: windows.append(scaler.scale_window),
+        each=lambda i: windows.append(scaler.rule.scale_window),
     )
     expected = [4, 8, 8, 16, 16, 16, 16, 32, 16] + [16] * 7 + [32, 16, 8, 8, 8, 8, 16]
     assert trace.after == expected
     assert windows == [2, 4, 4, 8, 8, 8, 8, 16, 8] + [8] * 7 + [16, 8, 4, 4, 4, 4, 8]
     # the window is state: a checkpoint keeps the grown one, the parameters keep the initial one
     assert scaler.state_dict()["autoscale"]["rule_state"]["scale_window"] == 8
-    assert scaler.rule_params()["scale_window"] == 2
+    assert scaler.rule.params()["scale_window"] == 2
 
 
 def test_metaseq_window_never_below_one():
     scaler = autoscale.get_scaler("metaseq", device="cpu", init_scale=4.0, scale_window=2)
     feed(scaler, [T, T, T])
-    assert scaler.scale_window == 1
+    assert scaler.rule.scale_window == 1
     assert scaler.min_scale == 2.0**-5
 
 
@@ -198,9 +199,9 @@ def test_amax_history_hand_computed():
     ]
     scale = scaler.get_scale()
     for i, ((found, amax), expected) in enumerate(steps):
-        scale = scaler.next_scale(scale, StepStats(i, scale, found, grad_amax=amax))
+        scale = scaler.rule.next_scale(scale, StepStats(i, scale, found, grad_amax=amax))
         assert scale == expected, f"step {i}"
-    assert scaler.rule_state() == {"history": [0.01, 0.01, 3.0]}
+    assert scaler.rule.state() == {"history": [0.01, 0.01, 3.0]}
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])

@@ -12,7 +12,7 @@ import optuna
 import pytest
 
 from autoscale.scalers import LossScaler, get_scaler
-from autoscale.scalers.manifest import read_manifest
+from autoscale.scalers.policies import read_manifest
 from autoscale.search.export import study_spec
 from autoscale.search.objective import objective
 from autoscale.search.storage import artifact_store, artifacts_dir, open_storage
@@ -60,10 +60,10 @@ def test_sixty_second_search_ends_in_budget_and_exports_a_loadable_policy(search
     winner = study.trials[manifest.workload["trial"]]
     assert winner.state == optuna.trial.TrialState.COMPLETE
     scaler = get_scaler(str(policy), device="cpu")
-    assert isinstance(scaler, LossScaler) and scaler.policy_name == searched.study
+    assert isinstance(scaler, LossScaler) and scaler.name == searched.study
     assert (
-        scaler.rule_params()
-        == get_scaler(manifest.family, device="cpu", **manifest.parameters).rule_params()
+        scaler.rule.params()
+        == get_scaler(manifest.family, device="cpu", **manifest.parameters).rule.params()
     )
 
 

@@ -49,7 +49,7 @@ def test_enqueued_defaults_reproduce_the_built_in_rule(rule):
     got_rule, params = suggest_parametric(trial, fams)
     assert got_rule == rule
     tuned, builtin = scaler_for(rule, spec, **params), scaler_for(rule, spec)
-    assert tuned.rule_params() == builtin.rule_params()
+    assert tuned.rule.params() == builtin.rule.params()
     assert tuned.get_scale() == builtin.get_scale() == spec.episode.init_scale
 
 

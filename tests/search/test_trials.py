@@ -10,7 +10,7 @@ import optuna
 import pytest
 
 from autoscale.scalers import LossScaler, get_scaler
-from autoscale.scalers.manifest import read_manifest
+from autoscale.scalers.policies import read_manifest
 from autoscale.search.budget import Ledger
 from autoscale.search.export import export_trial, trial_factory
 from autoscale.search.loop import TrialLoop
@@ -55,6 +55,7 @@ def _parts(root, spec, trace, ledger):
     return bench, store, TrialRecorder(bench, store, ledger, work, warn=print), work
 
 
+@pytest.mark.slow
 def test_rl_trial_stores_its_policy_and_exports_it_later(setup):
     root, spec, trace = setup
     ledger = Ledger()
@@ -76,7 +77,7 @@ def test_rl_trial_stores_its_policy_and_exports_it_later(setup):
     assert ledger.total("work:rl") > 1.0
 
     scaler = trial_factory(trial, spec, store, work / "extract")()
-    assert type(scaler).__name__ == "PolicyScaler" and isinstance(scaler, LossScaler)
+    assert type(scaler.rule).__name__ == "NeuralPolicyRule" and isinstance(scaler, LossScaler)
     assert spec.episode.min_scale <= scaler.get_scale() <= spec.episode.max_scale
     path = export_trial(
         study, trial, "rl-policy", spec=spec, store=store, out_dir=root / "policies"

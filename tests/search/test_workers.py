@@ -13,7 +13,7 @@ import optuna
 import pytest
 
 from autoscale.scalers import LossScaler, get_scaler
-from autoscale.scalers.manifest import read_manifest
+from autoscale.scalers.policies import read_manifest
 from autoscale.search.storage import open_storage
 from tests.search.conftest import run_cli, spawn
 

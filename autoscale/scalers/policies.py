@@ -1,0 +1,363 @@
+"""What an exported policy is on disk, in one place: the manifest, the kinds of policy, names, where
+policies are found, and how one is published.
+
+A policy is a folder ``NAME/`` holding ``policy.yaml`` (a :class:`PolicyManifest`) and, for a neural
+policy, ``weights.pt``. Each *kind* (``parametric``, ``neural``, or one a package registers with
+:func:`register_policy_kind`) has a loader that turns the folder into a scaler. Policies are found in
+``$AUTOSCALE_POLICY_PATH`` (``os.pathsep``-separated), then ``./policies``, then the policies shipped
+with autoscale. Publishing stages the folder next to its destination and moves it into place, so a
+reader never sees half a policy and an interrupted export leaves none.
+
+Torch and PyYAML only, so that loading a policy at training time needs nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from autoscale.errors import ConfigError, PolicyError
+
+if TYPE_CHECKING:
+    from autoscale.scalers.base import LossScaler
+    from autoscale.scalers.registry import ScalerInfo
+
+__all__ = [
+    "PolicyManifest",
+    "read_manifest",
+    "write_manifest",
+    "sha256_file",
+    "register_policy_kind",
+    "policy_kinds",
+    "check_policy_name",
+    "policy_dirs",
+    "default_policy_dir",
+    "find_policy",
+    "policy_names",
+    "policy_infos",
+    "load_policy",
+    "staged_policy",
+    "existing_policy_error",
+    "MANIFEST",
+    "MANIFEST_FORMAT",
+    "POLICY_PATH_ENV",
+]
+
+MANIFEST = "policy.yaml"
+MANIFEST_FORMAT = 1
+POLICY_PATH_ENV = "AUTOSCALE_POLICY_PATH"
+
+#: kind -> loader(path, manifest, device, overrides) -> LossScaler
+_KINDS: dict[str, Callable[..., LossScaler]] = {}
+
+
+@dataclass(frozen=True)
+class PolicyManifest:
+    """What an exported policy is and where it came from.
+
+    Attributes:
+        name: The policy's registry name (its folder name).
+        kind: ``"parametric"`` (a rule with tuned knobs), ``"neural"`` (a network in
+            ``weights.pt``), or a kind a package registered.
+        family: The rule id for a parametric policy; the network architecture for a neural one.
+        parameters: Rule keyword arguments, or the network's shape and action mapping.
+        feature_version: Version of the feature spec a neural policy reads (None for rules).
+        autoscale_version: autoscale's version at export.
+        torch_version: torch's version at export.
+        workload: What it was searched or trained on (model, scenario, dtype, ...).
+        scorecard: Its scorecard on that workload's held-out instances.
+        weights_sha256: Checksum of ``weights.pt`` (neural only).
+        format: Manifest format version.
+    """
+
+    name: str
+    kind: str
+    family: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+    feature_version: int | None = None
+    autoscale_version: str = ""
+    torch_version: str = ""
+    workload: dict[str, Any] = field(default_factory=dict)
+    scorecard: dict[str, Any] = field(default_factory=dict)
+    weights_sha256: str | None = None
+    format: int = MANIFEST_FORMAT
+
+    def describe(self) -> str:
+        what = f"{self.kind} policy ({self.family})"
+        wl = self.workload
+        if wl:
+            what += (" trained on " if self.kind == "neural" else " searched on ") + "/".join(
+                str(wl[k]) for k in ("model", "scenario") if k in wl
+            )
+        return what
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------- kinds
+def register_policy_kind(kind: str, loader: Callable[..., LossScaler]) -> None:
+    """Let ``get_scaler`` load policies whose manifest says ``kind: KIND``.
+
+    ``loader(path, manifest, device, overrides)`` returns the scaler.
+    """
+    if not kind or not isinstance(kind, str):
+        raise ConfigError(f"a policy kind must be a non-empty string, got {kind!r}")
+    _KINDS[kind] = loader
+
+
+def policy_kinds() -> tuple[str, ...]:
+    """The kinds of policy this autoscale can load."""
+    return tuple(sorted(_KINDS))
+
+
+# ---------------------------------------------------------------------- the manifest
+def read_manifest(path: str | os.PathLike) -> PolicyManifest:
+    """Read and validate ``path/policy.yaml``.
+
+    Raises:
+        PolicyError: missing, unreadable or malformed manifest, an unknown kind, or a newer format.
+    """
+    folder = Path(path)
+    file = folder / MANIFEST
+    if not file.is_file():
+        raise PolicyError(
+            f"no {MANIFEST} in '{folder}'; export a policy there with 'autoscale export'"
+        )
+    try:
+        data = yaml.safe_load(file.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise PolicyError(
+            f"cannot read '{file}': {str(exc).splitlines()[0]}; re-export the policy"
+        ) from exc
+    if not isinstance(data, dict):
+        raise PolicyError(f"'{file}' is not a mapping; re-export the policy")
+    known = set(PolicyManifest.__dataclass_fields__)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PolicyError(
+            f"'{file}' has unknown keys {unknown}; it was written by a newer autoscale, upgrade it"
+        )
+    for key in ("name", "kind", "family"):
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise PolicyError(f"'{file}' lacks '{key}'; re-export the policy")
+    if data["kind"] not in _KINDS:
+        raise PolicyError(
+            f"'{file}' has kind '{data['kind']}', which this autoscale cannot load "
+            f"(known: {', '.join(policy_kinds())}); upgrade autoscale or install the package that adds it"
+        )
+    fmt = data.get("format", MANIFEST_FORMAT)
+    if isinstance(fmt, bool) or not isinstance(fmt, int):
+        raise PolicyError(f"'{file}': format must be an integer, got {fmt!r}; re-export the policy")
+    if fmt > MANIFEST_FORMAT:
+        raise PolicyError(
+            f"'{file}' uses manifest format {fmt}, this autoscale reads up to {MANIFEST_FORMAT}; upgrade autoscale"
+        )
+    for key in ("parameters", "workload", "scorecard"):
+        if data.get(key) is None:
+            data[key] = {}
+        if not isinstance(data[key], dict):
+            raise PolicyError(f"'{file}': '{key}' must be a mapping; re-export the policy")
+    return PolicyManifest(**data)
+
+
+def write_manifest(path: str | os.PathLike, manifest: PolicyManifest) -> Path:
+    """Write ``path/policy.yaml`` atomically (a reader never sees half a file)."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(_plain(manifest.to_dict()), sort_keys=False)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".policy.", suffix=".yaml")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the policy from other users
+    os.replace(tmp, folder / MANIFEST)
+    return folder / MANIFEST
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _plain(obj: Any) -> Any:
+    """Turn numpy scalars and tuples into YAML-safe primitives."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, str):
+        return str(obj)  # str subclasses such as torch's TorchVersion
+    if hasattr(obj, "item") and callable(obj.item):
+        return obj.item()
+    return obj
+
+
+# ---------------------------------------------------------------------- names and places
+def check_policy_name(name: str) -> str:
+    """``name`` if it can name a policy: letters, digits, ``-_.``, not hidden, not a rule's name
+    (``get_scaler`` finds rules first, so such a policy could never be loaded).
+
+    Raises:
+        ConfigError: naming the value and the rule it breaks.
+    """
+    from autoscale.scalers.registry import rule_class
+
+    if (
+        not isinstance(name, str)
+        or not name
+        or not all(c.isalnum() or c in "-_." for c in name)
+        or name.startswith(".")
+    ):
+        raise ConfigError(
+            f"policy name '{name}' must use letters, digits, '-', '_' or '.' only (not starting with '.')"
+        )
+    if rule_class(name) is not None:
+        raise ConfigError(f"policy name '{name}' is a built-in rule's name; choose another")
+    return name
+
+
+def policy_dirs() -> list[Path]:
+    """The folders searched for exported policies, in order: ``$AUTOSCALE_POLICY_PATH``,
+    ``./policies``, the policies shipped with autoscale."""
+    from autoscale.resources import shipped_dir
+
+    dirs = [Path(p) for p in os.environ.get(POLICY_PATH_ENV, "").split(os.pathsep) if p]
+    dirs.append(Path.cwd() / "policies")
+    shipped = shipped_dir("policies")
+    if shipped is not None:
+        dirs.append(shipped)
+    seen: list[Path] = []
+    for d in dirs:
+        if d.resolve() not in [s.resolve() for s in seen]:
+            seen.append(d)
+    return seen
+
+
+def default_policy_dir() -> Path:
+    """Where exports go: the first entry of ``$AUTOSCALE_POLICY_PATH``, else ``./policies``."""
+    env = [p for p in os.environ.get(POLICY_PATH_ENV, "").split(os.pathsep) if p]
+    return Path(env[0]) if env else Path.cwd() / "policies"
+
+
+def find_policy(name: str) -> Path | None:
+    """The folder of the exported policy ``name``, or None. A path to a policy folder also works."""
+    direct = Path(name)
+    if (direct / MANIFEST).is_file():
+        return direct
+    if os.sep in name or "/" in name:
+        return None
+    for d in policy_dirs():
+        if (d / name / MANIFEST).is_file():
+            return d / name
+    return None
+
+
+def policy_names() -> list[str]:
+    """Names of every policy found in :func:`policy_dirs` (the first of a name wins)."""
+    names: list[str] = []
+    for d in policy_dirs():
+        if d.is_dir():
+            names.extend(
+                p.name
+                for p in sorted(d.iterdir())
+                if (p / MANIFEST).is_file() and p.name not in names
+            )
+    return names
+
+
+def policy_infos() -> list[ScalerInfo]:
+    """``autoscale list`` lines of every policy found; a corrupt one is marked UNUSABLE."""
+    from autoscale.scalers.registry import ScalerInfo
+
+    infos = []
+    for name in policy_names():
+        path = find_policy(name)
+        try:
+            m = read_manifest(path)
+            infos.append(ScalerInfo(name, "policy", m.describe(), dict(m.parameters), str(path)))
+        except PolicyError as exc:
+            infos.append(ScalerInfo(name, "policy", f"UNUSABLE: {exc}", {}, str(path)))
+    return infos
+
+
+def load_policy(path: str | os.PathLike, device: str | None = None, **overrides: Any) -> LossScaler:
+    """The exported policy in folder ``path`` as a scaler (``overrides`` on top of its parameters).
+
+    Raises:
+        PolicyError: a corrupt or incompatible policy.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    return _KINDS[manifest.kind](path, manifest, device, overrides)
+
+
+# ---------------------------------------------------------------------- publishing
+def existing_policy_error(dest: Path, *, other: bool = False) -> ConfigError:
+    """The one message for an export that would replace a policy without ``--force``."""
+    what = "already exists and holds another policy" if other else "already exists"
+    return ConfigError(f"policy folder '{dest}' {what}; choose another name or pass --force")
+
+
+@contextlib.contextmanager
+def staged_policy(
+    name: str, out_dir: str | os.PathLike | None = None, *, force: bool = False
+) -> Iterator[Path]:
+    """Stage a policy folder and publish it as ``out_dir/NAME`` when the block succeeds.
+
+    Yields an empty private folder beside the destination; write the policy's files there. On a
+    clean exit it is given the usual file modes and moved into place in one rename (an existing
+    folder is replaced only with ``force``, through a backup renamed away first); on an exception
+    or an interrupt it is removed and nothing is published.
+
+    Raises:
+        ConfigError: a bad name, or an existing policy without ``force`` (checked before the block
+            runs and again when publishing).
+    """
+    check_policy_name(name)
+    root = Path(out_dir) if out_dir else default_policy_dir()
+    dest = root / name
+    if dest.exists() and not force:
+        raise existing_policy_error(dest)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
+    try:
+        yield tmp
+        _publish(tmp, dest, force)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, dest: Path, force: bool) -> None:
+    # mkdtemp/mkstemp make private (0700/0600) entries: give the policy the usual umask modes
+    umask = _umask()
+    os.chmod(tmp, 0o777 & ~umask)
+    for f in tmp.iterdir():
+        os.chmod(f, 0o666 & ~umask)
+    if dest.exists():
+        if not force:
+            raise existing_policy_error(dest)
+        backup = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.old."))
+        os.replace(dest, backup / dest.name)
+        os.replace(tmp, dest)
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)

@@ -1,0 +1,88 @@
+"""The package's shape: imports point one way, nobody imports another module's private names, and
+the wheel's package list covers every subpackage."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "autoscale"
+
+# Lower layers never import higher ones (DESIGN.md 2). errors/resources sit under everything;
+# integrations plug the run-time scalers into frameworks and stand beside training.
+LAYERS = {
+    "errors": 0,
+    "resources": 0,
+    "scalers": 1,
+    "integrations": 2,
+    "training": 2,
+    "envs": 3,
+    "agents": 4,
+    "search": 5,
+    "commands": 6,
+    "cli": 6,
+    "__init__": 1,
+    "__main__": 6,
+}
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        out.append((".".join(rel.parts), path))
+    return out
+
+
+def _imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """(module, imported names, line) of every autoscale import, lazy ones in functions too."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("autoscale"):
+            found.append((node.module, [a.name for a in node.names], node.lineno))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("autoscale"):
+                    found.append((alias.name, [], node.lineno))
+    return found
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    key = parts[1] if len(parts) > 1 else "__init__"
+    return LAYERS[key]
+
+
+def test_every_top_level_module_has_a_layer():
+    for module, _ in _modules():
+        parts = module.split(".")
+        assert (parts[1] if len(parts) > 1 else "__init__") in LAYERS, module
+
+
+@pytest.mark.parametrize(("module", "path"), _modules(), ids=[m for m, _ in _modules()])
+def test_imports_point_one_way_and_respect_privacy(module, path):
+    mine = _layer(module)
+    for target, names, line in _imports(path):
+        if target == "autoscale":
+            continue  # the package root (version, IMPORT_TIME) is read by all
+        assert _layer(target) <= mine, (
+            f"{module}:{line} imports {target}, a higher layer: move the shared piece down"
+        )
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        assert not private, (
+            f"{module}:{line} imports private {private} from {target}: give it a public name"
+        )
+
+
+def test_the_wheel_lists_every_subpackage():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = {p for p in config["packages"] if not p.startswith("autoscale._shipped")}
+    actual = {".".join(p.parent.relative_to(ROOT).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert listed == actual
+    shipped = config["package-dir"]
+    assert shipped == {"autoscale._shipped.envs": "envs", "autoscale._shipped.policies": "policies"}
