@@ -12,11 +12,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from autoscale.envs.base import ScaleEnvBase
-from autoscale.envs.spec import EnvSpec, InstanceSpec, load_env_spec
+from autoscale.envs.spec import EnvSpec, InstanceSpec
+from autoscale.envs.suite import SuiteSpec, load_spec
 from autoscale.scalers.base import LossScaler
 from autoscale.scalers.registry import get_scaler
 
-__all__ = ["drive_episode", "evaluate_scalers", "expand_seeds", "make_env", "scaler_for"]
+__all__ = [
+    "drive_episode",
+    "evaluate_scalers",
+    "expand_seeds",
+    "instance_names",
+    "make_env",
+    "scaler_for",
+]
 
 SEED_STRIDE = 1000
 
@@ -38,8 +46,23 @@ def expand_seeds(spec: EnvSpec, seeds: int, which: str = "test") -> EnvSpec:
     return dataclasses.replace(spec, instances={**spec.instances, which: tuple(extra)})
 
 
-def make_env(spec: EnvSpec, instances: str = "test", trace: Any = None) -> ScaleEnvBase:
-    """A real-step env, or a replay env over ``trace`` (a path or Trace)."""
+def make_env(spec: Any, instances: str = "test", trace: Any = None) -> Any:
+    """A real-step env, or a replay env over ``trace`` (a path or Trace). A suite of several
+    members gets a :class:`~autoscale.envs.suite_env.SuiteEnv` (``trace``: member -> Trace, or
+    the folder ``autoscale record`` wrote)."""
+    from autoscale.envs.suite import SuiteSpec
+
+    if isinstance(spec, SuiteSpec):
+        if not spec.is_single:
+            from autoscale.envs.suite_env import SuiteEnv
+            from autoscale.envs.traces import load_suite_traces
+
+            if trace is not None and not isinstance(trace, dict):
+                trace = load_suite_traces(spec, trace)
+            return SuiteEnv(spec, instances, traces=trace)
+        spec = spec.members[0]
+        if isinstance(trace, dict):
+            trace = trace[spec.name]
     if trace is None:
         from autoscale.envs.loss_scale_env import LossScaleEnv
 
@@ -49,8 +72,20 @@ def make_env(spec: EnvSpec, instances: str = "test", trace: Any = None) -> Scale
     return ReplayEnv(spec, trace, instances=instances)
 
 
-def scaler_for(name: str, spec: EnvSpec, **overrides: Any) -> LossScaler:
-    """The scaler ``name`` with the episode's initial scale and bounds."""
+def instance_names(env: Any) -> list[str]:
+    """The names ``env.reset(options={"instance": ...})`` takes, in order."""
+    names = getattr(env, "instance_names", None)
+    return list(names) if names is not None else [i.name for i in env.instances]
+
+
+def _expand(spec: Any, seeds: int, which: str) -> Any:
+    if isinstance(spec, SuiteSpec):
+        return spec.replace_members(lambda m: expand_seeds(m, seeds, which))
+    return expand_seeds(spec, seeds, which)
+
+
+def scaler_for(name: str, spec: Any, **overrides: Any) -> LossScaler:
+    """The scaler ``name`` with the episode's initial scale and bounds (an env or suite spec)."""
     ep = spec.episode
     kw = {
         "init_scale": ep.init_scale,
@@ -61,13 +96,20 @@ def scaler_for(name: str, spec: EnvSpec, **overrides: Any) -> LossScaler:
     return get_scaler(name, device="cpu", **kw)
 
 
-def drive_episode(env: ScaleEnvBase, scaler: LossScaler, instance: str):
+def drive_episode(env: ScaleEnvBase, scaler: LossScaler, instance: str, offset: int | None = None):
     """Run one episode of ``instance`` with ``scaler`` choosing every scale.
+
+    Args:
+        offset: Replay: start this many steps into the instance's trace (a later point of the
+            same run).
 
     Returns:
         (scorecard, step records) of the episode.
     """
-    _, info = env.reset(options={"instance": instance})
+    options: dict[str, Any] = {"instance": instance}
+    if offset is not None:
+        options["offset"] = offset
+    _, info = env.reset(options=options)
     controller = scaler.controller
     scale = controller.start(info["scale"], env.features.state_dict())
     while True:
@@ -101,8 +143,9 @@ def evaluate_scalers(
     Returns:
         name -> list of Scorecards (one per instance, in the set's order).
     """
-    spec = expand_seeds(load_env_spec(spec), seeds, instances)
+    spec = _expand(load_spec(spec), seeds, instances)
     env = make_env(spec, instances, trace)
+    names = instance_names(env)
     factories = (
         scalers
         if isinstance(scalers, dict)
@@ -114,13 +157,13 @@ def evaluate_scalers(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(factories) * len(env.instances), desc="evaluating", unit="episode")
+        bar = tqdm(total=len(factories) * len(names), desc="evaluating", unit="episode")
     out: dict[str, list] = {}
     records: dict[str, list] = {}
     for name, factory in factories.items():
         out[name], records[name] = [], []
-        for inst in env.instances:
-            card, recs = drive_episode(env, factory(), inst.name)
+        for inst in names:
+            card, recs = drive_episode(env, factory(), inst)
             out[name].append(card)
             records[name].append(recs)
             if bar is not None:

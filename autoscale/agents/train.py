@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoscale.envs.spec import EnvSpec, load_env_spec
+from autoscale.envs.spec import EnvSpec
+from autoscale.envs.suite import SuiteSpec, load_spec
 from autoscale.errors import ConfigError, unknown_name
 
 __all__ = ["ALGOS", "AgentResult", "train_agent", "default_hyperparams"]
@@ -101,7 +102,7 @@ def _deadline_callback(deadline: float | None):
 
 
 def train_agent(
-    spec: str | EnvSpec,
+    spec: str | EnvSpec | SuiteSpec,
     algo: str = "ppo",
     timesteps: int = 10_000,
     *,
@@ -119,10 +120,12 @@ def train_agent(
     """Train an SB3 agent; evaluate it on the test instances during training; export the best.
 
     Args:
-        spec: Env spec (path, name or EnvSpec).
+        spec: Env spec or suite spec (path, name or object). On a suite, episodes are drawn over
+            every member that is not left out.
         algo: ``ppo``, ``a2c``, ``dqn`` or ``sac``.
         timesteps: Environment steps to train for.
-        replay: A trace (path or Trace) to train and evaluate on replay instead of real steps.
+        replay: Train and evaluate on replay instead of real steps: a trace (path or Trace) for
+            an env spec; for a suite, member -> Trace or the folder ``autoscale record`` wrote.
         seed: Seed of the agent and the environment.
         hyperparams: Overrides of :func:`default_hyperparams`.
         eval_freq: Evaluate on the test instances every this many steps (default: 10 per run).
@@ -141,7 +144,14 @@ def train_agent(
     algo = algo.lower()
     if algo not in ALGOS:
         raise unknown_name("algorithm", algo, ALGOS, "autoscale train-agent --help")
-    spec = load_env_spec(spec)
+    spec = load_spec(spec)
+    if isinstance(spec, SuiteSpec) and spec.is_single:
+        spec = spec.members[0]
+        replay = replay[spec.name] if isinstance(replay, dict) else replay
+    if isinstance(spec, SuiteSpec) and replay is not None and not isinstance(replay, dict):
+        from autoscale.envs.traces import load_suite_traces
+
+        replay = load_suite_traces(spec, replay)
     mode = spec.episode.action.mode
     if mode not in ALGOS[algo]:
         raise ConfigError(
@@ -168,11 +178,13 @@ def train_agent(
                 "--tensorboard needs the 'tensorboard' package: pip install tensorboard"
             ) from exc
 
+    from autoscale.agents.evaluate import instance_names
+
     train_env = Monitor(make_env(spec, "train", replay))
-    if replay is not None:
-        train_env.unwrapped.random_offset = True
+    if replay is not None:  # episodes start anywhere in longer traces: the whole life of a run
+        _set_random_offset(train_env.unwrapped)
     eval_env = Monitor(make_env(spec, "test", replay))
-    n_eval = len(spec.instances["test"])
+    n_eval = len(instance_names(eval_env.unwrapped))
     params = {**default_hyperparams(algo, spec.episode.steps), **(hyperparams or {})}
     model = _sb3_class(algo)(
         "MlpPolicy", train_env, seed=seed, verbose=0, tensorboard_log=tensorboard, **params
@@ -215,18 +227,27 @@ def train_agent(
     return result
 
 
+def _set_random_offset(env: Any) -> None:
+    for member in getattr(env, "envs", {}).values() or [env]:
+        member.random_offset = True
+
+
 def export_agent(
-    model: Any, spec: EnvSpec, name: str, *, export_dir=None, force=False, replay=None
+    model: Any, spec: EnvSpec | SuiteSpec, name: str, *, export_dir=None, force=False, replay=None
 ) -> Path:
     """Export ``model`` and record its test-set scorecard (mean over instances) in the manifest."""
     from autoscale.agents.export import export_neural
 
     ep = spec.episode
-    workload = {
-        **spec.workload.to_dict(),
-        "env": spec.name,
-        "trained_on": "replay" if replay is not None else "real steps",
-    }
+    if isinstance(spec, SuiteSpec):
+        workload = {
+            "suite": spec.name,
+            "members": [m.name for m in spec.members],
+            "left_out": [m.name for m in spec.left_out],
+        }
+    else:
+        workload = {**spec.workload.to_dict(), "env": spec.name}
+    workload["trained_on"] = "replay" if replay is not None else "real steps"
     path = export_neural(
         model,
         name,

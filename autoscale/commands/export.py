@@ -36,13 +36,14 @@ worker), else the best on the train replay.
     def run(self, args: argparse.Namespace) -> int:
         import optuna
 
+        from autoscale.envs.suite_env import suite_instances
         from autoscale.search.export import (
             best_trial,
             card_summary,
             check_export_target,
             export_trial,
             policy_label,
-            study_spec,
+            study_suites,
         )
         from autoscale.search.storage import (
             artifact_store,
@@ -51,45 +52,38 @@ worker), else the best on the train replay.
             mask_url,
             open_storage,
         )
-        from autoscale.search.validate import validated_trials
+        from autoscale.search.validate import by_member, real_cards, validated_trials
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         storage = open_storage(args.storage, must_exist=True)
         study = load_study(args.study, storage, args.storage)
-        spec = study_spec(study)
+        suite, validation, _ = study_suites(study)
         check_export_target(
             args.name, args.policy_dir, study.study_name, args.force, own_study_ok=False
         )
         if args.trial == "best":
-            trial, cards, how = best_trial(study, spec)
+            trial, cards, how = best_trial(study, validation)
         else:
             trial = _trial(study, args.trial)
-            cards = validated_trials(study, spec).get(trial.number)
-            how = (
-                "validated on real steps"
-                if cards
-                else "not validated on real steps; scored on the test replay"
-            )
-        steps = spec.episode.steps
-        if cards is not None:
-            summary = card_summary(
-                cards, spec.reward, f"real steps: {len(cards)} test episodes of {steps} steps"
-            )
-        else:
-            replay = trial.user_attrs.get("test_replay", {})
-            from autoscale.training.scorecard import Scorecard
-
-            test = [Scorecard.from_dict(c) for c in replay.get("scorecards", {}).values()]
-            summary = (
-                card_summary(test, spec.reward, "replay of the recorded real test steps")
-                if test
-                else {}
-            )
+            cards = validated_trials(study, validation).get(trial.number)
+            how = "validated on real steps" if cards else "not validated on real steps"
+        names = suite_instances(validation, "test")
+        torch_cards = real_cards(study.user_attrs, "rule:torch", names)
+        summary: dict = {}
+        if cards is not None and len(torch_cards) == len(names):
+            where = f"real steps: {len(names)} test episodes of {validation.episode.steps} steps"
+            summary = card_summary(cards, by_member(torch_cards, names), suite.reward, where)
+        elif trial.user_attrs.get("test_replay"):
+            summary = {
+                "objective": trial.user_attrs["test_replay"]["objective"],
+                "members": trial.user_attrs["test_replay"]["members"],
+                "evaluated_on": "replay of the recorded real test steps",
+            }
         path = export_trial(
             study,
             trial,
             args.name,
-            spec=spec,
+            suite=suite,
             store=artifact_store(artifacts_dir(args.storage, args.artifacts)),
             out_dir=args.policy_dir,
             force=args.force,

@@ -54,9 +54,10 @@ class ReplayEnv(ScaleEnvBase):
 
     ## Starting State
     An instance drawn from the set, at its start point as the real env has it (the scale and
-    features its warm-up reached, stored in the trace); with ``random_offset`` the episode starts at
-    a random multiple of the episode length inside the trace, features and scale carried on through
-    the recorded steps before it.
+    features its warm-up reached, stored in the trace). A trace longer than an episode holds later
+    points of the same run: ``options={"offset": k}`` starts the episode ``k`` steps into it, and
+    with ``random_offset`` episodes start at a random step of it; features and scale are carried
+    on through the recorded steps before the start, as the run had them there.
 
     ## Episode End
     ``truncated`` after ``episode.steps`` steps; never terminated (a trace has no divergence).
@@ -108,17 +109,30 @@ class ReplayEnv(ScaleEnvBase):
             self._tables[inst.name] = (t, table, cols)
         self._cur: tuple[InstanceTrace, list[list[float]], dict[str, list]] | None = None
         self._offset = 0
+        self._requested_offset: int | None = None
         self.records: list[tuple] = []
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """As :meth:`ScaleEnvBase.reset`; ``options={"offset": k}`` starts ``k`` steps into the
+        instance's trace (``info["offset"]`` says where the episode started)."""
+        offset = (options or {}).get("offset")
+        self._requested_offset = None if offset is None else int(offset)
+        obs, info = super().reset(seed=seed, options=options)
+        return obs, {**info, "offset": self._offset}
 
     def _start(self, instance: InstanceSpec) -> tuple[float, dict[str, Any]]:
         self._cur = self._tables[instance.name]
         t, _, cols = self._cur
-        n_windows = t.steps // self.episode_steps
-        self._offset = (
-            int(self.np_random.integers(n_windows)) * self.episode_steps
-            if self.random_offset
-            else 0
-        )
+        last = t.steps - self.episode_steps  # the latest start that fits a whole episode
+        if self._requested_offset is not None:
+            if not 0 <= self._requested_offset <= last:
+                raise ConfigError(
+                    f"offset {self._requested_offset} is outside instance '{instance.name}''s "
+                    f"trace: an episode of {self.episode_steps} steps starts at 0..{last}"
+                )
+            self._offset = self._requested_offset
+        else:
+            self._offset = int(self.np_random.integers(last + 1)) if self.random_offset else 0
         # the instance's start point, as the real env has it after its warm-up
         self.features.load_state_dict(t.start_features)
         scale = t.start_scale

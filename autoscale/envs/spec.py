@@ -52,19 +52,38 @@ class RewardWeights:
                 )
 
 
+DEFAULT_HORIZON = 2048
+
+
 @dataclass(frozen=True)
 class EpisodeSpec:
-    """One episode: ``steps`` real training steps, the action mapping and the scale bounds."""
+    """One episode: ``steps`` training steps, the action mapping and the scale bounds.
+
+    ``horizon`` is the longest episode a search replays from recorded traces (a policy is used
+    for whole runs, so it is judged on long ones); ``steps`` is the length of real-step episodes
+    (validation, agents trained on real steps), which cost a real training step each.
+    """
 
     steps: int = 32
     action: ActionMap = field(default_factory=ActionMap)
     init_scale: float = 2.0**16
     min_scale: float = 2.0**-24
     max_scale: float = 2.0**48
+    horizon: int | None = None  # default: max(2048, steps)
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps <= 0:
             raise ConfigError(f"episode steps must be a positive integer, got {self.steps!r}")
+        if self.horizon is None:
+            object.__setattr__(self, "horizon", max(DEFAULT_HORIZON, self.steps))
+        if (
+            isinstance(self.horizon, bool)
+            or not isinstance(self.horizon, int)
+            or self.horizon < self.steps
+        ):
+            raise ConfigError(
+                f"episode horizon must be an integer >= steps ({self.steps}), got {self.horizon!r}"
+            )
         for name in ("init_scale", "min_scale", "max_scale"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -105,7 +124,7 @@ class EnvSpec:
     episode: EpisodeSpec = field(default_factory=EpisodeSpec)
     instances: dict[str, tuple[InstanceSpec, ...]] = field(default_factory=dict)
     reward: RewardWeights = field(default_factory=RewardWeights)
-    source: str | None = None
+    source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for set_name in ("train", "test"):
@@ -155,6 +174,7 @@ class EnvSpec:
                 "init_scale": self.episode.init_scale,
                 "min_scale": self.episode.min_scale,
                 "max_scale": self.episode.max_scale,
+                "horizon": self.episode.horizon,
             },
             "instances": {k: [asdict(i) for i in v] for k, v in self.instances.items()},
             "reward": asdict(self.reward),
@@ -177,7 +197,9 @@ class EnvSpec:
         workload = WorkloadSpec.from_dict(wl)
         ep = dict(data.get("episode") or {})
         check_keys(
-            f"{where}: episode", ep, ["steps", "action", "init_scale", "min_scale", "max_scale"]
+            f"{where}: episode",
+            ep,
+            ["steps", "action", "init_scale", "min_scale", "max_scale", "horizon"],
         )
         action = ep.pop("action", None) or {}
         if isinstance(action, str):
@@ -217,7 +239,7 @@ class EnvSpec:
 
 
 def _num(key: str, value: Any) -> Any:
-    if key == "steps":
+    if key in ("steps", "horizon"):
         return value
     if isinstance(value, str):  # allow "2**16" / "2^16" as well as plain numbers
         m = re.fullmatch(r"\s*2\s*(?:\*\*|\^)\s*(-?\d+)\s*", value)

@@ -21,7 +21,17 @@ import numpy as np
 
 from autoscale.errors import ConfigError, unknown_name
 
-__all__ = ["TRACE_VERSION", "InstanceTrace", "Trace", "record_trace", "RECORD_RULE"]
+__all__ = [
+    "TRACE_VERSION",
+    "InstanceTrace",
+    "Trace",
+    "instance_trace",
+    "record_trace",
+    "record_suite",
+    "load_suite_traces",
+    "member_file",
+    "RECORD_RULE",
+]
 
 TRACE_VERSION = 2  # 2: instances carry their start scale and features
 RECORD_RULE = {"name": "amax-history", "margin": 2.0}
@@ -141,6 +151,55 @@ class Trace:
         )
 
 
+def instance_trace(
+    name: str,
+    seed: int,
+    start: int,
+    records: list,
+    *,
+    eval_loss: float,
+    start_scale: float,
+    start_features: dict[str, Any] | None,
+) -> InstanceTrace:
+    """The trace of recorded steps (:class:`~autoscale.training.StepRecord` of a run with
+    ``record=True``), whatever scaler drove them.
+
+    A step that overflowed only says its threshold lies below the scale it used: it is stored as
+    that scale minus one bit.
+    """
+    from autoscale.training import HIST_EDGES
+
+    cols: dict[str, list] = {k: [] for k in _ARRAYS}
+    empty = np.zeros(len(HIST_EDGES) - 1)
+    for rec in records:
+        thr = rec.overflow_threshold_log2
+        if thr is None or not math.isfinite(thr):
+            thr = math.log2(rec.scale) - 1.0
+        cols["threshold"].append(thr)
+        cols["nonfinite"].append(bool(rec.loss_nonfinite))
+        cols["loss"].append(rec.loss)
+        cols["amax"].append(rec.grad_amax if not rec.found_inf else math.nan)
+        cols["rms"].append(rec.grad_rms if not rec.found_inf else math.nan)
+        cols["scale"].append(rec.scale)
+        hist = rec.grad_log2_hist
+        cols["hist"].append(empty if hist is None else np.asarray(hist))
+    return InstanceTrace(
+        name,
+        seed,
+        start,
+        start_scale=start_scale,
+        start_features=start_features,
+        threshold=np.asarray(cols["threshold"], dtype=np.float64),
+        nonfinite=np.asarray(cols["nonfinite"], dtype=bool),
+        loss=np.asarray(cols["loss"], dtype=np.float64),
+        amax=np.asarray(cols["amax"], dtype=np.float64),
+        rms=np.asarray(cols["rms"], dtype=np.float64),
+        scale=np.asarray(cols["scale"], dtype=np.float64),
+        hist=np.asarray(cols["hist"], dtype=np.float32),
+        eval_loss=eval_loss,
+    )
+
+
 def record_trace(
     spec,
     steps: int,
@@ -186,38 +245,22 @@ def record_trace(
             min_scale=ep.min_scale,
             max_scale=ep.max_scale,
         )
-        cols: dict[str, list] = {k: [] for k in _ARRAYS}
+        records = []
         for _ in range(steps):
             run.scaler.set_scale(scale)
             rec = run.step()
-            thr = rec.overflow_threshold_log2
-            if thr is None or not math.isfinite(thr):
-                thr = math.log2(rec.scale) - 1.0
-            cols["threshold"].append(thr)
-            cols["nonfinite"].append(bool(rec.loss_nonfinite))
-            cols["loss"].append(rec.loss)
-            cols["amax"].append(rec.grad_amax if not rec.found_inf else math.nan)
-            cols["rms"].append(rec.grad_rms if not rec.found_inf else math.nan)
-            cols["scale"].append(rec.scale)
-            hist = rec.grad_log2_hist
-            cols["hist"].append(np.zeros(len(HIST_EDGES) - 1) if hist is None else np.asarray(hist))
+            records.append(rec)
             scale = rule.controller.step(rec.stats)
             if bar is not None:
                 bar.update(1)
-        traced[inst.name] = InstanceTrace(
+        traced[inst.name] = instance_trace(
             inst.name,
             inst.seed,
             inst.start,
+            records,
+            eval_loss=float(run.eval_loss()),
             start_scale=start_scale,
             start_features=start_features,
-            threshold=np.asarray(cols["threshold"], dtype=np.float64),
-            nonfinite=np.asarray(cols["nonfinite"], dtype=bool),
-            loss=np.asarray(cols["loss"], dtype=np.float64),
-            amax=np.asarray(cols["amax"], dtype=np.float64),
-            rms=np.asarray(cols["rms"], dtype=np.float64),
-            scale=np.asarray(cols["scale"], dtype=np.float64),
-            hist=np.asarray(cols["hist"], dtype=np.float32),
-            eval_loss=float(run.eval_loss()),
         )
     if bar is not None:
         bar.close()
@@ -227,3 +270,53 @@ def record_trace(
     if out is not None:
         trace.save(out)
     return trace
+
+
+def member_file(member: str) -> str:
+    """The file name of a suite member's trace in a suite's trace folder."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.-]+", "__", member) + ".npz"
+
+
+def record_suite(
+    suite, steps: int, out: str | os.PathLike | None = None, progress: bool = False
+) -> dict[str, Trace]:
+    """:func:`record_trace` of every member of a suite (left-out ones too); with ``out``, one file
+    per member in that folder (:func:`member_file`)."""
+    from autoscale.envs.suite import as_suite
+
+    suite = as_suite(suite)
+    out_dir = Path(out) if out is not None else None
+    traces = {}
+    for member in suite.members + suite.left_out:
+        path = out_dir / member_file(member.name) if out_dir is not None else None
+        traces[member.name] = record_trace(member, steps, path, progress=progress)
+    return traces
+
+
+def load_suite_traces(suite, folder: str | os.PathLike) -> dict[str, Trace]:
+    """The traces :func:`record_suite` wrote for ``suite``'s members (those present).
+
+    Raises:
+        ConfigError: the folder is missing, or holds no trace of a searched member.
+    """
+    from autoscale.envs.suite import as_suite
+
+    suite = as_suite(suite)
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(
+            f"no trace folder '{folder}'; record one with: autoscale record --env SUITE --steps N --out {folder}"
+        )
+    out = {}
+    for member in suite.members + suite.left_out:
+        path = folder / member_file(member.name)
+        if path.is_file():
+            out[member.name] = Trace.load(path)
+        elif member in suite.members:
+            raise ConfigError(
+                f"trace folder '{folder}' has no trace of member '{member.name}' ({path.name}); "
+                "record the suite again"
+            )
+    return out

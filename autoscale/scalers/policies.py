@@ -94,10 +94,11 @@ class PolicyManifest:
     def describe(self) -> str:
         what = f"{self.kind} policy ({self.family})"
         wl = self.workload
-        if wl:
-            what += (" trained on " if self.kind == "neural" else " searched on ") + "/".join(
-                str(wl[k]) for k in ("model", "scenario") if k in wl
-            )
+        how = " trained on " if self.kind == "neural" else " searched on "
+        if wl.get("suite"):
+            what += f"{how}suite {wl['suite']} ({len(wl.get('members', []))} members)"
+        elif wl:
+            what += how + "/".join(str(wl[k]) for k in ("model", "scenario") if k in wl)
         return what
 
     def to_dict(self) -> dict[str, Any]:

@@ -12,9 +12,16 @@ Example::
 """
 
 from autoscale.search.budget import Budget, Ledger, format_duration, parse_budget
-from autoscale.search.export import best_trial, export_trial
-from autoscale.search.objective import OBJECTIVE_DOC, episode_cost, objective, objective_terms
-from autoscale.search.plan import Plan, Timing, make_plan, measure
+from autoscale.search.export import best_trial, export_rule, export_trial, rank
+from autoscale.search.objective import (
+    OBJECTIVE_DOC,
+    ROBUSTNESS,
+    episode_cost,
+    objective,
+    objective_terms,
+    regrets,
+)
+from autoscale.search.plan import Plan, Timing, Timings, make_plan, measure, measure_all
 from autoscale.search.runner import SearchConfig, SearchResult, SearchRunner
 from autoscale.search.storage import DEFAULT_STORAGE, artifact_store, artifacts_dir, open_storage
 from autoscale.search.workload import base_spec, default_study_name
@@ -33,6 +40,12 @@ __all__ = [
     "artifacts_dir",
     "base_spec",
     "best_trial",
+    "export_rule",
+    "rank",
+    "regrets",
+    "ROBUSTNESS",
+    "Timings",
+    "measure_all",
     "default_study_name",
     "episode_cost",
     "export_trial",

@@ -1,8 +1,13 @@
-"""Export a study's trial as a policy (``policies/NAME/``), and pick a study's best trial.
+"""Export: a study's trial or a built-in rule as a policy (``policies/NAME/``), and the honest pick.
 
-Parametric trials are re-exported from their parameters; RL trials from the policy each one
-stored as an artifact (``policy.zip``) when it completed, so any trial can be exported later,
-from any machine that sees the storage and the artifact store.
+The search ranks its validated candidates *and* every built-in rule on the same real-step test
+episodes (:func:`rank`). When a built-in rule ranks first, the rule is what gets exported (its
+defaults with the episode's scale bounds, as a parametric policy), and the search says so: a
+candidate that a built-in rule beats is never exported.
+
+Parametric trials are re-exported from their parameters; RL trials from the policy each one stored
+as an artifact (``policy.zip``) when it completed, so any trial can be exported later, from any
+machine that sees the storage and the artifact store.
 """
 
 from __future__ import annotations
@@ -13,10 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from autoscale.envs.spec import EnvSpec
+from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import ConfigError
-from autoscale.search.objective import objective
-from autoscale.search.validate import validated_trials
+from autoscale.search.validate import Validated, validated_trials
 from autoscale.training.scorecard import Scorecard, json_safe
 
 __all__ = [
@@ -26,21 +30,29 @@ __all__ = [
     "extract_policy",
     "check_export_target",
     "export_trial",
+    "export_rule",
     "best_trial",
     "card_summary",
     "top_candidates",
-    "study_spec",
+    "study_suites",
+    "rank",
 ]
 
 
-def study_spec(study: Any) -> EnvSpec:
-    """The env spec a study was searched with (stored by ``autoscale search``)."""
-    data = study.user_attrs.get("env_spec")
-    if not data:
+def study_suites(study: Any) -> tuple[SuiteSpec, SuiteSpec, int]:
+    """The ``(searched suite, validation suite, trace steps)`` a study was planned with (stored by
+    ``autoscale search``)."""
+    attrs = study.user_attrs
+    if "suite" not in attrs or "validation" not in attrs:
         raise ConfigError(
-            f"study '{study.study_name}' was not made by autoscale search (it has no env_spec attribute)"
+            f"study '{study.study_name}' was not made by this autoscale's search (it has no suite "
+            "attributes); search it again under a new --study"
         )
-    return EnvSpec.from_dict(data, source=f"study {study.study_name}")
+    return (
+        SuiteSpec.from_dict(attrs["suite"], source=f"study {study.study_name}"),
+        SuiteSpec.from_dict(attrs["validation"], source=f"study {study.study_name}"),
+        int(attrs.get("trace_steps", 0)),
+    )
 
 
 def trial_policy(trial: Any) -> dict[str, Any]:
@@ -82,39 +94,41 @@ def extract_policy(trial: Any, store: Any, dest: Path) -> Path:
     return dest
 
 
-def trial_factory(trial: Any, spec: EnvSpec, store: Any, workdir: Path) -> Callable[[], Any]:
-    """A factory of fresh scalers running the trial's policy with the spec's scale bounds."""
+def trial_factory(trial: Any, suite: SuiteSpec, store: Any, workdir: Path) -> Callable[[], Any]:
+    """A factory of fresh scalers running the trial's policy with the suite's scale bounds."""
     from autoscale.agents.evaluate import scaler_for
 
     policy = trial_policy(trial)
     if policy["kind"] == "parametric":
-        return lambda: scaler_for(policy["rule"], spec, **policy["params"])
+        return lambda: scaler_for(policy["rule"], suite, **policy["params"])
     folder = extract_policy(trial, store, workdir / f"trial-{trial.number}")
-    return lambda: scaler_for(str(folder), spec)
+    return lambda: scaler_for(str(folder), suite)
 
 
 def top_candidates(
     complete: list[Any],
-    spec: EnvSpec,
+    suite: SuiteSpec,
     store: Any,
     workdir: Path,
     k: int,
     warn: Callable[[str], None],
+    skip: set[int] | None = None,
 ) -> list[tuple[Any, Callable[[], Any]]]:
     """The ``k`` best complete trials (by their train objective) with distinct policies, each
-    with a factory of its scaler; a trial whose policy cannot be loaded here is skipped."""
+    with a factory of its scaler; enqueued built-in defaults (validated as rules) and trials in
+    ``skip`` are passed over, and so is a trial whose policy cannot be loaded here."""
     import json
 
     seen, out = set(), []
     for t in sorted(complete, key=lambda t: t.value):
-        if "policy" not in t.user_attrs:
+        if "policy" not in t.user_attrs or t.user_attrs.get("baseline") or t.number in (skip or ()):
             continue
         key = json.dumps(t.user_attrs["policy"], sort_keys=True)
         if key in seen:
             continue
         seen.add(key)
         try:
-            out.append((t, trial_factory(t, spec, store, workdir)))
+            out.append((t, trial_factory(t, suite, store, workdir)))
         except ConfigError as exc:
             warn(str(exc))
         if len(out) == k:
@@ -122,12 +136,34 @@ def top_candidates(
     return out
 
 
-def card_summary(cards: list[Scorecard], weights: Any, where: str) -> dict[str, Any]:
-    """Mean of every scorecard metric over ``cards``, the objective and where it was measured."""
+def rank(validated: dict[str, Validated], reference: Validated, weights: Any) -> list[Validated]:
+    """Every validated candidate and rule, best first, by the objective against ``reference``
+    (``torch``) on the same episodes; real-step validations before replayed ones, and rules before
+    candidates on a tie."""
+    return sorted(
+        validated.values(),
+        key=lambda v: (not v.real, v.objective(reference, weights), not v.key.startswith("rule:")),
+    )
+
+
+def card_summary(
+    cards: dict[str, list[Scorecard]],
+    reference: dict[str, list[Scorecard]],
+    weights: Any,
+    where: str,
+) -> dict[str, Any]:
+    """Mean of every scorecard metric over every episode, the objective and its terms, a row per
+    member, and where it was measured."""
+    from autoscale.search.objective import objective_terms
+    from autoscale.search.trials import member_summary
     from autoscale.training import summarize
 
-    out: dict[str, Any] = {k: v["mean"] for k, v in summarize(cards).items()}
-    out["objective"] = objective(cards, weights)
+    episodes = [c for cs in cards.values() for c in cs]
+    out: dict[str, Any] = {k: v["mean"] for k, v in summarize(episodes).items()}
+    terms = objective_terms(cards, reference, weights)
+    out["objective"] = terms["objective"]
+    out["objective_terms"] = {k: v for k, v in terms.items() if k not in ("objective", "regrets")}
+    out["members"] = member_summary(cards, reference, weights)
     out["evaluated_on"] = where
     return json_safe(out)
 
@@ -162,12 +198,54 @@ def check_export_target(
     return True
 
 
+def _workload(study: Any, suite: SuiteSpec, extra: dict[str, Any]) -> dict[str, Any]:
+    if suite.is_single:
+        base = {**suite.members[0].workload.to_dict(), "env": suite.members[0].name}
+    else:
+        base = {
+            "suite": suite.name,
+            "members": [m.name for m in suite.members],
+            "left_out": [m.name for m in suite.left_out],
+        }
+    return {**base, "horizon": suite.episode.steps, "study": study.study_name, **extra}
+
+
+def export_rule(
+    study: Any,
+    rule: str,
+    name: str,
+    *,
+    suite: SuiteSpec,
+    out_dir: Any = None,
+    force: bool = False,
+    own_study_ok: bool = True,
+    scorecard: dict[str, Any] | None = None,
+    provenance: dict[str, Any] | None = None,
+) -> Path:
+    """Export the built-in ``rule`` with its defaults and the episode's scale bounds (what was
+    validated) as the parametric policy ``NAME``."""
+    from autoscale.agents.export import export_parametric
+
+    replace = check_export_target(name, out_dir, study.study_name, force, own_study_ok=own_study_ok)
+    ep = suite.episode
+    params = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
+    return export_parametric(
+        rule,
+        params,
+        name,
+        workload=_workload(study, suite, {"builtin_rule": rule, **(provenance or {})}),
+        scorecard=scorecard or {},
+        out_dir=out_dir,
+        force=replace,
+    )
+
+
 def export_trial(
     study: Any,
     trial: Any,
     name: str,
     *,
-    spec: EnvSpec,
+    suite: SuiteSpec,
     store: Any,
     out_dir: Any = None,
     force: bool = False,
@@ -177,7 +255,7 @@ def export_trial(
 ) -> Path:
     """Export ``trial``'s policy as ``out_dir/NAME`` (nothing half-written on interrupt).
 
-    The manifest's workload records the spec, the study and the trial; ``scorecard`` is its
+    The manifest's workload records the suite, the study and the trial; ``scorecard`` is its
     summary (validation on real steps where there is one). Replacing an existing folder follows
     :func:`check_export_target`.
     """
@@ -186,15 +264,8 @@ def export_trial(
 
     replace = check_export_target(name, out_dir, study.study_name, force, own_study_ok=own_study_ok)
     policy = trial_policy(trial)
-    ep = spec.episode
-    workload = {
-        **spec.workload.to_dict(),
-        "env": spec.name,
-        "episode_steps": ep.steps,
-        "study": study.study_name,
-        "trial": trial.number,
-        **(provenance or {}),
-    }
+    ep = suite.episode
+    workload = _workload(study, suite, {"trial": trial.number, **(provenance or {})})
     scorecard = scorecard or {}
     if policy["kind"] == "parametric":
         params = {
@@ -227,14 +298,21 @@ def export_trial(
     return tmp.parent / name
 
 
-def best_trial(study: Any, spec: EnvSpec) -> tuple[Any, list[Scorecard] | None, str]:
-    """The study's best trial: the best validated on real test steps (by any worker) if any,
-    else the best on the train replay. Returns ``(trial, real-step cards or None, how)``.
+def best_trial(
+    study: Any, validation: SuiteSpec
+) -> tuple[Any, dict[str, list[Scorecard]] | None, str]:
+    """The study's best trial: the best validated on real test steps (by any worker; objective
+    against ``torch``'s validation) if any, else the best on the train replay. Returns
+    ``(trial, real-step cards by member or None, how)``.
 
     Raises:
         ConfigError: the study has no completed trial.
     """
     import optuna
+
+    from autoscale.envs.suite_env import suite_instances
+    from autoscale.search.objective import objective
+    from autoscale.search.validate import by_member, real_cards
 
     complete = {
         t.number: t
@@ -242,9 +320,12 @@ def best_trial(study: Any, spec: EnvSpec) -> tuple[Any, list[Scorecard] | None, 
     }
     if not complete:
         raise ConfigError(f"study '{study.study_name}' has no completed trial to export")
-    validated = {n: c for n, c in validated_trials(study, spec).items() if n in complete}
-    if validated:
-        n = min(validated, key=lambda k: objective(validated[k], spec.reward))
+    validated = {n: c for n, c in validated_trials(study, validation).items() if n in complete}
+    names = suite_instances(validation, "test")
+    ref = real_cards(study.user_attrs, "rule:torch", names)
+    if validated and len(ref) == len(names):
+        torch_cards = by_member(ref, names)
+        n = min(validated, key=lambda k: objective(validated[k], torch_cards, validation.reward))
         return complete[n], validated[n], "best on real steps of the test instances"
     best = min(complete.values(), key=lambda t: t.value)
     return best, None, "best on the train replay (not validated on real steps)"

@@ -1,30 +1,40 @@
-"""The trial loop: ask, run, tell, until a deadline, a trial count or a bookkeeping cap."""
+"""The trial loop: Optuna's ``study.optimize`` until a deadline or a trial count, safe to Ctrl-C.
+
+Optuna does the asking, telling, failing of trials that raise and the RDB heartbeats (a trial of a
+killed worker is failed by the next one, see :mod:`autoscale.search.storage`); this module adds
+what a budgeted, interruptible search needs on top:
+
+* the deadline and this worker's trial count (``timeout`` and a callback that stops the study);
+* Ctrl-C that leaves no trial RUNNING: the whole ``optimize`` runs under
+  :func:`~autoscale.search.interrupts.deferred_interrupt`, and only the objective itself runs
+  :func:`~autoscale.search.interrupts.interruptible`, so a SIGINT landing in Optuna's ask or tell
+  comes out when the next objective starts (Optuna then fails that trial and re-raises) and one
+  landing in an objective fails that trial at once; on the way out any trial of this worker still
+  running is failed;
+* the error of a failed trial kept as a user attribute, a warning, the outcome counts, a progress
+  bar, and the time outside the objective's own accounting as ``bk:optuna`` in the ledger.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
 
 from autoscale.search.budget import Ledger
+from autoscale.search.interrupts import deferred_interrupt, interruptible
 
 __all__ = ["TrialLoop"]
+
+_OUTCOMES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
 
 
 class TrialLoop:
     """Runs trials of one study for one worker.
 
-    A trial that raises is failed (its error kept as a user attribute) and the loop goes on; a
-    pruned one is told so; an interrupt fails the running trial, so none is left running, and
-    propagates. Time outside the objective's own ledger accounting and the sampler's and pruner's
-    (``alg:``): ask, tell, storing suggestions and reports, goes to the ledger as ``bk:optuna``.
-
     Args:
         counts: ``complete``/``pruned``/``failed`` counters, updated in place.
         n_trials: Stop once this worker has run this many trials in all.
-        bookkeeping_cap_s: Stop once the ledger's bookkeeping passes this many seconds (after
-            ``min_trials``).
     """
 
     def __init__(
@@ -36,75 +46,83 @@ class TrialLoop:
         warn: Callable[[str], None],
         counts: dict[str, int],
         n_trials: int | None = None,
-        bookkeeping_cap_s: float = float("inf"),
-        min_trials: int = 0,
         progress: bool = False,
     ) -> None:
         self.study, self.ledger, self.worker, self.warn = study, ledger, worker, warn
-        self.counts, self.n_trials = counts, n_trials
-        self.cap_s, self.min_trials, self.progress = bookkeeping_cap_s, min_trials, progress
+        self.counts, self.n_trials, self.progress = counts, n_trials, progress
 
     def run(self, objective_fn: Callable[[Any], float], stop_at: float) -> None:
-        """Run trials until ``stop_at`` (``time.monotonic()``), ``n_trials`` or the bookkeeping
-        cap."""
-        ran = 0
+        """Run trials until ``stop_at`` (``time.monotonic()``) or ``n_trials``."""
+        import optuna
+
+        from autoscale.search.study import fail_worker_trials
+
+        if self.n_trials is not None and sum(self.counts.values()) >= self.n_trials:
+            return
+        timeout = stop_at - time.monotonic()
+        if timeout <= 0:
+            return
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(
-                total=round(max(0.0, stop_at - time.monotonic()), 1),
+                total=round(timeout, 1),
                 desc="search",
                 unit="s",
                 bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s {postfix}",
             )
         t_start = time.monotonic()
+        # seconds in objectives (their own ledger accounting), and the sampler's and pruner's
+        # seconds there: what is left of optimize's wall time is Optuna's bookkeeping
+        inside, alg_inside = [0.0], [0.0]
+
+        def objective(trial: Any) -> float:
+            trial.set_user_attr("worker", self.worker)
+            t0, alg0 = time.perf_counter(), self.ledger.total("alg:")
+            try:
+                with interruptible():
+                    return objective_fn(trial)
+            except optuna.TrialPruned:
+                raise
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                self.warn(f"trial {trial.number} failed: {error}")
+                trial.set_user_attr("error", error[:1000])
+                raise
+            finally:
+                inside[0] += time.perf_counter() - t0
+                alg_inside[0] += self.ledger.total("alg:") - alg0
+
+        def after(study: Any, frozen: Any) -> None:
+            outcome = _OUTCOMES.get(frozen.state.name)
+            if outcome:
+                self.counts[outcome] += 1
+            if bar is not None:
+                bar.n = round(min(time.monotonic() - t_start, bar.total), 1)
+                bar.set_postfix_str(f"trials {sum(self.counts.values())}", refresh=False)
+                bar.refresh()
+            done = self.n_trials is not None and sum(self.counts.values()) >= self.n_trials
+            if done or time.monotonic() >= stop_at:
+                study.stop()
+
+        t0, alg0 = time.perf_counter(), self.ledger.total("alg:")
         try:
-            while time.monotonic() < stop_at:
-                if self.n_trials is not None and sum(self.counts.values()) >= self.n_trials:
-                    break
-                if ran >= self.min_trials and self.ledger.total("bk:") > self.cap_s:
-                    break
-                t0 = time.perf_counter()
-                inside = self.ledger.total("")
-                self.counts[self._one(objective_fn)] += 1
-                ran += 1
-                tracked = self.ledger.total("") - inside
-                self.ledger.add("bk:optuna", max(0.0, time.perf_counter() - t0 - tracked))
-                if bar is not None:
-                    bar.n = round(min(time.monotonic() - t_start, bar.total), 1)
-                    bar.set_postfix_str(f"trials {ran}", refresh=False)
-                    bar.refresh()
+            with deferred_interrupt():
+                try:
+                    self.study.optimize(
+                        objective,
+                        timeout=timeout,
+                        catch=(Exception,),
+                        callbacks=[after],
+                        gc_after_trial=False,
+                    )
+                except KeyboardInterrupt:
+                    fail_worker_trials(self.study, self.worker)  # what Optuna could not tell
+                    raise
         finally:
+            alg_outside = self.ledger.total("alg:") - alg0 - alg_inside[0]
+            outside = time.perf_counter() - t0 - inside[0] - alg_outside
+            self.ledger.add("bk:optuna", max(0.0, outside))
             if bar is not None:
                 bar.close()
-
-    def _one(self, objective_fn: Callable[[Any], float]) -> str:
-        import optuna
-        from optuna.trial import TrialState
-
-        trial = self.study.ask()
-        told = False
-        try:
-            trial.set_user_attr("worker", self.worker)
-            try:
-                value = objective_fn(trial)
-            except optuna.TrialPruned:
-                self.study.tell(trial, state=TrialState.PRUNED)
-                told = True
-                return "pruned"
-            except Exception as exc:
-                self.warn(f"trial {trial.number} failed: {type(exc).__name__}: {exc}")
-                with contextlib.suppress(Exception):
-                    trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:1000])
-                self.study.tell(trial, state=TrialState.FAIL)
-                told = True
-                return "failed"
-            self.study.tell(trial, value)
-            told = True
-            return "complete"
-        except KeyboardInterrupt:
-            if not told:
-                with contextlib.suppress(Exception):
-                    self.study.tell(trial, state=TrialState.FAIL)
-            raise

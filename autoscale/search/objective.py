@@ -1,33 +1,62 @@
-"""The search objective: one number per policy and instance set, from the scorecard. Lower is better.
+"""The search objective, defined once: how much worse than the ``torch`` rule a policy is, on the
+members of a suite, with a robustness term. Lower is better; below 0 beats ``torch``.
 
-For each episode (one instance, one scorecard)::
+1. Each episode (one instance of one member, one scorecard) has a **cost**::
 
-    cost = w.skip * skip_rate + w.precision * precision_loss + w.divergence * diverged
+       cost = w.skip * skip_rate + w.precision * precision_loss + w.divergence * diverged
 
-and the objective is the mean cost over the instances. ``w`` are the env spec's reward weights
-(``reward:`` in ``envs/*.yaml``), so the search ranks policies the way the environment rewards
-them: the episode mean of the env's per-step reward, without its progress term (on replay the
-loss is the recorded one whatever the policy does, so that term would only add noise). An episode
-whose every step was skipped has no precision loss (NaN in the scorecard); it is charged 1, the
-worst possible. Trials are tuned on the *train* instances' replay and the winner is chosen on the
-*test* instances' real steps, never on data it was tuned on.
+   with ``w`` the reward weights of the env spec (``reward:`` in ``envs/*.yaml``), so the search
+   ranks policies the way the environment rewards them: the episode mean of the env's per-step
+   reward without its progress term (on replay the loss is the recorded one whatever the policy
+   does, so that term would only add noise). An episode whose every step was skipped has no
+   precision loss (NaN in the scorecard); it is charged 1, the worst possible.
 
-This is the one definition; the search, validation, export and notes all call it.
+2. Each member's **regret** is the policy's mean cost over the member's episodes minus the
+   ``torch`` rule's on the *same* episodes. Relative to ``torch``, because members differ in how
+   hard they are: a preference loss costs more than a clean run whatever the policy does, and an
+   absolute mean would let the hard members drown out the easy ones. As a difference, not a
+   ratio, because ``torch`` costs almost nothing on some members (clean runs), where a ratio
+   would explode.
+
+3. The **objective** is the mean regret plus :data:`ROBUSTNESS` times the worst member's::
+
+       objective = mean_m(regret_m) + ROBUSTNESS * max_m(regret_m)
+
+   The mean rewards being better on average; the worst term makes a policy that is much worse
+   than ``torch`` on any one member lose, however well it does elsewhere (the failure of
+   per-scenario winners: a static scale that wins ``bad-batches`` skips most ``preference``
+   steps). With one member the objective is ``(1 + ROBUSTNESS) * regret``, so a single-spec search
+   ranks policies exactly as their cost minus ``torch``'s does.
+
+Trials are tuned on the *train* instances' replay and the winner is chosen on the *test* instances'
+real steps, never on data it was tuned on. This is the one definition: the search, validation,
+export, notes and experiments all call it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from autoscale.envs.spec import RewardWeights
 from autoscale.training.scorecard import Scorecard
 
-__all__ = ["episode_cost", "objective", "objective_terms", "OBJECTIVE_DOC"]
+__all__ = [
+    "ROBUSTNESS",
+    "episode_cost",
+    "mean_cost",
+    "regrets",
+    "objective",
+    "objective_terms",
+    "OBJECTIVE_DOC",
+]
+
+ROBUSTNESS = 1.0  # weight of the worst member's regret
 
 OBJECTIVE_DOC = (
-    "mean over instances of skip*skip_rate + precision*precision_loss + divergence*diverged "
-    "(reward weights of the env spec; lower is better)"
+    "mean over members of (cost - torch's cost on the same episodes) + worst member's, with "
+    "cost = skip*skip_rate + precision*precision_loss + divergence*diverged (reward weights of "
+    "the env spec); lower is better, below 0 beats torch"
 )
 
 
@@ -44,27 +73,75 @@ def episode_cost(card: Scorecard, weights: RewardWeights) -> float:
     )
 
 
-def objective(cards: Iterable[Scorecard], weights: RewardWeights) -> float:
-    """Mean :func:`episode_cost` over ``cards`` (one per instance)."""
+def mean_cost(cards: Iterable[Scorecard], weights: RewardWeights) -> float:
+    """Mean :func:`episode_cost` over ``cards``."""
     costs = [episode_cost(c, weights) for c in cards]
     if not costs:
-        raise ValueError("the objective needs at least one scorecard")
+        raise ValueError("a cost needs at least one scorecard")
     return math.fsum(costs) / len(costs)
 
 
-def objective_terms(cards: Iterable[Scorecard], weights: RewardWeights) -> dict[str, float]:
-    """The objective and its weighted terms, each a mean over ``cards``; for notes and tables."""
-    cards = list(cards)
-    n = len(cards)
-    skip = math.fsum(c.skip_rate for c in cards) / n
-    precision = math.fsum(_precision(c) for c in cards) / n
-    diverged = math.fsum(float(c.diverged) for c in cards) / n
+def regrets(
+    cards: Mapping[str, list[Scorecard]],
+    reference: Mapping[str, list[Scorecard]],
+    weights: RewardWeights,
+) -> dict[str, float]:
+    """Member -> mean cost minus the reference's on the same episodes (members of ``cards``).
+
+    Raises:
+        ValueError: a member without reference episodes, or with another number of them.
+    """
+    out = {}
+    for member, mine in cards.items():
+        ref = reference.get(member)
+        if not ref or len(ref) != len(mine):
+            raise ValueError(
+                f"member '{member}' has {len(mine)} episodes but the reference "
+                f"{len(ref) if ref else 0}: the regret compares the same episodes"
+            )
+        out[member] = mean_cost(mine, weights) - mean_cost(ref, weights)
+    return out
+
+
+def objective(
+    cards: Mapping[str, list[Scorecard]],
+    reference: Mapping[str, list[Scorecard]],
+    weights: RewardWeights,
+) -> float:
+    """Mean regret plus :data:`ROBUSTNESS` times the worst (see the module docstring)."""
+    r = list(regrets(cards, reference, weights).values())
+    if not r:
+        raise ValueError("the objective needs at least one member")
+    return math.fsum(r) / len(r) + ROBUSTNESS * max(r)
+
+
+def objective_terms(
+    cards: Mapping[str, list[Scorecard]],
+    reference: Mapping[str, list[Scorecard]],
+    weights: RewardWeights,
+) -> dict[str, float | dict[str, float] | str]:
+    """The objective and what it is made of, for notes and tables: the mean and worst regret,
+    the worst member, per-member regrets, and the mean skip rate and precision loss over every
+    episode (the reference's too)."""
+    r = regrets(cards, reference, weights)
+    episodes = [c for cs in cards.values() for c in cs]
+    ref_episodes = [c for m in cards for c in reference[m]]
+    worst = max(r, key=r.get)
+
+    def mean(values: list[float]) -> float:
+        return math.fsum(values) / len(values)
+
     return {
-        "objective": objective(cards, weights),
-        "skip_rate": skip,
-        "precision_loss": precision,
-        "diverged": diverged,
-        "skip_term": weights.skip * skip,
-        "precision_term": weights.precision * precision,
-        "divergence_term": weights.divergence * diverged,
+        "objective": objective(cards, reference, weights),
+        "mean_regret": mean(list(r.values())),
+        "worst_regret": r[worst],
+        "worst_member": worst,
+        "regrets": r,
+        "skip_rate": mean([c.skip_rate for c in episodes]),
+        "precision_loss": mean([_precision(c) for c in episodes]),
+        "diverged": mean([float(c.diverged) for c in episodes]),
+        "cost": mean_cost(episodes, weights),
+        "reference_skip_rate": mean([c.skip_rate for c in ref_episodes]),
+        "reference_precision_loss": mean([_precision(c) for c in ref_episodes]),
+        "reference_cost": mean_cost(ref_episodes, weights),
     }

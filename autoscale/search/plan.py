@@ -1,18 +1,29 @@
-"""What a budget affords: measure the real step time, then size the search to it.
+"""What a budget affords: measure the real step time of each workload, then size the search to it.
 
-A search spends its budget in phases: measure a few real steps; record traces (real steps) of the
-train and test instances; search on their replay (fast); validate the best candidates and every
-built-in rule on real steps of the test instances; export. Replay trials cost milliseconds, so
-the budget is decided by the real-step phases. :func:`make_plan` walks a ladder of workload
-shapes, richest first (more seeds per instance; then episode length x instances per set), and
-takes the first whose recording fits in :data:`RECORD_SHARE` of the budget and whose recording
-plus validation (every built-in rule and one candidate) fits in :data:`REAL_SHARE`; what is left
-is for the search, and unused search time flows back to validating more candidates. When no shape
-with episodes of at least :data:`MIN_STEPS_ALL_RULES` steps affords real-step validation of every
-rule, the richest shape that affords the candidate and ``torch`` is taken, and the other rules are
-validated as time allows (the rest on replay of the real test steps). RL needs at least
-:data:`RL_MIN_SEARCH_S` seconds of search and two train instances; without them it is dropped.
-The plan says in words what it could not afford.
+A search spends its budget in phases: measure a few real steps; **record** long traces of every
+member's train and test instances (real steps); **search** on their replay (fast); **validate** the
+best candidates and every built-in rule on real steps of the test instances; run the **no-harm
+check** (long clean runs next to ``torch``) on what it would export; export. Replay trials cost
+milliseconds, so the budget is decided by the real-step phases.
+
+The plan trades three things, and says what it traded:
+
+* **horizon**: the length of the replayed episodes, up to the spec's ``episode.horizon`` (2048 by
+  default). A policy runs for 10^4 to 10^6 steps, so long episodes come first: a rule that grows
+  every 14 steps wins a 64-step episode and loses a real run.
+* **windows**: a trace of two horizons holds the same run early and late in training, and a
+  policy is judged on both.
+* **instances and seeds** per set.
+
+:func:`make_plan` walks shapes from the richest: the longest horizon first, with at least two
+instances per set where the spec has them, two windows, then more instances and seeds; it takes the
+first whose recording fits in :data:`RECORD_SHARE` of the budget and whose real-step phases
+(recording, validation of a candidate and ``torch``, the no-harm check) fit in :data:`REAL_SHARE`.
+Real-step validation episodes (as long as the replay horizon at most) are then made as long as
+:data:`VALIDATE_SHARE` of the budget and the rest of the real-step share allow with every built-in
+rule and a few candidates validated, else the candidate and ``torch`` are, and the other rules are
+validated as time allows (the rest on replay of the test instances). What is left is for the
+search.
 """
 
 from __future__ import annotations
@@ -29,31 +40,43 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoscale.envs.spec import EnvSpec, InstanceSpec
+from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import BudgetError
 from autoscale.search.budget import format_duration
 
 __all__ = [
     "Timing",
+    "Timings",
+    "GatePlan",
     "Plan",
     "measure",
+    "measure_all",
     "make_plan",
-    "record_cost",
-    "validate_cost",
+    "shape_suite",
+    "workload_key",
     "RECORD_SHARE",
     "REAL_SHARE",
+    "HORIZON_LADDER",
 ]
 
-RECORD_SHARE = 0.30  # at most this share of the working budget records traces
-REAL_SHARE = 0.75  # recording + validation of every rule fit in this share
+RECORD_SHARE = 0.35  # at most this share of the working budget records traces
+GATE_SHARE = 0.30  # a no-harm workload whose runs need more is checked on its tiny proxy
+REAL_SHARE = 0.80  # recording + validation + the no-harm check fit in this share
+VALIDATE_SHARE = 0.30  # validation takes at most this share
+VALIDATED_CANDIDATES = 3  # validation is planned for every rule and this many candidates
+MIN_SEARCH_SHARE = 0.10  # the search keeps at least this share of the working budget
 RL_MIN_SEARCH_S = 30.0  # RL is tried only with this much search time (3 trials of 10 s)
-EPISODE_LADDER = (64, 48, 32, 24, 16, 12, 8, 4)
-MAX_SEEDS = 4
-MIN_STEPS_ALL_RULES = 16  # shorter episodes validate the candidate and torch first
+HORIZON_LADDER = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
+VALIDATION_LADDER = (4096, 2048, 1024, 512, 256, 128, 96, 64, 48, 32, 24, 16, 8)
+MIN_STEPS_ALL_RULES = 16  # shorter validation episodes validate the candidate and torch first
+MAX_SEEDS = 3
+RECORD_SLOWDOWN = 1.6  # a recorded step (histograms, backward amax) over a plain one, if unmeasured
+GATE_CANDIDATES = 2  # the no-harm check is planned for this many candidates
 
 
 @dataclass(frozen=True)
 class Timing:
-    """Measured costs of real training on this machine.
+    """Measured costs of real training of one workload on this machine.
 
     Attributes:
         step_s: Seconds per real optimizer step.
@@ -62,6 +85,7 @@ class Timing:
         steps: Steps timed.
         complete: False when the first step did not finish in the time allowed (``step_s`` is
             then a lower bound).
+        record_step_s: Seconds per recorded step (with the trace's histograms and backward amax).
     """
 
     step_s: float
@@ -69,6 +93,15 @@ class Timing:
     eval_s: float
     steps: int
     complete: bool = True
+    record_step_s: float | None = None
+
+    @property
+    def record_s(self) -> float:
+        return self.record_step_s if self.record_step_s else RECORD_SLOWDOWN * self.step_s
+
+    def run_s(self, steps: int, *, record: bool = False) -> float:
+        """Seconds to build a run, take ``steps`` steps and evaluate it."""
+        return self.build_s + steps * (self.record_s if record else self.step_s) + self.eval_s
 
     def describe(self) -> str:
         if not self.complete:
@@ -77,8 +110,47 @@ class Timing:
             )
         return (
             f"{_fmt_s(self.step_s)} per real step, {_fmt_s(self.build_s)} to build a run, "
-            f"{_fmt_s(self.eval_s)} per evaluation ({self.steps} step{'s' if self.steps != 1 else ''} timed)"
+            f"{_fmt_s(self.eval_s)} per evaluation"
         )
+
+
+def workload_key(workload: Any) -> str:
+    """What the step time depends on: the workload without its scenario's knobs and seed (a
+    preference loss runs two forward passes, so its scenario counts)."""
+    d = workload.to_dict()
+    keep = ("model", "dtype", "device", "batch_size", "seq_len", "grad_accum", "data", "init")
+    extra = "+pref" if d["scenario"] == "preference" else ""
+    return "/".join(str(d[k]) for k in keep if d.get(k) is not None) + extra
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Timing per workload (:func:`workload_key`)."""
+
+    by_key: dict[str, Timing]
+
+    def of(self, workload: Any) -> Timing:
+        return self.by_key[workload_key(workload)]
+
+    @property
+    def complete(self) -> bool:
+        return all(t.complete for t in self.by_key.values())
+
+    def slowest(self) -> tuple[str, Timing]:
+        key = max(self.by_key, key=lambda k: self.by_key[k].step_s)
+        return key, self.by_key[key]
+
+    def describe(self) -> str:
+        if len(self.by_key) == 1:
+            return next(iter(self.by_key.values())).describe()
+        return "; ".join(
+            f"{k.split('/')[0]}{'+pref' if k.endswith('+pref') else ''}: "
+            f"{_fmt_s(t.step_s)} per step"
+            for k, t in self.by_key.items()
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: dataclasses.asdict(t) for k, t in self.by_key.items()}
 
 
 def _fmt_s(s: float) -> str:
@@ -115,7 +187,8 @@ def _time_limit(seconds: float) -> Iterator[list[bool]]:
 
 
 def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: float = 1.0) -> Timing:
-    """Time building a run of ``workload`` and a few real steps, within ``limit_s`` seconds.
+    """Time building a run of ``workload``, a few real steps and two recorded ones, within
+    ``limit_s`` seconds.
 
     A step that would run past the limit is interrupted (an alarm between torch operations) and
     reported as a lower bound, so a model too slow for the budget costs ``limit_s`` at most, not
@@ -125,6 +198,7 @@ def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: floa
     from autoscale.training import TrainingRun
 
     times: list[float] = []
+    recorded: list[float] = []
     build = eval_s = math.nan
     t_begin = time.perf_counter()
     t_step = t_begin
@@ -143,10 +217,15 @@ def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: floa
                 times.append(time.perf_counter() - t_step)
                 if i and sum(times[1:]) > step_share_s:
                     break
-            if times[-1] < 1.0:  # cheap: measure it; else estimate it from the step
+            if times[-1] < 1.0:  # cheap: measure evaluation and recorded steps; else estimate
                 t0 = time.perf_counter()
                 run.eval_loss()
                 eval_s = time.perf_counter() - t0
+                run.record = True
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    run.step()
+                    recorded.append(time.perf_counter() - t0)
         except Exception:
             if not fired[0]:
                 raise
@@ -157,7 +236,22 @@ def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: floa
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
     if not math.isfinite(eval_s):
         eval_s = _eval_estimate(workload, step)
-    return Timing(step, build, eval_s, len(times))
+    record_step = min(recorded) if recorded else None
+    return Timing(step, build, eval_s, len(times), record_step_s=record_step)
+
+
+def measure_all(workloads: list[Any], *, limit_s: float, step_share_s: float) -> Timings:
+    """:func:`measure` each distinct workload (by :func:`workload_key`) within ``limit_s`` in all;
+    a workload measured last gets what the others left."""
+    distinct: dict[str, Any] = {}
+    for w in workloads:
+        distinct.setdefault(workload_key(w), w)
+    out: dict[str, Timing] = {}
+    t_end = time.monotonic() + limit_s
+    for i, (key, w) in enumerate(distinct.items()):
+        share = max(1.0, (t_end - time.monotonic()) / (len(distinct) - i))
+        out[key] = measure(w, limit_s=share, step_share_s=step_share_s)
+    return Timings(out)
 
 
 def _eval_estimate(workload: Any, step_s: float) -> float:
@@ -165,197 +259,400 @@ def _eval_estimate(workload: Any, step_s: float) -> float:
     return 0.35 * step_s * workload.eval_batches / max(1, workload.grad_accum)
 
 
-def record_cost(spec: EnvSpec, t: Timing) -> float:
-    """Seconds to record every train and test instance of ``spec`` (one build, warm-up, the
-    episode's steps and one evaluation per instance)."""
-    n = spec.episode.steps
-    insts = spec.instances["train"] + spec.instances["test"]
-    return sum(t.build_s + (i.start + n) * t.step_s + t.eval_s for i in insts)
+# ---------------------------------------------------------------------- the no-harm check's share
+@dataclass(frozen=True)
+class GatePlan:
+    """The no-harm check: long clean runs of ``workloads`` next to ``torch``.
+
+    Attributes:
+        workloads: Clean workloads (``mlp`` and each model the search runs).
+        steps: Real steps of each run (>= 1000).
+        seeds: Seeds of ``torch`` (at least two: their spread is the seed noise).
+        candidate_seeds: Seeds each candidate runs (the first of ``seeds``).
+    """
+
+    workloads: tuple[Any, ...]
+    steps: int
+    seeds: tuple[int, ...] = (0, 1)
+    candidate_seeds: tuple[int, ...] = (0,)
+
+    def cost(self, timings: Timings, candidates: int, cached: Callable[[Any, int], bool]) -> float:
+        """Seconds for ``candidates`` candidates and the ``torch`` runs not cached yet."""
+        total = 0.0
+        for w in self.workloads:
+            run = timings.of(w).run_s(self.steps)
+            total += run * sum(1 for s in self.seeds if not cached(w, s))
+            total += run * candidates * len(self.candidate_seeds)
+        return total
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workloads": [w.to_dict() for w in self.workloads],
+            "steps": self.steps,
+            "seeds": list(self.seeds),
+            "candidate_seeds": list(self.candidate_seeds),
+        }
 
 
-def validate_cost(spec: EnvSpec, t: Timing, scalers: int) -> float:
-    """Seconds to run ``scalers`` scalers on every test instance of ``spec`` on real steps."""
-    n = spec.episode.steps
-    return sum(
-        t.build_s + i.start * t.step_s + scalers * (n * t.step_s + t.eval_s)
-        for i in spec.instances["test"]
-    )
-
-
+# ---------------------------------------------------------------------- shapes
 def _cheapest(group: tuple[InstanceSpec, ...], n: int) -> tuple[InstanceSpec, ...]:
     order = sorted(range(len(group)), key=lambda j: (group[j].start, j))
     return tuple(group[j] for j in sorted(order[:n]))
 
 
-def shape_spec(base: EnvSpec, steps: int, n: int, seeds: int) -> EnvSpec:
-    """``base`` with ``steps``-step episodes, its ``n`` cheapest instances per set (those with
-    the fewest warm-up steps), each with ``seeds`` seeds."""
+def shape_suite(suite: SuiteSpec, steps: int, n: int, seeds: int) -> SuiteSpec:
+    """``suite`` with ``steps``-step episodes, each member's ``n`` cheapest instances per set
+    (those with the fewest warm-up steps), each with ``seeds`` seeds."""
     from autoscale.agents.evaluate import expand_seeds
 
-    spec = dataclasses.replace(
-        base,
-        episode=dataclasses.replace(base.episode, steps=steps),
-        instances={k: _cheapest(v, n) for k, v in base.instances.items()},
-    )
-    spec = expand_seeds(spec, seeds, "train")
-    return expand_seeds(spec, seeds, "test")
+    def shape(member: EnvSpec) -> EnvSpec:
+        spec = dataclasses.replace(
+            member,
+            episode=dataclasses.replace(
+                member.episode, steps=steps, horizon=max(steps, member.episode.horizon)
+            ),
+            instances={k: _cheapest(v, n) for k, v in member.instances.items()},
+        )
+        return expand_seeds(expand_seeds(spec, seeds, "train"), seeds, "test")
+
+    return suite.replace_members(shape)
 
 
-def _ladder(base: EnvSpec) -> list[tuple[int, int, int]]:
-    full = base.episode.steps
-    n_max = min(len(base.instances["train"]), len(base.instances["test"]))
-    steps = sorted({full, *(s for s in EPISODE_LADDER if s < full)}, reverse=True)
-    shapes = sorted(
-        ((s, n, 1) for s in steps for n in range(1, n_max + 1)),
-        key=lambda x: (x[0] * x[1], x[1]),
-        reverse=True,
+def _record_cost(suite: SuiteSpec, trace_steps: int, t: Timings) -> float:
+    return sum(
+        t.of(m.workload).run_s(i.start + trace_steps, record=True)
+        for m in suite.members
+        for i in m.instances["train"] + m.instances["test"]
     )
-    return [(full, n_max, k) for k in range(MAX_SEEDS, 1, -1)] + shapes
+
+
+def _validate_cost(suite: SuiteSpec, t: Timings, scalers: int) -> float:
+    """Seconds to run ``scalers`` scalers on every test instance of every member on real steps."""
+    n = suite.episode.steps
+    total = 0.0
+    for m in suite.members:
+        tm = t.of(m.workload)
+        for i in m.instances["test"]:
+            total += tm.build_s + i.start * tm.step_s + scalers * (n * tm.step_s + tm.eval_s)
+    return total
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A sized search: the env spec searched, the space, the phase estimates, and what was cut.
+    """A sized search.
 
     Attributes:
-        spec: The base spec reshaped (episode steps, instances, seeds); every trial of the study
-            is scored on its train instances and validated on its test instances.
-        space: ``parametric``, ``rl`` or ``both`` (what this budget affords of the asked space).
+        suite: The searched suite, reshaped: episodes of the replay horizon; every trial is scored
+            on its train instances' replay.
+        validation: The same members and instances with real-step episodes (validation).
+        trace_steps: Steps recorded per instance (one or two horizons).
+        space: ``parametric``, ``rl`` or ``both`` (what the budget affords of the asked space).
         rules: The built-in rules validated against.
-        timing: The measurements the plan was made from.
-        record_s, validate_s, search_s: Estimated seconds of each phase.
+        timings: The measurements the plan was made from.
+        gate: The no-harm check.
+        record_s, validate_s, gate_s, search_s: Estimated seconds of each phase.
         all_rules_real: Whether every rule's real-step validation fits.
         cuts: What the budget could not afford, in words.
     """
 
-    spec: EnvSpec
+    suite: SuiteSpec
+    validation: SuiteSpec
+    trace_steps: int
     space: str
     rules: tuple[str, ...]
-    timing: Timing
+    timings: Timings
+    gate: GatePlan
     record_s: float
     validate_s: float
+    gate_s: float
     search_s: float
     all_rules_real: bool = True
     cuts: tuple[str, ...] = field(default_factory=tuple)
 
     @property
+    def horizon(self) -> int:
+        return self.suite.episode.steps
+
+    @property
     def steps(self) -> int:
-        return self.spec.episode.steps
+        """Real-step validation episode length."""
+        return self.validation.episode.steps
 
     def describe(self) -> str:
-        tr, te = len(self.spec.instances["train"]), len(self.spec.instances["test"])
+        m = self.suite.members[0]
+        tr, te = len(m.instances["train"]), len(m.instances["test"])
+        members = f"{len(self.suite.members)} members x " if len(self.suite.members) > 1 else ""
+        windows = self.trace_steps // self.horizon
         what = (
-            f"{self.steps}-step episodes, {tr} train + {te} test instances; {self.space} space; "
+            f"{members}{tr} train + {te} test instances; replay episodes of {self.horizon} steps "
+            f"({'early and late in ' + str(self.trace_steps) + '-step runs' if windows > 1 else 'from the start of each run'}), "
+            f"validation on {self.steps} real steps; {self.space} space; no-harm check: "
+            f"{self.gate.steps}-step clean runs of {', '.join(w.model for w in self.gate.workloads)}; "
             f"estimates: record {format_duration(self.record_s)}, search {format_duration(self.search_s)}, "
-            f"validate {format_duration(self.validate_s)}"
+            f"validate {format_duration(self.validate_s)}, no-harm {format_duration(self.gate_s)}"
         )
         if self.cuts:
-            what += "\n  could not afford: " + "; ".join(self.cuts)
+            what += "\n  traded: " + "; ".join(self.cuts)
         return what
 
     def to_dict(self) -> dict[str, Any]:
+        first = self.suite.members[0]
         return {
-            "episode_steps": self.steps,
-            "train": [i.name for i in self.spec.instances["train"]],
-            "test": [i.name for i in self.spec.instances["test"]],
+            "horizon": self.horizon,
+            "trace_steps": self.trace_steps,
+            "validation_steps": self.steps,
+            "members": [m.name for m in self.suite.members],
+            "train": [i.name for i in first.instances["train"]],
+            "test": [i.name for i in first.instances["test"]],
             "space": self.space,
             "rules": list(self.rules),
-            "timing": dataclasses.asdict(self.timing),
+            "timing": self.timings.to_dict(),
+            "gate": self.gate.to_dict(),
             "estimates_s": {
                 "record": self.record_s,
                 "search": self.search_s,
                 "validate": self.validate_s,
+                "gate": self.gate_s,
             },
             "all_rules_real": self.all_rules_real,
             "cuts": list(self.cuts),
         }
 
 
+def _horizons(suite: SuiteSpec) -> list[int]:
+    top = suite.episode.horizon
+    return sorted({top, *(h for h in HORIZON_LADDER if h < top)}, reverse=True)
+
+
+def _shapes(suite: SuiteSpec) -> list[tuple[int, int, int, int]]:
+    """(horizon, windows, instances per set, seeds), richest first (see the module docstring)."""
+    first = suite.members[0]
+    n_max = min(len(first.instances["train"]), len(first.instances["test"]))
+    n_min = min(2, n_max)
+    out = []
+    for floor in (n_min, 1):
+        for h in _horizons(suite):
+            for windows in (2, 1):
+                for n in range(n_max, floor - 1, -1):
+                    seeds = range(MAX_SEEDS, 0, -1) if n == n_max else (1,)
+                    out.extend((h, windows, n, k) for k in seeds)
+    seen, unique = set(), []
+    for s in out:
+        if s not in seen:
+            seen.add(s)
+            unique.append(s)
+    return unique
+
+
 def make_plan(
-    base: EnvSpec,
-    timing: Timing,
+    suite: SuiteSpec,
+    timings: Timings,
     work_s: float,
     *,
+    gate: GatePlan,
     space: str = "parametric",
     rules: tuple[str, ...],
-    cached: Callable[[EnvSpec], float] | None = None,
-    reshape: bool = True,
+    cached_traces: Callable[[SuiteSpec, int], float] | None = None,
+    cached_gate: Callable[[Any, int], bool] | None = None,
+    stored: tuple[SuiteSpec, SuiteSpec, int] | None = None,
 ) -> Plan:
-    """Size the search of ``base`` to ``work_s`` seconds (see the module docstring).
+    """Size the search of ``suite`` to ``work_s`` seconds (see the module docstring).
 
     Args:
-        cached: Share (0..1) of a shaped spec's recording already in the trace cache (a resume
-            or a second worker records less).
-        reshape: Walk the ladder of shapes; False keeps ``base`` as it is (a study's stored
-            spec, which every worker of the study must share).
+        gate: The no-harm check's workloads and steps (its cost is planned, its torch runs may be
+            cached already).
+        cached_traces: Share (0..1) of a shaped suite's recording of ``trace_steps`` already in
+            the trace cache (a resume or a second worker records less).
+        cached_gate: Whether the no-harm check's ``torch`` run of a workload and seed is cached.
+        stored: A study's stored ``(suite, validation, trace_steps)``: kept as they are (every
+            worker of a study must score alike), only the costs are estimated.
 
     Raises:
         BudgetError: not even the smallest shape fits; says what budget would.
     """
-    shapes = [shape_spec(base, *shape) for shape in _ladder(base)] if reshape else [base]
-    min_steps = min(MIN_STEPS_ALL_RULES, base.episode.steps)
-    for all_rules in (True, False):
-        scalers = len(rules) + 1 if all_rules else 2
-        for spec in shapes:
-            if all_rules and reshape and spec.episode.steps < min_steps:
-                continue  # longer episodes beat validating every rule on very short ones
-            rec = record_cost(spec, timing) * (1.0 - (cached(spec) if cached else 0.0))
-            val = validate_cost(spec, timing, scalers)
-            if (
-                timing.complete
-                and rec <= RECORD_SHARE * work_s
-                and rec + val <= REAL_SHARE * work_s
-            ):
-                return _finish(base, spec, space, rules, timing, work_s, rec, val, all_rules)
-    smallest = shapes[-1]
-    rec = record_cost(smallest, timing) * (1.0 - (cached(smallest) if cached else 0.0))
-    need = max(rec / RECORD_SHARE, (rec + validate_cost(smallest, timing, 2)) / REAL_SHARE)
-    what = (
-        f"the smallest plan ({smallest.episode.steps}-step episodes, "
-        f"{len(smallest.instances['train'])} train + {len(smallest.instances['test'])} test instances, "
-        "validated against torch)"
-        if reshape
-        else f"this study's plan ({smallest.episode.steps}-step episodes)"
-    )
-    about = "about" if timing.complete else "more than"
+    cached_traces = cached_traces or (lambda s, n: 0.0)
+    cached_gate = cached_gate or (lambda w, s: False)
+    gate, gate_cuts = _fit_gate(gate, timings, work_s, cached_gate)
+    gate_s = gate.cost(timings, GATE_CANDIDATES, cached_gate)
+    gate_min = gate.cost(timings, 1, cached_gate)
+
+    def rec_cost(shaped: SuiteSpec, trace_steps: int) -> float:
+        return _record_cost(shaped, trace_steps, timings) * (
+            1.0 - cached_traces(shaped, trace_steps)
+        )
+
+    if stored is not None:
+        shaped, validation, trace_steps = stored
+        rec = rec_cost(shaped, trace_steps)
+        val = _validate_cost(validation, timings, len(rules) + 1)
+        return _finish(
+            suite,
+            shaped,
+            validation,
+            trace_steps,
+            space,
+            rules,
+            timings,
+            gate,
+            work_s,
+            rec,
+            val,
+            gate_s,
+            True,
+            gate_cuts,
+        )
+    if timings.complete:
+        for h, windows, n, k in _shapes(suite):
+            shaped = shape_suite(suite, h, n, k)
+            rec = rec_cost(shaped, windows * h)
+            if rec > RECORD_SHARE * work_s:
+                continue
+            real_left = min(REAL_SHARE * work_s - rec - gate_min, VALIDATE_SHARE * work_s)
+            choice = _validation(shaped, timings, real_left, len(rules))
+            if choice is None:
+                continue
+            validation, all_rules, val = choice
+            cuts = _cuts(suite, h, windows, n, k, validation, all_rules) + gate_cuts
+            return _finish(
+                suite,
+                shaped,
+                validation,
+                windows * h,
+                space,
+                rules,
+                timings,
+                gate,
+                work_s,
+                rec,
+                val,
+                gate_s,
+                all_rules,
+                cuts,
+            )
+    smallest = shape_suite(suite, _horizons(suite)[-1], 1, 1)
+    rec = rec_cost(smallest, smallest.episode.steps)
+    val = _validate_cost(_with_steps(smallest, VALIDATION_LADDER[-1]), timings, 2)
+    need = max(rec / RECORD_SHARE, (rec + val + gate_min) / REAL_SHARE)
+    key, slowest = timings.slowest()
+    about = "about" if timings.complete else "more than"
     raise BudgetError(
-        f"the budget cannot hold a search of {base.workload.model} here: {timing.describe()}; {what} "
-        f"needs {about} {format_duration(1.1 * need + 10)} of budget; give a larger --budget, a GPU, "
-        "or a smaller --model"
+        f"the budget cannot hold a search of {key.split('/')[0]} here: {slowest.describe()}; the "
+        f"smallest plan ({smallest.episode.steps}-step episodes, 1 train + 1 test instance per member, "
+        f"validated against torch, with the {gate.steps}-step no-harm check) needs {about} "
+        f"{format_duration(1.1 * need + 10)} of budget; give a larger --budget, a GPU, or a smaller --model"
     )
+
+
+def _fit_gate(
+    gate: GatePlan, timings: Timings, work_s: float, cached: Callable[[Any, int], bool]
+) -> tuple[GatePlan, tuple[str, ...]]:
+    """``gate`` with each workload whose runs cost more than :data:`GATE_SHARE` of the budget
+    replaced by its tiny proxy (said in the cuts)."""
+    from autoscale.search.gate import gate_proxy
+
+    kept: list[Any] = []
+    cuts = []
+    for w in gate.workloads:
+        single = GatePlan((w,), gate.steps, gate.seeds, gate.candidate_seeds)
+        proxy = gate_proxy(w)
+        cost = single.cost(timings, GATE_CANDIDATES, cached)
+        if proxy is not None and cost > GATE_SHARE * work_s:
+            if all(k.model != proxy.model for k in kept + list(gate.workloads)):
+                kept.append(proxy)
+            cuts.append(
+                f"no-harm runs of {w.model} ({format_duration(cost)} for {gate.steps} steps): "
+                f"checked on {proxy.model} instead"
+            )
+        else:
+            kept.append(w)
+    return dataclasses.replace(gate, workloads=tuple(kept)), tuple(cuts)
+
+
+def _with_steps(suite: SuiteSpec, steps: int) -> SuiteSpec:
+    return suite.replace_members(
+        lambda m: dataclasses.replace(m, episode=dataclasses.replace(m.episode, steps=steps))
+    )
+
+
+def _validation(
+    shaped: SuiteSpec, t: Timings, left_s: float, n_rules: int
+) -> tuple[SuiteSpec, bool, float] | None:
+    """The longest real-step validation (up to the replay horizon) that fits ``left_s``: every
+    rule and a few candidates first, else the candidate and torch; None if nothing fits."""
+    top = shaped.episode.steps
+    ladder = sorted({top, *(s for s in VALIDATION_LADDER if s < top)}, reverse=True)
+    for all_rules in (True, False):
+        scalers = n_rules + VALIDATED_CANDIDATES if all_rules else 2
+        for steps in ladder:
+            if all_rules and steps < min(MIN_STEPS_ALL_RULES, top):
+                break
+            validation = _with_steps(shaped, steps)
+            cost = _validate_cost(validation, t, scalers)
+            if cost <= left_s:
+                return validation, all_rules, cost
+    return None
+
+
+def _cuts(
+    base: SuiteSpec, h: int, windows: int, n: int, k: int, validation: SuiteSpec, all_rules: bool
+) -> tuple[str, ...]:
+    cuts = []
+    if h < base.episode.horizon:
+        cuts.append(f"replay horizon {h} of {base.episode.horizon} steps")
+    if windows < 2:
+        cuts.append("late-training episodes (traces of one horizon)")
+    first = base.members[0]
+    n_full = min(len(first.instances["train"]), len(first.instances["test"]))
+    if n < n_full:
+        cuts.append(f"{n} of {n_full} instances per set")
+    if k == 1 and n == n_full:
+        cuts.append("extra seeds")
+    if validation.episode.steps < h:
+        cuts.append(f"real-step validation episodes of {validation.episode.steps} of {h} steps")
+    if not all_rules:
+        cuts.append("real-step validation of every rule (the rest are validated as time allows)")
+    return tuple(cuts)
 
 
 def _finish(
-    base: EnvSpec,
-    spec: EnvSpec,
+    base: SuiteSpec,
+    shaped: SuiteSpec,
+    validation: SuiteSpec,
+    trace_steps: int,
     space: str,
     rules: tuple[str, ...],
-    timing: Timing,
+    timings: Timings,
+    gate: GatePlan,
     work_s: float,
     rec: float,
     val: float,
+    gate_s: float,
     all_rules: bool,
+    cuts: tuple[str, ...],
 ) -> Plan:
-    cuts = []
-    full, n_full = (
-        base.episode.steps,
-        min(len(base.instances["train"]), len(base.instances["test"])),
-    )
-    if spec.episode.steps < full:
-        cuts.append(f"{full}-step episodes (took {spec.episode.steps})")
-    n = len(spec.instances["test"])
-    if n < n_full:
-        cuts.append(f"{n_full} instances per set (took {n})")
-    if not all_rules:
-        cuts.append("real-step validation of every rule (the rest are validated as time allows)")
-    search_s = max(0.0, work_s - rec - val)
+    cuts = list(cuts)
+    search_s = max(0.0, work_s - rec - val - gate_s)
     if space in ("rl", "both"):
         reason = None
-        if len(spec.instances["train"]) < 2:
+        if len(shaped.members[0].instances["train"]) < 2 and len(shaped.members) < 2:
             reason = "needs 2 train instances (one to select the agent on)"
         elif search_s < RL_MIN_SEARCH_S:
             reason = f"needs {format_duration(RL_MIN_SEARCH_S)} of search, the budget leaves {format_duration(search_s)}"
         if reason:
             cuts.append(f"RL ({reason}): searching the parametric space")
             space = "parametric"
-    return Plan(spec, space, rules, timing, rec, val, search_s, all_rules, tuple(cuts))
+    return Plan(
+        shaped,
+        validation,
+        trace_steps,
+        space,
+        rules,
+        timings,
+        gate,
+        rec,
+        val,
+        gate_s,
+        search_s,
+        all_rules,
+        tuple(cuts),
+    )

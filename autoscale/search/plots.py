@@ -15,6 +15,7 @@ from html import escape
 __all__ = ["trajectory_svg"]
 
 _W, _H, _LEFT, _RIGHT, _TOP, _GAP = 640, 110, 56, 12, 26, 22
+_MAX_POINTS = 300  # per line: long episodes are drawn per bin of steps
 
 
 def _polyline(points: list[tuple[float, float]], style: str) -> str:
@@ -59,18 +60,29 @@ def trajectory_svg(
         for v in (hi - 1, lo + 1):
             _, y = xy(0, v)
             out.append(f'<text x="{_LEFT - 4}" y="{y + 4:.1f}" text-anchor="end">2^{v:.0f}</text>')
+        # long episodes: the threshold is drawn per bin of steps (its lowest value there), the
+        # scale only where it changes, and a skip mark per bin that has skips
+        stride = max(1, math.ceil(n / _MAX_POINTS))
         if thresholds is not None:
-            pts = [xy(i + 0.5, t) for i, t in enumerate(list(thresholds)[:n]) if math.isfinite(t)]
+            t = list(thresholds)[:n]
+            pts = []
+            for b in range(0, len(t), stride):
+                finite = [v for v in t[b : b + stride] if math.isfinite(v)]
+                if finite:
+                    pts.append(xy(b + stride / 2, min(finite)))
             if pts:
                 out.append(_polyline(pts, 'stroke="#999" stroke-dasharray="4 3"'))
         steps: list[tuple[float, float]] = []
         for i, v in enumerate(scales):
-            steps += [xy(i, v), xy(i + 1, v)]
-        if steps:
+            if i == 0 or v != scales[i - 1]:
+                steps += [xy(i, scales[i - 1] if i else v), xy(i, v)]
+        if scales:
+            steps.append(xy(len(scales), scales[-1]))
             out.append(_polyline(steps, 'stroke="#1f77b4" stroke-width="1.5"'))
-        for i, r in enumerate(records):
-            if r.found_inf:
-                x, y = xy(i + 0.5, scales[i])
+        for b in range(0, len(records), stride):
+            hit = [i for i in range(b, min(b + stride, len(records))) if records[i].found_inf]
+            if hit:
+                x, y = xy(hit[0] + 0.5, scales[hit[0]])
                 out.append(
                     f'<path d="M{x - 3:.1f},{y - 3:.1f}l6,6m0,-6l-6,6" stroke="#d62728" '
                     'stroke-width="1.5"/>'

@@ -1,60 +1,69 @@
-"""The end of a search in words and pictures: the table of the winner against every built-in
-rule on real steps of the test instances, and the plot of their trajectories."""
+"""The end of a search in words and pictures: the ranking of the candidates and every built-in rule
+on real steps of the test episodes, a row per member, and the plot of their trajectories."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from autoscale.envs.spec import EnvSpec
+from autoscale.envs.suite import SuiteSpec
 from autoscale.search.study import describe_spec
 from autoscale.search.validate import Validated
 
-__all__ = ["comparison_rows", "comparison_table", "draw_comparison", "REPLAY_MARK"]
+__all__ = ["comparison_table", "member_table", "draw_comparison", "REPLAY_MARK"]
 
 REPLAY_MARK = " (replay)"
 
 
-def comparison_rows(
-    winner: Validated | None, validated: dict[str, Validated]
-) -> dict[str, Validated]:
-    """Row name -> scores: the winner first, then the rules in order; a rule without real steps
-    is marked ``(replay)``."""
-    rows = {winner.label: winner} if winner is not None else {}
-    for key, v in validated.items():
-        if key.startswith("rule:"):
-            rows[v.label + ("" if v.real else REPLAY_MARK)] = v
-    return rows
+def _label(v: Validated) -> str:
+    return v.label + ("" if v.real else REPLAY_MARK)
 
 
-def comparison_table(rows: dict[str, Validated], spec: EnvSpec) -> str:
-    """:func:`~autoscale.training.report.format_comparison` of the rows, with a heading and the
-    objective of each row."""
+def comparison_table(
+    rows: list[Validated], reference: Validated, validation: SuiteSpec, winner: str | None = None
+) -> str:
+    """The rows (ranked) over every test episode: the scorecard's means, and the objective against
+    ``torch`` on the same episodes; ``winner`` (a key) is marked with ``*``."""
     from autoscale.training import summarize
     from autoscale.training.report import format_comparison
 
-    n = len(spec.instances["test"])
-    table = format_comparison({k: summarize(v.cards) for k, v in rows.items()}, n)
-    scores = ", ".join(
-        f"{k.split(' (')[0]} {v.objective(spec.reward):.4f}" for k, v in rows.items()
-    )
+    n = sum(len(c) for c in reference.cards.values())
+    labels = {v.key: ("* " if v.key == winner else "") + _label(v) for v in rows}
+    table = format_comparison({labels[v.key]: summarize(v.all_cards()) for v in rows}, n)
+    weights = validation.reward
+    scores = ", ".join(f"{labels[v.key]} {v.objective(reference, weights):+.4f}" for v in rows)
     lines = [
-        f"{describe_spec(spec)}: {n} test episodes of {spec.episode.steps} real steps each; mean ± std",
+        f"{describe_spec(validation)}: {n} test episodes of {validation.episode.steps} real steps; "
+        "mean ± std over them",
         table,
-        f"objective (lower is better): {scores}",
+        f"objective vs torch (lower is better; * = exported): {scores}",
     ]
-    if any(not v.real for v in rows.values()):
+    if any(not v.real for v in rows):
         lines.append(
             f"{REPLAY_MARK.strip()} = no time for real steps: replay of the recorded real test steps"
         )
     return "\n".join(lines)
 
 
-def draw_comparison(rows: dict[str, Validated], path: Path, title: str) -> bool:
-    """PNG of the trajectories on the first test instance of the rows that have them; whether
+def member_table(rows: list[Validated], reference: Validated, validation: SuiteSpec) -> str:
+    """Regret per member (mean cost minus torch's on its test episodes) of each row."""
+    from autoscale.search.objective import regrets
+
+    members = list(reference.cards)
+    width = max(len(_label(v)) for v in rows) + 2
+    head = f"{'regret vs torch':<{width}}" + "".join(f"{m:>24}" for m in members)
+    out = [head, "-" * len(head)]
+    for v in rows:
+        r = regrets(v.cards, reference.cards, validation.reward)
+        out.append(f"{_label(v):<{width}}" + "".join(f"{r[m]:>+24.4f}" for m in members))
+    return "\n".join(out)
+
+
+def draw_comparison(rows: list[Validated], path: Path, title: str) -> bool:
+    """PNG of the trajectories on the first test episode of the rows that have them; whether
     there was anything to draw."""
     from autoscale.training.report import plot_comparison
 
-    runs = {k: [v.records] for k, v in rows.items() if v.records}
+    runs = {_label(v): [v.records] for v in rows if v.records}
     if runs:
         plot_comparison(runs, path, title=title)
     return bool(runs)

@@ -1,21 +1,24 @@
-"""``autoscale search`` end to end: a budgeted plan in six phases, each with a deadline.
+"""``autoscale search`` end to end: phases with deadlines, one module each.
 
-1. **measure** a few real steps of the workload (:func:`~autoscale.search.plan.measure`);
-2. **plan** the search to the budget (:func:`~autoscale.search.plan.make_plan`); a study that
-   exists keeps its stored shape, so every worker and every resume scores trials alike;
-3. **record** traces of the train and test instances (cached next to the storage);
-4. **search** on replay: parametric trials stop once bookkeeping reaches
-   :data:`BOOKKEEPING_SHARE` of the run's projected wall time (a replay trial costs milliseconds,
-   its storage writes more: past that, trials cost more bookkeeping than search), RL trials fill
-   the search time; the time not used flows to validation;
-5. **validate** the best few candidates and every built-in rule on real steps of the test
-   instances (episodes shared between workers through the study);
-6. **export** the study's best validated trial, print it against every built-in rule.
+1. **measure** real steps of each workload (:mod:`~autoscale.search.plan`);
+2. **plan** the search to the budget (a study that exists keeps its stored shape, so every worker
+   and every resume scores trials alike);
+3. **record** long traces of every member's train and test instances
+   (:mod:`~autoscale.search.traces`, cached next to the storage);
+4. **search** on replay (:mod:`~autoscale.search.loop`, :mod:`~autoscale.search.trials`);
+5. **validate** the best candidates and every built-in rule on real steps of the test instances
+   (:mod:`~autoscale.search.validate`, shared between workers through the study);
+6. **export** the best of the ranking that passes the no-harm check
+   (:mod:`~autoscale.search.choose`, :mod:`~autoscale.search.gate`), and print the ranking.
+
+The budget is spent: phases 4-6 run in rounds, and a round that ends with time left gives it to
+more trials, more validated candidates and their checks, until less than a round is left or
+nothing is left to learn (every candidate validated and checked); the search then says so.
 
 Several workers may run this on one storage: Optuna keeps trials unique; the first worker creates
-the study and its plan, the others adopt it; traces are recorded once per host (locks); each
-worker validates the study's best candidates not yet validated, and exports the study-wide best
-validated trial when it finishes (under a lock), so the last worker to finish leaves the export.
+the study and its plan, the others adopt it; traces and torch's clean runs are recorded once per
+host (locks); each worker validates the study's best candidates not yet validated, and exports
+the study-wide pick when it finishes (under a lock), so the last worker to finish leaves the export.
 """
 
 from __future__ import annotations
@@ -30,20 +33,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoscale.envs.spec import EnvSpec
-from autoscale.errors import ConfigError
+from autoscale.envs.suite import SuiteSpec, as_suite
+from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Budget, Ledger, format_duration
+from autoscale.search.choose import choose
 from autoscale.search.export import (
-    best_trial,
     card_summary,
     check_export_target,
+    export_rule,
     export_trial,
     policy_label,
+    rank,
     top_candidates,
 )
+from autoscale.search.gate import GATE_STEPS, NoHarmCheck, gate_proxy, gate_workloads
 from autoscale.search.loop import TrialLoop
-from autoscale.search.plan import Plan, Timing, make_plan, measure, validate_cost
-from autoscale.search.report import comparison_rows, comparison_table, draw_comparison
+from autoscale.search.plan import (
+    GATE_CANDIDATES,
+    GatePlan,
+    Plan,
+    Timings,
+    make_plan,
+    measure_all,
+)
+from autoscale.search.report import comparison_table, draw_comparison, member_table
 from autoscale.search.space import parametric_families
 from autoscale.search.storage import (
     DEFAULT_STORAGE,
@@ -61,27 +74,26 @@ from autoscale.search.study import (
     fail_stale_trials,
     study_kwargs,
     study_note,
-    wait_for_spec,
+    wait_for_plan,
 )
 from autoscale.search.traces import cached_share, load_traces
 from autoscale.search.trials import (
     REFERENCE_RULE,
     ParametricObjective,
-    ReplayBench,
     RLObjective,
     TrialRecorder,
     store_artifact,
     worker_id,
     write_note,
 )
-from autoscale.search.validate import Validated, Validator, real_cards
+from autoscale.search.validate import Validated, Validator
 
-__all__ = ["SearchConfig", "SearchResult", "SearchRunner", "PHASES", "BOOKKEEPING_SHARE"]
+__all__ = ["SearchConfig", "SearchResult", "SearchRunner", "PHASES"]
 
 PHASES = ("measure", "plan", "record", "search", "validate", "export")
-BOOKKEEPING_SHARE = 0.03  # parametric trials stop when bookkeeping reaches this share of the run
-MAX_CANDIDATES = 5
-MIN_SEARCH_SHARE = 0.10  # the search gets at least this share of the budget when it can
+CANDIDATES_PER_ROUND = 3  # candidates validated per round (the best first)
+MAX_ROUNDS = 12
+MIN_ROUND_SHARE = 0.05  # a round needs at least this share of the budget to start
 RL_SHARE_OF_BOTH = 0.7  # with --space both, RL gets this share of the search time
 
 
@@ -90,12 +102,12 @@ class SearchConfig:
     """What ``autoscale search`` was asked for (strings already turned into objects).
 
     Attributes:
-        base: The env spec of the workload (reshaped by the plan).
+        base: The env spec or suite of the workloads (reshaped by the plan).
         explicit: The user named the workload (``--env``/``--model``/``--scenario``); a study
-            that exists must then have that workload, else its own is adopted.
+            that exists must then have those workloads, else its own are adopted.
     """
 
-    base: EnvSpec
+    base: Any
     study: str
     export: str
     explicit: bool = True
@@ -119,10 +131,13 @@ class SearchResult:
     plan: Plan | None
     trials: dict[str, int]
     winner: str | None = None
+    builtin: bool = False
     exported: Path | None = None
     table: str = ""
     wall_s: float = 0.0
     budget_s: float = 0.0
+    rounds: int = 0
+    stopped_early: str | None = None
     ledger: Ledger = field(default_factory=Ledger)
 
 
@@ -165,7 +180,7 @@ class SearchRunner:
     def run(self) -> SearchResult:
         import optuna
 
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are said once, here
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         cfg = self.cfg
         _preload()
@@ -176,80 +191,102 @@ class SearchRunner:
                 if cfg.study in study_names(storage)
                 else None
             )
-        base = self._adopt(stored) if stored is not None else cfg.base
-        folder = artifacts_dir(cfg.storage, cfg.artifacts)
-        store = artifact_store(folder)
+        kept = self._adopt(stored) if stored is not None else None
+        base = kept[0] if kept is not None else as_suite(cfg.base)
+        self.folder = artifacts_dir(cfg.storage, cfg.artifacts)
+        store = artifact_store(self.folder)
         check_export_target(cfg.export, cfg.policy_dir, cfg.study, cfg.force)
         self.out(
             f"search {cfg.space} policies for {describe_spec(base)} in {format_duration(self.budget.seconds)}; "
-            f"study '{cfg.study}' in {mask_url(cfg.storage)}"
-            + (" (resuming)" if stored is not None else "")
+            f"study '{cfg.study}' in {mask_url(cfg.storage)}" + (" (resuming)" if stored else "")
         )
 
+        gate_plan = GatePlan(gate_workloads(list(base.members)), GATE_STEPS)
+        proxies = [p for p in map(gate_proxy, gate_plan.workloads) if p is not None]
         with self.ledger.track("work:measure"):
-            timing = measure(
-                base.workload,
+            timings = measure_all(
+                [m.workload for m in base.members] + list(gate_plan.workloads) + proxies,
                 limit_s=max(1.0, min(0.25 * self.budget.seconds, self.budget.left())),
                 step_share_s=max(0.2, 0.01 * self.budget.seconds),
             )
-        self.say("measure", timing.describe())
-
-        rules = _rules_torch_first()
-        plan = self._plan(base, timing, rules, folder, reshape=stored is None)
-        study = self._open_study(storage, stored, plan, folder)
+        self.say("measure", timings.describe())
+        self.gate = NoHarmCheck(
+            gate_plan, self.folder, self.ledger, _scale_kw(base), progress=cfg.progress
+        )
+        plan = self._plan(base, timings, gate_plan, kept)
+        study = self._open_study(storage, stored, plan)
         plan = self.result.plan
-        spec = plan.spec
 
         with self.ledger.track("work:record"):
-            trace, stats = load_traces(
-                spec,
-                folder,
-                timing=timing,
-                stop_at=self.budget.end - validate_cost(spec, timing, 2),
+            traces, stats = load_traces(
+                plan.suite,
+                self.folder,
+                plan.trace_steps,
+                cost=lambda m, n: plan.timings.of(m.workload).run_s(n, record=True),
+                stop_at=self.budget.end - plan.validate_s - plan.gate_s,
                 progress=cfg.progress,
             )
-        timing = _refine(timing, stats)
-        n = len(trace.instances)
+        n = sum(len(m.instances["train"]) + len(m.instances["test"]) for m in plan.suite.members)
         self.say(
             "record",
-            f"{n} instances x {spec.episode.steps} real steps: {stats['recorded']} recorded "
+            f"{n} instances x {plan.trace_steps} real steps: {stats['recorded']} recorded "
             f"in {format_duration(stats['wall_s'])}, {stats['cached']} from the cache",
         )
 
         with tempfile.TemporaryDirectory(prefix="autoscale-search-") as tmp:
             workdir = Path(tmp)
             with self.ledger.track("work:replay"):
-                bench = ReplayBench(spec, trace)
+                bench = ReplayBench(plan.suite, traces)
             recorder = TrialRecorder(bench, store, self.ledger, workdir, self.warn)
-            self._search(study, plan, bench, recorder, timing, workdir)
-            validated = self._validate(study, plan, bench, store, timing, workdir)
-            self._finish(study, plan, validated, store, workdir)
+            validator = Validator(
+                study,
+                plan.validation,
+                self.ledger,
+                plan.timings,
+                worker=self.worker,
+                progress=cfg.progress,
+            )
+            self._rounds(study, plan, bench, recorder, validator, store, workdir)
         self.result.wall_s = self.budget.elapsed()
         return self.result
 
-    def _adopt(self, stored: Any) -> EnvSpec:
-        spec = wait_for_spec(stored)
+    def _adopt(self, stored: Any) -> tuple[SuiteSpec, SuiteSpec, int]:
+        kept = wait_for_plan(stored)
         if self.cfg.explicit:
-            check_workload(spec, self.cfg.base, self.cfg.study)
-        return spec
+            check_workload(kept[0], as_suite(self.cfg.base), self.cfg.study)
+        return kept
 
     def _plan(
-        self, base: EnvSpec, timing: Timing, rules: tuple[str, ...], folder: Path, *, reshape: bool
+        self,
+        base: SuiteSpec,
+        timings: Timings,
+        gate: GatePlan,
+        kept: tuple[SuiteSpec, SuiteSpec, int] | None,
     ) -> Plan:
+        def cached(shaped: SuiteSpec, steps: int) -> float:
+            return cached_share(
+                shaped,
+                self.folder,
+                steps,
+                lambda m, k: timings.of(m.workload).run_s(k, record=True),
+            )
+
         plan = make_plan(
             base,
-            timing,
+            timings,
             self.budget.left(),
+            gate=gate,
             space=self.cfg.space,
-            rules=rules,
-            cached=lambda s: cached_share(s, folder),
-            reshape=reshape,
+            rules=_rules_torch_first(),
+            cached_traces=cached,
+            cached_gate=self.gate.cached,
+            stored=kept,
         )
         self.say("plan", plan.describe())
         self.result.plan = plan
         return plan
 
-    def _open_study(self, storage: Any, stored: Any, plan: Plan, folder: Path) -> Any:
+    def _open_study(self, storage: Any, stored: Any, plan: Plan) -> Any:
         """Create the study (recording its plan), or load it; a worker that loses the race to
         create it adopts the winner's plan."""
         import optuna
@@ -275,72 +312,132 @@ class SearchRunner:
                 except optuna.exceptions.DuplicatedStudyError:  # another worker was faster
                     study = optuna.load_study(study_name=cfg.study, storage=storage, **kwargs)
                     self.say("plan", "another worker created the study first: adopting its plan")
-                    spec = wait_for_spec(study)
-                    self._plan(spec, plan.timing, plan.rules, folder, reshape=False)
+                    self._plan(plan.suite, plan.timings, plan.gate, wait_for_plan(study))
             study.set_user_attr(
                 f"worker:{self.worker}",
                 {
                     "command": cfg.command,
                     "budget_s": self.budget.seconds,
                     "started": time.time(),
-                    "timing": self.result.plan.to_dict()["timing"],
+                    "timing": self.result.plan.timings.to_dict(),
                 },
             )
         return study
 
-    # ------------------------------------------------------------------ search
-    def _search(self, study, plan: Plan, bench, recorder, timing: Timing, workdir: Path) -> None:
-        spec = plan.spec
-        names = [i.name for i in spec.instances["test"]]
-        with self.ledger.track("bk:attrs"):
-            attrs = study.user_attrs
-        pending = [r for r in plan.rules if len(real_cards(attrs, f"rule:{r}", names)) < len(names)]
-        # Validation's share: the candidate and every rule not yet validated (or, in a plan that
-        # cannot afford them all, the candidate and torch), plus room for more candidates. When
-        # the phases before ran slower than measured, the search still gets MIN_SEARCH_SHARE of
-        # the budget: validation adapts (a rule that no longer fits is shown on replay).
-        must = validate_cost(spec, timing, 1 + min(1, len(pending)))
-        need = validate_cost(
-            spec, timing, 1 + (len(pending) if plan.all_rules_real else min(1, len(pending)))
-        )
-        one = validate_cost(spec, timing, 1)
-        now, end = time.monotonic(), self.budget.end
-        extra = min((MAX_CANDIDATES - 1) * one, 0.15 * max(0.0, end - now - need))
-        floor = min(now + MIN_SEARCH_SHARE * self.budget.seconds, end - must)
-        stop = max(end - need - extra, floor)
-        if stop - now < 1.0:
-            self.say(
-                "search",
-                "no time left to search after validation's share; validating what the study has",
+    # ------------------------------------------------------------------ rounds
+    def _rounds(self, study, plan: Plan, bench, recorder, validator, store, workdir: Path) -> None:
+        """Search, validate, pick and export; then again while a round fits in the time left,
+        and the last slack goes to validating more candidates (see the module docstring)."""
+        validated: dict[str, Validated] = {}
+        factories: dict[str, Callable[[], Any]] = {
+            f"rule:{r}": (lambda r=r: bench.scaler(r)) for r in plan.rules
+        }
+        state = {"exported": None}
+        min_search = max(2.0, 0.02 * self.budget.seconds)
+        gate_s = 1.2 * self.gate.cost(plan.timings, GATE_CANDIDATES)
+        for round_no in range(1, MAX_ROUNDS + 1):
+            self.result.rounds = round_no
+            first = round_no == 1
+            # what this round leaves time for after its search: validating candidates (and, in
+            # the first round, the rules) and checking its pick
+            rules_left = [r for r in plan.rules if f"rule:{r}" not in validated]
+            n_rules = len(rules_left) if plan.all_rules_real else min(1, len(rules_left))
+            after = validator.cost(CANDIDATES_PER_ROUND + (n_rules if first else 0)) + gate_s
+            if not first and self.budget.left() < after + min_search:
+                self._tail(
+                    study, plan, bench, validator, store, workdir, validated, factories, state
+                )
+                break
+            self._search(study, plan, bench, recorder, self.budget.end - after, workdir, first)
+            new = self._validate(
+                study, plan, bench, validator, store, workdir, validated, factories, first
             )
+            if not self._pick(study, plan, validated, factories, store, workdir, state):
+                return
+            if not new and self._exhausted(study, plan):
+                self.result.stopped_early = (
+                    "every candidate of the study is validated and checked: nothing left to learn"
+                )
+                self.say(
+                    "export",
+                    f"stopping with {format_duration(self.budget.left())} left: "
+                    f"{self.result.stopped_early}",
+                )
+                return
+
+    def _tail(
+        self, study, plan, bench, validator, store, workdir, validated, factories, state
+    ) -> None:
+        """Less than a round is left: validate more of the best candidates in it, pick again, and
+        say what is left unused."""
+        new = self._validate(
+            study, plan, bench, validator, store, workdir, validated, factories, False
+        )
+        if new:
+            self._pick(study, plan, validated, factories, store, workdir, state)
+        left = self.budget.left()
+        if left > MIN_ROUND_SHARE * self.budget.seconds:
+            self.result.stopped_early = (
+                "less than a round is left (searching, then validating and checking candidates)"
+            )
+            self.say(
+                "export", f"stopping with {format_duration(left)} left: {self.result.stopped_early}"
+            )
+
+    def _pick(self, study, plan, validated, factories, store, workdir, state) -> bool:
+        """Rank, check, export what changed, report; False when torch has no validation."""
+        if "rule:torch" not in validated:
+            self.say(
+                "export",
+                "nothing exported: torch could not be validated on real steps in the budget",
+            )
+            return False
+        reference = validated["rule:torch"]
+        ranked = rank(validated, reference, plan.suite.reward)
+        chosen = self._choose(study, plan, ranked, factories, state)
+        if chosen is not None and chosen.key != state["exported"]:
+            self._export(study, plan, chosen, reference, store)
+            state["exported"] = chosen.key
+        self._report(study, plan, ranked, reference, state["exported"], workdir, store)
+        return True
+
+    def _exhausted(self, study, plan: Plan) -> bool:
+        """No trial to run (``--n-trials`` reached) and none left to validate."""
+        return self.cfg.n_trials is not None and sum(self.counts.values()) >= self.cfg.n_trials
+
+    # ------------------------------------------------------------------ search
+    def _search(
+        self, study, plan: Plan, bench, recorder, stop: float, workdir: Path, first: bool
+    ) -> None:
+        now = time.monotonic()
+        if stop - now < 1.0:
+            if first:
+                self.say(
+                    "search",
+                    "no time left to search after validation's share; validating what the study has",
+                )
             return
         t0 = time.monotonic()
+        before = dict(self.counts)
         if plan.space in ("parametric", "both"):
             objective_fn = ParametricObjective(bench, recorder, self.ledger, parametric_families())
             until = (
                 stop if plan.space == "parametric" else t0 + (1 - RL_SHARE_OF_BOTH) * (stop - t0)
             )
-            # the run without more trials: what is done, and validation's share after them
-            projected = self.budget.elapsed() + (end - stop)
-            self._trials(
-                study, objective_fn, until, bookkeeping_cap_s=BOOKKEEPING_SHARE * projected
-            )
+            self._trials(study, objective_fn, until)
         if plan.space in ("rl", "both"):
             objective_fn = RLObjective(
                 bench, recorder, self.ledger, stop_at=stop, seed=self.cfg.seed, workdir=workdir
             )
             self._trials(study, objective_fn, stop - RLObjective.MIN_TRIAL_S / 2)
-        c = self.counts
-        best = _best_line(study)
+        c = {k: self.counts[k] - before[k] for k in self.counts}
         self.say(
             "search",
             f"{sum(c.values())} trials in {format_duration(time.monotonic() - t0)} ({c['complete']} complete, "
-            f"{c['pruned']} pruned, {c['failed']} failed); {best}",
+            f"{c['pruned']} pruned, {c['failed']} failed); {_best_line(study)}",
         )
 
-    def _trials(
-        self, study, objective_fn, stop_at: float, *, bookkeeping_cap_s: float = float("inf")
-    ) -> None:
+    def _trials(self, study, objective_fn, stop_at: float) -> None:
         TrialLoop(
             study,
             self.ledger,
@@ -348,60 +445,71 @@ class SearchRunner:
             warn=self.warn,
             counts=self.counts,
             n_trials=self.cfg.n_trials,
-            bookkeeping_cap_s=bookkeeping_cap_s,
-            min_trials=len(parametric_families()) + 4,
             progress=self.cfg.progress,
         ).run(objective_fn, stop_at)
 
     # ------------------------------------------------------------------ validation
     def _validate(
-        self, study, plan: Plan, bench, store, timing: Timing, workdir: Path
-    ) -> dict[str, Validated]:
+        self, study, plan: Plan, bench, validator, store, workdir, validated, factories, first
+    ) -> bool:
+        """Validate torch, the best new candidates and the rules; True if anything new was."""
         import optuna
 
-        from autoscale.agents.evaluate import scaler_for
-
-        spec = plan.spec
         with self.ledger.track("bk:optuna"):
             complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        candidates = [
-            (f"trial:{t.number}", policy_label(t), factory)
-            for t, factory in top_candidates(
-                complete, spec, store, workdir, MAX_CANDIDATES, self.warn
-            )
-        ]
-        rules = [(f"rule:{r}", r, lambda r=r: scaler_for(r, spec)) for r in plan.rules]
-        order = candidates[:1] + rules + candidates[1:]
-        trials_by_key = {f"trial:{t.number}": t for t in complete}
-        validator = Validator(
-            study, spec, self.ledger, timing, worker=self.worker, progress=self.cfg.progress
+        done = {int(k.split(":")[1]) for k in validated if k.startswith("trial:")}
+        candidates = top_candidates(
+            complete, plan.suite, store, workdir, CANDIDATES_PER_ROUND, self.warn, skip=done
         )
+        trials = {t.number: t for t, _ in candidates}
+        order = []
+        for t, factory in candidates:
+            factories[f"trial:{t.number}"] = factory
+            order.append((f"trial:{t.number}", policy_label(t), factory))
+        rules = [
+            (f"rule:{r}", r, factories[f"rule:{r}"])
+            for r in plan.rules
+            if f"rule:{r}" not in validated
+        ]
+        # torch first (every objective is measured against it), then the best candidate, the
+        # other rules, the other candidates
+        order = rules[:1] + order[:1] + rules[1:] + order[1:]
+        if not order:
+            return False
         t0 = time.monotonic()
         results = validator.run(
             order,
-            self.budget.end,
-            on_done=lambda v: self._note_validated(study, trials_by_key.get(v.key), v, spec),
+            self.budget.end - 1.2 * self.gate.cost(plan.timings, 1),
+            on_done=lambda v: self._note_validated(
+                study, trials.get(int(v.key[6:])) if v.key.startswith("trial:") else None, v, plan
+            ),
         )
+        validated.update(results)
         n_cand = sum(1 for k in results if k.startswith("trial:"))
-        n_rules = sum(1 for k in results if k.startswith("rule:"))
+        n_rules = sum(1 for k in validated if k.startswith("rule:"))
         msg = (
-            f"{n_cand} candidate(s) and {n_rules} of {len(plan.rules)} built-in rules on {len(spec.instances['test'])} "
-            f"test instances x {spec.episode.steps} real steps in {format_duration(time.monotonic() - t0)}"
+            f"{n_cand} candidate(s); {n_rules} of {len(plan.rules)} built-in rules so far; on "
+            f"{len(validator.names)} test episodes x {plan.steps} real steps in {format_duration(time.monotonic() - t0)}"
         )
         if validator.skipped:
             msg += f"; no time left for: {' | '.join(validator.skipped)}"
+            validator.skipped.clear()
         self.say("validate", msg)
-        for key, label, factory in rules:  # rules without real steps: replay of the real test steps
-            if key not in results:
-                with self.ledger.track("work:replay"):
-                    cards, records = bench.run("test", factory)
-                names = bench.instances("test")
-                results[key] = Validated(
-                    key, label, [cards[n] for n in names], False, records[names[0]]
-                )
-        return results
+        if first:  # rules without real steps: replay of the test instances, marked so
+            for key, label, factory in rules:
+                if key not in validated:
+                    cards: dict[str, list] = {}
+                    with self.ledger.track("work:replay"):
+                        for m in bench.members:
+                            cards[m] = [
+                                bench.episode("test", factory, ep)[0]
+                                for ep in bench.member_episodes("test", m)
+                                if ep.offset == 0
+                            ]
+                    validated[key] = Validated(key, label, cards, False, None)
+        return bool(results)
 
-    def _note_validated(self, study, trial, v: Validated, spec: EnvSpec) -> None:
+    def _note_validated(self, study, trial, v: Validated, plan: Plan) -> None:
         if trial is None:
             return
         import optuna
@@ -412,93 +520,113 @@ class SearchRunner:
                 handle = optuna.trial.Trial(study, trial._trial_id)
                 body = get_note(handle)
                 body += (
-                    f"\n**Validated on real steps** of {len(v.cards)} test instances x {spec.episode.steps} steps: "
-                    f"objective {v.objective(spec.reward):.4f}.\n"
+                    f"\n**Validated on real steps** of {sum(len(c) for c in v.cards.values())} test "
+                    f"episodes x {plan.steps} steps.\n"
                 )
                 write_note(handle, body)
             except Exception as exc:
                 self.warn(f"could not update trial {trial.number}'s note: {exc}")
 
-    # ------------------------------------------------------------------ export and report
-    def _finish(
-        self, study, plan: Plan, validated: dict[str, Validated], store, workdir: Path
-    ) -> None:
-        from autoscale.scalers import get_scaler
-
-        cfg, spec, weights = self.cfg, plan.spec, plan.spec.reward
-        winner = None
-        try:
-            with self.ledger.track("bk:attrs"):
-                trial, cards, how = best_trial(study, spec)
-            winner = (trial, cards) if cards is not None else None
-        except ConfigError:
-            pass
-        own = None
-        if winner is None:
-            self.say("export", "nothing exported: no candidate completed validation on real steps")
-        else:
-            trial, cards = winner
-            label = f"{cfg.export} ({policy_label(trial)})"
-            where = f"real steps: {len(cards)} test episodes of {spec.episode.steps} steps"
-            with (
-                self.ledger.track("work:export"),
-                file_lock(
-                    artifacts_dir(cfg.storage, cfg.artifacts)
-                    / "locks"
-                    / f"export-{cfg.export}.lock"
-                ),
-            ):
-                path = export_trial(
-                    study,
-                    trial,
-                    cfg.export,
-                    spec=spec,
-                    store=store,
-                    out_dir=cfg.policy_dir,
-                    force=cfg.force,
-                    scorecard=card_summary(cards, weights, where),
-                    provenance={
-                        "storage": mask_url(cfg.storage),
-                        "searched_on": "replay of recorded real steps",
-                    },
-                )
-                get_scaler(str(path), device="cpu")  # it loads
-            self.result.exported, self.result.winner = path, label
+    # ------------------------------------------------------------------ pick and export
+    def _choose(
+        self, study, plan: Plan, ranked: list[Validated], factories, state
+    ) -> Validated | None:
+        best = ranked[0]
+        if best.key.startswith("rule:") and state.get("said_first") != best.key:
+            state["said_first"] = best.key
             self.say(
                 "export",
-                f"{path} ({policy_label(trial)}, {how}); use it with autoscale.get_scaler('{cfg.export}')",
+                f"the built-in rule '{best.label}' ranks first on the validation episodes: "
+                + (
+                    "it is the reference"
+                    if best.key == "rule:torch"
+                    else "exporting it (its defaults) if it does no harm"
+                ),
             )
-            mine = validated.get(f"trial:{trial.number}")
-            own = Validated(
-                f"trial:{trial.number}", label, cards, True, mine.records if mine else None
+        choice = choose(
+            study,
+            [v for v in ranked if v.real],
+            factories,
+            self.gate,
+            plan.timings,
+            self.ledger,
+            stop_at=self.budget.end,
+            say=lambda text: self.say("export", text),
+        )
+        for text in choice.unchecked:
+            if text not in state.setdefault("said_unchecked", set()):
+                state["said_unchecked"].add(text)
+                self.say("export", f"not checked: {text}")
+        if choice.winner is None and state.get("said_none") is None:
+            state["said_none"] = True
+            self.say(
+                "export",
+                "nothing exported: no validated candidate or rule passed the no-harm check",
             )
-        rows = comparison_rows(own, validated)
-        if not rows:
+        return choice.winner
+
+    def _export(self, study, plan: Plan, chosen: Validated, reference: Validated, store) -> None:
+        from autoscale.scalers import get_scaler
+
+        cfg = self.cfg
+        where = f"real steps: {sum(len(c) for c in chosen.cards.values())} test episodes of {plan.steps} steps"
+        summary = card_summary(chosen.cards, reference.cards, plan.suite.reward, where)
+        provenance = {
+            "storage": mask_url(cfg.storage),
+            "searched_on": "replay of recorded real steps",
+        }
+        with (
+            self.ledger.track("work:export"),
+            file_lock(self.folder / "locks" / f"export-{cfg.export}.lock"),
+        ):
+            kw = {
+                "out_dir": cfg.policy_dir,
+                "force": cfg.force,
+                "scorecard": summary,
+                "provenance": provenance,
+            }
+            if chosen.key.startswith("rule:"):
+                rule = chosen.key.split(":", 1)[1]
+                path = export_rule(study, rule, cfg.export, suite=plan.suite, **kw)
+                how = f"the built-in rule {rule} with its defaults"
+            else:
+                trial = study.trials[int(chosen.key.split(":", 1)[1])]
+                path = export_trial(study, trial, cfg.export, suite=plan.suite, store=store, **kw)
+                how = policy_label(trial)
+            get_scaler(str(path), device="cpu")  # it loads
+        self.result.exported, self.result.winner = path, f"{cfg.export} ({how})"
+        self.result.builtin = chosen.key.startswith("rule:")
+        self.say("export", f"{path} ({how}); use it with autoscale.get_scaler('{cfg.export}')")
+
+    def _report(self, study, plan: Plan, ranked, reference, winner, workdir: Path, store) -> None:
+        real = [v for v in ranked if v.real] + [v for v in ranked if not v.real]
+        table = comparison_table(real, reference, plan.validation, winner)
+        if not plan.suite.is_single:
+            table += "\n" + member_table(real, reference, plan.validation)
+        if table == self.result.table:
             return
-        self.result.table = comparison_table(rows, spec)
-        self.out(self.result.table)
+        self.result.table = table
+        self.out(table)
         with self.ledger.track("bk:notes"):
             try:
-                write_note(study, study_note(cfg.study, plan, self.result.table))
+                write_note(study, study_note(self.cfg.study, plan, table))
             except Exception as exc:
                 self.warn(f"could not update the study note: {exc}")
-        self._comparison_plot(study, rows, store, workdir)
+        self._comparison_plot(study, real[:4], workdir, store)
 
-    def _comparison_plot(self, study, rows: dict[str, Validated], store, workdir: Path) -> None:
+    def _comparison_plot(self, study, rows: list[Validated], workdir: Path, store) -> None:
         """A PNG of the real-step trajectories, kept as a study artifact, where time and the
         bookkeeping share (about 0.3 s a figure) allow."""
-        room = BOOKKEEPING_SHARE * self.budget.elapsed() - self.ledger.total("bk:")
-        if room < 0.5 or self.budget.left() + 0.5 * self.budget.reserve < 1.0:
+        if self.budget.left() + 0.5 * self.budget.reserve < 1.0:
             return
         from matplotlib.figure import Figure  # noqa: F401  (import outside the timed drawing)
 
         path = workdir / "comparison.png"
-        first = self.result.plan.spec.instances["test"][0].name
+        first = self.result.plan.validation.members[0]
+        title = f"{self.cfg.study}: {first.name} {first.instances['test'][0].name}, real steps"
         with self.ledger.track("bk:plots"):
             try:
-                drawn = draw_comparison(
-                    rows, path, f"{self.cfg.study}: test instance {first}, real steps"
-                )
+                drawn = draw_comparison(rows, path, title)
             except Exception as exc:
                 self.warn(f"could not draw the comparison: {exc}")
                 return
@@ -508,6 +636,11 @@ class SearchRunner:
                     store_artifact(store, path, study, "image/png")
                 except Exception as exc:
                     self.warn(f"could not store the comparison plot: {exc}")
+
+
+def _scale_kw(suite: SuiteSpec) -> dict[str, float]:
+    ep = suite.episode
+    return {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
 
 
 def _preload() -> None:
@@ -530,16 +663,6 @@ def _rules_torch_first() -> tuple[str, ...]:
     return tuple([REFERENCE_RULE] + [r for r in rules if r != REFERENCE_RULE])
 
 
-def _refine(timing: Timing, stats: dict[str, float]) -> Timing:
-    """The step time observed while recording, once there is enough of it."""
-    import dataclasses
-
-    if stats["steps"] < 8:
-        return timing
-    per = (stats["wall_s"] - stats["recorded"] * (timing.build_s + timing.eval_s)) / stats["steps"]
-    return dataclasses.replace(timing, step_s=max(per, 0.5 * timing.step_s))
-
-
 def _best_line(study: Any) -> str:
     try:
         best = study.best_trial
@@ -547,4 +670,4 @@ def _best_line(study: Any) -> str:
         return "no completed trial yet"
     p = best.user_attrs.get("policy", {})
     what = p.get("rule") or f"{p.get('algo')} agent"
-    return f"best: trial {best.number} ({what}), objective {best.value:.4f} on the train replay"
+    return f"best: trial {best.number} ({what}), objective {best.value:+.4f} on the train replay"

@@ -16,8 +16,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from autoscale.envs.spec import EnvSpec
-
 __all__ = [
     "KNOBS",
     "Knob",
@@ -106,9 +104,10 @@ def suggest_parametric(
     return rule, params
 
 
-def default_trial_params(rule: str, defaults: dict[str, Any], spec: EnvSpec) -> dict[str, Any]:
-    """The trial parameters of ``rule`` as the built-in rule is evaluated (for enqueueing)."""
-    values = {**defaults, "init_scale": spec.episode.init_scale}
+def default_trial_params(rule: str, defaults: dict[str, Any], episode: Any) -> dict[str, Any]:
+    """The trial parameters of ``rule`` as the built-in rule is evaluated (for enqueueing), with
+    the initial scale of ``episode`` (an :class:`~autoscale.envs.spec.EpisodeSpec`)."""
+    values = {**defaults, "init_scale": episode.init_scale}
     out: dict[str, Any] = {"rule": rule}
     for knob, k in _knobs(rule, defaults).items():
         out[_param_name(rule, knob, k)] = k.encode(values[knob])

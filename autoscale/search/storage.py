@@ -113,24 +113,40 @@ def open_storage(url: str, *, must_exist: bool = False) -> Any:
 
 
 _RACE = ("already exists", "unique constraint", "duplicate key", "database is locked")
+# Optuna's heartbeat: each running trial's worker writes one every HEARTBEAT_S; a trial whose
+# heartbeat is older than GRACE_S (its worker was killed) is failed by the next worker that starts a
+# trial, on any host. JournalFile storages have none (study.fail_stale_trials covers this host).
+HEARTBEAT_S, GRACE_S = 10, 60
 
 
 def _rdb(url: str, engine_kwargs: dict[str, Any], attempts: int = 5) -> Any:
-    """An RDBStorage; retried when workers starting together race to create its tables (one
-    sees 'table already exists' or a duplicate schema version)."""
+    """An RDBStorage with heartbeats; retried when workers starting together race to create its
+    tables (one sees 'table already exists' or a duplicate schema version)."""
     import random
     import time
 
     import optuna
 
+    def make() -> Any:
+        import warnings
+
+        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna 4 and 5
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=HEARTBEAT_S,
+                grace_period=GRACE_S,
+            )
+
     for _ in range(attempts - 1):
         try:
-            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+            return make()
         except Exception as exc:
             if not any(r in _reason(exc).lower() for r in _RACE):
                 raise
             time.sleep(0.2 + 0.3 * random.random())
-    return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+    return make()
 
 
 def _postgres_driver(url: str) -> str:

@@ -9,10 +9,10 @@ import socket
 import time
 from typing import Any
 
-from autoscale.envs.spec import EnvSpec
+from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import ConfigError
 from autoscale.search.budget import Ledger
-from autoscale.search.export import study_spec
+from autoscale.search.export import study_suites
 from autoscale.search.objective import OBJECTIVE_DOC
 from autoscale.search.plan import Plan
 from autoscale.search.space import default_trial_params, parametric_families
@@ -22,9 +22,10 @@ __all__ = [
     "describe_spec",
     "describe_new_study",
     "study_note",
-    "wait_for_spec",
+    "wait_for_plan",
     "check_workload",
     "fail_stale_trials",
+    "fail_worker_trials",
 ]
 
 
@@ -88,9 +89,19 @@ def _timed_pruner(inner: Any, ledger: Ledger) -> Any:
     return TimedPruner()
 
 
-def describe_spec(spec: EnvSpec) -> str:
-    wl = spec.workload
-    return f"{spec.name} ({wl.model}, {wl.scenario}, {wl.dtype})"
+def describe_spec(suite: SuiteSpec) -> str:
+    """``bad-batches (gpt2-tiny, bad-batches, fp16)``, or ``suite 'suite' (8 members: ...)``."""
+    if suite.is_single:
+        spec = suite.members[0]
+        wl = spec.workload
+        return f"{spec.name} ({wl.model}, {wl.scenario}, {wl.dtype})"
+    models = sorted({m.workload.model for m in suite.members})
+    scenarios = sorted({m.workload.scenario for m in suite.members})
+    left = f", {len(suite.left_out)} left out" if suite.left_out else ""
+    return (
+        f"suite '{suite.name}' ({len(suite.members)} members: {', '.join(models)} x "
+        f"{', '.join(scenarios)}{left})"
+    )
 
 
 def _versions() -> dict[str, str]:
@@ -113,7 +124,7 @@ def study_note(name: str, plan: Plan, table: str = "") -> str:
     """The study's markdown note: workload, objective, plan, and the final table once there."""
     text = [
         f"## {name}",
-        f"{describe_spec(plan.spec)}; objective: {OBJECTIVE_DOC}.",
+        f"{describe_spec(plan.suite)}; objective: {OBJECTIVE_DOC}.",
         "",
         f"Plan: {plan.describe()}".replace("\n", "  \n"),
     ]
@@ -130,41 +141,49 @@ def describe_new_study(study: Any, plan: Plan, *, command: str, budget: dict[str
     attrs = {
         "command": command,
         "versions": _versions(),
-        "workload": plan.spec.workload.to_dict(),
         "budget": budget,
         "plan": plan.to_dict(),
         "objective": OBJECTIVE_DOC,
-        "env_spec": plan.spec.to_dict(),  # last: joining workers wait for it
+        "validation": plan.validation.to_dict(),
+        "trace_steps": plan.trace_steps,
+        "suite": plan.suite.to_dict(),  # last: joining workers wait for it
     }
     for key, value in attrs.items():
         study.set_user_attr(key, value)
     if plan.space in ("parametric", "both"):
         for rule, defaults in parametric_families().items():
             study.enqueue_trial(
-                default_trial_params(rule, defaults, plan.spec), user_attrs={"baseline": True}
+                default_trial_params(rule, defaults, plan.suite.episode),
+                user_attrs={"baseline": True},
             )
     write_note(study, study_note(study.study_name, plan))
 
 
-def wait_for_spec(study: Any, timeout: float = 60.0) -> EnvSpec:
-    """The study's env spec, waiting for a worker that is creating the study to store it."""
+def wait_for_plan(study: Any, timeout: float = 60.0) -> tuple[SuiteSpec, SuiteSpec, int]:
+    """The study's planned suites, waiting for a worker that is creating the study to store them."""
     deadline = time.monotonic() + timeout
-    while "env_spec" not in study.user_attrs and time.monotonic() < deadline:
+    while "suite" not in study.user_attrs and time.monotonic() < deadline:
         time.sleep(0.5)
-    return study_spec(study)
+    return study_suites(study)
 
 
-def check_workload(stored: EnvSpec, asked: EnvSpec, study: str) -> None:
-    """Refuse to add trials of another workload to a study."""
-    mine, theirs = asked.workload.to_dict(), stored.workload.to_dict()
-    if mine != theirs:
-        diff = ", ".join(
-            f"{k}={theirs[k]!r} (asked {mine[k]!r})" for k in theirs if mine.get(k) != theirs[k]
-        )
+def check_workload(stored: SuiteSpec, asked: SuiteSpec, study: str) -> None:
+    """Refuse to add trials of other workloads to a study."""
+    theirs = {m.name: m.workload.to_dict() for m in stored.members}
+    mine = {m.name: m.workload.to_dict() for m in asked.members}
+    if set(mine) != set(theirs):
         raise ConfigError(
-            f"study '{study}' searches another workload: {diff}; use another --study, or drop "
-            "--env/--model/--scenario to join it"
+            f"study '{study}' searches members {sorted(theirs)}, not {sorted(mine)}; use another "
+            "--study, or drop --env/--model/--scenario to join it"
         )
+    for name, t in theirs.items():
+        m = mine[name]
+        if m != t:
+            diff = ", ".join(f"{k}={t[k]!r} (asked {m[k]!r})" for k in t if m.get(k) != t[k])
+            raise ConfigError(
+                f"study '{study}' searches another workload: {diff}; use another --study, or drop "
+                "--env/--model/--scenario to join it"
+            )
 
 
 def fail_stale_trials(study: Any, storage: Any) -> int:
@@ -188,3 +207,19 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def fail_worker_trials(study: Any, worker: str) -> int:
+    """Fail the running trials of ``worker`` (its ``worker`` user attribute): what an interrupted
+    worker could not tell itself."""
+    import contextlib
+
+    from optuna.trial import TrialState
+
+    n = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if t.user_attrs.get("worker") == worker:
+            with contextlib.suppress(Exception):  # finished meanwhile
+                study.tell(t.number, state=TrialState.FAIL)
+                n += 1
+    return n

@@ -1,12 +1,15 @@
 """Trials on replay: the parametric and the RL objective, and what each trial leaves in the study.
 
-A trial is tuned on the train instances' replay: it reports its running objective to the pruner
-as it goes (:func:`report_points`), and is also scored on the test instances' replay, for the
-record only.
-Every trial, pruned ones included, leaves its scorecards as user attributes, an SVG of its scale
-trajectories as an artifact, and a markdown note saying why it scored as it did, next to the
-``torch`` rule on the same instances. A trial whose training diverges is stopped and recorded as
-pruned (worse than any complete trial for the sampler); one that raises is failed by the loop.
+A trial is tuned on the train episodes' replay of every member of the suite: it reports its running
+objective to the pruner as it goes (:func:`report_points`), and is also scored on the test
+episodes' replay, for the record only. Every trial, pruned ones included, leaves a summary per
+member as user attributes; the complete trials among the best :data:`DETAILED_TOP` this worker has
+seen also leave an SVG of their scale trajectories as an artifact and a markdown note saying why
+they scored as they did, next to the ``torch`` rule on the same episodes (a note and a plot cost
+more storage time than a replayed trial: written for every trial, they would be most of the
+search's time). A trial whose
+training diverges is stopped and recorded as pruned (worse than any complete trial for the
+sampler); one that raises is failed by the loop.
 """
 
 from __future__ import annotations
@@ -22,11 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from autoscale.agents.evaluate import drive_episode, scaler_for
-from autoscale.envs.spec import EnvSpec
-from autoscale.envs.traces import Trace
+from autoscale.search.bench import REFERENCE_RULE, Episode, ReplayBench
 from autoscale.search.budget import Ledger
-from autoscale.search.objective import objective, objective_terms
+from autoscale.search.objective import mean_cost, objective_terms
 from autoscale.search.plots import trajectory_svg
 from autoscale.search.space import suggest_parametric, suggest_rl
 from autoscale.training.scorecard import Scorecard, json_safe
@@ -34,17 +35,17 @@ from autoscale.training.scorecard import Scorecard, json_safe
 __all__ = [
     "store_artifact",
     "write_note",
-    "ReplayBench",
     "TrialRecorder",
     "ParametricObjective",
     "RLObjective",
     "trial_note",
+    "member_summary",
     "worker_id",
     "REFERENCE_RULE",
 ]
 
-REFERENCE_RULE = "torch"
 POLICY_ARTIFACT = "policy.zip"
+DETAILED_TOP = 10  # complete trials ranking among this many best get a note and a plot
 
 
 def worker_id() -> str:
@@ -52,99 +53,84 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-class ReplayBench:
-    """Replay envs over the train and test instances of a trace, and the reference rule on them."""
-
-    def __init__(self, spec: EnvSpec, trace: Trace) -> None:
-        from autoscale.envs.replay_env import ReplayEnv
-
-        self.spec, self.trace = spec, trace
-        self.envs = {which: ReplayEnv(spec, trace, instances=which) for which in ("train", "test")}
-        self.reference = {
-            which: self.run(which, lambda: scaler_for(REFERENCE_RULE, spec))[0]
-            for which in self.envs
-        }
-
-    def instances(self, which: str) -> list[str]:
-        return [i.name for i in self.spec.instances[which]]
-
-    def episode(self, which: str, factory: Callable[[], Any], instance: str):
-        """(scorecard, records) of one replayed episode."""
-        return drive_episode(self.envs[which], factory(), instance)
-
-    def run(self, which: str, factory: Callable[[], Any]):
-        """({instance: scorecard}, {instance: records}) over a whole set."""
-        cards, records = {}, {}
-        for name in self.instances(which):
-            cards[name], records[name] = self.episode(which, factory, name)
-        return cards, records
-
-    def thresholds(self, instance: str) -> list[float]:
-        return self.trace.instance(instance).threshold[: self.spec.episode.steps].tolist()
-
-
 def _pct(x: float) -> str:
     return f"{100 * x:.2f}%" if math.isfinite(x) else "n/a"
+
+
+def member_summary(
+    cards: dict[str, list[Scorecard]], reference: dict[str, list[Scorecard]], weights: Any
+) -> dict[str, dict[str, float]]:
+    """Member -> mean skip rate, precision loss and cost of ``cards``, torch's, and the regret."""
+    out = {}
+    for m, cs in cards.items():
+        ref = reference[m][: len(cs)]
+        n = len(cs)
+        out[m] = {
+            "episodes": n,
+            "skip_rate": math.fsum(c.skip_rate for c in cs) / n,
+            "precision_loss": math.fsum(_finite(c.precision_loss) for c in cs) / n,
+            "torch_skip_rate": math.fsum(c.skip_rate for c in ref) / n,
+            "torch_precision_loss": math.fsum(_finite(c.precision_loss) for c in ref) / n,
+            "regret": mean_cost(cs, weights) - mean_cost(ref, weights),
+        }
+    return out
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 1.0
 
 
 def trial_note(
     title: str,
     policy: str,
-    cards: dict[str, Scorecard],
-    reference: dict[str, Scorecard],
+    cards: dict[str, list[Scorecard]],
+    reference: dict[str, list[Scorecard]],
     weights: Any,
     *,
     total: int,
     test_objective: float | None = None,
-    test_reference: float | None = None,
 ) -> str:
-    """Markdown: the objective, its terms next to the reference rule's on the same instances, and
-    a table per instance. ``total``: train instances a complete trial is scored on."""
-    t = objective_terms(cards.values(), weights)
-    ref = objective_terms([reference[k] for k in cards], weights)
+    """Markdown: the objective, what it is made of, and a row per member next to ``torch`` on the
+    same episodes. ``total``: train episodes a complete trial is scored on."""
+    ref = {m: reference[m][: len(c)] for m, c in cards.items()}
+    t = objective_terms(cards, ref, weights)
+    done = sum(len(c) for c in cards.values())
+    where = f"{done} of {total} train episodes" if done < total else f"{total} train episodes"
     lines = [f"### {title}", f"`{policy}`", ""]
-    where = (
-        f"{len(cards)} of {total} train instances"
-        if len(cards) < total
-        else f"{total} train instances"
+    lines.append(
+        f"**objective {t['objective']:+.4f}** on {where} (replay; 0 = `{REFERENCE_RULE}`, lower is "
+        f"better): mean regret {t['mean_regret']:+.4f}, worst {t['worst_regret']:+.4f} on "
+        f"`{t['worst_member']}`."
     )
     lines.append(
-        f"**objective {t['objective']:.4f}** on {where} (replay); "
-        f"`{REFERENCE_RULE}` on the same: {ref['objective']:.4f} (lower is better)."
+        f"It skipped {_pct(t['skip_rate'])} of steps ({REFERENCE_RULE}: {_pct(t['reference_skip_rate'])}) and "
+        f"lost precision on {_pct(t['precision_loss'])} of gradient elements ({REFERENCE_RULE}: "
+        f"{_pct(t['reference_precision_loss'])})."
     )
-    terms = {"skipped steps": t["skip_term"], "precision loss": t["precision_term"]}
-    if t["divergence_term"]:
-        terms["divergence"] = t["divergence_term"]
-    main = max(terms, key=terms.get)
-    lines.append(
-        f"It skipped {_pct(t['skip_rate'])} of steps ({REFERENCE_RULE}: {_pct(ref['skip_rate'])}) and lost "
-        f"precision on {_pct(t['precision_loss'])} of gradient elements ({REFERENCE_RULE}: "
-        f"{_pct(ref['precision_loss'])}); most of its cost comes from {main}."
-    )
-    diverged = [k for k, c in cards.items() if c.diverged]
+    diverged = [m for m, cs in cards.items() if any(c.diverged for c in cs)]
     if diverged:
         lines.append(f"Training diverged on {', '.join(diverged)}: the trial was stopped there.")
-    elif len(cards) < total:
+    elif done < total:
         lines.append(
-            f"Pruned after {len(cards)} of {total} instances: its running objective was worse than "
+            f"Pruned after {done} of {total} episodes: its running objective was worse than "
             "the median of earlier trials at that point."
         )
     lines += [
         "",
-        f"| instance | skip rate | precision loss | {REFERENCE_RULE} skip rate | {REFERENCE_RULE} precision loss |",
-        "|---|---|---|---|---|",
+        f"| member | skip rate | precision loss | {REFERENCE_RULE} skip rate | "
+        f"{REFERENCE_RULE} precision loss | regret |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, c in cards.items():
-        r = reference[name]
+    for m, row in member_summary(cards, ref, weights).items():
         lines.append(
-            f"| {name} | {_pct(c.skip_rate)} | {_pct(c.precision_loss)} | {_pct(r.skip_rate)} | "
-            f"{_pct(r.precision_loss)} |"
+            f"| {m} | {_pct(row['skip_rate'])} | {_pct(row['precision_loss'])} | "
+            f"{_pct(row['torch_skip_rate'])} | {_pct(row['torch_precision_loss'])} | "
+            f"{row['regret']:+.4f} |"
         )
     if test_objective is not None:
         lines += [
             "",
-            f"Test instances (replay; never used for tuning): objective {test_objective:.4f} "
-            f"({REFERENCE_RULE}: {test_reference:.4f}).",
+            f"Test episodes (replay; never used for tuning): objective {test_objective:+.4f}.",
         ]
     return "\n".join(lines) + "\n"
 
@@ -182,51 +168,55 @@ class TrialRecorder:
         *,
         policy: dict[str, Any],
         policy_text: str,
-        cards: dict[str, Scorecard],
+        cards: dict[str, list[Scorecard]],
         records: dict[str, list],
-        test_cards: dict[str, Scorecard] | None = None,
+        test_cards: dict[str, list[Scorecard]] | None = None,
+        detailed: bool = True,
     ) -> None:
-        bench, weights = self.bench, self.bench.spec.reward
-        test_obj = objective(test_cards.values(), weights) if test_cards else None
+        """Store the trial's summary; with ``detailed``, its plot and note too."""
+        bench, weights = self.bench, self.bench.suite.reward
+        test_obj = bench.objective("test", test_cards) if test_cards else None
+        ref = bench.reference_for("train", cards)
+        terms = objective_terms(cards, ref, weights)
         attrs = {
             "policy": policy,
-            "scorecards": {k: c.to_dict() for k, c in cards.items()},
-            "objective_terms": objective_terms(cards.values(), weights),
+            "members": member_summary(cards, ref, weights),
+            "objective_terms": {k: v for k, v in terms.items() if k != "regrets"},
         }
         if test_cards:
             attrs["test_replay"] = {
                 "objective": test_obj,
-                "scorecards": {k: c.to_dict() for k, c in test_cards.items()},
+                "members": member_summary(test_cards, bench.reference["test"], weights),
             }
         with self.ledger.track("bk:attrs"):
             for key, value in attrs.items():
                 self._guard(
                     "scorecards", lambda k=key, v=value: trial.set_user_attr(k, json_safe(v))
                 )
+        if not detailed:
+            return
         kind = policy.get("rule") or f"{policy.get('algo')} agent"
         title = f"Trial {trial.number}: {kind}"
         with self.ledger.track("bk:plots"):
-            svg = trajectory_svg(
-                [(name, records[name], bench.thresholds(name)) for name in cards],
-                f"trial {trial.number}: {policy_text}",
-            )
+            panels = []
+            for member in cards:  # the first episode of each member
+                ep = bench.member_episodes("train", member)[0]
+                if ep.key in records:
+                    panels.append((member, records[ep.key], bench.thresholds(ep)))
+            svg = trajectory_svg(panels, f"trial {trial.number}: {policy_text}")
             path = self.workdir / f"trial-{trial.number}-scale.svg"
             path.write_text(svg)
         with self.ledger.track("bk:artifacts"):
             self._guard("plot", lambda: store_artifact(self.store, path, trial, "image/svg+xml"))
         path.unlink(missing_ok=True)
-        ref_test = bench.reference["test"]
         note = trial_note(
             title,
             policy_text,
             cards,
             bench.reference["train"],
             weights,
-            total=len(bench.instances("train")),
+            total=len(bench.episodes["train"]),
             test_objective=test_obj,
-            test_reference=objective([ref_test[k] for k in test_cards], weights)
-            if test_cards
-            else None,
         )
         with self.ledger.track("bk:notes"):
             self._guard("note", lambda: write_note(trial, note))
@@ -278,29 +268,44 @@ class _Objective:
 
     def __init__(self, bench: ReplayBench, recorder: TrialRecorder, ledger: Ledger) -> None:
         self.bench, self.recorder, self.ledger = bench, recorder, ledger
+        self.values: list[float] = []  # objectives of the complete trials seen here
+
+    def _ranks_high(self, value: float) -> bool:
+        better = sum(1 for v in self.values if v < value)
+        self.values.append(value)
+        return better < DETAILED_TOP
 
     def score(self, trial: Any, factory: Callable[[], Any], policy: dict, text: str) -> float:
         import optuna
 
-        weights = self.bench.spec.reward
-        cards, records = {}, {}
-        names = self.bench.instances("train")
-        checkpoints = report_points(len(names))
-        for i, name in enumerate(names, 1):
+        bench = self.bench
+        cards: dict[str, list[Scorecard]] = {}
+        records: dict[str, list] = {}
+        episodes: list[Episode] = bench.episodes["train"]
+        checkpoints = report_points(len(episodes))
+        for i, ep in enumerate(episodes, 1):
             with self.ledger.track("work:replay"):
-                cards[name], records[name] = self.bench.episode("train", factory, name)
-            diverged = cards[name].diverged
-            if i not in checkpoints and not diverged:
+                card, recs = bench.episode("train", factory, ep)
+            cards.setdefault(ep.member, []).append(card)
+            if ep.offset == 0:
+                records[ep.key] = recs
+            if i not in checkpoints and not card.diverged:
                 continue
-            trial.report(objective(cards.values(), weights), i)
-            if diverged or trial.should_prune():  # a diverging policy is not run further
+            trial.report(bench.objective("train", cards), i)
+            if card.diverged or trial.should_prune():  # a diverging policy is not run further
                 self.recorder.record(
-                    trial, policy=policy, policy_text=text, cards=cards, records=records
+                    trial,
+                    policy=policy,
+                    policy_text=text,
+                    cards=cards,
+                    records=records,
+                    detailed=card.diverged,
                 )
-                why = f"diverged on {name}" if diverged else "pruned"
-                raise optuna.TrialPruned(f"{why} after {i} of {len(names)} instances")
+                why = f"diverged on {ep.instance}" if card.diverged else "pruned"
+                raise optuna.TrialPruned(f"{why} after {i} of {len(episodes)} episodes")
         with self.ledger.track("work:replay"):
-            test_cards, _ = self.bench.run("test", factory)
+            test_cards, _ = bench.run("test", factory)
+        value = bench.objective("train", cards)
         self.recorder.record(
             trial,
             policy=policy,
@@ -308,8 +313,9 @@ class _Objective:
             cards=cards,
             records=records,
             test_cards=test_cards,
+            detailed=self._ranks_high(value),
         )
-        return objective(cards.values(), weights)
+        return value
 
 
 class ParametricObjective(_Objective):
@@ -321,10 +327,9 @@ class ParametricObjective(_Objective):
 
     def __call__(self, trial: Any) -> float:
         rule, params = suggest_parametric(trial, self.families)
-        spec = self.bench.spec
         policy = {"kind": "parametric", "rule": rule, "params": params}
         return self.score(
-            trial, lambda: scaler_for(rule, spec, **params), policy, describe_params(rule, params)
+            trial, lambda: self.bench.scaler(rule, **params), policy, describe_params(rule, params)
         )
 
 
@@ -346,18 +351,24 @@ class RLObjective(_Objective):
     def __call__(self, trial: Any) -> float:
         from autoscale.agents.train import export_agent, train_agent
 
-        spec, trace = self.bench.spec, self.bench.trace
-        cfg = suggest_rl(trial, spec.episode.action.mode)
-        train = spec.instances["train"]
+        suite, traces = self.bench.suite, self.bench.traces
+        cfg = suggest_rl(trial, suite.episode.action.mode)
+
+        def held_out(member):  # one train instance selects the agent; the test set stays unseen
+            train = member.instances["train"]
+            return dataclasses.replace(
+                member,
+                instances={"train": train[:-1], "test": train[-1:]},
+                reward=dataclasses.replace(
+                    member.reward, precision=member.reward.precision * cfg["precision_x"]
+                ),
+            )
+
         rl_spec = dataclasses.replace(
-            spec,
-            instances={"train": train[:-1], "test": train[-1:]},
-            reward=dataclasses.replace(
-                spec.reward, precision=spec.reward.precision * cfg["precision_x"]
-            ),
+            suite, members=tuple(held_out(m) for m in suite.members), left_out=()
         )
         seconds = self.trial_seconds()
-        timesteps = max(4 * spec.episode.steps, int(self.rate * seconds))
+        timesteps = max(4 * suite.episode.steps, int(self.rate * seconds))
         folder = Path(tempfile.mkdtemp(dir=self.workdir, prefix=f"trial-{trial.number}-"))
         try:
             with self.ledger.track("work:rl"):
@@ -366,7 +377,7 @@ class RLObjective(_Objective):
                     rl_spec,
                     cfg["algo"],
                     timesteps,
-                    replay=trace,
+                    replay=traces,
                     seed=self.seed + trial.number,
                     hyperparams=cfg["hyperparams"],
                     deadline=t0 + seconds,
@@ -374,7 +385,7 @@ class RLObjective(_Objective):
                 done = int(getattr(result.model, "num_timesteps", timesteps))
                 self.rate = max(50.0, done / max(1e-3, time.monotonic() - t0))
                 path = export_agent(
-                    result.model, rl_spec, "policy", export_dir=folder, replay=trace
+                    result.model, rl_spec, "policy", export_dir=folder, replay=traces
                 )
             with self.ledger.track("bk:artifacts"):
                 archive = shutil.make_archive(str(folder / "policy"), "zip", path)
@@ -390,6 +401,6 @@ class RLObjective(_Objective):
                 "artifact_id": artifact,
             }
             text = describe_params(cfg["algo"], {**cfg["hyperparams"], "steps": done})
-            return self.score(trial, lambda: scaler_for(str(path), spec), policy, text)
+            return self.score(trial, lambda: self.bench.scaler(str(path)), policy, text)
         finally:
             shutil.rmtree(folder, ignore_errors=True)

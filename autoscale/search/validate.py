@@ -1,12 +1,13 @@
-"""Validation on real steps of the test instances, shared by every worker of a study.
+"""Validation on real steps of the test instances of every member, shared by every worker of a study.
 
 The real-step episodes of a scaler (``rule:NAME`` or ``trial:NUMBER``) are stored in the study's
-user attributes under ``real:SCALER`` as ``{"cards": {instance: scorecard}}``: written when the
-scaler is done, and at least every :data:`FLUSH_S` seconds before that, so an interrupt loses at
+user attributes under ``real:SCALER`` as ``{"cards": {MEMBER:INSTANCE: scorecard}}``: written when
+the scaler is done, and at least every :data:`FLUSH_S` seconds before that, so an interrupt loses at
 most that much work, and a resumed search or another worker never repeats an episode stored:
 built-in rules are validated once per study. A scaler is started only when all its remaining
-episodes fit before the deadline (measured step time, 20% margin), so validation ends in budget
-and every validated scaler has the full test set.
+episodes fit before the deadline (measured step times, 20% margin), so validation ends in budget
+and every validated scaler has the full test set. Candidates and built-in rules are scored on
+exactly these episodes, against ``torch`` on the same ones.
 """
 
 from __future__ import annotations
@@ -16,99 +17,123 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoscale.envs.spec import EnvSpec
+from autoscale.envs.suite import SuiteSpec
 from autoscale.search.budget import Ledger
 from autoscale.search.objective import objective
-from autoscale.search.plan import Timing
+from autoscale.search.plan import Timings
 from autoscale.training.scorecard import Scorecard, json_safe
 
-__all__ = ["Validated", "Validator", "real_cards", "validated_trials"]
+__all__ = ["Validated", "Validator", "real_cards", "validated_trials", "by_member", "PREFIX"]
 
 PREFIX = "real:"
 FLUSH_S = 5.0
 
 
 def real_cards(attrs: dict[str, Any], scaler: str, names: Sequence[str]) -> dict[str, Scorecard]:
-    """The stored real-step scorecards of ``scaler`` among the instances ``names``."""
+    """The stored real-step scorecards of ``scaler`` among the episodes ``names``."""
     stored = (attrs.get(PREFIX + scaler) or {}).get("cards", {})
     return {n: Scorecard.from_dict(stored[n]) for n in names if n in stored}
 
 
+def by_member(cards: dict[str, Scorecard], names: Sequence[str]) -> dict[str, list[Scorecard]]:
+    """``MEMBER:INSTANCE`` -> card, as member -> cards in the order of ``names``."""
+    from autoscale.envs.suite_env import split_instance
+
+    out: dict[str, list[Scorecard]] = {}
+    for n in names:
+        out.setdefault(split_instance(n)[0], []).append(cards[n])
+    return out
+
+
 @dataclass
 class Validated:
-    """A scaler scored on every test instance.
+    """A scaler scored on every test episode of every member.
 
     Attributes:
         key: ``rule:NAME`` or ``trial:NUMBER``.
         label: Row name in tables.
-        cards: One scorecard per test instance, in the spec's order.
+        cards: Member -> one scorecard per test instance, in the suite's order.
         real: Real steps (False: replay of the recorded real test steps).
         records: Step records of this worker's episode on the first test instance, if it ran it.
     """
 
     key: str
     label: str
-    cards: list[Scorecard]
+    cards: dict[str, list[Scorecard]]
     real: bool = True
     records: list | None = None
 
-    def objective(self, weights: Any) -> float:
-        return objective(self.cards, weights)
+    def objective(self, reference: Validated, weights: Any) -> float:
+        """The objective against ``reference`` (``torch``'s validation) on the same episodes."""
+        return objective(self.cards, reference.cards, weights)
+
+    def all_cards(self) -> list[Scorecard]:
+        return [c for cs in self.cards.values() for c in cs]
 
 
-def validated_trials(study: Any, spec: EnvSpec) -> dict[int, list[Scorecard]]:
-    """Trial number -> its real-step scorecards, for every trial validated on all test instances
-    of ``spec`` by any worker."""
+def validated_trials(study: Any, validation: SuiteSpec) -> dict[int, dict[str, list[Scorecard]]]:
+    """Trial number -> its real-step scorecards by member, for every trial validated on every test
+    episode of ``validation`` by any worker."""
+    from autoscale.envs.suite_env import suite_instances
+
     attrs = study.user_attrs
-    names = [i.name for i in spec.instances["test"]]
+    names = suite_instances(validation, "test")
     out = {}
     for key in attrs:
         number = key[len(PREFIX + "trial:") :]
         if key.startswith(PREFIX + "trial:") and number.isdigit():
             cards = real_cards(attrs, f"trial:{number}", names)
             if len(cards) == len(names):
-                out[int(number)] = [cards[n] for n in names]
+                out[int(number)] = by_member(cards, names)
     return dict(sorted(out.items()))
 
 
 class Validator:
-    """Runs scalers on real steps of the test instances, within a deadline.
+    """Runs scalers on real steps of the test episodes of a suite, within a deadline.
 
     Args:
         study: The study whose user attributes keep the episodes.
-        spec: The plan's env spec (its test instances are validated).
-        timing: Measured costs; the episode time is refined by every episode run here.
+        validation: The plan's validation suite (its members' test instances are run).
+        timings: Measured costs; each member's episode time is refined by every episode run here.
     """
 
     def __init__(
         self,
         study: Any,
-        spec: EnvSpec,
+        validation: SuiteSpec,
         ledger: Ledger,
-        timing: Timing,
+        timings: Timings,
         *,
         worker: str,
         progress: bool = False,
     ) -> None:
-        from autoscale.envs.loss_scale_env import LossScaleEnv
+        from autoscale.envs.suite_env import SuiteEnv, split_instance
 
-        self.study, self.spec, self.ledger, self.worker = study, spec, ledger, worker
+        self.study, self.validation, self.ledger, self.worker = study, validation, ledger, worker
         self.progress = progress
-        self.env = LossScaleEnv(spec, instances="test")
-        self.names = [i.name for i in spec.instances["test"]]
-        self.starts = {i.name: i.start for i in spec.instances["test"]}
-        self.episode_s = spec.episode.steps * timing.step_s + timing.eval_s
-        self.timing = timing
+        self.env = SuiteEnv(validation, "test")
+        self.names = list(self.env.instance_names)
+        self.timings = timings
+        steps = validation.episode.steps
+        self.episode_s: dict[str, float] = {}
+        self.setup_s: dict[str, float] = {}
+        for name, (member, inst) in zip(self.names, self.env.pairs):
+            t = timings.of(validation.member(member).workload)
+            self.episode_s[name] = steps * t.step_s + t.eval_s
+            self.setup_s[name] = t.build_s + inst.start * t.step_s
+        self._split = split_instance
         self.prepared: set[str] = set()
         self.skipped: list[str] = []
 
     def _cost(self, todo: list[str]) -> float:
         """Estimated seconds of ``todo`` episodes, with a 20% margin for noisy step times."""
-        t = self.timing
         return 1.2 * sum(
-            self.episode_s + (0.0 if n in self.prepared else t.build_s + self.starts[n] * t.step_s)
-            for n in todo
+            self.episode_s[n] + (0.0 if n in self.prepared else self.setup_s[n]) for n in todo
         )
+
+    def cost(self, scalers: int) -> float:
+        """Estimated seconds to validate ``scalers`` more scalers on every episode."""
+        return self._cost(list(self.names)) + (scalers - 1) * 1.2 * sum(self.episode_s.values())
 
     def run(
         self,
@@ -147,7 +172,7 @@ class Validator:
                         flushed = time.monotonic()
                     if bar is not None:
                         bar.update(1)
-                out[key] = Validated(key, label, [cards[n] for n in self.names], True, records)
+                out[key] = Validated(key, label, by_member(cards, self.names), True, records)
                 if on_done is not None and todo:
                     on_done(out[key])
         finally:
@@ -160,12 +185,14 @@ class Validator:
 
         with self.ledger.track("work:validate"):
             if name not in self.prepared:
-                (inst,) = self.spec.instance_set([name])
-                self.env.prepare(inst)
+                member, inst = self._split(name)
+                env = self.env.envs[member]
+                (spec,) = env.env_spec.instance_set([inst])
+                env.prepare(spec)
                 self.prepared.add(name)
             t0 = time.monotonic()
             result = drive_episode(self.env, factory(), name)
-            self.episode_s = 0.5 * self.episode_s + 0.5 * (time.monotonic() - t0)
+            self.episode_s[name] = 0.5 * self.episode_s[name] + 0.5 * (time.monotonic() - t0)
         return result
 
     def _store(self, key: str, cards: dict[str, Scorecard]) -> None:

@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from autoscale.envs.spec import EnvSpec, InstanceSpec, load_env_spec, spec_dirs
+from autoscale.envs.spec import EnvSpec, InstanceSpec, spec_dirs
+from autoscale.envs.suite import SuiteSpec, load_spec
+from autoscale.errors import ConfigError
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_SCENARIO", "base_spec", "default_study_name"]
 
@@ -22,8 +24,8 @@ def _template(scenario: str) -> EnvSpec | None:
     files = [f for d in spec_dirs() if d.is_dir() for f in sorted(d.glob("*.yaml"))]
     files.sort(key=lambda f: f.stem != scenario)
     for f in files:
-        spec = load_env_spec(f)
-        if spec.workload.scenario == scenario:
+        spec = load_spec(f)
+        if isinstance(spec, EnvSpec) and spec.workload.scenario == scenario:
             return spec
     return None
 
@@ -35,10 +37,15 @@ def base_spec(
     scenario: str | None = None,
     params: dict[str, Any] | None = None,
     dtype: str | None = None,
-) -> EnvSpec:
-    """The spec to search: ``env`` with any workload field given here replacing its own; else the
-    spec of ``scenario`` (default bad-batches) from ``envs/`` with ``model`` (default gpt2-tiny),
-    or a default spec (episodes of 32 steps, 3 train and 3 test instances) where none matches."""
+) -> EnvSpec | SuiteSpec:
+    """The spec to search: ``env`` (an env spec or a suite) with any workload field given here
+    replacing its own (every member's, for ``dtype`` on a suite); else the spec of ``scenario``
+    (default bad-batches) from ``envs/`` with ``model`` (default gpt2-tiny), or a default spec
+    (3 train and 3 test instances) where none matches.
+
+    Raises:
+        ConfigError: ``--model``/``--scenario``/``--param`` with a suite (its members name them).
+    """
     from autoscale.training import WorkloadSpec
 
     changes: dict[str, Any] = {}
@@ -52,7 +59,18 @@ def base_spec(
     if dtype is not None:
         changes["dtype"] = dtype
     if env is not None:
-        spec = load_env_spec(env)
+        spec = load_spec(env)
+        if isinstance(spec, SuiteSpec):
+            if set(changes) - {"dtype"}:
+                raise ConfigError(
+                    f"--model, --scenario and --param do not apply to the suite '{spec.name}' "
+                    "(its members name their workloads); edit the suite, or search one env spec"
+                )
+            if dtype is None:
+                return spec
+            return spec.replace_members(
+                lambda m: dataclasses.replace(m, workload=m.workload.replace(dtype=dtype))
+            )
         return (
             dataclasses.replace(spec, workload=spec.workload.replace(**changes))
             if changes
@@ -74,8 +92,11 @@ def base_spec(
     return EnvSpec(scenario, workload, instances=instances)
 
 
-def default_study_name(spec: EnvSpec, space: str) -> str:
-    """``MODEL-SCENARIO-SPACE``, usable as a policy name too."""
+def default_study_name(spec: EnvSpec | SuiteSpec, space: str) -> str:
+    """``MODEL-SCENARIO-SPACE`` (``SUITE-SPACE`` for a suite), usable as a policy name too."""
+    if isinstance(spec, SuiteSpec):
+        name = f"{spec.name}-{space}"
+        return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "search"
     wl = spec.workload
     name = f"{Path(wl.model).name if '/' not in wl.model else wl.model}-{wl.scenario}-{space}"
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "search"

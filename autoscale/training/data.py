@@ -229,3 +229,51 @@ class MixtureStream(BatchStream):
         return logp.gather(-1, y[:, None]).squeeze(-1), logp.gather(
             -1, ((y + 1) % self.classes)[:, None]
         ).squeeze(-1)
+
+
+class LowRankStream(BatchStream):
+    """A fixed low-rank vector data set, for the ``autoencoder`` preset (no labels, no text).
+
+    Each example is ``A z + 0.1 noise`` with ``z`` ~ N(0, I) in ``rank`` dimensions and a fixed
+    ``A`` (``features`` x ``rank``, generator seed 4321), so an autoencoder with a ``rank``-wide
+    code can reconstruct it up to the noise. The loss is the mean squared reconstruction error;
+    the "log-probability" of an example (preference scenario) is minus its per-example squared
+    error, and its dispreferred counterpart is the reconstruction measured against the example's
+    features reversed, which a good model gets wrong.
+    """
+
+    DATA_SEED = 4321
+
+    def __init__(
+        self,
+        *,
+        features: int = 64,
+        rank: int = 8,
+        n_train: int = 16384,
+        n_eval: int = 2048,
+        **kw: Any,
+    ) -> None:
+        super().__init__(**kw)
+        gen = torch.Generator().manual_seed(self.DATA_SEED)
+        basis = torch.randn(features, rank, generator=gen) / rank**0.5
+        codes = torch.randn(n_train + n_eval, rank, generator=gen)
+        data = codes @ basis.T + 0.1 * torch.randn(n_train + n_eval, features, generator=gen)
+        self.train_x, self.eval_x = data[:n_train], data[n_train:]
+
+    def _train_batch(self, gen: torch.Generator) -> torch.Tensor:
+        idx = torch.randint(0, len(self.train_x), (self.batch_size,), generator=gen)
+        return self.train_x[idx].to(self.device, non_blocking=True)
+
+    def _eval_batches(self) -> list[torch.Tensor]:
+        out = []
+        for i in range(self.n_eval_batches):
+            idx = torch.arange(i * self.batch_size, (i + 1) * self.batch_size) % len(self.eval_x)
+            out.append(self.eval_x[idx].to(self.device))
+        return out
+
+    def loss(self, model, batch):
+        return F.mse_loss(model(batch).float(), batch)
+
+    def preference_logprobs(self, model, batch):
+        recon = model(batch).float()
+        return -(recon - batch).square().mean(-1), -(recon - batch.flip(-1)).square().mean(-1)

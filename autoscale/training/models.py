@@ -1,8 +1,9 @@
 """Model presets and loading of local Hugging Face causal LMs (never downloads anything).
 
 Presets: ``gpt2`` (GPT-2 124M architecture), ``gpt2-medium`` (355M), ``gpt2-tiny`` (2 layers,
-width 64, 2 heads, byte vocabulary: the CPU default) and ``mlp`` (a small classifier on a fixed
-Gaussian mixture, see :class:`~autoscale.training.data.MixtureStream`). Any other name is a Hugging
+width 64, 2 heads, byte vocabulary: the CPU default), ``mlp`` (a small classifier on a fixed
+Gaussian mixture, see :class:`~autoscale.training.data.MixtureStream`) and ``autoencoder`` (an MLP
+autoencoder on fixed low-rank vectors, :class:`~autoscale.training.data.LowRankStream`). Any other name is a Hugging
 Face causal-LM id or a local model folder, usable when its files are on this machine.
 """
 
@@ -27,6 +28,7 @@ __all__ = [
     "PRESETS",
     "BuiltModel",
     "MLPClassifier",
+    "AutoEncoder",
     "list_models",
     "check_model_name",
     "build_model",
@@ -82,6 +84,12 @@ PRESETS: dict[str, ModelPreset] = {
             "classifier",
             {"features": 32, "hidden": 256, "classes": 10},
         ),
+        ModelPreset(
+            "autoencoder",
+            "MLP autoencoder (64 -> 128 -> 8 -> 128 -> 64) on fixed low-rank synthetic vectors",
+            "autoencoder",
+            {"features": 64, "hidden": 128, "code": 8},
+        ),
     )
 }
 
@@ -106,6 +114,25 @@ class MLPClassifier(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+class AutoEncoder(nn.Module):
+    """``features -> hidden -> code -> hidden -> features`` with GELU activations."""
+
+    def __init__(self, features: int = 64, hidden: int = 128, code: int = 8) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(
+            nn.Linear(features, hidden), nn.GELU(), nn.Linear(hidden, code)
+        )
+        self.decoder = nn.Sequential(
+            nn.Linear(code, hidden), nn.GELU(), nn.Linear(hidden, features)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))
+
+
+_SMALL = {"classifier": MLPClassifier, "autoencoder": AutoEncoder}
 
 
 @dataclass
@@ -149,16 +176,16 @@ def build_model(spec: WorkloadSpec) -> BuiltModel:
             are not local, or a sequence length beyond the model's positions.
     """
     preset = PRESETS.get(spec.model)
-    if preset is not None and preset.kind == "classifier":
+    if preset is not None and preset.kind in _SMALL:
         if spec.init == "pretrained":
             raise ConfigError(
                 f"model '{spec.model}' has no pretrained weights; use --init random (or auto)"
             )
         return BuiltModel(
-            MLPClassifier(**preset.config),
-            "classifier",
+            _SMALL[preset.kind](**preset.config),
+            preset.kind,
             "random",
-            "preset mlp",
+            f"preset {preset.name}",
             config=dict(preset.config),
         )
     built = _preset_lm(preset, spec.init) if preset is not None else _hub_lm(spec.model, spec.init)

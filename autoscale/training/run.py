@@ -14,7 +14,14 @@ import torch
 
 from autoscale.errors import ConfigError
 from autoscale.scalers.base import FP16_MIN_NORMAL, LossScaler
-from autoscale.training.data import BatchStream, MixtureStream, TokenStream, byte_tokens, load_text
+from autoscale.training.data import (
+    BatchStream,
+    LowRankStream,
+    MixtureStream,
+    TokenStream,
+    byte_tokens,
+    load_text,
+)
 from autoscale.training.instruments import BackwardAmaxMode, GradientCensus
 from autoscale.training.models import BuiltModel, build_model
 from autoscale.training.records import Snapshot, StepRecord
@@ -311,6 +318,8 @@ def _make_data(spec: WorkloadSpec, built: BuiltModel, device: torch.device) -> B
     }
     if built.kind == "classifier":
         return MixtureStream(**common)
+    if built.kind == "autoencoder":
+        return LowRankStream(features=built.config["features"], **common)
     text = load_text(spec.data)
     source = f"'{spec.data}'" if spec.data else "pydoc_data.topics"
     if built.tokenizer is not None:

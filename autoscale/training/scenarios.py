@@ -176,9 +176,34 @@ def list_scenarios() -> list[str]:
 
 @register_scenario("clean")
 class Clean(Scenario):
-    """Plain training on real data: the baseline every rule should get through without skips."""
+    """Plain training on real data: the baseline every rule should get through without skips.
 
-    description = "plain training on real data (the baseline)"
+    Optionally with the usual learning-rate schedule of a real run: a linear warm-up over
+    ``warmup`` steps, then a cosine decay to ``floor`` times the base rate over ``decay`` steps
+    (``0`` turns either off). The long clean runs of the no-harm check use it.
+
+    Parameters: ``warmup`` (int, 0), ``decay`` (int, 0), ``floor`` (float, 0.1).
+    """
+
+    description = "plain training on real data (the baseline); optional warm-up + cosine lr"
+    defaults = {"warmup": 0, "decay": 0, "floor": 0.1}
+
+    @classmethod
+    def validate(cls, params):
+        if params["warmup"] < 0 or params["decay"] < 0 or not 0 <= params["floor"] <= 1:
+            raise ConfigError(
+                f"scenario 'clean' needs warmup >= 0, decay >= 0 and 0 <= floor <= 1; got "
+                f"{params['warmup']}, {params['decay']}, {params['floor']}"
+            )
+
+    def lr_factor(self, step: int) -> float:
+        warmup, decay, floor = self.params["warmup"], self.params["decay"], self.params["floor"]
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if not decay:
+            return 1.0
+        t = min(1.0, (step - warmup) / decay)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
 @register_scenario("bad-batches")
@@ -244,17 +269,24 @@ class Moving(Scenario):
     ``lr_peak * min(1, (step + 1) / warmup)`` times the spec's (``warmup=0``: no warmup).
 
     Parameters: ``at`` (int, 20), ``width`` (int, 10), ``peak`` (float, 4096), ``warmup`` (int,
-    0), ``lr_peak`` (float, 1.0).
+    0), ``lr_peak`` (float, 1.0), ``period`` (int, 0: a spike every ``period`` steps, the first at
+    ``at``, for runs long enough to see several; 0 = one spike).
     """
 
     description = "loss weight spikes x4096 and decays back: slow regrowth after the spike"
-    defaults = {"at": 20, "width": 10, "peak": 4096.0, "warmup": 0, "lr_peak": 1.0}
+    defaults = {"at": 20, "width": 10, "peak": 4096.0, "warmup": 0, "lr_peak": 1.0, "period": 0}
 
     @classmethod
     def validate(cls, params):
-        if params["at"] < 0 or params["warmup"] < 0:
+        if params["at"] < 0 or params["warmup"] < 0 or params["period"] < 0:
             raise ConfigError(
-                f"scenario 'moving' needs at >= 0 and warmup >= 0, got {params['at']}, {params['warmup']}"
+                f"scenario 'moving' needs at, warmup and period >= 0, got {params['at']}, "
+                f"{params['warmup']}, {params['period']}"
+            )
+        if params["period"] and params["period"] < 2 * params["width"]:
+            raise ConfigError(
+                f"scenario 'moving' needs period >= 2 * width (spikes must not overlap), got "
+                f"period {params['period']}, width {params['width']}"
             )
         if params["width"] < 1 or params["peak"] < 1 or params["lr_peak"] <= 0:
             raise ConfigError(
@@ -264,7 +296,11 @@ class Moving(Scenario):
 
     def loss_weight(self, step: int) -> float:
         p = self.params
-        return float(p["peak"] ** max(0.0, 1.0 - abs(step - p["at"]) / p["width"]))
+        distance = abs(step - p["at"])
+        if p["period"] and step > p["at"]:  # the nearest spike: at, at + period, ...
+            off = (step - p["at"]) % p["period"]
+            distance = min(off, p["period"] - off)
+        return float(p["peak"] ** max(0.0, 1.0 - distance / p["width"]))
 
     def lr_factor(self, step: int) -> float:
         warmup = self.params["warmup"]

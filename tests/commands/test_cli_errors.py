@@ -81,6 +81,6 @@ def test_bad_input_in_a_real_process():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "autoscale run: error: unknown model 'gpt2-tinny'; did you mean 'gpt2-tiny'? (autoscale run --help shows all: "
-        "gpt2, gpt2-medium, gpt2-tiny, mlp); a Hugging Face model id or local model folder also works when its files "
+        "autoencoder, gpt2, gpt2-medium, gpt2-tiny, mlp); a Hugging Face model id or local model folder also works when its files "
         "are on this machine"
     ]

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from autoscale.envs import load_env_spec
+from autoscale.envs.suite import SuiteSpec, as_suite, load_spec
 from autoscale.errors import ConfigError, UnknownNameError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -10,16 +11,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("path", sorted((ROOT / "envs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_specs_load_and_round_trip(path):
-    spec = load_env_spec(path)
-    assert spec.instances["train"] and spec.instances["test"]
-    again = load_env_spec(spec.to_dict())
+    spec = load_spec(path)
+    for member in as_suite(spec).members + as_suite(spec).left_out:
+        assert member.instances["train"] and member.instances["test"]
+    cls = type(spec)
+    again = cls.from_dict(spec.to_dict())
     assert again.to_dict() == spec.to_dict()
 
 
 def test_every_scenario_has_a_spec():
     from autoscale.training import list_scenarios
 
-    scenarios = {load_env_spec(p).workload.scenario for p in (ROOT / "envs").glob("*.yaml")}
+    specs = [load_spec(p) for p in (ROOT / "envs").glob("*.yaml")]
+    scenarios = {s.workload.scenario for s in specs if not isinstance(s, SuiteSpec)}
     assert set(list_scenarios()) <= scenarios
 
 

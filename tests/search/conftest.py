@@ -66,11 +66,11 @@ def run_cli(*args: str, cwd: Path, timeout: float = 180) -> CliRun:
 
 @dataclass
 class Searched:
-    """The 60-second default search, shared by the tests that read its storage."""
+    """The 60-second search of mlp (bad-batches), shared by the tests that read its storage."""
 
     root: Path
     run: CliRun
-    study: str = "gpt2-tiny-bad-batches-parametric"
+    study: str = "mlp-bad-batches-parametric"
 
     @property
     def db(self) -> Path:
@@ -83,7 +83,16 @@ class Searched:
 
 @pytest.fixture(scope="session")
 def searched(tmp_path_factory) -> Searched:
-    """``autoscale search --budget 60s`` with every default, in a fresh folder."""
+    """``autoscale search --model mlp --budget 60s``, the other defaults, in a fresh folder."""
     root = tmp_path_factory.mktemp("search60")
-    run = run_cli("search", "--budget", "60s", "--quiet", cwd=root, timeout=SEARCH_BUDGET_S + 120)
+    run = run_cli(
+        "search",
+        "--model",
+        "mlp",
+        "--budget",
+        "60s",
+        "--quiet",
+        cwd=root,
+        timeout=SEARCH_BUDGET_S + 120,
+    )
     return Searched(root, run)

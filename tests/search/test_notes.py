@@ -28,9 +28,12 @@ def card(skip_rate, precision, diverged=False):
     )
 
 
-def test_note_compares_with_torch_and_names_the_main_cost():
-    cards = {"a": card(0.0625, 0.001), "b": card(0.125, 0.002)}
-    ref = {"a": card(0.125, 0.003), "b": card(0.25, 0.001), "c": card(0.0, 0.0)}
+def test_note_compares_with_torch_per_member_and_names_the_worst():
+    # member a: policy costs 0.0625+0.004 = 0.0665, torch 0.125+0.012 = 0.137 -> regret -0.0705
+    # member b: policy 0.125+0.008 = 0.133, torch 0.25+0.004 = 0.254 -> regret -0.121
+    # objective = mean(-0.0705, -0.121) + max = -0.09575 - 0.0705 = -0.16625 (-0.1663 printed)
+    cards = {"a": [card(0.0625, 0.001)], "b": [card(0.125, 0.002)]}
+    ref = {"a": [card(0.125, 0.003)], "b": [card(0.25, 0.001)], "c": [card(0.0, 0.0)]}
     note = trial_note(
         "Trial 7: deepspeed",
         "deepspeed(hysteresis=1)",
@@ -39,26 +42,29 @@ def test_note_compares_with_torch_and_names_the_main_cost():
         W,
         total=2,
         test_objective=0.1,
-        test_reference=0.2,
     )
     assert note.startswith("### Trial 7: deepspeed\n`deepspeed(hysteresis=1)`")
-    assert "**objective 0.0998** on 2 train instances (replay); `torch` on the same: 0.1955" in note
+    assert "**objective -0.1663** on 2 train episodes (replay; 0 = `torch`" in note
+    assert "mean regret -0.0958, worst -0.0705 on `a`" in note
     assert "It skipped 9.38% of steps (torch: 18.75%)" in note and "lost precision on 0.15%" in note
-    assert "most of its cost comes from skipped steps" in note
-    assert "| a | 6.25% | 0.10% | 12.50% | 0.30% |" in note
-    assert "objective 0.1000 (torch: 0.2000)" in note
+    assert "| a | 6.25% | 0.10% | 12.50% | 0.30% | -0.0705 |" in note
+    assert "| c |" not in note  # only the members the trial ran
+    assert "objective +0.1000." in note
 
 
 def test_note_says_why_a_trial_stopped_early():
-    ref = {"a": card(0.0, 0.0), "b": card(0.0, 0.0)}
-    pruned = trial_note("T", "p", {"a": card(0.0, 0.05)}, ref, W, total=3)
-    assert "on 1 of 3 train instances" in pruned and "Pruned after 1 of 3 instances" in pruned
-    assert "most of its cost comes from precision loss" in pruned
+    ref = {"a": [card(0.0, 0.0), card(0.0, 0.0)], "b": [card(0.0, 0.0)]}
+    pruned = trial_note("T", "p", {"a": [card(0.0, 0.05)]}, ref, W, total=3)
+    assert "on 1 of 3 train episodes" in pruned and "Pruned after 1 of 3 episodes" in pruned
     diverged = trial_note(
-        "T", "p", {"a": card(0.0, 0.0), "b": card(0.0, 0.0, diverged=True)}, ref, W, total=3
+        "T",
+        "p",
+        {"a": [card(0.0, 0.0), card(0.0, 0.0)], "b": [card(0.0, 0.0, diverged=True)]},
+        ref,
+        W,
+        total=3,
     )
     assert "Training diverged on b" in diverged and "Pruned" not in diverged
-    assert "most of its cost comes from divergence" in diverged
 
 
 def test_report_points_keep_reports_few():
@@ -83,3 +89,25 @@ def test_trajectory_svg_is_well_formed_with_one_panel_per_episode_and_skips_mark
     assert len(root.findall(f"{ns}path")) == 1  # the one skipped step
     texts = [t.text for t in root.findall(f"{ns}text")]
     assert "trial 1: torch(x<2)" in texts and "b & c" in texts
+
+
+def test_long_episodes_are_drawn_with_few_points():
+    def rec(i, scale, skipped):
+        stats = StepStats(i, scale, skipped, math.inf if skipped else 1.0, 1.0, 3.0, True)
+        return StepRecord(i, scale, skipped, 3.0, False, 1.0, 1.0, 0.0, 1e-3, 0.0, stats)
+
+    n = 4096
+    recs = [rec(i, 2.0 ** (16 - (i // 1000)), i % 500 == 499) for i in range(n)]
+    svg = trajectory_svg([("long", recs, [15.5 + (i % 7) / 7 for i in range(n)])], "t")
+    root = ET.fromstring(svg)
+    ns = "{http://www.w3.org/2000/svg}"
+    scale_line, threshold = None, None
+    for line in root.findall(f"{ns}polyline"):
+        if "dasharray" in line.get("stroke-dasharray", "") or line.get("stroke-dasharray"):
+            threshold = line
+        else:
+            scale_line = line
+    assert len(scale_line.get("points").split()) <= 2 * 5 + 1  # only where the scale changes
+    assert len(threshold.get("points").split()) <= 300
+    assert len(root.findall(f"{ns}path")) == 8  # one mark per bin holding a skip
+    assert len(svg) < 20_000

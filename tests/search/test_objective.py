@@ -3,7 +3,14 @@ import math
 import pytest
 
 from autoscale.envs.spec import RewardWeights
-from autoscale.search.objective import episode_cost, objective, objective_terms
+from autoscale.search.objective import (
+    ROBUSTNESS,
+    episode_cost,
+    mean_cost,
+    objective,
+    objective_terms,
+    regrets,
+)
 from autoscale.training.scorecard import Scorecard
 
 
@@ -27,13 +34,45 @@ def test_all_skipped_episode_is_charged_full_precision_loss():
     assert episode_cost(card(1.0, math.nan), W) == pytest.approx(1.0 + 4.0)
 
 
-def test_objective_is_the_mean_over_instances_and_terms_add_up():
-    cards = [card(0.125, 0.01), card(0.0, 0.03), card(0.25, 0.0, diverged=True)]
-    expected = (0.165 + 0.12 + 10.25) / 3
-    assert objective(cards, W) == pytest.approx(expected)
-    t = objective_terms(cards, W)
-    assert t["objective"] == pytest.approx(expected)
-    assert t["skip_term"] + t["precision_term"] + t["divergence_term"] == pytest.approx(expected)
-    assert t["skip_rate"] == pytest.approx(0.125) and t["diverged"] == pytest.approx(1 / 3)
+def test_robust_objective_by_hand():
+    """Two members. On 'a' the policy costs (0.165 + 0.12)/2 = 0.1425 and torch
+    (0.125 + 0.2)/2 = 0.1625: regret -0.02. On 'b' it costs 0.5 + 0.04 = 0.54 and torch 0.125:
+    regret +0.415. Objective = mean(-0.02, 0.415) + 1 * max = 0.1975 + 0.415 = 0.6125."""
+    assert ROBUSTNESS == 1.0
+    policy = {"a": [card(0.125, 0.01), card(0.0, 0.03)], "b": [card(0.5, 0.01)]}
+    torch = {"a": [card(0.125, 0.0), card(0.0, 0.05)], "b": [card(0.125, 0.0)]}
+    r = regrets(policy, torch, W)
+    assert r["a"] == pytest.approx(-0.02) and r["b"] == pytest.approx(0.415)
+    assert objective(policy, torch, W) == pytest.approx(0.6125)
+    t = objective_terms(policy, torch, W)
+    assert t["worst_member"] == "b" and t["worst_regret"] == pytest.approx(0.415)
+    assert t["mean_regret"] == pytest.approx(0.1975)
+    assert t["skip_rate"] == pytest.approx((0.125 + 0.0 + 0.5) / 3)
+    assert t["reference_cost"] == pytest.approx(mean_cost(torch["a"] + torch["b"], W))
+
+
+def test_a_policy_much_worse_on_one_member_loses_to_torch_despite_winning_elsewhere():
+    """The worst-member term: winning three members by a little does not buy losing one badly."""
+    torch = {m: [card(0.1, 0.05)] for m in "abcd"}
+    specialist = {m: [card(0.1, 0.0)] for m in "abc"} | {"d": [card(0.5, 0.0)]}
+    assert objective(torch, torch, W) == 0.0
+    mean_only = sum(regrets(specialist, torch, W).values()) / 4
+    assert mean_only < 0  # better than torch on average...
+    assert objective(specialist, torch, W) > 0  # ...yet ranked below it
+
+
+def test_one_member_ranks_like_the_cost_difference():
+    torch = {"only": [card(0.125, 0.004), card(0.125, 0.006)]}
+    for a, b in [(0.0, 0.0), (0.1, 0.02), (0.3, 0.0)]:
+        policy = {"only": [card(a, b), card(a, b)]}
+        diff = mean_cost(policy["only"], W) - mean_cost(torch["only"], W)
+        assert objective(policy, torch, W) == pytest.approx((1 + ROBUSTNESS) * diff)
+
+
+def test_the_objective_compares_the_same_episodes():
+    with pytest.raises(ValueError, match="compares the same episodes"):
+        objective({"a": [card(), card()]}, {"a": [card()]}, W)
+    with pytest.raises(ValueError, match="reference 0"):
+        objective({"a": [card()]}, {}, W)
     with pytest.raises(ValueError, match="at least one"):
-        objective([], W)
+        mean_cost([], W)

@@ -1,14 +1,20 @@
 import pytest
 
+from autoscale.envs.suite import as_suite, load_spec
 from autoscale.errors import BudgetError
+from autoscale.search.gate import gate_workloads
 from autoscale.search.plan import (
+    HORIZON_LADDER,
     REAL_SHARE,
     RECORD_SHARE,
+    GatePlan,
     Timing,
+    Timings,
+    _record_cost,
+    _validate_cost,
     make_plan,
     measure,
-    record_cost,
-    validate_cost,
+    workload_key,
 )
 from autoscale.search.runner import _rules_torch_first
 from autoscale.search.workload import base_spec
@@ -16,62 +22,127 @@ from autoscale.search.workload import base_spec
 RULES = _rules_torch_first()
 
 
-def test_fast_model_gets_the_full_spec_with_extra_seeds():
+def timings_for(
+    suite, step_s: float, build_s: float = 0.01, eval_s: float = 0.001, small_s: float = 0.003
+) -> Timings:
+    """``step_s`` for the suite's workloads, ``small_s`` for the small presets of the no-harm
+    check (mlp) and 0.02 s for the gpt2-tiny proxy of a larger language model."""
+    from autoscale.search.gate import gate_proxy
+
+    ideal = list(gate_workloads(list(suite.members)))
+    workloads = (
+        [m.workload for m in suite.members]
+        + ideal
+        + [p for p in map(gate_proxy, ideal) if p is not None]
+    )
+    own = {m.workload.model for m in suite.members}
+
+    def step(w):
+        if w.model in own:
+            return step_s
+        return small_s if w.model in ("mlp", "autoencoder") else 0.02
+
+    return Timings({workload_key(w): Timing(step(w), build_s, eval_s, 4) for w in workloads})
+
+
+def plan_for(spec, step_s, work_s, **kw):
+    suite = as_suite(spec)
+    gate = GatePlan(gate_workloads(list(suite.members)), 1000)
+    return make_plan(suite, timings_for(suite, step_s), work_s, gate=gate, rules=RULES, **kw), gate
+
+
+def test_the_ladder_reaches_long_horizons():
+    assert max(HORIZON_LADDER) >= 2048
     spec = base_spec(model="mlp")
-    plan = make_plan(spec, Timing(0.002, 0.01, 0.001, 4), 600, space="both", rules=RULES)
-    assert plan.steps == 64 and plan.space == "both" and plan.all_rules_real
-    assert len(plan.spec.instances["train"]) == 12 and len(plan.spec.instances["test"]) == 12
-    assert plan.cuts == ()
-    assert {i.seed for i in plan.spec.instances["train"]}.isdisjoint(
-        i.seed for i in plan.spec.instances["test"]
+    assert spec.episode.horizon == 2048
+
+
+def test_fast_model_gets_long_horizon_two_windows_and_extra_seeds():
+    plan, _ = plan_for(base_spec(model="mlp"), 0.0002, 3600, space="both")
+    member = plan.suite.members[0]
+    assert plan.horizon == 2048 and plan.trace_steps == 4096  # early and late in the run
+    assert len(member.instances["train"]) == 9 and len(member.instances["test"]) == 9
+    assert {i.seed for i in member.instances["train"]}.isdisjoint(
+        i.seed for i in member.instances["test"]
     )
+    assert plan.steps == 2048 and plan.all_rules_real  # validation as long as the horizon
+    assert plan.space == "both" and plan.cuts == ()
+    assert "early and late in 4096-step runs" in plan.describe()
 
 
-def test_plan_keeps_recording_and_real_steps_within_their_shares():
+def test_plan_keeps_recording_and_real_steps_within_their_shares_and_says_what_it_traded():
     spec = base_spec()
-    t = Timing(0.05, 0.3, 0.05, 4)
-    plan = make_plan(spec, t, 50, rules=RULES)
-    assert record_cost(plan.spec, t) <= RECORD_SHARE * 50
-    assert (
-        record_cost(plan.spec, t) + validate_cost(plan.spec, t, len(RULES) + 1) <= REAL_SHARE * 50
-    )
-    # 50 s cannot hold 64-step episodes on 3 + 3 instances and 9 scalers: the richest shape
-    # that fits is taken (episode steps x instances per set), and the cut is said
-    assert plan.steps * len(plan.spec.instances["test"]) == 64
-    assert "could not afford: " in plan.describe() and plan.cuts
-
-
-def test_slow_model_gets_short_episodes_no_rl_and_says_so():
-    spec = base_spec(model="gpt2")  # ~110 s a step in emulated fp16 on 2 CPU cores
-    plan = make_plan(spec, Timing(110.0, 2.4, 130.0, 1), 0.95 * 7200, space="both", rules=RULES)
-    assert plan.steps == 8 and len(plan.spec.instances["test"]) == 1
-    assert plan.space == "parametric" and not plan.all_rules_real
+    plan, gate = plan_for(spec, 0.05, 300)
+    t = timings_for(as_suite(spec), 0.05)
+    rec = _record_cost(plan.suite, plan.trace_steps, t)
+    assert rec <= RECORD_SHARE * 300
+    val = _validate_cost(plan.validation, t, 2)
+    assert rec + val + gate.cost(t, 1, lambda w, s: False) <= REAL_SHARE * 300
+    assert plan.horizon < 2048
     text = plan.describe()
-    assert "RL (needs 2 train instances" in text and "real-step validation of every rule" in text
+    assert "traded: " in text and f"replay horizon {plan.horizon} of 2048 steps" in text
+    assert plan.search_s > 0
+
+
+def test_slow_model_gets_short_episodes_and_a_proxy_no_harm_check_and_says_so():
+    spec = base_spec(model="gpt2")
+    plan, _ = plan_for(spec, 1.5, 0.95 * 7200, space="both")
+    assert plan.horizon <= 512 and len(plan.suite.members[0].instances["test"]) >= 1
+    assert [w.model for w in plan.gate.workloads] == ["mlp", "gpt2-tiny"]
+    text = plan.describe()
+    assert "no-harm runs of gpt2" in text and "checked on gpt2-tiny instead" in text
     assert plan.record_s <= RECORD_SHARE * 0.95 * 7200
 
 
 def test_budget_too_small_says_what_budget_would_do():
     spec = base_spec(model="gpt2")
-    with pytest.raises(BudgetError, match=r"1m50s per real step.*needs about 1h\d\dm"):
-        make_plan(spec, Timing(110.0, 2.4, 130.0, 1), 300, rules=RULES)
+    suite = as_suite(spec)
+    gate = GatePlan(gate_workloads(list(suite.members)), 1000)
+    with pytest.raises(BudgetError, match=r"1m50s per real step.*needs about \d+h"):
+        make_plan(suite, timings_for(suite, 110.0, 2.4, 130.0), 600, gate=gate, rules=RULES)
+    slow = Timings(
+        {k: Timing(200.0, 2.4, 0.0, 0, complete=False) for k in timings_for(suite, 1).by_key}
+    )
     with pytest.raises(BudgetError, match="more than 3m20s here.*needs more than"):
-        make_plan(spec, Timing(200.0, 2.4, 0.0, 0, complete=False), 60, rules=RULES)
+        make_plan(suite, slow, 60, gate=gate, rules=RULES)
 
 
 def test_a_stored_plan_is_kept_as_it_is():
-    spec = base_spec(model="mlp")
-    fast = Timing(0.002, 0.01, 0.001, 4)
-    first = make_plan(spec, Timing(0.05, 0.3, 0.05, 4), 50, rules=RULES)
-    again = make_plan(first.spec, fast, 600, rules=RULES, reshape=False)
-    assert again.spec == first.spec and again.cuts == ()
-    cached = make_plan(first.spec, fast, 600, rules=RULES, reshape=False, cached=lambda s: 1.0)
+    first, gate = plan_for(base_spec(model="mlp"), 0.005, 120)
+    suite = as_suite(base_spec(model="mlp"))
+    fast = timings_for(suite, 0.0002)
+    stored = (first.suite, first.validation, first.trace_steps)
+    again = make_plan(suite, fast, 3600, gate=gate, rules=RULES, stored=stored)
+    assert again.suite == first.suite and again.validation == first.validation
+    assert again.trace_steps == first.trace_steps and again.cuts == ()
+    cached = make_plan(
+        suite, fast, 3600, gate=gate, rules=RULES, stored=stored, cached_traces=lambda s, n: 1.0
+    )
     assert cached.record_s == 0.0
 
 
-def test_measure_times_real_steps_of_a_tiny_model():
+def test_a_suite_is_planned_with_each_members_own_step_time():
+    suite = load_spec("suite")
+    gate = GatePlan(gate_workloads(list(suite.members)), 1000)
+    t = timings_for(suite, 0.002)
+    slow = {
+        k: (Timing(0.05, 0.5, 0.05, 4) if k.startswith("gpt2-tiny") else v)
+        for k, v in t.by_key.items()
+    }
+    plan = make_plan(suite, Timings(slow), 3600, gate=gate, rules=RULES)
+    assert len(plan.suite.members) == len(suite.members) == 8
+    assert {m.name for m in plan.validation.members} == {m.name for m in suite.members}
+    # the gpt2-tiny members cost 25 times the others: they dominate the recording estimate
+    gpt2 = sum(Timings(slow).of(m.workload).step_s for m in plan.suite.members if "gpt2" in m.name)
+    assert gpt2 > 0.9 * sum(Timings(slow).of(m.workload).step_s for m in plan.suite.members)
+    assert plan.record_s <= RECORD_SHARE * 3600
+    assert {w.model for w in plan.gate.workloads} == {"mlp", "gpt2-tiny"}
+
+
+def test_measure_times_real_and_recorded_steps_of_a_tiny_model():
     from autoscale.training import WorkloadSpec
 
     t = measure(WorkloadSpec(model="mlp", scenario="bad-batches"), limit_s=30, step_share_s=0.5)
     assert t.complete and t.steps >= 2
     assert 0 < t.step_s < 1 and 0 < t.build_s < 10 and 0 < t.eval_s < 1
+    assert t.record_step_s is not None and t.record_step_s > 0

@@ -44,7 +44,7 @@ def test_enqueued_defaults_reproduce_the_built_in_rule(rule):
     spec = base_spec(model="mlp")
     fams = parametric_families()
     study = optuna.create_study()
-    study.enqueue_trial(default_trial_params(rule, fams[rule], spec))
+    study.enqueue_trial(default_trial_params(rule, fams[rule], spec.episode))
     trial = study.ask()
     got_rule, params = suggest_parametric(trial, fams)
     assert got_rule == rule

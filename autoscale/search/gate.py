@@ -1,0 +1,324 @@
+"""The no-harm check: nothing is exported that harms a long clean run (DESIGN.md 3.8).
+
+A policy is used for whole runs of 10^4 to 10^6 steps. Before anything is exported it trains long
+*clean* runs (nothing wrong with the data; a warm-up and a cosine learning-rate decay, as real runs
+have) of ``mlp`` and of every model the search ran, next to the ``torch`` rule on the same seeds,
+and it fails when, on any workload:
+
+* it skips more than ``torch`` + :data:`SKIP_TOLERANCE` of the steps (0.5%), or
+* its final held-out loss is worse than ``torch``'s on the same seed by more than the seed noise:
+  the spread of ``torch``'s final held-out loss over its seeds (at least :data:`NOISE_FLOOR` of
+  it, so that two identical seeds do not make the check demand bit-identical losses), or
+* training diverges.
+
+``torch``'s runs are deterministic for a workload and seed, so they are cached next to the storage
+and paid once. While running them the check records their traces, and a candidate is first
+*screened* on their replay (microseconds a step): a candidate whose replayed skip rate already
+breaks the rule is refused without a real run, so the budget goes to the candidates that can pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autoscale.errors import ConfigError
+from autoscale.search.budget import Ledger
+from autoscale.search.plan import GatePlan, Timings
+from autoscale.training.scorecard import Scorecard
+
+__all__ = [
+    "GATE_STEPS",
+    "SKIP_TOLERANCE",
+    "NOISE_FLOOR",
+    "gate_workloads",
+    "gate_proxy",
+    "Verdict",
+    "NoHarmCheck",
+]
+
+GATE_STEPS = 1000
+SKIP_TOLERANCE = 0.005
+NOISE_FLOOR = 0.002
+GATE_VERSION = 1
+
+
+def gate_workloads(members: list[Any], steps: int = GATE_STEPS) -> tuple[Any, ...]:
+    """The clean workloads of the check: ``mlp`` and each model of ``members`` (their batch and
+    sequence shapes), with a warm-up over the first tenth and a cosine decay over the rest."""
+    from autoscale.training import WorkloadSpec
+
+    schedule = {"warmup": max(1, steps // 10), "decay": steps - max(1, steps // 10)}
+    out: dict[str, Any] = {}
+    for m in members:
+        w = m.workload
+        out.setdefault(w.model, w.replace(scenario="clean", scenario_params=schedule, seed=0))
+    if "mlp" not in out:
+        ref = members[0].workload
+        out = {
+            "mlp": WorkloadSpec(
+                model="mlp",
+                scenario="clean",
+                scenario_params=schedule,
+                dtype=ref.dtype,
+                device=ref.device,
+                batch_size=32,
+                lr=1e-3,
+            ),
+            **out,
+        }
+    return tuple(out.values())
+
+
+def gate_proxy(workload: Any) -> Any | None:
+    """What stands in for ``workload`` in the check when a budget cannot afford its long runs: the
+    tiny model of its family (``gpt2-tiny`` for a language model, same dtype and device); None for
+    the small presets, which are cheap anyway."""
+    from autoscale.training.models import PRESETS
+
+    preset = PRESETS.get(workload.model)
+    if (preset is not None and preset.kind != "lm") or workload.model == "gpt2-tiny":
+        return None
+    return workload.replace(
+        model="gpt2-tiny", batch_size=4, seq_len=64, lr=1e-3, init="random", data=None
+    )
+
+
+@dataclass
+class Verdict:
+    """What the check found for one candidate.
+
+    Attributes:
+        passed: Every workload within the rule.
+        reasons: Why it failed, one line per broken rule (empty when it passed).
+        runs: Workload model -> {"candidate": [scorecards], "torch": [scorecards]} as dicts.
+        screened: Refused on replay, without real runs.
+    """
+
+    label: str
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+    runs: dict[str, dict[str, list[dict]]] = field(default_factory=dict)
+    screened: bool = False
+
+    def summary(self) -> str:
+        if self.passed:
+            parts = []
+            for model, r in self.runs.items():
+                c, t = r["candidate"][0], r["torch"][0]
+                parts.append(
+                    f"{model}: skipped {100 * c['skip_rate']:.2f}% (torch {100 * t['skip_rate']:.2f}%), "
+                    f"eval loss {c['eval_loss']:.4g} (torch {t['eval_loss']:.4g})"
+                )
+            return f"{self.label} passed the no-harm check: " + "; ".join(parts)
+        how = "on replay of torch's clean runs" if self.screened else "in long clean runs"
+        return f"{self.label} fails the no-harm check {how}: " + "; ".join(self.reasons)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class NoHarmCheck:
+    """Runs the check of a plan's :class:`GatePlan`, caching ``torch``'s runs in ``folder``.
+
+    Args:
+        gate: Workloads, steps and seeds.
+        folder: The artifacts folder (``folder/gate`` keeps torch's runs and traces).
+        ledger: Time spent goes to ``work:gate``.
+        scale_kw: ``init_scale``/``min_scale``/``max_scale`` the torch reference is built with
+            (the episode's, as the candidates are).
+    """
+
+    def __init__(
+        self,
+        gate: GatePlan,
+        folder: Path,
+        ledger: Ledger,
+        scale_kw: dict[str, float],
+        progress: bool = False,
+    ) -> None:
+        self.gate, self.ledger, self.scale_kw, self.progress = gate, ledger, scale_kw, progress
+        self.cache = folder / "gate"
+        self.cache.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+
+    # ------------------------------------------------------------------ torch's reference runs
+    def _key(self, workload: Any, seed: int) -> str:
+        import torch
+
+        data = {
+            "workload": workload.replace(seed=seed).to_dict(),
+            "steps": self.gate.steps,
+            "scale": self.scale_kw,
+            "version": GATE_VERSION,
+            "torch": torch.__version__,
+        }
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:20]
+
+    def cached(self, workload: Any, seed: int) -> bool:
+        """Whether torch's run of ``workload`` with ``seed`` is in the cache."""
+        return (self.cache / f"torch-{self._key(workload, seed)}.json").is_file()
+
+    def reference(self, workload: Any, seed: int) -> tuple[Scorecard, Any]:
+        """torch's scorecard of the run and its recorded trace (run and cached if missing)."""
+        from autoscale.envs.traces import Trace
+        from autoscale.search.storage import file_lock
+
+        key = self._key(workload, seed)
+        card_path = self.cache / f"torch-{key}.json"
+        trace_path = self.cache / f"torch-{key}.npz"
+        with file_lock(self.folder / "locks" / f"gate-{key}.lock"):
+            if card_path.is_file() and trace_path.is_file():
+                try:
+                    return Scorecard.from_dict(json.loads(card_path.read_text())), Trace.load(
+                        trace_path
+                    )
+                except (ConfigError, ValueError, KeyError):
+                    card_path.unlink(missing_ok=True)  # damaged: run it again
+            card, trace = self._run_torch(workload, seed)
+            trace.save(trace_path)
+            tmp = card_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(card.to_dict()))
+            tmp.replace(card_path)
+        return card, trace
+
+    def _run_torch(self, workload: Any, seed: int) -> tuple[Scorecard, Any]:
+        import numpy as np
+
+        from autoscale.envs.spec import EnvSpec
+        from autoscale.envs.traces import Trace, instance_trace
+        from autoscale.scalers import get_scaler
+        from autoscale.scalers.features import FEATURE_VERSION, FeatureExtractor
+        from autoscale.training import HIST_EDGES, TrainingRun
+
+        w = workload.replace(seed=seed)
+        run = TrainingRun(
+            w,
+            get_scaler("torch", device=_device(w), collect_stats=True, **self.scale_kw),
+            record=True,
+        )
+        with self.ledger.track("work:gate"):
+            card = run.run(self.gate.steps, progress=self.progress)
+        spec = self._replay_spec(workload)
+        inst = instance_trace(
+            f"gate-s{seed}",
+            seed,
+            0,
+            run.records,
+            eval_loss=card.eval_loss,
+            start_scale=run.records[0].scale,
+            start_features=FeatureExtractor().state_dict(),
+        )
+        spec = EnvSpec.from_dict(spec)
+        trace = Trace(
+            spec.to_dict(),
+            {inst.name: inst},
+            np.asarray(HIST_EDGES, dtype=np.float64),
+            FEATURE_VERSION,
+        )
+        return card, trace
+
+    def _replay_spec(self, workload: Any) -> dict[str, Any]:
+        return {
+            "name": f"no-harm-{workload.model}",
+            "workload": workload.to_dict(),
+            "episode": {"steps": self.gate.steps, **self.scale_kw},
+            "instances": {
+                "train": [{"name": f"gate-s{s}", "seed": s} for s in self.gate.seeds[:1]],
+                "test": [{"name": f"gate-s{s}", "seed": s} for s in self.gate.seeds[1:]],
+            },
+        }
+
+    # ------------------------------------------------------------------ the check
+    def screen(self, factory: Callable[[], Any], label: str) -> Verdict:
+        """The check's skip rule on replay of torch's recorded clean runs (no real steps)."""
+        from autoscale.agents.evaluate import drive_episode
+        from autoscale.envs.replay_env import ReplayEnv
+
+        reasons = []
+        for w in self.gate.workloads:
+            for seed in self.gate.candidate_seeds:
+                ref, trace = self.reference(w, seed)
+                (inst,) = trace.instances
+                env = ReplayEnv(trace.spec, trace, instances=[inst])
+                with self.ledger.track("work:replay"):
+                    card, _ = drive_episode(env, factory(), inst)
+                if card.skip_rate > ref.skip_rate + SKIP_TOLERANCE:
+                    reasons.append(
+                        f"{w.model} seed {seed}: replay predicts {100 * card.skip_rate:.2f}% skipped "
+                        f"steps, torch {100 * ref.skip_rate:.2f}% (+{100 * SKIP_TOLERANCE:.1f}% allowed)"
+                    )
+        return Verdict(label, not reasons, reasons, screened=True)
+
+    def check(self, factory: Callable[[], Any], label: str) -> Verdict:
+        """Run the candidate's long clean runs and judge them against torch's."""
+        from autoscale.training import TrainingRun
+
+        reasons: list[str] = []
+        runs: dict[str, dict[str, list[dict]]] = {}
+        for w in self.gate.workloads:
+            refs = {s: self.reference(w, s)[0] for s in self.gate.seeds}
+            noise = max(
+                max(c.eval_loss for c in refs.values()) - min(c.eval_loss for c in refs.values()),
+                NOISE_FLOOR * abs(refs[self.gate.seeds[0]].eval_loss),
+            )
+            mine = []
+            for seed in self.gate.candidate_seeds:
+                scaler = factory()
+                run = TrainingRun(w.replace(seed=seed), _on_device(scaler, w))
+                with self.ledger.track("work:gate"):
+                    card = run.run(self.gate.steps, progress=self.progress)
+                mine.append(card)
+                ref = refs[seed]
+                if card.diverged:
+                    reasons.append(f"{w.model} seed {seed}: training diverged")
+                if card.skip_rate > ref.skip_rate + SKIP_TOLERANCE:
+                    reasons.append(
+                        f"{w.model} seed {seed}: skipped {100 * card.skip_rate:.2f}% of "
+                        f"{self.gate.steps} steps, torch {100 * ref.skip_rate:.2f}% "
+                        f"(+{100 * SKIP_TOLERANCE:.1f}% allowed)"
+                    )
+                if not card.eval_loss <= ref.eval_loss + noise:
+                    reasons.append(
+                        f"{w.model} seed {seed}: final eval loss {card.eval_loss:.5g}, torch "
+                        f"{ref.eval_loss:.5g} (seed noise {noise:.2g})"
+                    )
+            runs[w.model] = {
+                "candidate": [c.to_dict() for c in mine],
+                "torch": [refs[s].to_dict() for s in self.gate.candidate_seeds],
+                "noise": noise,
+            }
+        return Verdict(label, not reasons, reasons, runs)
+
+    def cost(self, timings: Timings, candidates: int = 1) -> float:
+        """Seconds the check still needs for ``candidates`` candidates (torch cached or not)."""
+        return self.gate.cost(timings, candidates, self.cached)
+
+
+def _device(workload: Any) -> str:
+    from autoscale.training.run import resolve_device
+
+    return resolve_device(workload.device).type
+
+
+def _on_device(scaler: Any, workload: Any) -> Any:
+    """A candidate built on the CPU (for replay) hosted on the workload's device: its fresh rule
+    in a new scaler there."""
+    from autoscale.scalers import LossScaler
+
+    device = _device(workload)
+    if scaler._device == device:
+        return scaler
+    return LossScaler(
+        scaler.rule,
+        device,
+        init_scale=scaler.init_scale,
+        min_scale=scaler.min_scale,
+        max_scale=scaler.max_scale,
+        name=scaler.name,
+    )
