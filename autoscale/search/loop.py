@@ -8,16 +8,22 @@ from collections.abc import Callable
 from typing import Any
 
 from autoscale.search.budget import Ledger
+from autoscale.search.interrupts import deferred_interrupt
+from autoscale.search.study import fail_worker_trials
 
 __all__ = ["TrialLoop"]
+
+_OUTCOMES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
 
 
 class TrialLoop:
     """Runs trials of one study for one worker.
 
     A trial that raises is failed (its error kept as a user attribute) and the loop goes on; a
-    pruned one is told so; an interrupt fails the running trial, so none is left running, and
-    propagates. Time outside the objective's own ledger accounting and the sampler's and pruner's
+    pruned one is told so. Ctrl-C leaves no trial RUNNING: ask and tell run under
+    :func:`~autoscale.search.interrupts.deferred_interrupt` (a SIGINT inside them comes out
+    after them), an interrupt in the objective fails the trial, and on the way out any trial of
+    this worker still running is failed; then the ``KeyboardInterrupt`` propagates. Time outside the objective's own ledger accounting and the sampler's and pruner's
     (``alg:``): ask, tell, storing suggestions and reports, goes to the ledger as ``bk:optuna``.
 
     Args:
@@ -67,7 +73,7 @@ class TrialLoop:
                     break
                 t0 = time.perf_counter()
                 inside = self.ledger.total("")
-                self.counts[self._one(objective_fn)] += 1
+                self._one(objective_fn)
                 ran += 1
                 tracked = self.ledger.total("") - inside
                 self.ledger.add("bk:optuna", max(0.0, time.perf_counter() - t0 - tracked))
@@ -75,36 +81,59 @@ class TrialLoop:
                     bar.n = round(min(time.monotonic() - t_start, bar.total), 1)
                     bar.set_postfix_str(f"trials {ran}", refresh=False)
                     bar.refresh()
+        except KeyboardInterrupt:
+            with deferred_interrupt():  # what _one could not tell (its tell raised)
+                fail_worker_trials(self.study, self.worker)
+            raise
         finally:
             if bar is not None:
                 bar.close()
 
-    def _one(self, objective_fn: Callable[[Any], float]) -> str:
+    def _one(self, objective_fn: Callable[[Any], float]) -> None:
+        from optuna.trial import TrialState
+
+        # ask and tell are atomic for Ctrl-C: a SIGINT inside them comes out after them, when
+        # the trial is in hand (or told), so none is left RUNNING
+        trial = None
+        try:
+            with deferred_interrupt():
+                trial = self.study.ask()
+                trial.set_user_attr("worker", self.worker)
+            value, state, error = self._objective(objective_fn, trial)
+        except KeyboardInterrupt:
+            if trial is not None:
+                with deferred_interrupt(), contextlib.suppress(Exception):  # else run() sweeps
+                    self._fail(trial, "KeyboardInterrupt: interrupted")
+            raise
+        with deferred_interrupt():
+            if state == TrialState.FAIL:
+                self._fail(trial, error)
+            elif state == TrialState.PRUNED:
+                self.study.tell(trial, state=state)
+            else:
+                self.study.tell(trial, value)
+            self.counts[_OUTCOMES[state.name]] += 1
+
+    def _objective(
+        self, objective_fn: Callable[[Any], float], trial: Any
+    ) -> tuple[float | None, Any, str]:
+        """Run the objective: its value, the state to tell, and the error of a failed trial."""
         import optuna
         from optuna.trial import TrialState
 
-        trial = self.study.ask()
-        told = False
         try:
-            trial.set_user_attr("worker", self.worker)
-            try:
-                value = objective_fn(trial)
-            except optuna.TrialPruned:
-                self.study.tell(trial, state=TrialState.PRUNED)
-                told = True
-                return "pruned"
-            except Exception as exc:
-                self.warn(f"trial {trial.number} failed: {type(exc).__name__}: {exc}")
-                with contextlib.suppress(Exception):
-                    trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:1000])
-                self.study.tell(trial, state=TrialState.FAIL)
-                told = True
-                return "failed"
-            self.study.tell(trial, value)
-            told = True
-            return "complete"
-        except KeyboardInterrupt:
-            if not told:
-                with contextlib.suppress(Exception):
-                    self.study.tell(trial, state=TrialState.FAIL)
-            raise
+            return objective_fn(trial), TrialState.COMPLETE, ""
+        except optuna.TrialPruned:
+            return None, TrialState.PRUNED, ""
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self.warn(f"trial {trial.number} failed: {error}")
+            return None, TrialState.FAIL, error
+
+    def _fail(self, trial: Any, error: str) -> None:
+        """Tell ``trial`` failed, keeping ``error`` as a user attribute when the storage takes it."""
+        from optuna.trial import TrialState
+
+        with contextlib.suppress(Exception):
+            trial.set_user_attr("error", error[:1000])
+        self.study.tell(trial, state=TrialState.FAIL)

@@ -25,6 +25,7 @@ __all__ = [
     "wait_for_spec",
     "check_workload",
     "fail_stale_trials",
+    "fail_worker_trials",
 ]
 
 
@@ -188,3 +189,19 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def fail_worker_trials(study: Any, worker: str) -> int:
+    """Fail the running trials of ``worker`` (its ``worker`` user attribute): what an interrupted
+    worker could not tell itself."""
+    import contextlib
+
+    from optuna.trial import TrialState
+
+    n = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if t.user_attrs.get("worker") == worker:
+            with contextlib.suppress(Exception):  # finished meanwhile
+                study.tell(t.number, state=TrialState.FAIL)
+                n += 1
+    return n
