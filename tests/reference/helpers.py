@@ -51,16 +51,18 @@ def our_scales(
     return out
 
 
-def overflow_sequence(seed: int, n: int = N_STEPS, p: float | None = None) -> list[bool]:
+def overflow_sequence(
+    seed: int, n: int = N_STEPS, p: float | None = None, levels: Sequence[float] = P_LEVELS
+) -> list[bool]:
     """``n`` steps, True where the step overflows.
 
-    Made of segments of 100-3000 steps, each with an overflow probability drawn from
-    :data:`P_LEVELS` (or ``p`` for every segment), with bursts of 2-40 overflows in a row.
+    Made of segments of 100-3000 steps, each with an overflow probability drawn from ``levels``
+    (or ``p`` for every segment), with bursts of 2-40 overflows in a row.
     """
     rng = random.Random(seed)
     out: list[bool] = []
     while len(out) < n:
-        q = rng.choice(P_LEVELS) if p is None else p
+        q = rng.choice(levels) if p is None else p
         for _ in range(rng.randint(100, 3000)):
             if rng.random() < BURST_P:
                 out.extend([True] * rng.randint(2, 40))
@@ -69,10 +71,10 @@ def overflow_sequence(seed: int, n: int = N_STEPS, p: float | None = None) -> li
     return out[:n]
 
 
-def sequences() -> list[tuple[str, list[bool]]]:
+def sequences(levels: Sequence[float] = P_LEVELS) -> list[tuple[str, list[bool]]]:
     """The sequences every rule is compared on: mixed segments for each seed, and a few seeds
     with one overflow probability throughout."""
-    mixed = [(f"mixed-seed{s}", overflow_sequence(s)) for s in SEEDS]
+    mixed = [(f"mixed-seed{s}", overflow_sequence(s, levels=levels)) for s in SEEDS]
     fixed = [
         (f"p{p:g}-seed{s}", overflow_sequence(100 + s, p=p))
         for s, p in enumerate((1e-4, 1e-3, 0.02, 0.5))
