@@ -80,6 +80,7 @@ def ours(overflows, init, window, hysteresis, consecutive, min_scale, max_scale=
     )
 
 
+@pytest.mark.slow  # 10,000-step sequences x 10 seeds
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_scale_sequence_as_dynamic_loss_scaler(case):
     args = CASES[case]
@@ -196,6 +197,7 @@ def parsed(fp16: dict):
     return config, scaler
 
 
+@pytest.mark.slow  # 10,000-step sequences
 @pytest.mark.parametrize("case", list(EXPORTED))
 def test_exported_block_builds_a_deepspeed_scaler_with_our_parameters(case):
     rule = case.split("-")[0]

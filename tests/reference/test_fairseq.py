@@ -112,6 +112,7 @@ def ours(overflows, init, factor, window, tolerance, min_scale):
     )
 
 
+@pytest.mark.slow  # 10,000-step sequences x 10 seeds
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_scale_sequence_as_fairseq_until_its_minimum(case):
     """Step for step the same scale, up to the step where fairseq aborts at its minimum; there

@@ -60,6 +60,7 @@ def ours(overflows, init, period, factor, min_scale, max_scale=TOP):
     )
 
 
+@pytest.mark.slow  # 10,000-step sequences x 10 seeds
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_scale_sequence_as_dynamic_loss_scale(case):
     args = CASES[case]

@@ -88,6 +88,7 @@ def test_running_megatrons_own_code_on_cpu():
         MEGATRON.DynamicGradScaler(2.0**32, 1.0, 0.5, 0.5, 1000, 2)
 
 
+@pytest.mark.slow  # 10,000-step sequences x 10 seeds
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_scale_sequence_as_dynamic_grad_scaler(case):
     args = CASES[case]
