@@ -49,7 +49,8 @@ CASES = {
 
 
 def upstream(overflows, init, window, hysteresis, consecutive, min_scale, raise_at_min=False):
-    """DeepSpeed's scale after each step; with ``raise_at_min``, also the step it aborted at."""
+    """DeepSpeed's scale after each step (with ``raise_at_min``, its abort at the minimum
+    propagates)."""
     s = DynamicLossScaler(
         init_scale=init,
         scale_window=window,
