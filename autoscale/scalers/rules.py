@@ -330,17 +330,19 @@ class MegatronRule(ScaleRule):
         return self.hysteresis_tracker <= 1
 
     def next_scale(self, scale: float, stats: StepStats) -> float:
+        # float32 products, as Megatron's scale and factor tensors: with a factor that is not a
+        # power of two, a double product rounds differently (tests/reference/test_megatron.py)
         if stats.found_inf:
             self.growth_tracker = 0
             self.hysteresis_tracker -= 1
             if self.hysteresis_tracker <= 0:
-                return scale * self.backoff_factor
+                return f32(scale * f32(self.backoff_factor))
             return scale
         self.growth_tracker += 1
         if self.growth_tracker == self.growth_interval:
             self.growth_tracker = 0
             self.hysteresis_tracker = self.hysteresis
-            return scale * self.growth_factor
+            return f32(scale * f32(self.growth_factor))
         return scale
 
     def params(self) -> dict[str, Any]:

@@ -6,11 +6,12 @@ what a budgeted, interruptible search needs on top:
 
 * the deadline and this worker's trial count (``timeout`` and a callback that stops the study);
 * Ctrl-C that leaves no trial RUNNING: the whole ``optimize`` runs under
-  :func:`~autoscale.search.interrupts.deferred_interrupt`, and only the objective itself runs
-  :func:`~autoscale.search.interrupts.interruptible`, so a SIGINT landing in Optuna's ask or tell
-  comes out when the next objective starts (Optuna then fails that trial and re-raises) and one
-  landing in an objective fails that trial at once; on the way out any trial of this worker still
-  running is failed;
+  :func:`~autoscale.search.interrupts.deferred_interrupt`, and only the objective itself (and the
+  end of each trial's callback) runs :func:`~autoscale.search.interrupts.interruptible`: a SIGINT
+  landing in Optuna's ask comes out when that trial's objective starts (Optuna then fails the
+  trial and re-raises), one landing in an objective fails that trial at once, and one landing in
+  a tell comes out once the trial is told, before the next is asked; on the way out any trial of
+  this worker still running is failed;
 * the error of a failed trial kept as a user attribute, a warning, the outcome counts, a progress
   bar, and the time outside the objective's own accounting as ``bk:optuna`` in the ledger.
 """
@@ -85,6 +86,9 @@ class TrialLoop:
                     return objective_fn(trial)
             except optuna.TrialPruned:
                 raise
+            except KeyboardInterrupt:
+                trial.set_user_attr("error", "KeyboardInterrupt: interrupted")
+                raise
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 self.warn(f"trial {trial.number} failed: {error}")
@@ -105,6 +109,8 @@ class TrialLoop:
             done = self.n_trials is not None and sum(self.counts.values()) >= self.n_trials
             if done or time.monotonic() >= stop_at:
                 study.stop()
+            with interruptible():  # a Ctrl-C held through the tell: out now, before the next ask
+                pass
 
         t0, alg0 = time.perf_counter(), self.ledger.total("alg:")
         try:

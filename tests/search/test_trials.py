@@ -4,10 +4,12 @@ a stored policy, and the trial loop's handling of failures and interrupts (mlp t
 from __future__ import annotations
 
 import math
+import signal
 import time
 
 import optuna
 import pytest
+from optuna.samplers import BaseSampler
 
 from autoscale.envs.suite import as_suite
 from autoscale.scalers import LossScaler, get_scaler
@@ -19,6 +21,7 @@ from autoscale.search.loop import TrialLoop
 from autoscale.search.plan import shape_suite
 from autoscale.search.space import parametric_families
 from autoscale.search.storage import artifact_store, open_storage
+from autoscale.search.study import fail_worker_trials, study_kwargs
 from autoscale.search.traces import load_traces
 from autoscale.search.trials import ParametricObjective, RLObjective, TrialRecorder
 from autoscale.search.workload import base_spec
@@ -173,17 +176,123 @@ def test_loop_fails_a_raising_trial_and_goes_on(setup):
     assert ledger.total("bk:optuna") > 0 and ledger.total("work:replay") > 0
 
 
-def test_an_interrupt_fails_the_running_trial_and_propagates(setup):
-    root, _, _ = setup
-    study = _study(root, "interrupt")
+class InterruptAt(BaseSampler):
+    """The search's own sampler (seeded TPE, timed), sending this process a SIGINT from inside
+    ``study.ask()`` (``before_trial``: the trial row is written) or ``study.tell()``
+    (``after_trial``: before its state is written) of trial ``number``."""
 
-    def interrupted(trial):
-        trial.suggest_float("x", 0, 1)
-        raise KeyboardInterrupt
+    def __init__(self, where: str, number: int) -> None:
+        self.inner = study_kwargs(0, 0, Ledger())["sampler"]
+        self.where, self.number = where, number
+
+    def _maybe(self, where: str, trial) -> None:
+        if where == self.where and trial.number == self.number:
+            signal.raise_signal(signal.SIGINT)
+
+    def infer_relative_search_space(self, study, trial):
+        return self.inner.infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study, trial, search_space):
+        return self.inner.sample_relative(study, trial, search_space)
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        return self.inner.sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study, trial):
+        self.inner.before_trial(study, trial)
+        self._maybe("ask", trial)
+
+    def after_trial(self, study, trial, state, values):
+        self._maybe("tell", trial)
+        self.inner.after_trial(study, trial, state, values)
+
+
+@pytest.fixture
+def sigint_raises():
+    """Python's default SIGINT handler (KeyboardInterrupt), as in the CLI."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+K = 2  # the trial interrupted; trials 0..K-1 complete before it
+# where the interrupt lands -> (state of trial K, its error attribute, objective calls)
+INTERRUPTS = {
+    "ask": (TrialState.FAIL, "KeyboardInterrupt: interrupted", K),
+    "objective-signal": (TrialState.FAIL, "KeyboardInterrupt: interrupted", K + 1),
+    "objective-raise": (TrialState.FAIL, "KeyboardInterrupt: interrupted", K + 1),
+    "tell": (TrialState.COMPLETE, None, K + 1),
+    "tell-of-a-failed-trial": (TrialState.FAIL, "RuntimeError: boom", K + 1),
+}
+
+
+@pytest.mark.parametrize("where", list(INTERRUPTS))
+def test_an_interrupt_anywhere_leaves_no_trial_running_and_the_study_resumes(
+    setup, sigint_raises, where
+):
+    root, suite, traces = setup
+    ledger = Ledger()
+    bench, _, recorder, _ = _parts(root, suite, traces, ledger)
+    storage = open_storage(f"sqlite:///{root / 'interrupts.db'}")
+    name = f"interrupt-{where}"
+    sampler = InterruptAt(where.partition("-")[0], K)
+    study = optuna.create_study(
+        study_name=name, storage=storage, direction="minimize", sampler=sampler
+    )
+    real = ParametricObjective(bench, recorder, ledger, parametric_families())
+    calls = []
+
+    def objective_fn(trial):
+        calls.append(trial.number)
+        value = real(trial)
+        if trial.number == K and where == "objective-signal":
+            signal.raise_signal(signal.SIGINT)
+        if trial.number == K and where == "objective-raise":
+            raise KeyboardInterrupt
+        if trial.number == K and where == "tell-of-a-failed-trial":
+            raise RuntimeError("boom")
+        return value
 
     counts = {"complete": 0, "pruned": 0, "failed": 0}
-    loop = TrialLoop(study, Ledger(), worker="test:3", warn=print, counts=counts)
+    loop = TrialLoop(study, ledger, worker="test:int", warn=lambda m: None, counts=counts)
     with pytest.raises(KeyboardInterrupt):
-        loop.run(interrupted, time.monotonic() + 60)
-    (trial,) = study.get_trials()
-    assert trial.state == TrialState.FAIL  # none is left running
+        loop.run(objective_fn, time.monotonic() + 120)
+
+    state, error, n_calls = INTERRUPTS[where]
+    trials = study.get_trials()
+    assert [t.number for t in trials] == list(range(K + 1)) and calls == list(range(n_calls))
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * K + [state]  # none RUNNING
+    assert trials[K].user_attrs["worker"] == "test:int"
+    assert trials[K].user_attrs.get("error") == error
+    assert counts == {
+        "complete": K + (state == TrialState.COMPLETE),
+        "pruned": 0,
+        "failed": int(where == "tell-of-a-failed-trial"),
+    }
+
+    # the same study resumes: every trial kept as it was, numbering continues
+    kept = {t.number: (t.state, t.value, t.params) for t in trials}
+    resumed = optuna.load_study(study_name=name, storage=storage)
+    counts = {"complete": 0, "pruned": 0, "failed": 0}
+    TrialLoop(resumed, ledger, worker="test:int2", warn=print, counts=counts, n_trials=2).run(
+        real, time.monotonic() + 120
+    )
+    after = resumed.get_trials()
+    assert {t.number: (t.state, t.value, t.params) for t in after[: K + 1]} == kept
+    assert [t.number for t in after[K + 1 :]] == [K + 1, K + 2]
+    assert all(t.state == TrialState.COMPLETE for t in after[K + 1 :])
+
+
+def test_fail_worker_trials_fails_only_that_workers_running_trials(tmp_path):
+    storage = open_storage(f"sqlite:///{tmp_path / 'w.db'}")
+    study = optuna.create_study(study_name="w", storage=storage)
+    mine, theirs, done = study.ask(), study.ask(), study.ask()
+    for trial, worker in ((mine, "me"), (theirs, "other"), (done, "me")):
+        trial.set_user_attr("worker", worker)
+    study.tell(done, 1.0)
+    assert fail_worker_trials(study, "me") == 1
+    assert [t.state for t in study.get_trials()] == [
+        TrialState.FAIL,
+        TrialState.RUNNING,
+        TrialState.COMPLETE,
+    ]

@@ -37,11 +37,20 @@ def _complete_count(url: str, study: str) -> int:
         return 0
 
 
+RECORD_LINE = re.compile(
+    r"\[3/6 record\] (\d+) instances .*: (\d+) recorded .*, (\d+) from the cache"
+)
+
+
 def test_interrupt_keeps_finished_trials_and_resume_continues_the_study(tmp_path):
+    """Ctrl-C once three trials are complete (an event in the storage, not a time), then resume.
+
+    Where the SIGINT lands in the trial loop is left to chance here; the loop's handling of each
+    point (inside ask, tell, the objective) is tested deterministically in test_trials.py."""
     url, study = f"sqlite:///{tmp_path / 'autoscale.db'}", "int"
     args = ("search", "--model", "mlp", "--budget", "60s", "--study", study, "--quiet")
     proc = spawn(*args, cwd=tmp_path)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120  # the search's own 60 s budget ends it first
     while proc.poll() is None and time.monotonic() < deadline and _complete_count(url, study) < 3:
         time.sleep(0.05)
     assert proc.poll() is None, "the search ended before it could be interrupted"
@@ -59,20 +68,26 @@ def test_interrupt_keeps_finished_trials_and_resume_continues_the_study(tmp_path
     assert (
         not list((tmp_path / "policies").glob(".*")) if (tmp_path / "policies").exists() else True
     )
+    first = RECORD_LINE.search(out)
+    assert first and first.group(3) == "0" and first.group(2) == first.group(1)
 
+    # The resume keeps the study's stored plan and re-times it on this machine: a loaded machine
+    # measures slower steps, so its budget is generous (the stored plan needs a fraction of it)
+    # and --n-trials, not the clock, ends its search; its validation is bounded by the plan.
     resumed = run_cli(
-        "search", "--model", "mlp", "--budget", "25s", "--study", study, "--quiet", cwd=tmp_path
-    )
+        "search", "--model", "mlp", "--budget", "5m", "--n-trials", "12", "--study", study,
+        "--quiet", cwd=tmp_path, timeout=360,
+    )  # fmt: skip
     assert resumed.rc == 0, resumed.err[-3000:]
-    assert "(resuming)" in resumed.out
-    m = re.search(
-        r"\[3/6 record\] (\d+) instances .*: (\d+) recorded .*, (\d+) from the cache", resumed.out
-    )
-    assert m and m.group(2) == "0" and m.group(3) == m.group(1)  # traces were not recorded again
+    assert "(resuming)" in resumed.out and "this worker ran 12 trials" in resumed.out
+    m = RECORD_LINE.search(resumed.out)
+    assert m and m.group(1) == first.group(1)
+    assert m.group(2) == "0" and m.group(3) == m.group(1)  # traces were not recorded again
     final = _snapshot(url, study)
     for number, entry in after.items():
         if entry[0] == TrialState.COMPLETE:
             assert final[number] == entry
+    assert all(state != TrialState.RUNNING for state, _, _ in final.values())
     new = [n for n in final if n not in after]
     assert new and min(new) == max(after) + 1  # the same study, numbering continued
     assert sorted(final) == list(range(len(final)))

@@ -1,0 +1,81 @@
+"""deferred_interrupt: a SIGINT inside the block comes out after it, exactly once, through the
+handler that was there before."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+
+from autoscale.search.interrupts import deferred_interrupt
+
+
+@pytest.fixture(autouse=True)
+def default_handler():
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_sigint_inside_the_block_is_raised_when_the_block_ends():
+    done = []
+    with pytest.raises(KeyboardInterrupt), deferred_interrupt():
+        signal.raise_signal(signal.SIGINT)
+        done.append("after the signal")  # the block runs to its end
+    assert done == ["after the signal"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_without_a_sigint_nothing_is_raised_and_the_handler_is_restored():
+    with deferred_interrupt():
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):  # and it acts again at once
+        signal.raise_signal(signal.SIGINT)
+
+
+def test_nested_blocks_deliver_once_when_the_outermost_ends():
+    where = []
+    with pytest.raises(KeyboardInterrupt), deferred_interrupt():
+        with deferred_interrupt():
+            signal.raise_signal(signal.SIGINT)
+        where.append("inner ended without raising")
+    assert where == ["inner ended without raising"]
+
+
+def test_the_previous_handler_gets_the_signal_once():
+    calls = []
+    signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+    with deferred_interrupt():
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        assert calls == []
+    assert calls == [signal.SIGINT]
+
+
+def test_an_ignored_sigint_stays_ignored():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with deferred_interrupt():
+        signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def test_the_interrupt_wins_over_an_error_of_the_block():
+    with pytest.raises(KeyboardInterrupt) as info, deferred_interrupt():
+        signal.raise_signal(signal.SIGINT)
+        raise RuntimeError("boom")
+    assert isinstance(info.value.__context__, RuntimeError)
+
+
+def test_outside_the_main_thread_the_block_runs_as_is():
+    seen = []
+
+    def worker():
+        with deferred_interrupt():
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [signal.default_int_handler]
