@@ -10,14 +10,17 @@ from autoscale.commands.base import Command
 class RecordCommand(Command):
     """Record per-step traces of real training for the replay environment."""
 
-    epilog = """example:
+    epilog = """examples:
   autoscale record --env envs/bad-batches.yaml --steps 256 --out traces/bad-batches.npz
+  autoscale record --env envs/suite.yaml --steps 512 --out traces/suite   (a folder: one trace per member)
 """
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--env", required=True, help="env spec: a YAML path or a name in envs/")
         parser.add_argument("--steps", type=int, required=True, help="steps recorded per instance")
-        parser.add_argument("--out", required=True, help="trace file to write (.npz)")
+        parser.add_argument(
+            "--out", required=True, help="trace file to write (.npz); for a suite, a folder"
+        )
         parser.add_argument(
             "--instances",
             default="train,test",
@@ -26,7 +29,15 @@ class RecordCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from autoscale.envs import record_trace
+        from autoscale.envs.suite import SuiteSpec, load_spec
+        from autoscale.envs.traces import record_suite
 
+        spec = load_spec(args.env)
+        if isinstance(spec, SuiteSpec):
+            traces = record_suite(spec, args.steps, args.out, progress=True)
+            n = sum(t.steps for tr in traces.values() for t in tr.instances.values())
+            print(f"wrote {len(traces)} member traces ({n} steps) to {args.out}/")
+            return 0
         groups = tuple(s.strip() for s in args.instances.split(",") if s.strip())
         trace = record_trace(args.env, args.steps, args.out, instances=groups, progress=True)
         n = sum(t.steps for t in trace.instances.values())

@@ -38,7 +38,7 @@ from typing import Any
 import yaml
 
 from autoscale.envs.spec import EnvSpec, find_env_spec, load_env_spec
-from autoscale.errors import ConfigError, check_keys, unknown_name
+from autoscale.errors import ConfigError, UnknownNameError, check_keys, unknown_name
 
 __all__ = ["SuiteSpec", "as_suite", "load_spec", "member_name", "SEP"]
 
@@ -187,7 +187,7 @@ def _from_yaml(data: dict[str, Any], where: str, source: str | None) -> SuiteSpe
                 spec = EnvSpec.from_dict(
                     {"name": pair, "workload": workload, **common}, source=f"{where}: member {pair}"
                 )
-            except ConfigError as exc:
+            except (ConfigError, UnknownNameError) as exc:  # say which member is wrong
                 raise type(exc)(f"{where}: member '{pair}': {exc}") from None
             (left_out if (w in left_w or s in left_s or pair in left_m) else members).append(spec)
     return SuiteSpec(name, tuple(members), tuple(left_out), source)
