@@ -73,10 +73,11 @@ worker), else the best on the train replay.
         if cards is not None and len(torch_cards) == len(names):
             where = f"real steps: {len(names)} test episodes of {validation.episode.steps} steps"
             summary = card_summary(cards, by_member(torch_cards, names), suite.reward, where)
-        elif trial.user_attrs.get("test_replay"):
+        elif trial.user_attrs.get("scores", {}).get("test_replay"):
+            replay = trial.user_attrs["scores"]["test_replay"]
             summary = {
-                "objective": trial.user_attrs["test_replay"]["objective"],
-                "members": trial.user_attrs["test_replay"]["members"],
+                "objective": replay["objective"],
+                "members": replay["members"],
                 "evaluated_on": "replay of the recorded real test steps",
             }
         path = export_trial(

@@ -13,8 +13,13 @@ and it fails when, on any workload:
 
 ``torch``'s runs are deterministic for a workload and seed, so they are cached next to the storage
 and paid once. While running them the check records their traces, and a candidate is first
-*screened* on their replay (microseconds a step): a candidate whose replayed skip rate already
-breaks the rule is refused without a real run, so the budget goes to the candidates that can pass.
+*screened* on their replay (microseconds a step): a candidate whose replayed skip rate breaks the
+rule by far (more than :data:`SCREEN_MARGIN` above ``torch``'s) is refused without a real run, so
+the budget goes to the candidates that can pass. The margin is wide because replay is pessimistic
+about rules that sit close to the overflow threshold: a traced step's threshold comes from every
+fp16 tensor of its backward pass, and an intermediate tensor can overflow without the parameter
+gradients doing so (measured: ``amax-history`` on the mlp clean run, 1.8% skipped on replay, 0.1%
+in the real run). Everything the screen lets through runs for real.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from autoscale.training.scorecard import Scorecard
 __all__ = [
     "GATE_STEPS",
     "SKIP_TOLERANCE",
+    "SCREEN_MARGIN",
     "NOISE_FLOOR",
     "gate_workloads",
     "gate_proxy",
@@ -44,6 +50,7 @@ __all__ = [
 
 GATE_STEPS = 1000
 SKIP_TOLERANCE = 0.005
+SCREEN_MARGIN = 0.02  # replay refuses only what skips this much more than torch
 NOISE_FLOOR = 0.002
 GATE_VERSION = 1
 
@@ -248,10 +255,11 @@ class NoHarmCheck:
                 env = ReplayEnv(trace.spec, trace, instances=[inst])
                 with self.ledger.track("work:replay"):
                     card, _ = drive_episode(env, factory(), inst)
-                if card.skip_rate > ref.skip_rate + SKIP_TOLERANCE:
+                if card.skip_rate > ref.skip_rate + SCREEN_MARGIN:
                     reasons.append(
                         f"{w.model} seed {seed}: replay predicts {100 * card.skip_rate:.2f}% skipped "
-                        f"steps, torch {100 * ref.skip_rate:.2f}% (+{100 * SKIP_TOLERANCE:.1f}% allowed)"
+                        f"steps, torch {100 * ref.skip_rate:.2f}% (+{100 * SKIP_TOLERANCE:.1f}% "
+                        "allowed)"
                     )
         return Verdict(label, not reasons, reasons, screened=True)
 

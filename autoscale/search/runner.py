@@ -334,15 +334,18 @@ class SearchRunner:
         }
         state = {"exported": None}
         min_search = max(2.0, 0.02 * self.budget.seconds)
-        gate_s = 1.2 * self.gate.cost(plan.timings, GATE_CANDIDATES)
         for round_no in range(1, MAX_ROUNDS + 1):
             self.result.rounds = round_no
             first = round_no == 1
-            # what this round leaves time for after its search: validating candidates (and, in
-            # the first round, the rules) and checking its pick
+            # what this round leaves time for after its search: validating candidates (the best
+            # few and the rules in the first round, the new best in later ones) and checking
+            # its pick
             rules_left = [r for r in plan.rules if f"rule:{r}" not in validated]
             n_rules = len(rules_left) if plan.all_rules_real else min(1, len(rules_left))
-            after = validator.cost(CANDIDATES_PER_ROUND + (n_rules if first else 0)) + gate_s
+            k = CANDIDATES_PER_ROUND if first else 1
+            after = validator.cost(k + (n_rules if first else 0)) + 1.2 * self.gate.cost(
+                plan.timings, GATE_CANDIDATES if first else 1
+            )
             if not first and self.budget.left() < after + min_search:
                 self._tail(
                     study, plan, bench, validator, store, workdir, validated, factories, state
@@ -350,7 +353,7 @@ class SearchRunner:
                 break
             self._search(study, plan, bench, recorder, self.budget.end - after, workdir, first)
             new = self._validate(
-                study, plan, bench, validator, store, workdir, validated, factories, first
+                study, plan, bench, validator, store, workdir, validated, factories, first, k
             )
             if not self._pick(study, plan, validated, factories, store, workdir, state):
                 return
@@ -371,7 +374,16 @@ class SearchRunner:
         """Less than a round is left: validate more of the best candidates in it, pick again, and
         say what is left unused."""
         new = self._validate(
-            study, plan, bench, validator, store, workdir, validated, factories, False
+            study,
+            plan,
+            bench,
+            validator,
+            store,
+            workdir,
+            validated,
+            factories,
+            False,
+            CANDIDATES_PER_ROUND,
         )
         if new:
             self._pick(study, plan, validated, factories, store, workdir, state)
@@ -450,17 +462,16 @@ class SearchRunner:
 
     # ------------------------------------------------------------------ validation
     def _validate(
-        self, study, plan: Plan, bench, validator, store, workdir, validated, factories, first
+        self, study, plan: Plan, bench, validator, store, workdir, validated, factories, first, k
     ) -> bool:
-        """Validate torch, the best new candidates and the rules; True if anything new was."""
+        """Validate torch, the ``k`` best candidates not validated yet and the rules (first
+        round); True if anything new was."""
         import optuna
 
         with self.ledger.track("bk:optuna"):
             complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         done = {int(k.split(":")[1]) for k in validated if k.startswith("trial:")}
-        candidates = top_candidates(
-            complete, plan.suite, store, workdir, CANDIDATES_PER_ROUND, self.warn, skip=done
-        )
+        candidates = top_candidates(complete, plan.suite, store, workdir, k, self.warn, skip=done)
         trials = {t.number: t for t, _ in candidates}
         order = []
         for t, factory in candidates:

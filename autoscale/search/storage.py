@@ -92,7 +92,9 @@ def open_storage(url: str, *, must_exist: bool = False) -> Any:
 
             return JournalStorage(JournalFileBackend(str(path)))
         if kind == "sqlite":
-            storage = _rdb(url if "://" in url else f"sqlite:///{path}", {})
+            # one host: the worker check of study.fail_stale_trials (host:pid) covers it, and
+            # heartbeats would add a write and a query to every trial
+            storage = _rdb(url if "://" in url else f"sqlite:///{path}", {}, heartbeat=False)
             _sqlite_wal(storage.engine)
             return storage
         url = _postgres_driver(url)
@@ -113,15 +115,19 @@ def open_storage(url: str, *, must_exist: bool = False) -> Any:
 
 
 _RACE = ("already exists", "unique constraint", "duplicate key", "database is locked")
-# Optuna's heartbeat: each running trial's worker writes one every HEARTBEAT_S; a trial whose
-# heartbeat is older than GRACE_S (its worker was killed) is failed by the next worker that starts a
-# trial, on any host. JournalFile storages have none (study.fail_stale_trials covers this host).
+# Optuna's heartbeat on database servers: each running trial's worker writes one every HEARTBEAT_S;
+# a trial whose heartbeat is older than GRACE_S (its worker was killed) is failed by the next
+# worker that starts a trial, on any host. SQLite and JournalFile storages serve one host, where
+# study.fail_stale_trials (a dead worker's host:pid) does it without a write per trial.
 HEARTBEAT_S, GRACE_S = 10, 60
 
 
-def _rdb(url: str, engine_kwargs: dict[str, Any], attempts: int = 5) -> Any:
-    """An RDBStorage with heartbeats; retried when workers starting together race to create its
-    tables (one sees 'table already exists' or a duplicate schema version)."""
+def _rdb(
+    url: str, engine_kwargs: dict[str, Any], attempts: int = 5, *, heartbeat: bool = True
+) -> Any:
+    """An RDBStorage (with heartbeats for servers that several hosts share); retried when workers
+    starting together race to create its tables (one sees 'table already exists' or a duplicate
+    schema version)."""
     import random
     import time
 
@@ -132,12 +138,8 @@ def _rdb(url: str, engine_kwargs: dict[str, Any], attempts: int = 5) -> Any:
 
         with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna 4 and 5
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.storages.RDBStorage(
-                url,
-                engine_kwargs=engine_kwargs,
-                heartbeat_interval=HEARTBEAT_S,
-                grace_period=GRACE_S,
-            )
+            beat = {"heartbeat_interval": HEARTBEAT_S, "grace_period": GRACE_S} if heartbeat else {}
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **beat)
 
     for _ in range(attempts - 1):
         try:

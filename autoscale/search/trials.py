@@ -178,21 +178,19 @@ class TrialRecorder:
         test_obj = bench.objective("test", test_cards) if test_cards else None
         ref = bench.reference_for("train", cards)
         terms = objective_terms(cards, ref, weights)
-        attrs = {
-            "policy": policy,
-            "members": member_summary(cards, ref, weights),
+        scores: dict[str, Any] = {
             "objective_terms": {k: v for k, v in terms.items() if k != "regrets"},
+            "members": member_summary(cards, ref, weights),
         }
         if test_cards:
-            attrs["test_replay"] = {
+            scores["test_replay"] = {
                 "objective": test_obj,
                 "members": member_summary(test_cards, bench.reference["test"], weights),
             }
+        # two writes (the storage's cost is per call): the policy, which export reads, and scores
         with self.ledger.track("bk:attrs"):
-            for key, value in attrs.items():
-                self._guard(
-                    "scorecards", lambda k=key, v=value: trial.set_user_attr(k, json_safe(v))
-                )
+            for key, value in (("policy", policy), ("scores", scores)):
+                self._guard("scores", lambda k=key, v=value: trial.set_user_attr(k, json_safe(v)))
         if not detailed:
             return
         kind = policy.get("rule") or f"{policy.get('algo')} agent"
@@ -255,12 +253,10 @@ def describe_params(rule: str, params: dict[str, Any]) -> str:
 
 
 def report_points(n: int) -> set[int]:
-    """After how many of ``n`` train instances a trial reports its running objective to the
-    pruner: after each one up to 4 instances, else after a quarter, half and three quarters (each
-    report is a storage write and a pruner decision)."""
-    if n <= 4:
-        return set(range(1, n))
-    return {max(1, round(n * f)) for f in (0.25, 0.5, 0.75)} - {n}
+    """After how many of ``n`` train episodes a trial reports its running objective to the
+    pruner: after a third and two thirds of them (each report is a storage write and a pruner
+    decision, which reads every trial: few reports keep bookkeeping small)."""
+    return {max(1, round(n * f)) for f in (1 / 3, 2 / 3)} - {n}
 
 
 class _Objective:

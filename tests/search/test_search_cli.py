@@ -86,8 +86,9 @@ def test_every_trial_keeps_a_summary_and_the_best_a_note_and_a_plot(searched):
     store = artifact_store(artifacts_dir(searched.url))
     noted = 0
     for t in complete:
-        assert set(t.user_attrs["members"]) == members
-        assert t.user_attrs["objective_terms"]["objective"] == pytest.approx(t.value)
+        scores = t.user_attrs["scores"]
+        assert set(scores["members"]) == members and "test_replay" in scores
+        assert scores["objective_terms"]["objective"] == pytest.approx(t.value)
         metas = get_all_artifact_meta(t, storage=study._storage)
         if not metas:
             continue
@@ -101,7 +102,7 @@ def test_every_trial_keeps_a_summary_and_the_best_a_note_and_a_plot(searched):
             assert fh.read(4) == b"<svg"
     assert noted >= min(10, len(complete))
     for t in _trials(study, optuna.trial.TrialState.PRUNED):
-        assert sum(m["episodes"] for m in t.user_attrs["members"].values()) > 0
+        assert sum(m["episodes"] for m in t.user_attrs["scores"]["members"].values()) > 0
 
 
 def _get(url: str):
@@ -141,7 +142,7 @@ def test_dashboard_api_lists_the_study_its_trials_notes_and_artifacts(searched):
         svg = _get(f"{base}/artifacts/{sid}/{trial['trial_id']}/{art['artifact_id']}")
         assert svg.startswith(b"<svg") and b"polyline" in svg
         keys = {a["key"] for a in trial["user_attrs"]}
-        assert {"policy", "members", "objective_terms", "test_replay"} <= keys
+        assert {"policy", "scores", "worker"} <= keys
     finally:
         server.shutdown()
 

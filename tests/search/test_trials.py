@@ -109,8 +109,9 @@ def test_a_parametric_trial_is_scored_on_every_member_against_torch(setup):
     )
     first = study.trials[0]
     assert first.value == pytest.approx(0.0)  # torch's defaults: no regret anywhere
-    assert set(first.user_attrs["members"]) == {"bad-batches", "mlp-small"}
-    assert first.user_attrs["objective_terms"]["worst_member"] in first.user_attrs["members"]
+    scores = first.user_attrs["scores"]
+    assert set(scores["members"]) == {"bad-batches", "mlp-small"}
+    assert scores["objective_terms"]["worst_member"] in scores["members"]
     assert counts["complete"] + counts["pruned"] == 3
 
 
