@@ -70,6 +70,13 @@ class LossScaler(torch.amp.GradScaler):
             the RMS pass). Passing or setting it True collects both.
         enabled: As in GradScaler.
         name: The name checkpoints and ``spec()`` carry (an exported policy's); default the rule's.
+        process_group: Under ``torch.distributed``, the ranks that take one decision (default:
+            the world group). Every rank of the group skips the same steps and keeps the same
+            scale; the found-inf flag, the statistics the rule reads and the loss are agreed with
+            one collective per optimizer step.
+        identical_grads: The gradients are already identical on every rank (plain DDP averages
+            them in backward): no collective at all, unless the rule reads the loss
+            (``needs_loss``), which each rank computes on its own batch.
 
     Attributes:
         rule: The rule. controller: Its :class:`ScaleController` (bounds and counters).
@@ -88,6 +95,8 @@ class LossScaler(torch.amp.GradScaler):
         collect_stats: bool | None = None,
         enabled: bool = True,
         name: str | None = None,
+        process_group: Any = None,
+        identical_grads: bool = False,
     ) -> None:
         if not isinstance(rule, ScaleRule):
             raise ConfigError(
@@ -124,7 +133,16 @@ class LossScaler(torch.amp.GradScaler):
         self.last_stats: StepStats | None = None
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
-        self._loss_host: float | None = None
+        if process_group is not None and not (
+            dist.is_available() and isinstance(process_group, dist.ProcessGroup)
+        ):
+            raise ConfigError(
+                f"process_group must be a torch.distributed ProcessGroup (from new_group), got "
+                f"{type(process_group).__name__}; or leave it out for the world group"
+            )
+        self._process_group = process_group
+        self.identical_grads = bool(identical_grads)
+        self._checked = False  # the one-time handshake of the ranks
         if self._enabled:  # a policy takes its first decision now, as the env does at reset
             self._set_scale(self.controller.start(first))
 
@@ -233,19 +251,22 @@ class LossScaler(torch.amp.GradScaler):
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
         if self._enabled:
-            self._agree_on_found_inf(optimizer)
             if self.collect_stats:
                 self._collect_grad_stats(optimizer, inv_scale=None)
+            if getattr(optimizer, "_step_supports_amp_scaling", False):
+                # a fused optimizer skips inside its kernel from the found-inf flag: agree on it
+                # before that kernel runs (on the device: no host sync)
+                self._agree(self._per_optimizer_states[id(optimizer)])
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # The fused-optimizer path checks for infs without unscaling: statistics need 1/scale.
+        state = self._per_optimizer_states[id(optimizer)]
         if self.collect_stats:
             self._found_inf_from_amax(optimizer)
-            found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         else:
-            found = super()._check_inf_per_device(optimizer)
-        self._agree_on_found_inf(optimizer)
-        return found
+            super()._check_inf_per_device(optimizer)
+        self._agree(state)
+        return state["found_inf_per_device"]
 
     def _found_inf_from_amax(self, optimizer: torch.optim.Optimizer) -> None:
         """Derive found-inf from the gradient amax the rule reads anyway (fused-optimizer path).
@@ -261,21 +282,9 @@ class LossScaler(torch.amp.GradScaler):
             self._scale.device: (~torch.isfinite(amax)).to(torch.float32)
         }
 
-    def _agree_on_found_inf(self, optimizer: torch.optim.Optimizer) -> None:
-        # Fused optimizers (AdamW(fused=True)) skip the step inside their kernel from the device
-        # found-inf flag and never pass through _maybe_opt_step: without DDP averaging the
-        # gradients, a rank whose gradients are finite would step while another skips. Reduce the
-        # flag on the device (no host sync) so that every rank skips together.
-        if (
-            getattr(optimizer, "_step_supports_amp_scaling", False)
-            and dist.is_available()
-            and dist.is_initialized()
-        ):
-            for flag in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
-        self._sync_states([optimizer_state])
+        self._agree(optimizer_state)
+        self._read([optimizer_state])
         if not optimizer_state["autoscale_host"][0]:
             return optimizer.step(*args, **kwargs)
         return None
@@ -295,11 +304,19 @@ class LossScaler(torch.amp.GradScaler):
         states = [s for s in states if s["found_inf_per_device"]]
         if not states:
             raise AssertionError("No inf checks were recorded prior to update.")
-        self._sync_states(states)
-        found = any(s["autoscale_host"][0] for s in states)
-        amax = max((s["autoscale_host"][1] for s in states), default=math.nan)
-        sumsq = sum(s["autoscale_host"][2] for s in states)
-        count = sum(s["autoscale_host"][3] for s in states)
+        if self._loss_sum is not None and all("autoscale_vec" in s for s in states):
+            # a loss scaled after the last optimizer step agreed its flags: one more agreement
+            states.append(_refresh_per_optimizer_state())
+        for state in states:
+            self._agree(state)
+        self._read(states)
+        host = [s["autoscale_host"] for s in states]
+        found = any(h[0] for h in host)
+        amax = max((h[1] for h in host), default=math.nan)
+        sumsq = sum(h[2] for h in host)
+        count = sum(h[3] for h in host)
+        loss_count = sum(h[5] for h in host)
+        loss = sum(h[4] for h in host) / loss_count if loss_count else None
         if not self.collect_stats:
             amax = rms = math.nan
         elif not self._collect_rms:
@@ -310,9 +327,14 @@ class LossScaler(torch.amp.GradScaler):
                 if count > 0 and math.isfinite(sumsq)
                 else (math.inf if count else math.nan)
             )
-        loss = self._loss_host if self._loss_host is not None else math.nan
         stats = StepStats(
-            self.steps, self._host_scale, bool(found), amax, rms, loss, self._loss_host is not None
+            self.steps,
+            self._host_scale,
+            bool(found),
+            amax,
+            rms,
+            math.nan if loss is None else loss,
+            loss is not None,
         )
         self.last_stats = stats
         try:
@@ -477,7 +499,6 @@ class LossScaler(torch.amp.GradScaler):
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._loss_sum = None
         self._loss_count = 0
-        self._loss_host = None
 
     def _collect_grad_stats(
         self, optimizer: torch.optim.Optimizer, inv_scale: float | None
@@ -506,65 +527,133 @@ class LossScaler(torch.amp.GradScaler):
             count = torch.full((), float(sum(g.numel() for g in grads)), device=dev)
             state["autoscale_stats"] = torch.stack([amax, sumsq, count])
 
-    def _sync_states(self, states: list[dict[str, Any]]) -> None:
-        """Read found-inf (and stats, and the loss) of these optimizer states in one host sync."""
-        todo = [s for s in states if "autoscale_host" not in s]
-        with_loss = self._loss_sum is not None and self._loss_host is None
-        if not todo and not with_loss:
+    # ------------------------------------------------------------------ agreement across ranks
+    def _group(self) -> Any:
+        """The process group decisions are agreed over, or None when there is nothing to agree
+        (not distributed, one rank)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            if self._process_group is not None:
+                raise ConfigError(
+                    "process_group was given but torch.distributed is not initialized; call "
+                    "torch.distributed.init_process_group first, or drop process_group"
+                )
+            return None
+        group = self._process_group or dist.group.WORLD
+        if not self._checked:
+            self._handshake(group)
+        if dist.get_world_size(group) <= 1 or (self.identical_grads and not self.rule.needs_loss):
+            return None
+        return group
+
+    def _handshake(self, group: Any) -> None:
+        """Once, over every rank: check that this rank is in its group and that the ranks of a
+        group agree on it (its size, and whether gradients are identical); else every rank raises
+        the same error instead of hanging in a collective the others never join."""
+        self._checked = True
+        world, rank = dist.get_world_size(), dist.get_rank()
+        size = dist.get_world_size(group)
+        member = dist.get_rank(group) >= 0 if group is not dist.group.WORLD else True
+        ranks = dist.get_process_group_ranks(group) if member else []
+        key = float(sum((r + 1) * 7919**i for i, r in enumerate(ranks)) % 2**40)
+        dev = self._scale.device
+        mine = torch.tensor(
+            [float(member), float(size), key, float(self.identical_grads)], device=dev
+        )
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        rows = [t.tolist() for t in gathered]
+        if not member:
+            raise ConfigError(
+                f"rank {rank} is not a member of the process_group given to its scaler; give each "
+                "rank a group it belongs to (or none: the world group)"
+            )
+        peers = [r for r in range(world) if rows[r][2] == key]
+        if len(peers) != size:
+            raise ConfigError(
+                f"the ranks of rank {rank}'s process group ({len(ranks)} ranks: {ranks}) do not all "
+                f"use that group for their scaler ({len(peers)} do); every rank of a group must pass "
+                "the same process_group"
+            )
+        flags = {rows[r][3] for r in peers}
+        if len(flags) > 1:
+            raise ConfigError(
+                f"the ranks of process group {ranks} disagree on identical_grads; pass the same value "
+                "on every rank (True only where DDP has already averaged the gradients)"
+            )
+
+    def _agree(self, state: dict[str, Any]) -> None:
+        """Pack this optimizer's found-inf flag, gradient statistics and the losses scaled since
+        the last agreement into one vector on the scale's device, agreed across ranks with one
+        collective where there is anything to agree; no host sync."""
+        if "autoscale_vec" in state:
             return
         dev = self._scale.device
-        # per optimizer: [found] or [found, amax, sumsq, count]; then [loss sum]. Few ops: this
-        # runs every step, and each op costs microseconds of Python and dispatch.
-        width = 4 if self.collect_stats else 1
-        flags = []
-        for s in todo:
-            per_device = list(s["found_inf_per_device"].values())
-            if len(per_device) == 1 and per_device[0].device == dev:
-                flags.append(per_device[0])
-            else:
-                flags.append(sum(t.to(dev, non_blocking=True) for t in per_device))
-        loss = [self._loss_sum.to(dev)] if with_loss else []
-        if width == 1:
-            vec = torch.stack(flags + loss)  # all 0-dim: one op
-        else:
-            parts = []
-            for s, flag in zip(todo, flags):
-                stats = s.get("autoscale_stats")
-                if stats is None:
-                    stats = torch.full((3,), math.nan, device=dev)
-                parts += [flag.reshape(1), stats]
-            vec = torch.cat(parts + [t.reshape(1) for t in loss])
-        if dist.is_available() and dist.is_initialized():
-            vec = self._reduce(vec, len(todo), width, with_loss)
-        values = vec.tolist()  # the one host sync
-        for i, s in enumerate(todo):
-            row = values[width * i : width * (i + 1)]
-            s["autoscale_host"] = (
-                (row[0] > 0, *row[1:]) if width == 4 else (row[0] > 0, math.nan, math.nan, 0.0)
+        per_device = list(state["found_inf_per_device"].values())
+        if len(per_device) == 1 and per_device[0].device == dev:
+            flag = per_device[0]
+        elif per_device:
+            flag = sum(t.to(dev, non_blocking=True) for t in per_device)
+        else:  # a loss scaled after every optimizer's agreement: no flag of its own
+            flag = torch.zeros((), device=dev)
+        loss, n_loss = self._loss_sum, self._loss_count
+        self._loss_sum, self._loss_count = None, 0
+        stats = state.get("autoscale_stats") if self.collect_stats else None
+        group = self._group()
+        if group is None:  # as few ops as possible: this runs every step
+            parts = [flag] + ([] if loss is None else [loss.to(dev).float()])
+            vec = (
+                torch.stack(parts)
+                if stats is None
+                else torch.cat([flag.reshape(1), stats] + [p.reshape(1) for p in parts[1:]])
             )
-        if with_loss:
-            self._loss_host = values[-1] / self._loss_count
+            state["autoscale_vec"] = vec
+            state["autoscale_layout"] = (
+                stats is not None,
+                n_loss if loss is not None else 0,
+                False,
+            )
+            return
+        if stats is None:
+            stats = torch.full((3,), math.nan, device=dev)
+        total = torch.zeros((), device=dev) if loss is None else loss.to(dev).float()
+        local = torch.cat(
+            [flag.reshape(1), stats, total.reshape(1), torch.full((1,), float(n_loss), device=dev)]
+        )
+        # every rank takes the same decision: found-inf and amax by MAX (a NaN amax, from the
+        # gradients of an overflowing rank, counts as inf), the rest by SUM; one all_gather
+        # carries both, reduced here
+        local[1] = torch.where(torch.isnan(local[1]), math.inf, local[1])
+        rows = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, local, group=group)
+        table = torch.stack(rows)
+        vec = torch.cat([table[:, :2].amax(0), table[:, 2:].sum(0)])
+        state["autoscale_vec"] = vec
+        state["autoscale_layout"] = (True, -1, True)
+        if state["found_inf_per_device"]:  # what GradScaler and fused kernels read: the agreed flag
+            state["found_inf_per_device"] = {dev: vec[0].clone()}
 
-    @staticmethod
-    def _reduce(vec: torch.Tensor, n_states: int, width: int, with_loss: bool) -> torch.Tensor:
-        # Every rank must take the same decision: found-inf and amax by MAX; the sum of squares,
-        # the element count and the loss by SUM (the loss then averaged over ranks).
-        body = vec[: width * n_states].reshape(n_states, width)
-        maxed = body[:, :2].contiguous()
-        # a NaN amax (the gradients of an overflowing rank) must win the MAX, which drops NaN
-        maxed = torch.where(torch.isnan(maxed), math.inf, maxed)
-        summed = torch.cat([body[:, 2:].reshape(-1), vec[width * n_states :]])
-        dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
-        if summed.numel():
-            dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-        out = [
-            torch.cat([maxed, summed[: 2 * n_states].reshape(n_states, 2)], dim=1)
-            if width == 4
-            else maxed
-        ]
-        if with_loss:
-            out.append(summed[-1:] / dist.get_world_size())
-        return torch.cat([o.reshape(-1) for o in out])
+    def _read(self, states: list[dict[str, Any]]) -> None:
+        """Bring the agreed vectors of these states to the host in one sync, as
+        ``(found, amax, sumsq, count, loss_sum, loss_count)``."""
+        todo = [s for s in states if "autoscale_host" not in s]
+        if not todo:
+            return
+        vecs = [s["autoscale_vec"] for s in todo]
+        flat = (vecs[0] if len(vecs) == 1 else torch.cat([v.reshape(-1) for v in vecs])).tolist()
+        i = 0
+        for s, v in zip(todo, vecs):
+            n = v.numel()
+            row, i = flat[i : i + n], i + n
+            with_stats, n_loss, distributed = s["autoscale_layout"]
+            if distributed:  # [found, amax, sumsq, count, loss_sum, loss_count], all ranks
+                s["autoscale_host"] = (row[0] > 0, row[1], row[2], row[3], row[4], row[5])
+                continue
+            found = row[0] > 0
+            amax, sumsq, count = (
+                (row[1], row[2], row[3]) if with_stats else (math.nan, math.nan, 0.0)
+            )
+            loss_sum = row[-1] if n_loss else 0.0
+            s["autoscale_host"] = (found, amax, sumsq, count, loss_sum, float(n_loss))
 
 
 def _grad_amax(grads: list[torch.Tensor], dev: torch.device) -> torch.Tensor:

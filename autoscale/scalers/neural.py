@@ -68,6 +68,7 @@ class NeuralPolicyRule(ScaleRule):
     description = "an exported neural policy"
     source = "autoscale export"
     needs_stats = True
+    needs_loss = True  # its features read the loss (trend, non-finite)
 
     def __init__(
         self,

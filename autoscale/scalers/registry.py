@@ -46,6 +46,8 @@ SCALER_OPTIONS = (
     "raise_at_min",
     "collect_stats",
     "enabled",
+    "process_group",
+    "identical_grads",
 )
 
 _RULES: dict[str, type[ScaleRule]] = {}

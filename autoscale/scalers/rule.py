@@ -117,6 +117,8 @@ class ScaleRule:
         needs_stats: :meth:`next_scale` reads ``grad_amax`` or ``grad_rms`` (the scaler then
             computes them each step).
         needs_rms: With ``needs_stats``, whether ``grad_rms`` is read (False spares a pass).
+        needs_loss: :meth:`next_scale` reads ``loss`` (under DDP each rank's loss differs, so it
+            is agreed across ranks even when the gradients are identical).
         default_init_scale, default_min_scale, default_max_scale: The scale bounds a scaler of this
             rule gets unless the user gives others.
     """
@@ -126,6 +128,7 @@ class ScaleRule:
     source: ClassVar[str] = ""
     needs_stats: ClassVar[bool] = False
     needs_rms: ClassVar[bool] = True
+    needs_loss: ClassVar[bool] = False
     default_init_scale: ClassVar[float] = 2.0**16
     default_min_scale: ClassVar[float] = 2.0**-24
     default_max_scale: ClassVar[float] = 2.0**64

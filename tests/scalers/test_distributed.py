@@ -121,3 +121,185 @@ def test_amax_is_the_max_over_ranks(ranks, case):
         expected = max(r0["local_amax"][step], r1["local_amax"][step])
         assert r0["local_amax"][step] != r1["local_amax"][step]
         assert r0["amax"][step] == r1["amax"][step] == pytest.approx(expected, rel=1e-6)
+
+
+# ---------------------------------------------------------------- collectives, groups, two optimizers
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter")
+
+
+class _Counter:
+    """Counts the collectives torch.distributed runs (wrapping the module's functions)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.saved = {}
+        for name in COLLECTIVES:
+            fn = getattr(dist, name)
+            self.saved[name] = fn
+
+            def wrapped(*a, _fn=fn, **k):
+                self.n += 1
+                return _fn(*a, **k)
+
+            setattr(dist, name, wrapped)
+
+    def restore(self) -> None:
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def _count_per_step(rank: int, name: str, fused: bool, ddp: bool, **kw) -> list[int]:
+    """Collectives of the scaler in each of 4 steps (the model's own DDP traffic excluded)."""
+    model = tiny_model()
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = adamw(model, fused=fused)
+    scaler = autoscale.get_scaler(name, device="cpu", init_scale=2.0**8, **kw)
+    counts = []
+    for i, (x, y) in enumerate(batches(4, seed=20 + rank)):
+        opt.zero_grad()
+        loss = forward_loss(model, x, y, inf=rank == 1 and i == 2)
+        scaler.scale(loss).backward()  # DDP's all_reduce of the gradients happens here
+        counter = _Counter()
+        try:
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            counter.restore()
+        counts.append(counter.n)
+    return counts
+
+
+def _two_optimizers(rank: int) -> dict:
+    """Two models, two optimizers, two losses in one step (losses scaled before either step)."""
+    a, b = tiny_model(1), tiny_model(2)
+    oa, ob = adamw(a), adamw(b)
+    scaler = autoscale.get_scaler("torch", device="cpu", init_scale=2.0**8)
+    (x, y), (x2, y2) = batches(2, seed=30 + rank)
+    la, lb = forward_loss(a, x, y), forward_loss(b, x2, y2)
+    scaler.scale(la).backward()
+    scaler.step(oa)  # the first optimizer's step happens before the second loss is scaled
+    scaler.scale(lb).backward()
+    scaler.step(ob)
+    scaler.update()
+    return {"losses": [la.item(), lb.item()], "stats_loss": scaler.last_stats.loss}
+
+
+def _worker2(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    out: dict = {}
+    try:
+        for name in ("torch", "amax-history", FIXTURE_NEURAL):
+            for fused in (False, True):
+                key = f"{name.rsplit('/', 1)[-1]}-{'fused' if fused else 'adamw'}"
+                out[f"sharded:{key}"] = _count_per_step(rank, name, fused, ddp=False)
+                out[f"ddp:{key}"] = _count_per_step(
+                    rank, name, fused, ddp=True, identical_grads=True
+                )
+        out["two-optimizers"] = _two_optimizers(rank)
+        # ranks that disagree on identical_grads get one clear error each, not a hang
+        try:
+            _count_per_step(rank, "torch", False, ddp=False, identical_grads=rank == 0)
+            out["mismatch"] = "no error"
+        except autoscale.AutoscaleError as exc:
+            out["mismatch"] = str(exc)
+    except Exception:
+        out = {"error": traceback.format_exc()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+FIXTURE_NEURAL = str(Path(__file__).resolve().parent / "fixtures" / "policies" / "fixture-neural")
+
+
+def _spawn(worker, world: int, tmp: Path) -> list[dict]:
+    try:
+        mp.spawn(worker, args=(str(tmp / "init"), str(tmp)), nprocs=world, join=True)
+    except mp.ProcessExitedException:
+        if not all((tmp / f"rank{r}.json").exists() for r in range(world)):
+            raise
+    results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, "\n".join(errors)
+    return results
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    return _spawn(_worker2, WORLD, tmp_path_factory.mktemp("dist2"))
+
+
+@pytest.mark.parametrize("rule", ["torch", "amax-history", "fixture-neural"])
+@pytest.mark.parametrize("fused", ["adamw", "fused"])
+def test_at_most_one_collective_per_step_with_sharded_gradients(counted, rule, fused):
+    for r in counted:
+        first, *rest = r[f"sharded:{rule}-{fused}"]
+        assert first == 2  # the one-time handshake of the ranks, then the step's agreement
+        assert rest == [1, 1, 1]
+
+
+@pytest.mark.parametrize("fused", ["adamw", "fused"])
+def test_no_collective_when_ddp_made_the_gradients_identical(counted, fused):
+    for r in counted:
+        for rule in ("torch", "amax-history"):
+            first, *rest = r[f"ddp:{rule}-{fused}"]
+            assert first == 1 and rest == [0, 0, 0]  # only the handshake
+        # a neural policy reads the loss, which each rank computes on its own batch
+        assert r[f"ddp:fixture-neural-{fused}"][1:] == [1, 1, 1]
+
+
+def test_the_second_optimizers_loss_is_not_dropped(counted):
+    losses = [v for r in counted for v in r["two-optimizers"]["losses"]]
+    expected = sum(losses) / len(losses)  # both losses of both ranks
+    for r in counted:
+        assert r["two-optimizers"]["stats_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_ranks_that_disagree_get_one_clear_error_not_a_hang(counted):
+    for r in counted:
+        assert "disagree on identical_grads" in r["mismatch"], r["mismatch"]
+
+
+def _worker4(rank: int, init_file: str, out_dir: str) -> None:
+    """Four ranks in two groups: {0, 1} and {2, 3}; rank 1 overflows at step 1."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    out: dict = {}
+    try:
+        group = groups[rank // 2]
+        model = tiny_model()
+        opt = adamw(model)
+        scaler = autoscale.get_scaler("torch", device="cpu", init_scale=2.0**8, process_group=group)
+        scales, skipped = [], []
+        for i, (x, y) in enumerate(batches(3, seed=40 + rank)):
+            opt.zero_grad()
+            scaler.scale(forward_loss(model, x, y, inf=rank == 1 and i == 1)).backward()
+            before = flat_params(model)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            if torch.equal(before, flat_params(model)):
+                skipped.append(i)
+        out = {"scales": scales, "skipped": skipped}
+    except Exception:
+        out = {"error": traceback.format_exc()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_a_subgroup_agrees_within_itself_only(tmp_path):
+    r = _spawn(_worker4, 4, tmp_path)
+    assert r[0]["skipped"] == r[1]["skipped"] == [1]  # rank 1's overflow skips its group
+    assert r[2]["skipped"] == r[3]["skipped"] == []  # the other group trains on
+    assert r[0]["scales"] == r[1]["scales"] and r[2]["scales"] == r[3]["scales"]
+    assert r[0]["scales"] != r[2]["scales"]
+
+
+def test_a_bad_process_group_is_refused_at_once():
+    with pytest.raises(autoscale.AutoscaleError, match="process_group must be a torch.distributed"):
+        autoscale.get_scaler("torch", device="cpu", process_group="world")
+    scaler = autoscale.get_scaler("torch", device="cpu", process_group=None)
+    assert scaler.identical_grads is False
