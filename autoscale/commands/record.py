@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from autoscale.commands.base import Command
 
@@ -23,12 +24,19 @@ class RecordCommand(Command):
             default="train,test",
             help="instance sets or names, comma-separated (default: train,test)",
         )
+        parser.add_argument(
+            "--fp16",
+            help="fp16 products on a CPU: auto, native or emulated (default: the spec's)",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
-        from autoscale.envs import record_trace
+        from autoscale.envs import load_env_spec, record_trace
 
         groups = tuple(s.strip() for s in args.instances.split(",") if s.strip())
-        trace = record_trace(args.env, args.steps, args.out, instances=groups, progress=True)
+        spec = load_env_spec(args.env)
+        if args.fp16 is not None:
+            spec = dataclasses.replace(spec, workload=spec.workload.replace(fp16=args.fp16))
+        trace = record_trace(spec, args.steps, args.out, instances=groups, progress=True)
         n = sum(t.steps for t in trace.instances.values())
         over = sum(int((t.nonfinite | (t.threshold < 0)).sum()) for t in trace.instances.values())
         print(

@@ -39,6 +39,7 @@ def base_spec(
     scenario: str | None = None,
     params: dict[str, Any] | None = None,
     dtype: str | None = None,
+    fp16: str | None = None,
 ) -> EnvSpec:
     """The spec to search: ``env`` with any workload field given here replacing its own; else the
     spec of ``scenario`` (default bad-batches) from ``envs/`` with ``model`` (default gpt2-tiny),
@@ -55,6 +56,8 @@ def base_spec(
         changes["scenario_params"] = params
     if dtype is not None:
         changes["dtype"] = dtype
+    if fp16 is not None:
+        changes["fp16"] = fp16
     if env is not None:
         spec = load_env_spec(env)
         return (
