@@ -14,8 +14,8 @@ What cannot agree with the native kernels: the order of the fp32 sums (BLAS bloc
 differently; results differ in the last fp16 bit now and then), and the fp16 roundings that a
 fused native kernel makes inside itself (the CPU flash-attention kernel rounds its softmax
 probabilities to fp16 before multiplying them with V; emulated, they stay fp32).
-:mod:`experiments.benchmarks.fp16_emulation` measures how far this moves overflow thresholds,
-skips and precision loss.
+``experiments/benchmarks/fp16_emulation.py`` measures how far this moves overflow thresholds,
+skips and precision loss (not measurably: ``experiments/results/fp16_emulation.md``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ __all__ = [
 
 #: Upcasts at least this large reuse a kept buffer (see :class:`Fp16EmulationMode`).
 SCRATCH_MIN_BYTES = 16 << 20
+#: At most this many such buffers are kept.
+SCRATCH_BUFFERS = 16
 #: ``auto`` emulates only from this many matrix multiply-adds per micro-batch (see
 #: :func:`resolve_fp16_path`).
 AUTO_MIN_MACS = 2 << 20
@@ -114,7 +116,8 @@ class Fp16EmulationMode(TorchDispatchMode):
 
     Upcasts of 16 MiB and more (GPT-2's tied embedding used as the output layer) go into fp32
     buffers kept from one use to the next: a fresh buffer that size costs more in page faults
-    than the copy itself. The buffers are scratch, dead once the op returns.
+    than the copy itself. The buffers are scratch, dead once the op returns; at most
+    :data:`SCRATCH_BUFFERS` are kept (all are dropped when a new one would exceed it).
 
     Modes stack: a mode entered inside this one (such as
     :class:`~autoscale.training.instruments.BackwardAmaxMode` around ``backward()``) sees each
@@ -159,6 +162,8 @@ class Fp16EmulationMode(TorchDispatchMode):
         key = (x.shape, x.stride(), next(slot))
         buf = self._scratch.get(key)
         if buf is None:
+            if len(self._scratch) >= SCRATCH_BUFFERS:
+                self._scratch.clear()
             buf = self._scratch[key] = _empty_like_layout(x)
         return buf.copy_(x)
 

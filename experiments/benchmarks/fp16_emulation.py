@@ -216,11 +216,21 @@ def report(result: dict[str, Any], command: str) -> str:
         "",
         "## Op outputs (random fp16 operands, gpt2-tiny's shapes)",
         "",
-        "| op | elements | share that differs | max difference (fp16 ulps) |",
-        "|---|---|---|---|",
+        "Share of output elements that differ, and the largest difference in fp16 ulps at the "
+        "result's magnitude; *exact* is the fp64 result rounded once to fp16. The largest ulp "
+        "counts are at results near zero (cancellation), where a sum's fp32 rounding errors are "
+        "large relative to the result.",
+        "",
+        "| op | elements | emulated vs native: differ / max ulps "
+        "| native vs exact | emulated vs exact |",
+        "|---|---|---|---|---|",
     ]
     for r in result["ops"]:
-        lines.append(f"| {r['op']} | {r['elements']} | {r['differ']:.2%} | {r['max_ulps']:.0f} |")
+        lines.append(
+            f"| {r['op']} | {r['elements']} | {r['differ']:.2%} / {r['max_ulps']:.0f} "
+            f"| {r['native_vs_exact_differ']:.2%} / {r['native_vs_exact_max_ulps']:.0f} "
+            f"| {r['emulated_vs_exact_differ']:.2%} / {r['emulated_vs_exact_max_ulps']:.0f} |"
+        )
     lines += [
         "",
         "## Paired steps (same state, same batch, `torch` rule)",

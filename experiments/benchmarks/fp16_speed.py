@@ -8,14 +8,16 @@ round) so that the load of other processes hits them alike; the ratios are of me
 and the median of the per-round ratios is printed beside them.
 
     python experiments/benchmarks/fp16_speed.py --models gpt2,gpt2-tiny,mlp --rounds 5 \\
-        --native-rounds 1 --out experiments/results/fp16_speed.md
+        --out experiments/results/fp16_speed.md
 
-Native fp16 GPT-2 steps take minutes here: ``--native-rounds`` (default 1) limits them.
+Native fp16 GPT-2 steps take minutes here: where the native warm-up step took over
+``--native-slow-s``, only ``--native-rounds`` (default 1) native steps are timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import statistics
 import sys
@@ -31,10 +33,19 @@ TARGET = 1.5  # emulated fp16 step / fp32 step, for GPT-2 124M
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="gpt2,gpt2-tiny,mlp", help="comma-separated presets")
-    p.add_argument("--rounds", type=int, default=5, help="timed steps per copy")
     p.add_argument(
-        "--native-rounds", type=int, default=1, help="timed native fp16 steps (0: skip native)"
+        "--rounds", type=int, default=5, help="timed steps per copy (at least; see --min-seconds)"
     )
+    p.add_argument(
+        "--min-seconds", type=float, default=3.0, help="time at least this much fp32 per model"
+    )
+    p.add_argument(
+        "--native-rounds",
+        type=int,
+        default=1,
+        help="timed native fp16 steps where its warm-up step took over --native-slow-s",
+    )
+    p.add_argument("--native-slow-s", type=float, default=30.0)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave as is)")
@@ -60,18 +71,17 @@ def timed(run) -> float:
 
 
 def bench(model: str, args) -> dict:
-    paths = ["fp32", "emulated"] + (["native"] if args.native_rounds > 0 else [])
+    paths = ["fp32", "emulated", "native"]
     runs = {p: build(model, p, args) for p in paths}
-    for run in runs.values():
-        run.step()  # warm-up: allocations, first-call costs
+    warm = {p: timed(run) for p, run in runs.items()}  # first-call costs, allocations
+    rounds = min(200, max(args.rounds, math.ceil(args.min_seconds / warm["fp32"])))
+    native_rounds = args.native_rounds if warm["native"] > args.native_slow_s else rounds
     times: dict[str, list[float]] = {p: [] for p in paths}
-    for r in range(args.rounds):
-        order = paths if r % 2 == 0 else paths[::-1]
-        for p in order:
-            if p == "native" and len(times["native"]) >= args.native_rounds:
-                continue
-            times[p].append(timed(runs[p]))
-    med = {p: statistics.median(t) for p, t in times.items()}
+    for r in range(rounds):
+        for p in paths if r % 2 == 0 else paths[::-1]:
+            if p != "native" or len(times["native"]) < native_rounds:
+                times[p].append(timed(runs[p]))
+    med = {p: statistics.median(t) for p, t in times.items() if t}
     paired = [e / f for e, f in zip(times["emulated"], times["fp32"], strict=True)]
     return {
         "model": model,
@@ -100,21 +110,22 @@ def main(argv=None) -> int:
     except OSError:
         pass
     lines = [
-        "| model | fp32 s/step | fp16 emulated s/step | fp16 native s/step | emulated / fp32 "
-        "(paired) | native / fp32 | native / emulated |",
-        "|---|---|---|---|---|---|---|",
+        "| model | timed steps | fp32 s/step | fp16 emulated s/step | fp16 native s/step "
+        "| emulated / fp32 (paired) | native / fp32 | native / emulated |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m = r["median_s"]
         has_native = r["native_over_fp32"] is not None
-        native = f"{m['native']:.3f} ({r['steps']['native']} step)" if has_native else "-"
+        n = r["steps"]["native"]
+        native = f"{m['native']:.4f} ({n} step{'s' if n != 1 else ''})" if has_native else "-"
         ratios = (
             f"{r['native_over_fp32']:.1f} | {r['native_over_emulated']:.1f}"
             if has_native
             else "- | -"
         )
         lines.append(
-            f"| {r['model']} | {m['fp32']:.3f} | {m['emulated']:.3f} | {native} "
+            f"| {r['model']} | {r['steps']['fp32']} | {m['fp32']:.4f} | {m['emulated']:.4f} | {native} "
             f"| {r['emulated_over_fp32']:.2f} ({r['emulated_over_fp32_paired']:.2f}) | {ratios} |"
         )
     gpt2 = next((r for r in rows if r["model"] == "gpt2"), None)
@@ -128,7 +139,7 @@ def main(argv=None) -> int:
     header = (
         f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; {platform.machine()}, "
         f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}{load}; "
-        f"batch {args.batch_size} x {args.seq_len} tokens, {args.rounds} rounds."
+        f"batch {args.batch_size} x {args.seq_len} tokens (mlp: {args.batch_size} examples)."
     )
     text = "\n".join([header, "", *lines])
     print(text)

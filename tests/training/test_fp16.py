@@ -249,3 +249,32 @@ def test_run_records_the_path_it_took():
     assert TrainingRun(WorkloadSpec(model="mlp", fp16="native"), "torch").fp16_path == "native"
     bf16 = TrainingRun(WorkloadSpec(model="mlp", dtype="bf16", fp16="emulated"), "torch")
     assert bf16.fp16_path is None and bf16._emulator is None  # other dtypes ignore it
+
+
+def test_kept_upcast_buffers_give_the_same_results(monkeypatch):
+    """Large upcasts reuse kept buffers (strided like the operand); results are unchanged."""
+    import autoscale.training.fp16 as fp16
+
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(24, 16, generator=gen).half()
+    b = torch.randn(20, 16, generator=gen).half()
+    q = torch.randn(2, 8, 5, generator=gen).half()
+    with Fp16EmulationMode():
+        fresh = [
+            torch.mm(a, b.t()),
+            torch.bmm(q, q.transpose(1, 2)),
+            torch.mm(a, b[::2].t()[:, :8]),
+        ]
+    monkeypatch.setattr(fp16, "SCRATCH_MIN_BYTES", 0)
+    monkeypatch.setattr(fp16, "SCRATCH_BUFFERS", 3)
+    mode = Fp16EmulationMode()
+    for _ in range(2):  # the second round reuses the buffers
+        with mode:
+            kept = [
+                torch.mm(a, b.t()),
+                torch.bmm(q, q.transpose(1, 2)),
+                torch.mm(a, b[::2].t()[:, :8]),
+            ]
+        for x, y in zip(fresh, kept, strict=True):
+            assert torch.equal(bits(x), bits(y))
+        assert 0 < len(mode._scratch) <= 3
