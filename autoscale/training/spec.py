@@ -13,7 +13,8 @@ __all__ = ["WorkloadSpec", "DTYPES", "FP16_PATHS", "INITS"]
 
 DTYPES = ("fp16", "bf16", "fp32")
 #: Values of ``WorkloadSpec.fp16``: ``auto`` (emulated on a CPU without fp16 matrix
-#: instructions, native elsewhere), ``native`` (torch's own fp16 kernels), ``emulated``.
+#: instructions where the model's products pay for it, native elsewhere), ``native`` (torch's
+#: own fp16 kernels), ``emulated``.
 FP16_PATHS = ("auto", "native", "emulated")
 INITS = ("auto", "pretrained", "random")
 _DTYPE_ALIASES = {
@@ -44,8 +45,8 @@ class WorkloadSpec:
         fp16: How fp16 products are computed on a CPU: ``native`` (torch's fp16 kernels, scalar
             loops without AVX512-FP16/AMX-FP16), ``emulated`` (fp32 products rounded to fp16, the
             same numerics as tensor cores; see :mod:`autoscale.training.fp16`) or ``auto``
-            (emulated on a CPU without fp16 matrix instructions). CUDA always runs natively; other
-            dtypes ignore it.
+            (emulated on a CPU without fp16 matrix instructions when the model's products are
+            large enough to pay for it). CUDA always runs natively; other dtypes ignore it.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; None picks CUDA when present.
         batch_size: Sequences (or examples, for ``mlp``) per micro-batch.
         seq_len: Tokens per sequence (ignored by ``mlp``).
