@@ -69,6 +69,7 @@ class CompareCommand(Command):
         seeds = list(range(args.seed, args.seed + args.seeds))
         cards: dict[str, list] = {}
         runs: dict[str, list] = {}
+        fp16_path = None
         with tqdm(
             total=len(plan) * len(seeds) * steps,
             disable=args.quiet,
@@ -79,13 +80,16 @@ class CompareCommand(Command):
                 for seed in seeds:
                     bar.set_description(f"{row} seed {seed}")
                     run = TrainingRun(row_spec.replace(seed=seed), scaler, **kw)
+                    if row_spec is spec:
+                        fp16_path = run.fp16_path
                     cards.setdefault(row, []).append(
                         run.run(steps, callback=lambda _r: bar.update(1))
                     )
                     runs.setdefault(row, []).append(run.records)
         summaries = {row: summarize(c) for row, c in cards.items()}
         print(
-            f"{steps} steps of {describe(spec, seed=False)}; mean ± std over {len(seeds)} seed(s)"
+            f"{steps} steps of {describe(spec, seed=False, fp16_path=fp16_path)}; "
+            f"mean ± std over {len(seeds)} seed(s)"
         )
         print(format_comparison(summaries, len(seeds)))
         if args.json:
@@ -93,6 +97,7 @@ class CompareCommand(Command):
                 args.json,
                 {
                     "spec": spec.to_dict(),
+                    "fp16_path": fp16_path,
                     "steps": steps,
                     "seeds": seeds,
                     "rules": {

@@ -49,15 +49,19 @@ def device_info(device) -> dict[str, Any]:
             "bf16": "native" if bf16 else "not supported",
             "bf16_ok": bool(bf16),
         }
+    from autoscale.training.fp16 import native_fp16_matmul
+
     flags = _cpu_flags()
     load, cores = _load(), os.cpu_count() or 1
     return {
         "device": device.type,
         "name": _cpu_name(),
         "detail": f"{torch.get_num_threads()} torch threads, capability {torch.backends.cpu.get_cpu_capability()}",
-        "fp16": "native"
-        if flags & {"avx512_fp16", "amx_fp16"}
-        else "emulated (autocast works; slow)",
+        "fp16_native": native_fp16_matmul(),
+        "fp16": "native (AVX512-FP16/AMX-FP16)"
+        if native_fp16_matmul()
+        else "no fp16 matrix instructions: torch's fp16 products are scalar loops; "
+        "autoscale can emulate them (fp32 products rounded to fp16)",
         "bf16": "native" if flags & {"avx512_bf16", "amx_bf16"} else "emulated (autocast works)",
         "bf16_ok": True,
         "busy": f"load average {load:.1f} on {cores} cores"
@@ -93,10 +97,11 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure(spec, steps: int, warmup: int = 2) -> DtypeResult:
+def measure(spec, steps: int, warmup: int = 2, label: str | None = None) -> DtypeResult:
     """Median step time of ``spec`` over ``steps`` steps after ``warmup``, and its initial eval loss."""
     from autoscale.training import TrainingRun
 
+    label = label or spec.dtype
     scaler, kw = ("torch", {}) if spec.dtype == "fp16" else ("static", {"init_scale": 1.0})
     try:
         run = TrainingRun(spec, scaler, **kw)
@@ -105,19 +110,54 @@ def measure(spec, steps: int, warmup: int = 2) -> DtypeResult:
         records = [run.step() for _ in range(steps)]
     except RuntimeError as exc:  # e.g. an autocast dtype this device cannot run
         return DtypeResult(
-            spec.dtype, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            label, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         )
     return DtypeResult(
-        spec.dtype,
+        label,
         step_ms=1000 * statistics.median(r.wall_s for r in records),
         eval_loss=eval_loss,
         skipped=sum(r.found_inf for r in records),
     )
 
 
-def recommend(info: dict[str, Any], results: dict[str, DtypeResult]) -> list[str]:
-    """Advice lines: bf16 where the hardware has it and the model tolerates it, else fp16 + a scaler."""
-    fp32, bf16, fp16 = results["fp32"], results["bf16"], results["fp16"]
+def fp16_rows(device) -> tuple[str, ...]:
+    """The fp16 paths worth timing on ``device``: both on a CPU, the native one elsewhere."""
+    return ("native", "emulated") if device.type == "cpu" else ("native",)
+
+
+def fp16_verdict(auto: str, reason: str, results: dict[str, DtypeResult]) -> list[str]:
+    """Which fp16 path runs take (``--fp16 auto``) and why, checked against the measured times."""
+    lines = [f"{auto} (auto: {reason})"]
+    native, emulated = results.get("fp16-native"), results.get("fp16-emulated")
+    if native is None or emulated is None:
+        return lines
+    if not (math.isfinite(native.step_ms) and math.isfinite(emulated.step_ms)):
+        return lines
+    fast, slow = (
+        ("emulated", "native") if emulated.step_ms <= native.step_ms else ("native", "emulated")
+    )
+    ratio = results[f"fp16-{slow}"].step_ms / results[f"fp16-{fast}"].step_ms
+    lines.append(
+        f"measured: emulated {emulated.step_ms:.1f} ms, native {native.step_ms:.1f} ms per step; "
+        f"{fast} is {ratio:.2f}x faster"
+    )
+    if fast != auto and ratio > 1.1:
+        lines.append(
+            f"here {fast} is faster for this model than auto's choice: pass --fp16 {fast} "
+            f"(or fp16: {fast} in an env spec)"
+        )
+    return lines
+
+
+def recommend(
+    info: dict[str, Any], results: dict[str, DtypeResult], fp16_path: str = "native"
+) -> list[str]:
+    """Advice lines: bf16 where the hardware has it and the model tolerates it, else fp16 + a scaler.
+
+    ``results`` holds ``fp32``, ``bf16`` and ``fp16-PATH`` for each fp16 path timed;
+    ``fp16_path`` is the one runs take.
+    """
+    fp32, bf16, fp16 = results["fp32"], results["bf16"], results[f"fp16-{fp16_path}"]
     scaler_hint = "fp16 with a loss scaler: autoscale.get_scaler('torch'), or a policy from `autoscale search`"
     lines = []
     drift = (
@@ -134,7 +174,7 @@ def recommend(info: dict[str, Any], results: dict[str, DtypeResult]) -> list[str
             f"use bf16 autocast (torch.autocast(..., dtype=torch.bfloat16)): fp32's exponent range, no loss scaler "
             f"needed (held-out loss within {100 * drift:.2f}% of fp32)"
         )
-        if "emulated" not in info["fp16"] and fp16.step_ms < 0.8 * bf16.step_ms:
+        if info.get("fp16_native", True) and fp16.step_ms < 0.8 * bf16.step_ms:
             lines.append(
                 f"fp16 is {bf16.step_ms / fp16.step_ms:.1f}x faster than bf16 here: for throughput, {scaler_hint}"
             )
@@ -143,10 +183,14 @@ def recommend(info: dict[str, Any], results: dict[str, DtypeResult]) -> list[str
             f"the CPU is busy ({info['busy']}): torch's threads contend and small models can run many "
             f"times slower; try OMP_NUM_THREADS=1 (or torch.set_num_threads(1))"
         )
-    if "emulated" in info["fp16"] and math.isfinite(fp16.step_ms) and math.isfinite(fp32.step_ms):
+    if (
+        not info.get("fp16_native", True)
+        and math.isfinite(fp16.step_ms)
+        and math.isfinite(fp32.step_ms)
+    ):
         lines.append(
-            f"fp16 is emulated on this device ({fp16.step_ms / fp32.step_ms:.1f}x the fp32 step time): fp16 runs "
-            f"here study loss scaling, not speed"
+            f"no fp16 matrix instructions here: an fp16 step takes {fp16.step_ms / fp32.step_ms:.1f}x the "
+            f"fp32 step time ({fp16_path} path): fp16 runs here study loss scaling, not speed"
         )
     return lines
 
@@ -176,7 +220,7 @@ class DoctorCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         import torch
 
-        from autoscale.training import WorkloadSpec
+        from autoscale.training import TrainingRun, WorkloadSpec
         from autoscale.training.run import resolve_device
 
         if args.steps <= 0:
@@ -200,16 +244,22 @@ class DoctorCommand(Command):
         print(
             f"speed:    {args.model}, batch {args.batch_size}{shape}, median of {args.steps} steps"
         )
+        plan = [("fp32", spec.replace(dtype="fp32")), ("bf16", spec.replace(dtype="bf16"))]
+        plan += [(f"fp16-{p}", spec.replace(dtype="fp16", fp16=p)) for p in fp16_rows(device)]
         results = {}
-        for dtype in DTYPES:
-            results[dtype] = r = measure(spec.replace(dtype=dtype), args.steps)
+        for label, row_spec in plan:
+            results[label] = r = measure(row_spec, args.steps, label=label)
             text = (
                 f"failed: {r.error}"
                 if r.error
                 else f"{r.step_ms:8.1f} ms/step   held-out loss at start {r.eval_loss:.4f}"
             )
-            print(f"  {dtype}    {text}")
-        advice = recommend(info, results)
+            print(f"  {label.replace('-', ' '):<14}{text}")
+        probe = TrainingRun(spec.replace(dtype="fp16", fp16="auto"), "torch")
+        auto, reason = probe.fp16_path, probe.fp16_reason
+        verdict = fp16_verdict(auto, reason, results)
+        print("fp16 path: " + "\n          ".join(verdict))
+        advice = recommend(info, results, auto)
         print("advice:   " + "\n          ".join(advice))
         if args.json:
             write_json(
@@ -218,6 +268,7 @@ class DoctorCommand(Command):
                     "device": info,
                     "model": args.model,
                     "results": {k: asdict(v) for k, v in results.items()},
+                    "fp16_path": {"auto": auto, "reason": reason, "verdict": verdict},
                     "advice": advice,
                 },
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from autoscale.commands.base import Command
 
@@ -26,6 +27,10 @@ class RecordCommand(Command):
             default="train,test",
             help="instance sets or names, comma-separated (default: train,test)",
         )
+        parser.add_argument(
+            "--fp16",
+            help="fp16 products on a CPU: auto, native or emulated (default: the spec's)",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         from autoscale.envs import record_trace
@@ -33,13 +38,22 @@ class RecordCommand(Command):
         from autoscale.envs.traces import record_suite
 
         spec = load_spec(args.env)
+        if args.fp16 is not None:
+            fp16 = args.fp16
+            spec = (
+                spec.replace_members(
+                    lambda m: dataclasses.replace(m, workload=m.workload.replace(fp16=fp16))
+                )
+                if isinstance(spec, SuiteSpec)
+                else dataclasses.replace(spec, workload=spec.workload.replace(fp16=fp16))
+            )
         if isinstance(spec, SuiteSpec):
             traces = record_suite(spec, args.steps, args.out, progress=True)
             n = sum(t.steps for tr in traces.values() for t in tr.instances.values())
             print(f"wrote {len(traces)} member traces ({n} steps) to {args.out}/")
             return 0
         groups = tuple(s.strip() for s in args.instances.split(",") if s.strip())
-        trace = record_trace(args.env, args.steps, args.out, instances=groups, progress=True)
+        trace = record_trace(spec, args.steps, args.out, instances=groups, progress=True)
         n = sum(t.steps for t in trace.instances.values())
         over = sum(int((t.nonfinite | (t.threshold < 0)).sum()) for t in trace.instances.values())
         print(

@@ -66,6 +66,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, steps: int | None
         "--dtype", default="fp16", help="autocast dtype: fp16, bf16 or fp32 (default fp16)"
     )
     g.add_argument(
+        "--fp16",
+        default="auto",
+        help="fp16 products on a CPU: native (torch's kernels), emulated (fp32 products rounded "
+        "to fp16) or auto (emulated where that is faster; default)",
+    )
+    g.add_argument(
         "--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when present)"
     )
     g.add_argument("--batch-size", type=int, default=4)
@@ -97,6 +103,7 @@ def spec_from_args(args: argparse.Namespace):
         scenario=args.scenario,
         scenario_params=parse_pairs(args.param, "--param"),
         dtype=args.dtype,
+        fp16=args.fp16,
         device=args.device,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
@@ -161,11 +168,12 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
         raise ConfigError(f"cannot write JSON '{path}': {exc.strerror or exc}") from exc
 
 
-def describe(spec, *, seed: bool = True) -> str:
-    """One line naming the workload."""
+def describe(spec, *, seed: bool = True, fp16_path: str | None = None) -> str:
+    """One line naming the workload (and the fp16 path a run took, when given)."""
     params = ", ".join(f"{k}={v}" for k, v in spec.scenario_params.items())
     scenario = f"{spec.scenario}({params})" if params else spec.scenario
-    return f"{spec.model} / {scenario} / {spec.dtype}" + (f" / seed {spec.seed}" if seed else "")
+    dtype = f"{spec.dtype} ({fp16_path})" if fp16_path else spec.dtype
+    return f"{spec.model} / {scenario} / {dtype}" + (f" / seed {spec.seed}" if seed else "")
 
 
 def add_run_arguments(
@@ -218,13 +226,14 @@ class RunCommand(Command):
         spec, steps, overrides = read_run_arguments(args)
         run = TrainingRun(spec, args.scaler, **overrides)
         card = run.run(steps, progress=not args.quiet)
-        title = f"{args.scaler} on {describe(spec)}"
+        title = f"{args.scaler} on {describe(spec, fp16_path=run.fp16_path)}"
         print(format_scorecard(card, title=f"scorecard: {title}"))
         if args.json:
             write_json(
                 args.json,
                 {
                     "spec": spec.to_dict(),
+                    "fp16_path": run.fp16_path,
                     "scaler": run.scaler_spec,
                     "model": {"init": run.built.init, "source": run.built.source},
                     "scorecard": card.to_dict(),

@@ -56,6 +56,9 @@ class SearchCommand(Command):
             "--param", action="append", default=[], metavar="KEY=VALUE", help="scenario parameter"
         )
         wl.add_argument("--dtype", help="autocast dtype (default: the spec's, fp16)")
+        wl.add_argument(
+            "--fp16", help="fp16 products on a CPU: auto, native or emulated (default: the spec's)"
+        )
         s = parser.add_argument_group("search")
         s.add_argument(
             "--budget", default="10m", help="wall clock: 90s, 30m, 2h, 1h30m (default 10m)"
@@ -96,7 +99,12 @@ class SearchCommand(Command):
         params = parse_pairs(args.param, "--param")
         explicit = any(v is not None for v in (args.env, args.model, args.scenario)) or bool(params)
         spec = base_spec(
-            args.env, model=args.model, scenario=args.scenario, params=params, dtype=args.dtype
+            args.env,
+            model=args.model,
+            scenario=args.scenario,
+            params=params,
+            dtype=args.dtype,
+            fp16=args.fp16,
         )
         study = args.study or default_study_name(spec, args.space)
         cfg = SearchConfig(

@@ -37,11 +37,12 @@ def base_spec(
     scenario: str | None = None,
     params: dict[str, Any] | None = None,
     dtype: str | None = None,
+    fp16: str | None = None,
 ) -> EnvSpec | SuiteSpec:
     """The spec to search: ``env`` (an env spec or a suite) with any workload field given here
-    replacing its own (every member's, for ``dtype`` on a suite); else the spec of ``scenario``
-    (default bad-batches) from ``envs/`` with ``model`` (default gpt2-tiny), or a default spec
-    (3 train and 3 test instances) where none matches.
+    replacing its own (every member's, for ``dtype`` and ``fp16`` on a suite); else the spec of
+    ``scenario`` (default bad-batches) from ``envs/`` with ``model`` (default gpt2-tiny), or a
+    default spec (3 train and 3 test instances) where none matches.
 
     Raises:
         ConfigError: ``--model``/``--scenario``/``--param`` with a suite (its members name them).
@@ -58,18 +59,20 @@ def base_spec(
         changes["scenario_params"] = params
     if dtype is not None:
         changes["dtype"] = dtype
+    if fp16 is not None:
+        changes["fp16"] = fp16
     if env is not None:
         spec = load_spec(env)
         if isinstance(spec, SuiteSpec):
-            if set(changes) - {"dtype"}:
+            if set(changes) - {"dtype", "fp16"}:
                 raise ConfigError(
                     f"--model, --scenario and --param do not apply to the suite '{spec.name}' "
                     "(its members name their workloads); edit the suite, or search one env spec"
                 )
-            if dtype is None:
+            if not changes:
                 return spec
             return spec.replace_members(
-                lambda m: dataclasses.replace(m, workload=m.workload.replace(dtype=dtype))
+                lambda m: dataclasses.replace(m, workload=m.workload.replace(**changes))
             )
         return (
             dataclasses.replace(spec, workload=spec.workload.replace(**changes))

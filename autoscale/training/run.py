@@ -22,6 +22,7 @@ from autoscale.training.data import (
     byte_tokens,
     load_text,
 )
+from autoscale.training.fp16 import Fp16EmulationMode, matmul_macs, resolve_fp16_path
 from autoscale.training.instruments import BackwardAmaxMode, GradientCensus
 from autoscale.training.models import BuiltModel, build_model
 from autoscale.training.records import Snapshot, StepRecord
@@ -64,7 +65,9 @@ class TrainingRun:
         spec, model, optimizer (AdamW; fused on CUDA), scaler, data (a BatchStream), scenario,
         device, step_index (steps taken), records (a :class:`StepRecord` per step since
         construction or the last :meth:`restore`), built (what the model is and where it came
-        from), scaler_spec (``scaler.spec()`` as built, before training moved the scale).
+        from), scaler_spec (``scaler.spec()`` as built, before training moved the scale),
+        fp16_path (``"native"`` or ``"emulated"`` for fp16 runs, see
+        :mod:`autoscale.training.fp16`; None for other dtypes) and fp16_reason (why, in words).
     """
 
     def __init__(
@@ -84,6 +87,14 @@ class TrainingRun:
         _seed_everything(spec.seed)
         self.built: BuiltModel = build_model(spec)
         self.model = self.built.model.to(self.device).train()
+        self.fp16_path: str | None = None
+        self.fp16_reason: str | None = None
+        if spec.dtype == "fp16":
+            samples = spec.batch_size * (spec.seq_len if self.built.kind == "lm" else 1)
+            self.fp16_path, self.fp16_reason = resolve_fp16_path(
+                spec.fp16, self.device, matmul_macs(self.model, samples)
+            )
+        self._emulator = Fp16EmulationMode() if self.fp16_path == "emulated" else None
         self.data = _make_data(spec, self.built, self.device)
         self.scenario = make_scenario(spec.scenario, spec.scenario_params, spec.seed)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
@@ -126,6 +137,10 @@ class TrainingRun:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self._amp_dtype)
 
+    def _emulation(self):
+        """Around forward and backward: fp16 products in fp32 where the fp16 path is emulated."""
+        return self._emulator if self._emulator is not None else contextlib.nullcontext()
+
     def step(self) -> StepRecord:
         """Take one optimizer step and return its record (also appended to :attr:`records`)."""
         start = time.perf_counter()
@@ -138,14 +153,15 @@ class TrainingRun:
         self.optimizer.zero_grad(set_to_none=True)
         watch = BackwardAmaxMode() if self.record and self._amp_dtype is torch.float16 else None
         objective_sum = None
-        for micro in range(spec.grad_accum):
-            batch = self.data.next_batch()
-            with self._autocast():
-                objective = self.scenario.objective(self.data, self.model, batch, index, micro)
-            with watch if watch is not None else contextlib.nullcontext():
-                self.scaler.scale(objective if weight == 1.0 else objective * weight).backward()
-            value = objective.detach().float().reshape(1)
-            objective_sum = value if objective_sum is None else objective_sum + value
+        with self._emulation():  # entered first: `watch` sees each emulated op's fp16 result
+            for micro in range(spec.grad_accum):
+                batch = self.data.next_batch()
+                with self._autocast():
+                    objective = self.scenario.objective(self.data, self.model, batch, index, micro)
+                with watch if watch is not None else contextlib.nullcontext():
+                    self.scaler.scale(objective if weight == 1.0 else objective * weight).backward()
+                value = objective.detach().float().reshape(1)
+                objective_sum = value if objective_sum is None else objective_sum + value
         self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self._params if p.grad is not None]
         self._census.load(grads)
@@ -248,7 +264,7 @@ class TrainingRun:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad(), self._autocast():
+            with torch.no_grad(), self._emulation(), self._autocast():
                 losses = [
                     self.scenario.eval_objective(self.data, self.model, b).float()
                     for b in self.data.eval_batches()

@@ -6,12 +6,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoscale.errors import ConfigError, check_keys
+from autoscale.errors import ConfigError, check_keys, unknown_name
 from autoscale.scalers.rule import positive_finite
 
-__all__ = ["WorkloadSpec", "DTYPES", "INITS"]
+__all__ = ["WorkloadSpec", "DTYPES", "FP16_PATHS", "INITS"]
 
 DTYPES = ("fp16", "bf16", "fp32")
+#: Values of ``WorkloadSpec.fp16``: ``auto`` (emulated on a CPU without fp16 matrix
+#: instructions where the model's products pay for it, native elsewhere), ``native`` (torch's
+#: own fp16 kernels), ``emulated``.
+FP16_PATHS = ("auto", "native", "emulated")
 INITS = ("auto", "pretrained", "random")
 _DTYPE_ALIASES = {
     "float16": "fp16",
@@ -38,6 +42,11 @@ class WorkloadSpec:
         scenario: The failure mode to reproduce (see :func:`~autoscale.training.list_scenarios`).
         scenario_params: The scenario's knobs, e.g. ``{"every": 10}``; unknown keys are refused.
         dtype: Autocast dtype: ``fp16``, ``bf16`` or ``fp32`` (no autocast).
+        fp16: How fp16 products are computed on a CPU: ``native`` (torch's fp16 kernels, scalar
+            loops without AVX512-FP16/AMX-FP16), ``emulated`` (fp32 products rounded to fp16, the
+            same numerics as tensor cores; see :mod:`autoscale.training.fp16`) or ``auto``
+            (emulated on a CPU without fp16 matrix instructions when the model's products are
+            large enough to pay for it). CUDA always runs natively; other dtypes ignore it.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; None picks CUDA when present.
         batch_size: Sequences (or examples, for ``mlp``) per micro-batch.
         seq_len: Tokens per sequence (ignored by ``mlp``).
@@ -56,6 +65,7 @@ class WorkloadSpec:
     scenario: str = "clean"
     scenario_params: dict[str, Any] = field(default_factory=dict)
     dtype: str = "fp16"
+    fp16: str = "auto"
     device: str | None = None
     batch_size: int = 4
     seq_len: int = 64
@@ -80,6 +90,8 @@ class WorkloadSpec:
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         object.__setattr__(self, "dtype", dtype)
+        if self.fp16 not in FP16_PATHS:
+            raise unknown_name("fp16 path", str(self.fp16), FP16_PATHS, "autoscale run --help")
         if self.device is not None:
             import torch
 

@@ -40,6 +40,32 @@ from autoscale.cli import main
         ),
         (["run", "--dtype", "fp8"], "dtype must be one of fp16, bf16, fp32"),
         (
+            ["run", "--model", "mlp", "--fp16", "emulate"],
+            "unknown fp16 path 'emulate'; did you mean 'emulated'?",
+        ),
+        (
+            ["compare", "--model", "mlp", "--fp16", "nativ"],
+            "unknown fp16 path 'nativ'; did you mean 'native'?",
+        ),
+        (
+            [
+                "record",
+                "--env",
+                "mlp-bad-batches",
+                "--steps",
+                "1",
+                "--out",
+                "x.npz",
+                "--fp16",
+                "fast",
+            ],
+            "unknown fp16 path 'fast'",
+        ),
+        (
+            ["search", "--model", "mlp", "--budget", "1m", "--fp16", "emulatd"],
+            "unknown fp16 path 'emulatd'; did you mean 'emulated'?",
+        ),
+        (
             ["run", "--model", "mlp", "--steps", "1", "--json", "/no/such/dir/out.json"],
             "--json /no/such/dir/out.json: folder /no/such/dir does not exist",
         ),

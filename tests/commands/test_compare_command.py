@@ -3,6 +3,7 @@
 import json
 
 from autoscale.cli import main
+from autoscale.training.fp16 import native_fp16_matmul
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -15,7 +16,7 @@ def test_compare_mlp_with_bf16_reference(tmp_path, capsys):
     )  # fmt: skip
     assert rc == 0
     text = capsys.readouterr().out
-    assert "30 steps of mlp / moving / fp16; mean ± std over 2 seed(s)" in text
+    assert "30 steps of mlp / moving / fp16 (native); mean ± std over 2 seed(s)" in text
     rows = [line.split()[0] for line in text.splitlines()[3:]]
     assert rows == ["torch", "deepspeed", "amax-history", "bf16"]
     d = json.loads(out.read_text())
@@ -53,5 +54,6 @@ def test_compare_gpt2_tiny(capsys):
         == 0
     )
     text = capsys.readouterr().out
-    assert "4 steps of gpt2-tiny / clean / fp16; mean ± std over 1 seed(s)" in text
+    path = "native" if native_fp16_matmul() else "emulated"  # auto's choice for gpt2-tiny
+    assert f"4 steps of gpt2-tiny / clean / fp16 ({path}); mean ± std over 1 seed(s)" in text
     assert "\nstatic " in text and "2^7" in text  # the static rule's default scale, 128

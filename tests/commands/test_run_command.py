@@ -15,10 +15,12 @@ def test_run_mlp_json_and_plot(tmp_path, capsys):
     )  # fmt: skip
     assert rc == 0
     text = capsys.readouterr().out
-    assert "scorecard: torch on mlp / bad-batches(every=4) / fp16 / seed 0" in text
+    # mlp's products are too small for the emulation to pay: auto keeps torch's fp16 kernels
+    assert "scorecard: torch on mlp / bad-batches(every=4) / fp16 (native) / seed 0" in text
     assert "skipped            5 (25.00%)" in text and "2^12 .. 2^16" in text
     d = json.loads(out.read_text())
-    assert set(d) == {"spec", "scaler", "model", "scorecard", "trajectory"}
+    assert set(d) == {"spec", "fp16_path", "scaler", "model", "scorecard", "trajectory"}
+    assert d["spec"]["fp16"] == "auto" and d["fp16_path"] == "native"
     assert d["spec"]["scenario_params"] == {"every": 4} and d["spec"]["model"] == "mlp"
     assert (
         d["scaler"]["name"] == "torch"
@@ -37,8 +39,11 @@ def test_run_mlp_json_and_plot(tmp_path, capsys):
 
 def test_run_gpt2_tiny(tmp_path, capsys):
     out = tmp_path / "run.json"
-    assert main(["run", "--steps", "6", "--seq-len", "32", "--json", str(out), "--quiet"]) == 0
+    argv = ["run", "--steps", "6", "--seq-len", "32", "--json", str(out), "--quiet"]
+    assert main([*argv, "--fp16", "emulated"]) == 0
     d = json.loads(out.read_text())
     assert d["spec"]["model"] == "gpt2-tiny" and d["model"]["init"] == "random"
+    assert d["spec"]["fp16"] == "emulated" and d["fp16_path"] == "emulated"
     assert d["scorecard"]["steps"] == 6 and 3.0 < d["scorecard"]["eval_loss"] < 6.0
-    assert "eval loss" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "eval loss" in text and "gpt2-tiny / clean / fp16 (emulated) / seed 0" in text
