@@ -592,7 +592,9 @@ class LossScaler(torch.amp.GradScaler):
         if len(per_device) == 1 and per_device[0].device == dev:
             flag = per_device[0]
         elif per_device:
-            flag = sum(t.to(dev, non_blocking=True) for t in per_device)
+            # a copy to the host must block: a non-blocking one would be read (tolist) before
+            # it lands; device-bound copies may overlap
+            flag = sum(t.to(dev, non_blocking=dev.type != "cpu") for t in per_device)
         else:  # a loss scaled after every optimizer's agreement: no flag of its own
             flag = torch.zeros((), device=dev)
         loss, n_loss = self._loss_sum, self._loss_count

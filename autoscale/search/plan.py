@@ -15,9 +15,9 @@ The plan trades three things, and says what it traded:
   policy is judged on both.
 * **instances and seeds** per set.
 
-:func:`make_plan` walks shapes from the richest: the longest horizon first, with at least two
-instances per set where the spec has them, two windows, then more instances and seeds; it takes the
-first whose recording fits in :data:`RECORD_SHARE` of the budget and whose real-step phases
+:func:`make_plan` walks shapes from the richest: the longest horizon first, with at least three
+instances per set where the spec has them (then two, then one), two windows, then more instances
+and seeds; it takes the first whose recording fits in :data:`RECORD_SHARE` of the budget and whose real-step phases
 (recording, validation of a candidate and ``torch``, the no-harm check) fit in :data:`REAL_SHARE`.
 Real-step validation episodes (as long as the replay horizon at most) are then made as long as
 :data:`VALIDATE_SHARE` of the budget and the rest of the real-step share allow with every built-in
@@ -428,9 +428,8 @@ def _shapes(suite: SuiteSpec) -> list[tuple[int, int, int, int]]:
     """(horizon, windows, instances per set, seeds), richest first (see the module docstring)."""
     first = suite.members[0]
     n_max = min(len(first.instances["train"]), len(first.instances["test"]))
-    n_min = min(2, n_max)
     out = []
-    for floor in (n_min, 1):
+    for floor in sorted({min(3, n_max), min(2, n_max), 1}, reverse=True):
         for h in _horizons(suite):
             for windows in (2, 1):
                 for n in range(n_max, floor - 1, -1):

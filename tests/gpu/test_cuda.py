@@ -1,0 +1,169 @@
+"""CUDA: parity with GradScaler, fused optimizers with inf and NaN, host syncs, device-to-host
+reads, and the environment and a search step on GPT-2 124M (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+
+import autoscale
+
+DEV = "cuda"
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 16)
+    ).to(DEV)
+
+
+def data(n: int, seed: int = 1):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [
+        (torch.randn(32, 64, generator=g).to(DEV), torch.randn(32, 16, generator=g).to(DEV))
+        for _ in range(n)
+    ]
+
+
+def step(model, opt, scaler, x, y, poison: float = 1.0, unscale: bool = False) -> None:
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(DEV, dtype=torch.float16):
+        out = model(x)
+    loss = torch.nn.functional.mse_loss(out.float(), y) * poison
+    scaler.scale(loss).backward()
+    if unscale:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused"])
+@pytest.mark.parametrize("unscale", [False, True], ids=["step", "unscale-clip"])
+def test_torch_rule_is_bit_identical_to_gradscaler_on_cuda_fp16(fused, unscale):
+    a = mlp()
+    b = copy.deepcopy(a)
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-3, fused=fused)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-3, fused=fused)
+    ours = autoscale.get_scaler("torch", device=DEV, init_scale=2.0**10, growth_interval=4)
+    ref = torch.amp.GradScaler(DEV, init_scale=2.0**10, growth_interval=4)
+    for i, (x, y) in enumerate(data(40)):
+        poison = math.inf if i % 7 == 3 else 1.0
+        step(a, oa, ours, x, y, poison, unscale)
+        step(b, ob, ref, x, y, poison, unscale)
+        assert ours.get_scale() == ref.get_scale(), f"step {i}"
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    assert ours.skipped == sum(1 for i in range(40) if i % 7 == 3)
+
+
+@pytest.mark.parametrize("poison", [math.inf, math.nan], ids=["inf", "nan"])
+def test_fused_adamw_skips_inf_and_nan_while_statistics_are_collected(poison):
+    """The fused path derives found-inf from the gradient amax it reads anyway: NaN must count."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = autoscale.get_scaler("amax-history", device=DEV, init_scale=2.0**10)
+    assert scaler.collect_stats
+    for i, (x, y) in enumerate(data(12)):
+        before = [p.detach().clone() for p in model.parameters()]
+        bad = i in (3, 8)
+        step(model, opt, scaler, x, y, poison if bad else 1.0)
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert same == bad, f"step {i}: {'stepped over' if bad else 'skipped'} the poisoned batch"
+        assert scaler.last_stats.found_inf == bad and scaler.step_was_skipped == bad
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert scaler.skipped == 2
+
+
+def _syncs(fn) -> int:
+    """Synchronizing CUDA calls made by ``fn`` (torch.cuda.set_sync_debug_mode)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum(1 for w in seen if "synchroniz" in str(w.message))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused"])
+@pytest.mark.parametrize("rule", ["torch", "amax-history", "deepspeed"])
+def test_host_syncs_per_step_are_gradscalers_plus_at_most_one(rule, fused):
+    a, b = mlp(), mlp()
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-3, fused=fused)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-3, fused=fused)
+    ours = autoscale.get_scaler(rule, device=DEV)
+    ref = torch.amp.GradScaler(DEV)
+    batches = data(6)
+    for x, y in batches[:2]:  # warm up: lazy state, the scale tensor, the handshake
+        step(a, oa, ours, x, y)
+        step(b, ob, ref, x, y)
+    for x, y in batches[2:]:
+        mine = _syncs(lambda x=x, y=y: step(a, oa, ours, x, y))
+        theirs = _syncs(lambda x=x, y=y: step(b, ob, ref, x, y))
+        assert mine <= theirs + 1, (mine, theirs)
+
+
+def test_a_host_scale_with_cuda_gradients_reads_found_inf_after_it_lands():
+    """The scale tensor on the CPU, gradients on CUDA: the found-inf flags come back to the host;
+    a non-blocking copy read before it lands would miss overflows now and then."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = autoscale.get_scaler("torch", device="cpu", init_scale=2.0**10)
+    inf_steps = {i for i in range(200) if i % 3 == 1}
+    skipped = []
+    for i, (x, y) in enumerate(data(200)):
+        before = scaler.skipped
+        step(model, opt, scaler, x, y, math.inf if i in inf_steps else 1.0)
+        if scaler.skipped > before:
+            skipped.append(i)
+    assert set(skipped) == inf_steps
+
+
+def test_the_env_and_a_search_step_on_gpt2_124m(tmp_path):
+    import math as m
+
+    import optuna
+
+    from autoscale.agents.evaluate import drive_episode, scaler_for
+    from autoscale.envs import LossScaleEnv
+    from autoscale.envs.suite import as_suite
+    from autoscale.search.bench import ReplayBench
+    from autoscale.search.budget import Ledger
+    from autoscale.search.loop import TrialLoop
+    from autoscale.search.plan import shape_suite
+    from autoscale.search.space import parametric_families
+    from autoscale.search.storage import artifact_store, open_storage
+    from autoscale.search.traces import load_traces
+    from autoscale.search.trials import ParametricObjective, TrialRecorder
+    from autoscale.search.workload import base_spec
+
+    spec = base_spec(model="gpt2")
+    spec = spec.__class__(
+        **{**spec.__dict__, "workload": spec.workload.replace(device="cuda", init="random")}
+    )
+    suite = shape_suite(as_suite(spec), 16, 1, 1)
+    member = suite.members[0]
+    env = LossScaleEnv(member, instances="test")
+    card, records = drive_episode(env, scaler_for("amax-history", member), env.instances[0].name)
+    assert card.steps == 16 and m.isfinite(card.eval_loss) and len(records) == 16
+    assert env.run.device.type == "cuda"
+
+    traces, stats = load_traces(suite, tmp_path, 32, cost=lambda w, n: 0.0, stop_at=m.inf)
+    assert stats["recorded"] == 2
+    bench = ReplayBench(suite, traces)
+    ledger = Ledger()
+    recorder = TrialRecorder(bench, artifact_store(tmp_path), ledger, tmp_path, warn=print)
+    study = optuna.create_study(storage=open_storage(f"sqlite:///{tmp_path / 's.db'}"))
+    counts = {"complete": 0, "pruned": 0, "failed": 0}
+    TrialLoop(study, ledger, worker="gpu:1", warn=print, counts=counts, n_trials=2).run(
+        ParametricObjective(bench, recorder, ledger, parametric_families()), m.inf
+    )
+    assert counts["failed"] == 0 and counts["complete"] + counts["pruned"] == 2
