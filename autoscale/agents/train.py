@@ -253,7 +253,12 @@ def export_agent(
         name,
         ep.action.to_dict(),
         workload=workload,
-        scales={"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale},
+        scales={
+            "init_scale": ep.init_scale,
+            "min_scale": ep.min_scale,
+            "max_scale": ep.max_scale,
+            "history": ep.history,
+        },
         out_dir=export_dir,
         force=force,
     )

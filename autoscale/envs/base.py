@@ -10,7 +10,7 @@ import numpy as np
 from gymnasium import spaces
 
 from autoscale.envs.spec import EnvSpec, InstanceSpec, RewardWeights, load_env_spec
-from autoscale.scalers.features import FEATURE_BOUND, N_FEATURES, FeatureExtractor
+from autoscale.scalers.features import FEATURE_BOUND, N_FEATURES, FeatureExtractor, FrameStack
 from autoscale.scalers.rule import ScaleBounds, StepStats
 
 __all__ = ["ScaleEnvBase", "step_reward"]
@@ -66,9 +66,10 @@ class ScaleEnvBase(gym.Env):
         else:
             self.action_space = spaces.Box(-1.0, 1.0, shape=(1,), dtype=np.float32)
         self.observation_space = spaces.Box(
-            -FEATURE_BOUND, FEATURE_BOUND, shape=(N_FEATURES,), dtype=np.float32
+            -FEATURE_BOUND, FEATURE_BOUND, shape=(N_FEATURES * ep.history,), dtype=np.float32
         )
         self.features = FeatureExtractor()
+        self.stack = FrameStack(ep.history)
         self.instance: InstanceSpec | None = None
         self.scale = ep.init_scale
         self._t = 0
@@ -91,7 +92,7 @@ class ScaleEnvBase(gym.Env):
         self._prev_loss = self.features.last_loss
         self._nonfinite_run = 0
         self.hit_min = False
-        obs = np.asarray(self.features.features(self.scale), dtype=np.float32)
+        obs = np.asarray(self.stack.reset(self.features.features(self.scale)), dtype=np.float32)
         return obs, {"instance": self.instance.name, "scale": self.scale}
 
     def step(self, action):
@@ -116,7 +117,7 @@ class ScaleEnvBase(gym.Env):
         self._t += 1
         self._nonfinite_run = self._nonfinite_run + 1 if stats.loss_nonfinite else 0
         diverged = diverged or self._nonfinite_run >= 3
-        obs = np.asarray(self.features.observe(stats), dtype=np.float32)
+        obs = np.asarray(self.stack.push(self.features.observe(stats)), dtype=np.float32)
         reward = step_reward(
             self.weights, stats.found_inf, precision, stats.loss, self._prev_loss, diverged
         )

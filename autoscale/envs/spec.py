@@ -70,10 +70,16 @@ class EpisodeSpec:
     min_scale: float = 2.0**-24
     max_scale: float = 2.0**48
     horizon: int | None = None  # default: max(2048, steps)
+    history: int = 1  # feature vectors stacked into one observation (oldest first)
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps <= 0:
             raise ConfigError(f"episode steps must be a positive integer, got {self.steps!r}")
+        if isinstance(self.history, bool) or not isinstance(self.history, int) or self.history < 1:
+            raise ConfigError(
+                f"episode history (feature vectors per observation) must be an integer >= 1, "
+                f"got {self.history!r}"
+            )
         if self.horizon is None:
             object.__setattr__(self, "horizon", max(DEFAULT_HORIZON, self.steps))
         if (
@@ -175,6 +181,7 @@ class EnvSpec:
                 "min_scale": self.episode.min_scale,
                 "max_scale": self.episode.max_scale,
                 "horizon": self.episode.horizon,
+                "history": self.episode.history,
             },
             "instances": {k: [asdict(i) for i in v] for k, v in self.instances.items()},
             "reward": asdict(self.reward),
@@ -199,7 +206,7 @@ class EnvSpec:
         check_keys(
             f"{where}: episode",
             ep,
-            ["steps", "action", "init_scale", "min_scale", "max_scale", "horizon"],
+            ["steps", "action", "init_scale", "min_scale", "max_scale", "horizon", "history"],
         )
         action = ep.pop("action", None) or {}
         if isinstance(action, str):
@@ -239,7 +246,7 @@ class EnvSpec:
 
 
 def _num(key: str, value: Any) -> Any:
-    if key in ("steps", "horizon"):
+    if key in ("steps", "horizon", "history"):
         return value
     if isinstance(value, str):  # allow "2**16" / "2^16" as well as plain numbers
         m = re.fullmatch(r"\s*2\s*(?:\*\*|\^)\s*(-?\d+)\s*", value)

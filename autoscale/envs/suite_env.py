@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import gymnasium as gym
-import numpy as np
 from gymnasium.utils import seeding
 
 from autoscale.envs.spec import EnvSpec, InstanceSpec
@@ -170,6 +169,3 @@ class SuiteEnv(gym.Env):
 
     def episode_records(self) -> list:
         return self._env().episode_records()
-
-    def observation(self) -> np.ndarray:
-        return np.asarray(self.features.features(self._env().scale), dtype=np.float32)

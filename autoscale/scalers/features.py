@@ -16,7 +16,14 @@ from typing import Any
 
 from autoscale.scalers.base import FP16_MAX, StepStats
 
-__all__ = ["FeatureExtractor", "FEATURE_VERSION", "FEATURE_NAMES", "N_FEATURES", "FEATURE_BOUND"]
+__all__ = [
+    "FeatureExtractor",
+    "FrameStack",
+    "FEATURE_VERSION",
+    "FEATURE_NAMES",
+    "N_FEATURES",
+    "FEATURE_BOUND",
+]
 
 FEATURE_VERSION = 1
 WINDOW = 16
@@ -143,3 +150,39 @@ class FeatureExtractor:
             setattr(self, key, float(state[key]))
         self.overflows.extend(int(v) for v in state["overflows"])
         self.nonfinite.extend(int(v) for v in state["nonfinite"])
+
+
+class FrameStack:
+    """The last ``history`` feature vectors side by side, oldest first: the observation of a
+    policy that sees a short history (frame stacking). At the start of an episode the first
+    vector fills every slot. The environments and :class:`~autoscale.scalers.neural.NeuralPolicyRule`
+    stack with this class, so a deployed policy sees what it saw in training.
+    """
+
+    def __init__(self, history: int = 1) -> None:
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(f"history must be an integer >= 1, got {history!r}")
+        self.history = history
+        self.frames: deque[list[float]] = deque(maxlen=history)
+
+    def reset(self, first: list[float]) -> list[float]:
+        self.frames.clear()
+        self.frames.extend([list(first)] * self.history)
+        return self.vector()
+
+    def push(self, frame: list[float]) -> list[float]:
+        self.frames.append(list(frame))
+        return self.vector()
+
+    def vector(self) -> list[float]:
+        if self.history == 1:
+            return self.frames[0]
+        return [v for frame in self.frames for v in frame]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"frames": [list(f) for f in self.frames]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        frames = state.get("frames") or []
+        self.frames.clear()
+        self.frames.extend(list(map(float, f)) for f in frames[-self.history :])

@@ -17,7 +17,7 @@ from torch import nn
 from autoscale.errors import ConfigError, PolicyError
 from autoscale.scalers.actions import ActionMap
 from autoscale.scalers.base import LossScaler
-from autoscale.scalers.features import FEATURE_VERSION, N_FEATURES, FeatureExtractor
+from autoscale.scalers.features import FEATURE_VERSION, N_FEATURES, FeatureExtractor, FrameStack
 from autoscale.scalers.policies import PolicyManifest, register_policy_kind, sha256_file
 from autoscale.scalers.registry import SCALER_OPTIONS
 from autoscale.scalers.rule import ScaleRule, StepStats
@@ -83,6 +83,7 @@ class NeuralPolicyRule(ScaleRule):
         self.head = p["head"]
         self.action_map = ActionMap.from_dict(p["action"])
         self.features = FeatureExtractor()
+        self.stack = FrameStack(int(p.get("history", 1)))
         self._norm = None
         if obs_norm:
             mean = torch.tensor(obs_norm["mean"], dtype=torch.float32)
@@ -98,7 +99,7 @@ class NeuralPolicyRule(ScaleRule):
             self.features.reset()
         else:
             self.features.load_state_dict(features_state)
-        return scale * 2.0 ** self.decide(self.features.features(scale))
+        return scale * 2.0 ** self.decide(self.stack.reset(self.features.features(scale)))
 
     @torch.no_grad()
     def act(self, features: list[float]) -> Any:
@@ -119,10 +120,10 @@ class NeuralPolicyRule(ScaleRule):
         return self.action_map.delta(self.act(features))
 
     def next_scale(self, scale: float, stats: StepStats) -> float:
-        return scale * 2.0 ** self.decide(self.features.observe(stats))
+        return scale * 2.0 ** self.decide(self.stack.push(self.features.observe(stats)))
 
     def state(self) -> dict[str, Any]:
-        return {"features": self.features.state_dict()}
+        return {"features": self.features.state_dict(), "stack": self.stack.state_dict()}
 
     def load_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict):
@@ -132,6 +133,8 @@ class NeuralPolicyRule(ScaleRule):
         if "features" in state:
             try:
                 self.features.load_state_dict(state["features"])
+                if "stack" in state:
+                    self.stack.load_state_dict(state["stack"])
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(
                     f"policy '{self.manifest.name}': the checkpoint's feature state is malformed "
@@ -172,10 +175,16 @@ def load_neural(
         raise PolicyError(
             f"policy '{manifest.name}' has unknown head '{p['head']}' (known: {', '.join(HEADS)})"
         )
-    if not isinstance(p["layers"], list) or not p["layers"] or p["layers"][0] != N_FEATURES:
+    history = p.get("history", 1)
+    if isinstance(history, bool) or not isinstance(history, int) or history < 1:
         raise PolicyError(
-            f"policy '{manifest.name}' expects layers starting at {N_FEATURES} features (the "
-            f"extractor's), the manifest has {p['layers']!r}; re-export it"
+            f"policy '{manifest.name}' has history {history!r}, not an integer >= 1; re-export it"
+        )
+    inputs = N_FEATURES * history
+    if not isinstance(p["layers"], list) or not p["layers"] or p["layers"][0] != inputs:
+        raise PolicyError(
+            f"policy '{manifest.name}' expects layers starting at {inputs} inputs ({history} x the "
+            f"extractor's {N_FEATURES} features), the manifest has {p['layers']!r}; re-export it"
         )
     unknown = sorted(set(overrides) - set(SCALER_OPTIONS))
     if unknown:

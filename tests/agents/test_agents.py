@@ -237,3 +237,36 @@ def test_evaluate_and_cli(agents, tiny_spec, tiny_trace, tmp_path, monkeypatch, 
         ]
     )
     assert code == 0 and (tmp_path / "pol" / "cli-agent" / "weights.pt").is_file()
+
+
+def test_a_policy_with_history_sees_in_deployment_the_stack_it_was_trained_on(tiny_spec, tmp_path):
+    """Frame stacking: the env's observation is the last 3 feature vectors; the exported policy
+    stacks the same way, so SB3's action on each env observation is the deployed scaler's."""
+    from autoscale.envs import record_trace
+    from autoscale.scalers.features import N_FEATURES
+    from autoscale.training import TrainingRun
+
+    spec = dataclasses.replace(tiny_spec, episode=dataclasses.replace(tiny_spec.episode, history=3))
+    trace = record_trace(spec, 16, tmp_path / "t.npz")
+    result = train_agent(
+        spec, "ppo", 512, replay=trace, export_name="stacked", export_dir=str(tmp_path)
+    )
+    m = read_manifest(tmp_path / "stacked")
+    assert m.parameters["history"] == 3 and m.parameters["layers"][0] == 3 * N_FEATURES
+    env = LossScaleEnv(spec, instances="test")
+    assert env.observation_space.shape == (3 * N_FEATURES,)
+    obs, info = env.reset(options={"instance": "test-s5-t0"})
+    assert np.array_equal(obs[:N_FEATURES], obs[-N_FEATURES:])  # the first vector fills the stack
+    deployed = autoscale.get_scaler(str(tmp_path / "stacked"), device="cpu")
+    run = TrainingRun(spec.workload.replace(seed=5), deployed)
+    for _ in range(spec.episode.steps):
+        expected, _ = result.model.predict(obs, deterministic=True)
+        # the scale the deployed policy chose for its next step is the one SB3's action asks for
+        assert deployed.get_scale() == env.bounds.clamp(
+            env.scale * 2.0 ** spec.episode.action.delta(expected)
+        )
+        obs, *_ = env.step(expected)
+        run.step()
+        np.testing.assert_array_equal(
+            np.float32(deployed.rule.stack.vector()), obs
+        )  # the same stacked observation after each step
