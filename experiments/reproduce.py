@@ -71,11 +71,10 @@ def readme_block(report: dict) -> list[str]:
 
 
 def write_readme(block: list[str]) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    if START in text and END in text:
-        body = "\n".join([START, "", *block, "", END])
-        readme.write_text(text[: text.index(START)] + body + text[text.index(END) + len(END) :])
+    import suite_eval as se
+
+    if not se.write_readme_block(ROOT / "README.md", START, END, block):
+        print(f"README.md has no {START} ... {END} markers; its block was not written")
 
 
 def main(argv=None) -> int:

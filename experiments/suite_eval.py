@@ -191,3 +191,14 @@ def load_cards(path: Path) -> tuple[dict[str, dict[str, list]], dict[str, Any]]:
         for s, by in data.pop("cards").items()
     }
     return cards, data
+
+
+def write_readme_block(readme: Path, start: str, end: str, block: list[str]) -> bool:
+    """Replace what stands between the ``start`` and ``end`` markers of ``readme`` with ``block``;
+    False (and nothing written) when the markers are missing."""
+    text = readme.read_text()
+    if start not in text or end not in text:
+        return False
+    body = "\n".join([start, "", *block, "", end])
+    readme.write_text(text[: text.index(start)] + body + text[text.index(end) + len(end) :])
+    return True
