@@ -59,7 +59,7 @@ __all__ = [
     "HORIZON_LADDER",
 ]
 
-RECORD_SHARE = 0.35  # at most this share of the working budget records traces
+RECORD_SHARE = 0.45  # at most this share of the working budget records traces
 GATE_SHARE = 0.30  # a no-harm workload whose runs need more is checked on its tiny proxy
 REAL_SHARE = 0.80  # recording + validation + the no-harm check fit in this share
 VALIDATE_SHARE = 0.30  # validation takes at most this share
@@ -217,12 +217,16 @@ def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: floa
                 times.append(time.perf_counter() - t_step)
                 if i and sum(times[1:]) > step_share_s:
                     break
-            if times[-1] < 1.0:  # cheap: measure evaluation and recorded steps; else estimate
+            # evaluation and one or two recorded steps, where the limit leaves room for them
+            # (a recorded step of a large model can cost far more or about the same as a plain
+            # one: the estimate of the recording phase, the largest, is measured, not guessed)
+            left = limit_s - (time.perf_counter() - t_begin)
+            if times[-1] < 1.0 or left > 4.0 * times[-1]:
                 t0 = time.perf_counter()
                 run.eval_loss()
                 eval_s = time.perf_counter() - t0
                 run.record = True
-                for _ in range(2):
+                for _ in range(2 if times[-1] < 1.0 else 1):
                     t0 = time.perf_counter()
                     run.step()
                     recorded.append(time.perf_counter() - t0)

@@ -40,6 +40,15 @@ def test_log2_histogram_exact():
     assert counts[0] == 1 and counts[79] == 1  # beyond either end: first and last bin
 
 
+def test_log2_histogram_bins_by_the_exponent_bits():
+    below = torch.nextafter(torch.tensor(2.0**-20), torch.tensor(0.0)).item()  # log2 rounds to -20
+    g = [torch.tensor([below, 2.0**-20, 1e-40, -3.0 * 2.0**-30], dtype=torch.float32)]
+    counts = log2_histogram(g).tolist()
+    assert counts[-21 + 64] == 1 and counts[-20 + 64] == 1  # exact floor(log2|g|)
+    assert counts[-29 + 64] == 1 and counts[0] == 1  # sign ignored; fp32 subnormal: first bin
+    assert sum(counts) == 4
+
+
 @pytest.mark.parametrize("model", ["gpt2-tiny", "mlp"])
 def test_precision_loss_matches_fp32_reference(model):
     """The fp16 step's estimate vs the same step in fp32: the share of fp32 gradients with
