@@ -231,3 +231,100 @@ if __name__ == "__main__":
     FIXTURE.parent.mkdir(exist_ok=True)
     FIXTURE.write_text(json.dumps(compute(), indent=1, sort_keys=True) + "\n")
     print(f"wrote {FIXTURE}")
+
+
+def test_replayed_records_are_plain_step_records():
+    """Records and stats made on replay's fast path are the objects their constructors make."""
+    import dataclasses
+
+    from autoscale.agents.evaluate import drive_episode, scaler_for
+    from autoscale.training import StepRecord
+
+    spec = pin_spec()
+    env = ReplayEnv(spec, pin_trace(spec), instances="test")
+    _, records = drive_episode(env, scaler_for("torch", spec), "test-s7-t0", 0)
+    for r in records[:40]:
+        s = r.stats
+        assert type(r) is StepRecord and type(s) is StepStats
+        assert repr(s) == repr(
+            StepStats(s.step, s.scale, s.found_inf, s.grad_amax, s.grad_rms, s.loss, s.loss_seen)
+        )
+        made = StepRecord(
+            step=s.step,
+            scale=s.scale,
+            found_inf=s.found_inf,
+            loss=s.loss,
+            loss_nonfinite=s.loss_nonfinite,
+            grad_amax=s.grad_amax,
+            grad_rms=s.grad_rms,
+            precision_loss=r.precision_loss,
+            lr=r.lr,
+            wall_s=0.0,
+            stats=s,
+        )
+        assert repr(r) == repr(made) and hash(r) == hash(made)
+        assert dataclasses.replace(r, wall_s=1.0).wall_s == 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        records[0].scale = 2.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        records[0].stats.scale = 2.0
+    assert env.episode_records() is not records
+    assert [repr(r) for r in env.episode_records()] == [repr(r) for r in records]
+
+
+def test_late_starts_are_the_same_from_kept_points():
+    """A start reached from a kept features state equals one carried from the trace's start."""
+    spec = pin_spec()
+    trace = pin_trace(spec)
+    fresh = ReplayEnv(spec, trace, instances="test")
+    warmed = ReplayEnv(spec, trace, instances="test")
+    warmed.reset(options={"instance": "test-s8-t5", "offset": 300})  # keeps 128 and 256
+    for offset in (400, 256, 130, 0):
+        a, ia = fresh.reset(options={"instance": "test-s8-t5", "offset": offset})
+        b, ib = warmed.reset(options={"instance": "test-s8-t5", "offset": offset})
+        np.testing.assert_array_equal(a, b)
+        assert ia == ib
+        assert repr(fresh.features.state_dict()) == repr(warmed.features.state_dict())
+        fresh = ReplayEnv(spec, trace, instances="test")
+
+
+def test_advance_at_keeps_the_books_of_step_at():
+    """advance_at takes the step step_at takes, without building its observation."""
+    spec = pin_spec()
+    trace = pin_trace(spec)
+    a, b = (ReplayEnv(spec, trace, instances="test") for _ in range(2))
+    with pytest.raises(RuntimeError, match="reset"):
+        a.advance_at(1.0)
+    for env in (a, b):
+        env.reset(options={"instance": "test-s7-t0", "offset": 17})
+    rng = np.random.default_rng(0)
+    for t in range(STEPS):
+        scale = 2.0 ** float(rng.uniform(-2, 44))  # beyond both bounds too
+        if t % 13 == 8:  # below the minimum on the trace's non-finite losses: overflows there
+            scale = 0.25
+        _, _, term, trunc, _ = a.step_at(scale)
+        assert b.advance_at(scale) == (term or trunc) == (t == STEPS - 1)
+        assert repr(a.last_stats) == repr(b.last_stats)  # repr: NaN fields compare equal
+        assert a.scale == b.scale and a.hit_min == b.hit_min
+        assert repr(a.features.state_dict()) == repr(b.features.state_dict())
+    assert a.hit_min
+    assert repr(a.scorecard()) == repr(b.scorecard())
+
+
+def test_feature_windows_follow_their_deques():
+    """The running overflow counts equal the windows' sums through updates and state loads."""
+    fx = FeatureExtractor()
+    rng = np.random.default_rng(3)
+    for i in range(100):
+        over, bad = bool(rng.random() < 0.3), bool(rng.random() < 0.2)
+        fx.update(StepStats(i, 2.0**10, over, 1e-3, 1e-5, math.inf if bad else 1.0, True))
+        if i % 17 == 0:
+            other = FeatureExtractor()
+            other.load_state_dict(fx.state_dict())
+            fx = other
+        feats = fx.features(2.0**10)
+        assert feats[2] == sum(fx.overflows) / len(fx.overflows)
+        assert feats[8] == sum(fx.nonfinite) / len(fx.nonfinite)
+        assert fx.observe(fx_last := StepStats(i, 2.0**10, over, 1e-3, 1e-5, 1.0, True)) == (
+            fx.features(fx_last.scale)
+        )
