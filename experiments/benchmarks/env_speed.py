@@ -168,6 +168,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--compare", help="a previous --out of this script (e.g. before a change): shown below"
     )
+    p.add_argument("--compare-label", help="what --compare measured (default: its path)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -180,9 +181,10 @@ def main(argv=None) -> int:
     spec = load_env_spec(args.env)
     spec = dataclasses.replace(spec, workload=spec.workload.replace(dtype=args.dtype))
     long_spec = load_env_spec(args.long_env)
-    long_spec = dataclasses.replace(
+    long_spec = dataclasses.replace(  # one instance, long episodes
         long_spec,
         episode=dataclasses.replace(long_spec.episode, steps=args.horizon, horizon=args.horizon),
+        instances={**long_spec.instances, "train": long_spec.instances["train"][:1]},
     )
     trace = long_trace(long_spec, args.horizon, args.long_trace)
     long_rows = long_replay_speed(long_spec, trace, args.rules, args.episodes)
@@ -232,7 +234,8 @@ def main(argv=None) -> int:
         *[f"| {a} | {b} | {c} | {'yes' if d else 'NO'} |" for a, b, c, d in rows],
     ]
     if args.compare:
-        lines += ["", f"## Compared with `{args.compare}`", "", *previous(args.compare)]
+        label = args.compare_label or f"`{args.compare}`"
+        lines += ["", f"## Compared with {label}", "", *previous(args.compare)]
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as fh:
