@@ -145,25 +145,51 @@ def same_loss(a: float, b: float) -> bool:
     return a == b or not (math.isfinite(a) or math.isfinite(b))
 
 
+def first(mask: np.ndarray) -> int | None:
+    return int(np.argmax(mask)) if mask.any() else None
+
+
+CAUSES = {
+    "skip": "a skip the recording did not have (or the reverse): an update left out or added",
+    "odd scale": "a scale that is not a power of two: every scaled fp16 value rounds otherwise",
+    "scale": "another power-of-two scale: other gradient elements flushed below fp16's range",
+}
+
+
 def episode_facts(real: list, replay: list, traced, checkpoints: list[int]) -> dict:
-    """Per-episode comparison of the real run, its replay and the recording it replays."""
-    rec_skip = traced.nonfinite | (np.log2(traced.scale) > traced.threshold)
+    """Per-episode comparison of the real run, its replay and the recording it replays.
+
+    The real run follows the recorded trajectory exactly (bit for bit: the same losses) until a
+    step updates the parameters otherwise than the recording did. ``cause`` names the latest
+    event kind that first happened before the departure (see :data:`CAUSES`).
+    """
     n = len(real)
+    rec_skip = (traced.nonfinite | (np.log2(traced.scale) > traced.threshold))[:n]
     real_skip = np.array([r.found_inf for r in real])
+    replay_skip = np.array([r.found_inf for r in replay[:n]])
+    scales = np.array([r.scale for r in real])
     depart = next((i for i, r in enumerate(real) if not same_loss(r.loss, traced.loss[i])), None)
-    extra = real_skip & ~rec_skip[:n]
+    events = {
+        "skip": first(real_skip != rec_skip),
+        "odd scale": first(np.array([math.frexp(x)[0] != 0.5 for x in scales]) & ~real_skip),
+        "scale": first((scales != traced.scale[:n]) & ~real_skip),
+    }
+    cause = None
+    if depart is not None:
+        before = {k: v for k, v in events.items() if v is not None and v < depart}
+        cause = max(before, key=lambda k: before[k]) if before else "unknown"
     return {
         "steps": n,
         "real": {str(c): window(real, c) for c in checkpoints},
         "replay": {str(c): window(replay, c) for c in checkpoints},
-        "recording_skipped": int(rec_skip[:n].sum()),
+        "recording_skipped": int(rec_skip.sum()),
         "real_skipped": int(real_skip.sum()),
-        "extra_skips": int(extra.sum()),  # skipped in the real run, not in the recording
-        "first_extra_skip": int(np.argmax(extra)) if extra.any() else None,
+        "extra_skips": int((real_skip & ~rec_skip).sum()),  # skipped for real, not when recorded
+        "missing_skips": int((rec_skip & ~real_skip).sum()),  # skipped when recorded, not for real
+        "skip_disagreements": int((real_skip != replay_skip).sum()),  # real against its replay
+        "first_events": events,
         "departs_at": depart,  # first step whose real loss differs from the recorded one
-        "scale_below_recording": int(
-            sum(r.scale < s for r, s in zip(real, traced.scale[:n], strict=True))
-        ),
+        "cause": cause,
     }
 
 
@@ -227,6 +253,8 @@ def rows_of(episodes: list[dict], horizon: int, prefix: int) -> list[dict]:
                     verdict(r, p),
                 )
             row["extra_skips"] = mean(e["extra_skips"] for e in eps)
+            row["skip_disagreements"] = mean(e["skip_disagreements"] for e in eps)
+            row["causes"] = sorted({e["cause"] for e in eps if e["cause"]})
             row["departs_at"] = min((d for d in departs if d is not None), default=None)
             row["departed"] = sum(d is not None for d in departs)
             row["instances"] = len(eps)
@@ -241,12 +269,12 @@ def why(row: dict, horizon: int) -> str:
         if row["metric"] == "precision_loss":
             return "same trajectory as the recording: replay's 1-bit histogram interpolation"
         return "same trajectory as the recording"
-    lead = f"real run leaves the recorded trajectory at step {row['departs_at']}"
-    if row["extra_skips"] >= 1:
-        return (
-            f"{lead}; it skipped {row['extra_skips']:.1f} steps per episode the recording did not"
-        )
-    return f"{lead} (other scales than the recording's: flushed gradients change the update)"
+    causes = " / ".join(row["causes"])
+    return (
+        f"leaves the recorded trajectory at step {row['departs_at']} ({causes}); "
+        f"{row['extra_skips']:.0f} skips per episode the recording did not have; real and "
+        f"replay disagree on {row['skip_disagreements']:.0f} skips"
+    )
 
 
 def growth(episodes: list[dict], checkpoints: list[int]) -> list[dict]:
@@ -272,6 +300,26 @@ def growth(episodes: list[dict], checkpoints: list[int]) -> list[dict]:
     return out
 
 
+def by_cause(episodes: list[dict], checkpoints: list[int]) -> list[dict]:
+    """Mean absolute gaps of the episodes grouped by what made them leave the trajectory."""
+    out = []
+    for cause in [None, *CAUSES, "unknown"]:
+        eps = [e for e in episodes if e["cause"] == cause]
+        if not eps:
+            continue
+        row = {"cause": cause or "never left", "episodes": len(eps)}
+        row["departs_median"] = (
+            float(np.median([e["departs_at"] for e in eps])) if cause else math.nan
+        )
+        for c in (checkpoints[0], checkpoints[-1]):
+            for m in METRICS:
+                row[f"{m}_{c}"] = mean(
+                    abs(e["real"][str(c)][m] - e["replay"][str(c)][m]) for e in eps
+                )
+        out.append(row)
+    return out
+
+
 def _ranks(x: np.ndarray) -> np.ndarray:
     order = np.argsort(x, kind="stable")
     ranks = np.empty(len(x))
@@ -281,24 +329,30 @@ def _ranks(x: np.ndarray) -> np.ndarray:
     return ranks
 
 
+def _corr(x: np.ndarray, y: np.ndarray) -> dict:
+    """Pearson and Spearman correlation (NaN where either side is constant)."""
+    if len(x) < 3 or x.std() == 0 or y.std() == 0:
+        return {"pearson": math.nan, "spearman": math.nan, "n": int(len(x))}
+    return {
+        "pearson": float(np.corrcoef(x, y)[0, 1]),
+        "spearman": float(np.corrcoef(_ranks(x), _ranks(y))[0, 1]),
+        "n": int(len(x)),
+    }
+
+
 def correlation(episodes: list[dict], horizon: int) -> dict:
-    """Pearson and Spearman correlation, over episodes, of the extra skips (per step) with the
-    absolute real-replay gap of each metric over the whole episode."""
+    """Correlation, over episodes, of the extra skips (per step) with the absolute real-replay gap
+    of each metric over the whole episode, and with the steps where real and replay disagree on
+    skipping; the mean gaps of episodes that did and did not leave the recorded trajectory."""
     key = str(horizon)
     extra = np.array([e["extra_skips"] / e["steps"] for e in episodes], dtype=float)
     out = {}
     for m in METRICS:
         gap = np.array([abs(e["real"][key][m] - e["replay"][key][m]) for e in episodes])
         ok = np.isfinite(gap)
-        x, y = extra[ok], gap[ok]
-        if len(x) < 3 or x.std() == 0 or y.std() == 0:
-            out[m] = {"pearson": math.nan, "spearman": math.nan, "n": int(len(x))}
-            continue
-        out[m] = {
-            "pearson": float(np.corrcoef(x, y)[0, 1]),
-            "spearman": float(np.corrcoef(_ranks(x), _ranks(y))[0, 1]),
-            "n": int(len(x)),
-        }
+        out[m] = _corr(extra[ok], gap[ok])
+    disagree = np.array([e["skip_disagreements"] / e["steps"] for e in episodes], dtype=float)
+    out["skip_disagreements"] = _corr(extra, disagree)
     still = [e for e in episodes if e["departs_at"] is None]
     moved = [e for e in episodes if e["departs_at"] is not None]
     for label, eps in (("undeparted", still), ("departed", moved)):
@@ -312,29 +366,62 @@ def correlation(episodes: list[dict], horizon: int) -> dict:
     return out
 
 
+EXTRA_BINS = ((0, 0), (1, 10), (11, 100), (101, 10**9))
+
+
+def by_extra(episodes: list[dict], horizon: int) -> list[dict]:
+    """Mean absolute gaps over the whole episode, by how many steps the real run skipped that the
+    recording did not."""
+    key = str(horizon)
+    out = []
+    for lo, hi in EXTRA_BINS:
+        eps = [e for e in episodes if lo <= e["extra_skips"] <= hi]
+        if not eps:
+            continue
+        out.append(
+            {
+                "extra_skips": f"{lo}" if lo == hi else f"{lo}+" if hi >= 10**9 else f"{lo}-{hi}",
+                "episodes": len(eps),
+                **{
+                    f"mean_abs_{m}": mean(abs(e["real"][key][m] - e["replay"][key][m]) for e in eps)
+                    for m in METRICS
+                },
+                "skip_disagreements": mean(e["skip_disagreements"] for e in eps),
+            }
+        )
+    return out
+
+
 def fmt(x: float) -> str:
     return "nan" if not math.isfinite(x) else f"{x:.4f}"
 
 
 def pct(x: float) -> str:
-    return "-" if not math.isfinite(x) else f"{x:.0%}"
+    return "-" if not math.isfinite(x) else f"{x:.1%}"
 
 
-def report(args, episodes, rows, grow, corr, horizon, prefix, wall) -> list[str]:
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
+
+
+def report(args, episodes, rows, grow, corr, causes, extra, horizon, prefix, wall) -> list[str]:
     lines = [
         f"Episodes of {horizon} real fp16 steps (CPU, 1 thread) against the replay of a trace "
         f"recorded on the same test instances ({args.instances} per pair, seeds 100..), for "
         f"{len({e['scaler'] for e in episodes})} scalers: every built-in rule, the tuned rules "
         + ", ".join(f"`{n}` ({b} {k})" for n, (b, k) in TUNED.items())
-        + ", and a seeded random policy (+-2 bits per step). Scenario parameters: "
+        + ", and a seeded random policy (+-2 bits per step). Workloads "
+        + ", ".join(args.workloads)
+        + "; scenarios "
         + ", ".join(f"{s} {SCENARIOS[s]}" for s in args.scenarios)
-        + f". Wall time {wall / 60:.1f} min.",
+        + f". {len(episodes)} episodes; wall time {wall / 60:.1f} min.",
         "",
         f"Verdict: `yes` within 20% relative; `abs` off by more than 20% relative but at most "
-        f"{ABS_TOL} absolute; `NO` otherwise. Values are means over the instances. "
-        f"`extra skips`: steps per episode the real run skipped that the recording did not; "
-        f"`departs at`: first step (over the instances) whose real loss differs from the "
-        f"recorded loss (`-`: never, the real run followed the recorded trajectory exactly).",
+        f"{ABS_TOL} absolute; `NO` otherwise. Values are means over the instances.",
         "",
     ]
     for c in (prefix, horizon):
@@ -345,63 +432,193 @@ def report(args, episodes, rows, grow, corr, horizon, prefix, wall) -> list[str]
             f"- first {c} steps: {yes} of {n} comparisons within 20% relative, {small} more within "
             f"{ABS_TOL} absolute, {n - yes - small} off."
         )
-    lines += ["", "## Gap against the horizon", ""]
-    lines += [
-        "| steps | mean abs. gap skip rate | max | mean abs. gap precision loss | max | episodes departed |",
-        "|---|---|---|---|---|---|",
-    ]
-    for g in grow:
-        lines.append(
-            f"| {g['steps']} | {fmt(g['mean_abs_skip_rate'])} | {fmt(g['max_abs_skip_rate'])} | "
-            f"{fmt(g['mean_abs_precision_loss'])} | {fmt(g['max_abs_precision_loss'])} | "
-            f"{g['departed']} of {g['episodes']} |"
-        )
-    lines += ["", "## Gap against extra skips", ""]
-    lines.append(
-        f"Over {corr['skip_rate']['n']} episodes, extra skips per step (real skips the recording did "
-        f"not have) against the absolute gap over {horizon} steps: skip rate Pearson "
-        f"{corr['skip_rate']['pearson']:.2f}, Spearman {corr['skip_rate']['spearman']:.2f}; precision "
-        f"loss Pearson {corr['precision_loss']['pearson']:.2f}, Spearman "
-        f"{corr['precision_loss']['spearman']:.2f}."
-    )
-    u, d = corr["undeparted"], corr["departed"]
-    lines.append(
-        f"Episodes whose real run never left the recorded trajectory ({u['episodes']}): mean abs. gap "
-        f"skip rate {fmt(u['mean_abs_skip_rate'])}, precision loss {fmt(u['mean_abs_precision_loss'])}. "
-        f"Episodes that left it ({d['episodes']}): {fmt(d['mean_abs_skip_rate'])} and "
-        f"{fmt(d['mean_abs_precision_loss'])}."
-    )
-    lines += ["", "## Per scaler", ""]
-    lines += [
-        f"| workload | scenario | scaler | metric | real {prefix} | replay {prefix} | rel. {prefix} "
-        f"| real {horizon} | replay {horizon} | abs. {horizon} | rel. {horizon} | verdict | "
-        "extra skips | departs at |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        dep = (
-            "-"
-            if r["departs_at"] is None
-            else f"{r['departs_at']} ({r['departed']}/{r['instances']})"
-        )
-        lines.append(
-            f"| {r['workload']} | {r['scenario']} | {r['scaler']} | {r['metric']} | "
-            f"{fmt(r[f'real_{prefix}'])} | {fmt(r[f'replay_{prefix}'])} | {pct(r[f'rel_{prefix}'])} | "
-            f"{fmt(r[f'real_{horizon}'])} | {fmt(r[f'replay_{horizon}'])} | {fmt(r[f'abs_{horizon}'])} | "
-            f"{pct(r[f'rel_{horizon}'])} | {r[f'ok_{horizon}']} | {r['extra_skips']:.1f} | {dep} |"
-        )
     off = [r for r in rows if r[f"ok_{horizon}"] == "NO"]
     if off:
         lines += ["", f"## Where it drifts over {horizon} steps (verdict NO)", ""]
-        lines += [
-            "| workload | scenario | scaler | metric | real | replay | why |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in off:
-            lines.append(
-                f"| {r['workload']} | {r['scenario']} | {r['scaler']} | {r['metric']} | "
-                f"{fmt(r[f'real_{horizon}'])} | {fmt(r[f'replay_{horizon}'])} | {r['why']} |"
-            )
+        lines += table(
+            [
+                "workload",
+                "scenario",
+                "scaler",
+                "metric",
+                f"real {prefix}",
+                f"replay {prefix}",
+                "real",
+                "replay",
+                "abs.",
+                "rel.",
+                "why",
+            ],
+            [
+                [
+                    r["workload"],
+                    r["scenario"],
+                    r["scaler"],
+                    r["metric"],
+                    fmt(r[f"real_{prefix}"]),
+                    fmt(r[f"replay_{prefix}"]),
+                    fmt(r[f"real_{horizon}"]),
+                    fmt(r[f"replay_{horizon}"]),
+                    fmt(r[f"abs_{horizon}"]),
+                    pct(r[f"rel_{horizon}"]),
+                    r["why"],
+                ]
+                for r in off
+            ],
+        )
+    lines += [
+        "",
+        "## Why: real runs leave the recorded trajectory",
+        "",
+        "Replay keeps the recorded trajectory whatever the policy does. A real run reproduces the "
+        "recording bit for bit (the same losses) as long as each of its steps updates the "
+        "parameters exactly as the recording did; scaling by a power of two changes no fp16 "
+        "rounding, so only these break it: "
+        + "; ".join(f"**{k}**: {v}" for k, v in CAUSES.items())
+        + ". From then on the real run has other parameters, hence other gradients and other "
+        "overflow thresholds than the ones replay reads from the trace. Episodes by the latest "
+        "of these events to first happen before the real loss first differs from the recorded "
+        "one, with the mean absolute real-replay gap:",
+        "",
+    ]
+    c0, c1 = prefix, horizon
+    lines += table(
+        [
+            "left the trajectory by",
+            "episodes",
+            "median step it left",
+            f"skip rate gap, {c0} steps",
+            f"{c1} steps",
+            f"precision loss gap, {c0} steps",
+            f"{c1} steps",
+        ],
+        [
+            [
+                c["cause"],
+                str(c["episodes"]),
+                "-" if not math.isfinite(c["departs_median"]) else f"{c['departs_median']:.0f}",
+                fmt(c[f"skip_rate_{c0}"]),
+                fmt(c[f"skip_rate_{c1}"]),
+                fmt(c[f"precision_loss_{c0}"]),
+                fmt(c[f"precision_loss_{c1}"]),
+            ]
+            for c in causes
+        ],
+    )
+    lines += ["", "## Gap against the horizon", ""]
+    lines += table(
+        [
+            "steps",
+            "mean abs. gap skip rate",
+            "max",
+            "mean abs. gap precision loss",
+            "max",
+            "episodes departed by then",
+        ],
+        [
+            [
+                str(g["steps"]),
+                fmt(g["mean_abs_skip_rate"]),
+                fmt(g["max_abs_skip_rate"]),
+                fmt(g["mean_abs_precision_loss"]),
+                fmt(g["max_abs_precision_loss"]),
+                f"{g['departed']} of {g['episodes']}",
+            ]
+            for g in grow
+        ],
+    )
+    lines += ["", "## Gap against extra skips", ""]
+    lines.append(
+        f"Extra skips: steps of the {horizon} the real run skipped that the recording did not. "
+        "Skip disagreements: steps where the real run and its replay disagree on skipping."
+    )
+    lines.append("")
+    lines += table(
+        [
+            "extra skips",
+            "episodes",
+            "mean abs. gap skip rate",
+            "mean abs. gap precision loss",
+            "skip disagreements",
+        ],
+        [
+            [
+                b["extra_skips"],
+                str(b["episodes"]),
+                fmt(b["mean_abs_skip_rate"]),
+                fmt(b["mean_abs_precision_loss"]),
+                f"{b['skip_disagreements']:.1f}",
+            ]
+            for b in extra
+        ],
+    )
+    lines.append("")
+    lines.append(
+        f"Correlation over the {corr['skip_rate']['n']} episodes of extra skips per step with the "
+        f"absolute gap over {horizon} steps: skip rate Pearson {corr['skip_rate']['pearson']:.2f}, "
+        f"Spearman {corr['skip_rate']['spearman']:.2f}; precision loss Pearson "
+        f"{corr['precision_loss']['pearson']:.2f}, Spearman {corr['precision_loss']['spearman']:.2f}; "
+        f"skip disagreements per step Pearson {corr['skip_disagreements']['pearson']:.2f}, Spearman "
+        f"{corr['skip_disagreements']['spearman']:.2f}."
+    )
+    u, d = corr["undeparted"], corr["departed"]
+    lines.append(
+        f"Episodes whose real run never left the recorded trajectory ({u['episodes']}): mean abs. "
+        f"gap skip rate {fmt(u['mean_abs_skip_rate'])}, precision loss "
+        f"{fmt(u['mean_abs_precision_loss'])} (replay's histogram interpolation alone). Episodes "
+        f"that left it ({d['episodes']}): {fmt(d['mean_abs_skip_rate'])} and "
+        f"{fmt(d['mean_abs_precision_loss'])}."
+    )
+    lines += ["", "## Per scaler", ""]
+    lines.append(
+        "`extra skips`: mean per episode; `disagree`: steps per episode where real and replay "
+        "disagree on skipping; `departs at`: first step (over the instances) whose real loss "
+        "differs from the recorded one, and in how many instances (`-`: never); `cause`: see above."
+    )
+    lines.append("")
+    lines += table(
+        [
+            "workload",
+            "scenario",
+            "scaler",
+            "metric",
+            f"real {prefix}",
+            f"replay {prefix}",
+            f"rel. {prefix}",
+            f"real {horizon}",
+            f"replay {horizon}",
+            f"abs. {horizon}",
+            f"rel. {horizon}",
+            "verdict",
+            "extra skips",
+            "disagree",
+            "departs at",
+            "cause",
+        ],
+        [
+            [
+                r["workload"],
+                r["scenario"],
+                r["scaler"],
+                r["metric"],
+                fmt(r[f"real_{prefix}"]),
+                fmt(r[f"replay_{prefix}"]),
+                pct(r[f"rel_{prefix}"]),
+                fmt(r[f"real_{horizon}"]),
+                fmt(r[f"replay_{horizon}"]),
+                fmt(r[f"abs_{horizon}"]),
+                pct(r[f"rel_{horizon}"]),
+                r[f"ok_{horizon}"],
+                f"{r['extra_skips']:.1f}",
+                f"{r['skip_disagreements']:.1f}",
+                "-"
+                if r["departs_at"] is None
+                else f"{r['departs_at']} ({r['departed']}/{r['instances']})",
+                " / ".join(r["causes"]) or "-",
+            ]
+            for r in rows
+        ],
+    )
     return lines
 
 
@@ -445,7 +662,9 @@ def main(argv=None) -> int:
     rows = rows_of(episodes, args.steps, args.prefix)
     grow = growth(episodes, checkpoints)
     corr = correlation(episodes, args.steps)
-    lines = report(args, episodes, rows, grow, corr, args.steps, args.prefix, wall)
+    causes = by_cause(episodes, checkpoints)
+    extra = by_extra(episodes, args.steps)
+    lines = report(args, episodes, rows, grow, corr, causes, extra, args.steps, args.prefix, wall)
     print("\n".join(lines))
     if args.out:
         from autoscale.training.scorecard import json_safe
@@ -462,6 +681,8 @@ def main(argv=None) -> int:
             "rows": rows,
             "growth": grow,
             "correlation": corr,
+            "causes": causes,
+            "by_extra_skips": extra,
             "episodes": episodes,
             "wall_s": wall,
         }
