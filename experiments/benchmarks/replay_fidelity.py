@@ -400,6 +400,10 @@ def pct(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{x:.1%}"
 
 
+def key_cells(row: dict) -> list[str]:
+    return [row["workload"], row["scenario"], row["scaler"], row["metric"]]
+
+
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [
         "| " + " | ".join(header) + " |",
@@ -455,10 +459,7 @@ def report(args, episodes, rows, grow, corr, causes, extra, horizon, prefix, wal
             ],
             [
                 [
-                    r["workload"],
-                    r["scenario"],
-                    r["scaler"],
-                    r["metric"],
+                    *key_cells(r),
                     fmt(r[f"real_{prefix}"]),
                     fmt(r[f"replay_{prefix}"]),
                     fmt(r[f"real_{horizon}"]),
@@ -601,10 +602,7 @@ def report(args, episodes, rows, grow, corr, causes, extra, horizon, prefix, wal
         ],
         [
             [
-                r["workload"],
-                r["scenario"],
-                r["scaler"],
-                r["metric"],
+                *key_cells(r),
                 fmt(r[f"real_{prefix}"]),
                 fmt(r[f"replay_{prefix}"]),
                 pct(r[f"rel_{prefix}"]),
