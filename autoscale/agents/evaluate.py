@@ -112,11 +112,9 @@ def drive_episode(env: ScaleEnvBase, scaler: LossScaler, instance: str, offset: 
     _, info = env.reset(options=options)
     controller = scaler.controller
     scale = controller.start(info["scale"], env.features.state_dict())
-    while True:
-        _, _, terminated, truncated, _ = env.step_at(scale)
-        if terminated or truncated:
-            break
-        scale = controller.step(env.last_stats)
+    advance, step = env.advance_at, controller.step  # step_at's bookkeeping, without observations
+    while not advance(scale):
+        scale = step(env.last_stats)
     return env.scorecard(), env.episode_records()
 
 

@@ -110,29 +110,49 @@ class ScaleEnvBase(gym.Env):
         """
         if self.instance is None:
             raise RuntimeError("call reset() before step_at()")
-        scale = self.bounds.clamp(scale)
-        stats, precision, diverged = self._advance(scale)
-        self.last_stats = stats
-        self.hit_min = self.hit_min or self.bounds.overflow_at_min(scale, stats.found_inf)
-        self._t += 1
-        self._nonfinite_run = self._nonfinite_run + 1 if stats.loss_nonfinite else 0
-        diverged = diverged or self._nonfinite_run >= 3
-        obs = np.asarray(self.stack.push(self.features.observe(stats)), dtype=np.float32)
+        prev_loss = self._prev_loss
+        stats, precision, diverged = self._take(scale)
+        obs = np.asarray(self.stack.push(self.features.features(stats.scale)), dtype=np.float32)
         reward = step_reward(
-            self.weights, stats.found_inf, precision, stats.loss, self._prev_loss, diverged
+            self.weights, stats.found_inf, precision, stats.loss, prev_loss, diverged
         )
-        if math.isfinite(stats.loss) and not stats.found_inf:
-            self._prev_loss = stats.loss
-        self.scale = scale
         truncated = self._t >= self.episode_steps and not diverged
         info = {
             "instance": self.instance.name,
-            "scale": scale,
+            "scale": self.scale,
             "skipped": stats.found_inf,
             "precision_loss": precision,
             "loss": stats.loss,
         }
         return obs, float(reward), bool(diverged), bool(truncated), info
+
+    def advance_at(self, scale: float) -> bool:
+        """:meth:`step_at` for drivers that read no observation, reward or info (a rule or an
+        exported scaler reads :attr:`last_stats`): the same step and bookkeeping, without building
+        them. Returns whether the episode ended (terminated or truncated)."""
+        if self.instance is None:
+            raise RuntimeError("call reset() before advance_at()")
+        diverged = self._take(scale)[2]
+        return diverged or self._t >= self.episode_steps
+
+    def _take(self, scale: float) -> tuple[StepStats, float, bool]:
+        """Take the step at the clamped ``scale`` and keep the books; (stats, precision loss,
+        diverged)."""
+        scale = self.bounds.clamp(scale)
+        stats, precision, diverged = self._advance(scale)
+        self.last_stats = stats
+        found_inf = stats.found_inf
+        if found_inf and scale <= self.bounds.min_scale:  # ScaleBounds.overflow_at_min
+            self.hit_min = True
+        self._t += 1
+        self._nonfinite_run = self._nonfinite_run + 1 if stats.loss_nonfinite else 0
+        diverged = diverged or self._nonfinite_run >= 3
+        self.features.update(stats)
+        loss = stats.loss
+        if not found_inf and loss == loss and loss != math.inf and loss != -math.inf:
+            self._prev_loss = loss
+        self.scale = scale
+        return stats, precision, bool(diverged)
 
     # ------------------------------------------------------------------ for subclasses
     def _start(self, instance: InstanceSpec) -> tuple[float, dict[str, Any]]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,7 @@ __all__ = ["ReplayEnv", "precision_table"]
 
 LOG2_FP16_MIN_NORMAL = -14.0
 TABLE_LO, TABLE_HI = -24, 64  # integer log2 scales tabulated; others are interpolated
+WARM_EVERY = 128  # keep the features state every this many recorded steps, for late starts
 
 
 def precision_table(
@@ -38,6 +41,92 @@ def precision_table(
     return (
         np.stack([np.interp(x, edges, row) for row in cum]) if len(cum) else np.zeros((0, len(x)))
     )
+
+
+# Replay makes a StepStats per step and a StepRecord per step of an episode; a frozen dataclass's
+# __init__ sets each field with object.__setattr__, which took a third of a long replayed episode's
+# time. The makers below build the same objects (equal fields, equal ==, repr and hash) by setting
+# their __dict__ at once, and fall back to the constructor if the class is not the plain frozen
+# dataclass with the fields they fill.
+
+
+def _plain_defaults(cls: type, filled: tuple[str, ...]) -> dict[str, Any] | None:
+    """The defaults of ``cls``'s other fields if it is a plain dataclass whose fields are
+    ``filled`` then defaulted ones (no slots, factories or __post_init__); else None."""
+    fields = dataclasses.fields(cls)
+    rest = fields[len(filled) :]
+    plain = (
+        tuple(f.name for f in fields[: len(filled)]) == filled
+        and all(f.default is not dataclasses.MISSING for f in rest)
+        and all(f.default_factory is dataclasses.MISSING for f in fields)
+        and "__slots__" not in cls.__dict__
+        and not hasattr(cls, "__post_init__")
+    )
+    return {f.name: f.default for f in rest} if plain else None
+
+
+def _stats_maker() -> Callable[..., StepStats]:
+    """``make(step, scale, found_inf, grad_amax, grad_rms, loss, loss_seen)`` == ``StepStats(...)``."""
+    names = ("step", "scale", "found_inf", "grad_amax", "grad_rms", "loss", "loss_seen")
+    if _plain_defaults(StepStats, names) != {}:
+        return StepStats
+    new, set_dict = object.__new__, object.__setattr__
+
+    def make(step, scale, found_inf, grad_amax, grad_rms, loss, loss_seen):
+        obj = new(StepStats)
+        set_dict(
+            obj,
+            "__dict__",
+            {
+                "step": step,
+                "scale": scale,
+                "found_inf": found_inf,
+                "grad_amax": grad_amax,
+                "grad_rms": grad_rms,
+                "loss": loss,
+                "loss_seen": loss_seen,
+            },
+        )
+        return obj
+
+    return make
+
+
+def _record_maker() -> Callable[[StepStats, float], Any]:
+    """``make(stats, precision)`` == the :class:`~autoscale.training.StepRecord` of a replayed
+    step: ``StepRecord(step=stats.step, ..., precision_loss=precision, lr=nan, wall_s=0.0,
+    stats=stats)``."""
+    from autoscale.training import StepRecord
+
+    names = ("step", "scale", "found_inf", "loss", "loss_nonfinite", "grad_amax", "grad_rms")
+    names += ("precision_loss", "lr", "wall_s", "stats")
+    defaults = _plain_defaults(StepRecord, names)
+    new, set_dict = object.__new__, object.__setattr__
+
+    def make(stats: StepStats, precision: float) -> Any:
+        values = {
+            "step": stats.step,
+            "scale": stats.scale,
+            "found_inf": stats.found_inf,
+            "loss": stats.loss,
+            "loss_nonfinite": stats.loss_nonfinite,
+            "grad_amax": stats.grad_amax,
+            "grad_rms": stats.grad_rms,
+            "precision_loss": precision,
+            "lr": math.nan,
+            "wall_s": 0.0,
+            "stats": stats,
+        }
+        if defaults is None:
+            return StepRecord(**values)
+        obj = new(StepRecord)
+        set_dict(obj, "__dict__", {**values, **defaults})
+        return obj
+
+    return make
+
+
+_make_stats = _stats_maker()
 
 
 class ReplayEnv(ScaleEnvBase):
@@ -111,6 +200,10 @@ class ReplayEnv(ScaleEnvBase):
         self._offset = 0
         self._requested_offset: int | None = None
         self.records: list[tuple] = []
+        self._episode_records: tuple | None = None
+        self._make_record: Callable[[StepStats, float], Any] | None = None
+        # instance -> offset (multiples of WARM_EVERY) -> (scale, features state) there
+        self._warm: dict[str, dict[int, tuple[float, dict[str, Any]]]] = {}
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         """As :meth:`ScaleEnvBase.reset`; ``options={"offset": k}`` starts ``k`` steps into the
@@ -133,13 +226,26 @@ class ReplayEnv(ScaleEnvBase):
             self._offset = self._requested_offset
         else:
             self._offset = int(self.np_random.integers(last + 1)) if self.random_offset else 0
-        # the instance's start point, as the real env has it after its warm-up
-        self.features.load_state_dict(t.start_features)
-        scale = t.start_scale
-        for i in range(self._offset):  # warm the features on the recorded steps before the window
-            self.features.observe(self._stats(cols, i, cols["scale"][i]))
+        # the instance's start point, as the real env has it after its warm-up, carried on through
+        # the recorded steps before the window; from the nearest kept point (the same states: a
+        # features state round-trips exactly)
+        kept = self._warm.setdefault(instance.name, {})
+        at = self._offset - self._offset % WARM_EVERY
+        while at and at not in kept:
+            at -= WARM_EVERY
+        if at in kept:
+            scale, state = kept[at]
+            self.features.load_state_dict(state)
+        else:
+            scale = t.start_scale
+            self.features.load_state_dict(t.start_features)
+        for i in range(at, self._offset):
+            self.features.update(self._stats(cols, i, cols["scale"][i]))
             scale = cols["scale"][i]
+            if (i + 1) % WARM_EVERY == 0:
+                kept[i + 1] = (scale, self.features.state_dict())
         self.records = []
+        self._episode_records = None
         return scale, self.features.state_dict()
 
     def _stats(self, cols: dict[str, list], i: int, scale: float) -> StepStats:
@@ -147,16 +253,20 @@ class ReplayEnv(ScaleEnvBase):
         overflow = nonfinite or math.log2(scale) > cols["threshold"][i]
         amax = math.inf if overflow else cols["amax"][i]
         rms = math.inf if overflow else cols["rms"][i]
-        return StepStats(i, scale, overflow, amax, rms, cols["loss"][i], True)
+        return _make_stats(i, scale, overflow, amax, rms, cols["loss"][i], True)
 
     def _advance(self, scale: float) -> tuple[StepStats, float, bool]:
+        # _stats inlined, with log2(scale) taken once: this runs once a replayed step
         _, table, cols = self._cur
         i = self._offset + self._t
-        stats = self._stats(cols, i, scale)
-        if stats.found_inf:
+        log2_scale = math.log2(scale)
+        loss = cols["loss"][i]
+        if cols["nonfinite"][i] or log2_scale > cols["threshold"][i]:
+            stats = _make_stats(i, scale, True, math.inf, math.inf, loss, True)
             precision = math.nan
         else:
-            pos = min(max(math.log2(scale) - TABLE_LO, 0.0), TABLE_HI - TABLE_LO)
+            stats = _make_stats(i, scale, False, cols["amax"][i], cols["rms"][i], loss, True)
+            pos = min(max(log2_scale - TABLE_LO, 0.0), TABLE_HI - TABLE_LO)
             lo = int(pos)
             row = table[i]
             frac = pos - lo
@@ -170,24 +280,15 @@ class ReplayEnv(ScaleEnvBase):
 
     def episode_records(self) -> list:
         """The episode's steps as :class:`~autoscale.training.StepRecord` (replayed: no wall time)."""
-        from autoscale.training import StepRecord
-
-        return [
-            StepRecord(
-                step=s.step,
-                scale=s.scale,
-                found_inf=s.found_inf,
-                loss=s.loss,
-                loss_nonfinite=s.loss_nonfinite,
-                grad_amax=s.grad_amax,
-                grad_rms=s.grad_rms,
-                precision_loss=p,
-                lr=math.nan,
-                wall_s=0.0,
-                stats=s,
-            )
-            for s, p in self.records
-        ]
+        done = self._episode_records  # built once per episode state (scorecard() reads them too)
+        if done is not None and done[0] is self.records and done[1] == len(self.records):
+            return list(done[2])
+        if self._make_record is None:
+            self._make_record = _record_maker()
+        make = self._make_record
+        out = [make(s, p) for s, p in self.records]
+        self._episode_records = (self.records, len(out), out)
+        return list(out)
 
     def scorecard(self):
         """The episode's scorecard as replay predicts it (eval loss: the recording's)."""

@@ -140,6 +140,10 @@ class SuiteEnv(gym.Env):
         """Take the next step at ``scale`` (see :meth:`ScaleEnvBase.step_at`)."""
         return self._delegate(self._env().step_at(scale))
 
+    def advance_at(self, scale: float) -> bool:
+        """Take the next step at ``scale`` without observation (see :meth:`ScaleEnvBase.advance_at`)."""
+        return self._env().advance_at(scale)
+
     def _delegate(self, result):
         obs, reward, terminated, truncated, info = result
         info = {**info, "member": self.member, "instance": f"{self.member}{SEP}{info['instance']}"}

@@ -47,10 +47,6 @@ FEATURE_NAMES: tuple[str, ...] = (
 N_FEATURES = len(FEATURE_NAMES)
 
 
-def _clip(x: float, bound: float = FEATURE_BOUND) -> float:
-    return max(-bound, min(bound, x))
-
-
 class FeatureExtractor:
     """Turns the stream of per-step statistics into a fixed-size observation vector.
 
@@ -77,52 +73,65 @@ class FeatureExtractor:
         self.last_loss = math.nan
         self.last_overflow = 0
         self.last_nonfinite = 0
+        self._n_overflows = 0  # sum(self.overflows), kept as it changes
+        self._n_nonfinite = 0
 
     def observe(self, stats: StepStats) -> list[float]:
         """Consume one step's statistics; return the features after it (scale = ``stats.scale``)."""
+        self.update(stats)
+        return self.features(stats.scale)
+
+    def update(self, stats: StepStats) -> None:
+        """Consume one step's statistics without computing features (:meth:`observe` without its
+        return value, for drivers that read no observation)."""
         self.steps += 1
-        overflow = int(stats.found_inf)
-        nonfinite = int(stats.loss_nonfinite)
+        overflow = 1 if stats.found_inf else 0
+        nonfinite = 1 if stats.loss_nonfinite else 0
+        # running sums over the windows (exact: integers), so features() needs no sum()
+        if len(self.overflows) == WINDOW:
+            self._n_overflows -= self.overflows[0]
+            self._n_nonfinite -= self.nonfinite[0]
         self.overflows.append(overflow)
         self.nonfinite.append(nonfinite)
+        self._n_overflows += overflow
+        self._n_nonfinite += nonfinite
         self.last_overflow = overflow
         self.last_nonfinite = nonfinite
         self.since_overflow = 0 if overflow else self.since_overflow + 1
-        if not overflow and math.isfinite(stats.grad_amax) and stats.grad_amax > 0:
-            self.last_amax = stats.grad_amax
-            if math.isfinite(stats.grad_rms) and stats.grad_rms > 0:
-                self.last_rms = stats.grad_rms
-        if math.isfinite(stats.loss) and stats.loss > 0:
-            self.last_loss = stats.loss
-            self.loss_ema = (
-                stats.loss if math.isnan(self.loss_ema) else 0.9 * self.loss_ema + 0.1 * stats.loss
-            )
-        return self.features(stats.scale)
+        amax = stats.grad_amax
+        if not overflow and amax > 0 and amax != math.inf:  # finite and positive (NaN fails > 0)
+            self.last_amax = amax
+            rms = stats.grad_rms
+            if rms > 0 and rms != math.inf:
+                self.last_rms = rms
+        loss = stats.loss
+        if loss > 0 and loss != math.inf:
+            self.last_loss = loss
+            ema = self.loss_ema
+            self.loss_ema = loss if ema != ema else 0.9 * ema + 0.1 * loss
 
     def features(self, scale: float) -> list[float]:
         """The observation for the current state if the next decision is made at ``scale``."""
         log2_scale = math.log2(scale)
-        known = math.isfinite(self.last_amax)
-        headroom = LOG2_FP16_MAX - (math.log2(self.last_amax) + log2_scale) if known else 0.0
-        floor = (
-            (math.log2(self.last_rms) + log2_scale - LOG2_FP16_MIN_NORMAL)
-            if math.isfinite(self.last_rms)
-            else 0.0
-        )
+        amax, rms, ema, loss = self.last_amax, self.last_rms, self.loss_ema, self.last_loss
+        known = math.isfinite(amax)
+        headroom = LOG2_FP16_MAX - (math.log2(amax) + log2_scale) if known else 0.0
+        floor = (math.log2(rms) + log2_scale - LOG2_FP16_MIN_NORMAL) if math.isfinite(rms) else 0.0
         trend = 0.0
-        if math.isfinite(self.loss_ema) and math.isfinite(self.last_loss):
-            trend = max(-1.0, min(1.0, math.log(self.last_loss) - math.log(self.loss_ema)))
+        if math.isfinite(ema) and math.isfinite(loss):
+            trend = max(-1.0, min(1.0, math.log(loss) - math.log(ema)))
         n = max(1, len(self.overflows))
+        b = FEATURE_BOUND
         return [
-            _clip(log2_scale / 16.0),
+            max(-b, min(b, log2_scale / 16.0)),
             float(self.last_overflow),
-            sum(self.overflows) / n,
+            self._n_overflows / n,
             min(1.0, math.log2(1 + self.since_overflow) / 11.0),
-            _clip(headroom / 16.0),
-            _clip(floor / 16.0),
+            max(-b, min(b, headroom / 16.0)),
+            max(-b, min(b, floor / 16.0)),
             float(known),
             float(self.last_nonfinite),
-            sum(self.nonfinite) / n,
+            self._n_nonfinite / n,
             trend,
             min(1.0, math.log2(1 + self.steps) / 16.0),
         ]
@@ -150,6 +159,8 @@ class FeatureExtractor:
             setattr(self, key, float(state[key]))
         self.overflows.extend(int(v) for v in state["overflows"])
         self.nonfinite.extend(int(v) for v in state["nonfinite"])
+        self._n_overflows = sum(self.overflows)
+        self._n_nonfinite = sum(self.nonfinite)
 
 
 class FrameStack:

@@ -35,12 +35,17 @@ FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 2.0**-14
 
 
+_F32 = struct.Struct("f")
+_F32_OF: dict[float, float] = {}  # f32 of positive finite floats that ScaleBounds.clamp saw
+_F32_CACHE_SIZE = 1 << 16
+
+
 def f32(x: float) -> float:
     """Round a Python float to float32, as torch's scale tensor stores it."""
-    if math.isinf(x) or math.isnan(x):
+    if x != x or x == math.inf or x == -math.inf:  # NaN or infinite: as they are
         return x
     try:
-        return struct.unpack("f", struct.pack("f", x))[0]
+        return _F32.unpack(_F32.pack(x))[0]
     except OverflowError:
         return math.copysign(math.inf, x)
 
@@ -210,9 +215,20 @@ class ScaleBounds:
 
     def clamp(self, value: float) -> float:
         """``value`` clamped into the bounds and rounded to float32 (NaN -> the minimum)."""
-        if math.isnan(value):
+        # comparisons rather than min/max/isnan, and a cache of f32: this runs twice a replayed
+        # step, and scales repeat
+        if value != value or value < self.min_scale:  # NaN -> the minimum
             value = self.min_scale
-        return f32(min(max(value, self.min_scale), self.max_scale))
+        elif value > self.max_scale:
+            value = self.max_scale
+        if type(value) is not float:
+            return f32(value)
+        out = _F32_OF.get(value)
+        if out is None:
+            out = f32(value)
+            if len(_F32_OF) < _F32_CACHE_SIZE:
+                _F32_OF[value] = out
+        return out
 
     def overflow_at_min(self, scale: float, found_inf: bool) -> bool:
         """Whether a step at ``scale`` that overflowed (``found_inf``) did so at the minimum."""
