@@ -196,6 +196,9 @@ def build_model(spec: WorkloadSpec) -> BuiltModel:
     return built
 
 
+_WARNED_RANDOM: set[str] = set()
+
+
 def _preset_lm(preset: ModelPreset, init: str) -> BuiltModel:
     if init != "random":
         for hub_id in preset.hub_ids:
@@ -211,7 +214,8 @@ def _preset_lm(preset: ModelPreset, init: str) -> BuiltModel:
                 f"model '{preset.name}': no pretrained weights on this machine ({' or '.join(preset.hub_ids)}); "
                 f"download them first, or pass --init random"
             )
-        if preset.hub_ids:
+        if preset.hub_ids and preset.name not in _WARNED_RANDOM:
+            _WARNED_RANDOM.add(preset.name)  # once per process: a search builds many runs
             logger.warning(
                 "autoscale: no local weights for '%s' (%s); training it from random init (--init random silences this)",
                 preset.name,

@@ -222,6 +222,9 @@ def test_presets_init_rules(caplog):
         build_model(WorkloadSpec(init="pretrained"))
     with pytest.raises(ConfigError, match="'mlp' has no pretrained weights"):
         build_model(WorkloadSpec(model="mlp", init="pretrained"))
+    from autoscale.training import models
+
+    models._WARNED_RANDOM.discard("gpt2")
     built = build_model(WorkloadSpec(model="gpt2", init="auto"))
     if built.init == "pretrained":
         pytest.skip("GPT-2 weights are cached on this machine")
@@ -229,6 +232,9 @@ def test_presets_init_rules(caplog):
         "no local weights for 'gpt2'" in caplog.text
         and "training it from random init" in caplog.text
     )
+    caplog.clear()
+    build_model(WorkloadSpec(model="gpt2", init="auto"))
+    assert "no local weights" not in caplog.text  # once per process: a search builds many runs
     assert built.config["num_parameters"] == 124_439_808 and built.vocab_size == 50257
     with pytest.raises(ConfigError, match="no pretrained weights on this machine"):
         build_model(WorkloadSpec(model="gpt2", init="pretrained"))
