@@ -191,8 +191,12 @@ def check_export_target(
         return True
     try:
         ours = own_study_ok and read_manifest(dest).workload.get("study") == study_name
-    except PolicyError:
-        ours = False
+    except PolicyError as exc:  # half-written or corrupt: never replaced silently
+        raise ConfigError(
+            f"policy folder '{dest}' already exists and is not a readable policy "
+            f"({str(exc).split('; ')[0]}); "
+            "remove it, choose another name or pass --force"
+        ) from None
     if not ours:
         raise existing_policy_error(dest, other=True)
     return True

@@ -225,6 +225,7 @@ class SearchRunner:
                 cost=lambda m, n: plan.timings.of(m.workload).run_s(n, record=True),
                 stop_at=self.budget.end - plan.validate_s - plan.gate_s,
                 progress=cfg.progress,
+                warn=self.warn,
             )
         n = sum(len(m.instances["train"]) + len(m.instances["test"]) for m in plan.suite.members)
         self.say(
