@@ -18,6 +18,7 @@ LAYERS = {
     "errors": 0,
     "resources": 0,
     "processes": 0,
+    "yamlio": 0,
     "scalers": 1,
     "integrations": 2,
     "training": 2,

@@ -119,10 +119,10 @@ class SearchCommand(Command):
         try:
             result = runner.run()
         except Exception as exc:
-            from autoscale.errors import StorageError
+            from autoscale.errors import AutoscaleError, StorageError
             from autoscale.search.storage import lost_connection
 
-            reason = lost_connection(exc)
+            reason = None if isinstance(exc, AutoscaleError) else lost_connection(exc)
             if reason is None:
                 raise
             c = runner.counts

@@ -123,6 +123,13 @@ class Trace:
             raise ConfigError(
                 f"no trace file '{path}'; record one with: autoscale record --env SPEC --steps N --out {path}"
             )
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+        if head != b"PK\x03\x04":  # every .npz is a zip archive
+            raise ConfigError(
+                f"'{path}' is not an autoscale trace (not an .npz archive: "
+                f"{'empty' if not head else 'it starts with ' + repr(head)}); record it again"
+            )
         try:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"]))
@@ -146,9 +153,10 @@ class Trace:
             raise
         except Exception as exc:  # zip, zlib, npy header, JSON or key errors: all damage
             reason = str(exc).splitlines()[0] if str(exc) else ""
+            reason = reason if len(reason) <= 100 else reason[:97] + "..."
             raise ConfigError(
                 f"'{path}' is not a readable autoscale trace ({type(exc).__name__}"
-                f"{': ' + reason[:120] if reason else ''}); record it again"
+                f"{': ' + reason if reason else ''}); record it again"
             ) from exc
         return trace
 

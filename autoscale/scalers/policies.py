@@ -29,6 +29,7 @@ import yaml
 
 from autoscale.errors import ConfigError, PolicyError
 from autoscale.processes import host_name, pid_alive
+from autoscale.yamlio import load_yaml, yaml_problem
 
 if TYPE_CHECKING:
     from autoscale.scalers.base import LossScaler
@@ -139,8 +140,12 @@ def read_manifest(path: str | os.PathLike) -> PolicyManifest:
             f"no {MANIFEST} in '{folder}'; export a policy there with 'autoscale export'"
         )
     try:
-        data = yaml.safe_load(file.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        data = load_yaml(file.read_text())
+    except yaml.YAMLError as exc:
+        raise PolicyError(
+            f"cannot read '{file}': {yaml_problem(exc)}; re-export the policy"
+        ) from exc
+    except (OSError, UnicodeDecodeError) as exc:
         raise PolicyError(
             f"cannot read '{file}': {str(exc).splitlines()[0]}; re-export the policy"
         ) from exc

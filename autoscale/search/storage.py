@@ -79,7 +79,7 @@ def lost_connection(exc: BaseException) -> str | None:
         module = type(cur).__module__ or ""
         if module.startswith(("sqlalchemy", "psycopg")) and type(cur).__name__ in _LOST:
             return _reason(cur)
-        cur = cur.__cause__ or cur.__context__
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
     return None
 
 
