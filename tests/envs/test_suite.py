@@ -162,7 +162,7 @@ def test_the_suite_env_draws_episodes_over_every_member(tiny_spec):
     assert members == {"mlp/clean", "mlp/bad-batches"}
     obs, info = env.reset(options={"instance": "mlp/bad-batches:train-s1-t0"})
     assert info["member"] == "mlp/bad-batches"
-    for t in range(suite.episode.steps):
+    for _t in range(suite.episode.steps):
         obs, reward, term, trunc, info = env.step(2)
         assert info["member"] == "mlp/bad-batches"
     assert trunc and env.scorecard().skipped >= 1  # a bad batch every 4 steps
