@@ -4,6 +4,9 @@ up (or put back) by the next publish of that name."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -71,7 +74,7 @@ def _race(root: Path, force: bool) -> dict[int, object]:
 
 
 @pytest.mark.parametrize("force", [False, True], ids=["no-force", "force"])
-def test_concurrent_publishes_leave_one_whole_policy(tmp_path, force):
+def test_concurrent_publishes_leave_one_whole_policy(tmp_path, force, request):
     """Six threads publish the same name at once, 30 times over (the renames race for real):
     each time one whole policy and nothing else is left; without ``force`` exactly one
     publish succeeds and the others are refused in one line."""
@@ -91,6 +94,17 @@ def test_concurrent_publishes_leave_one_whole_policy(tmp_path, force):
                 if k not in winners:
                     assert isinstance(v, ConfigError), repr(v)
                     assert "already exists; choose another name or pass --force" in str(v)
+    from tests.search.faults import FaultRecord, report
+
+    report(
+        FaultRecord(
+            request.node.name,
+            f"6 threads publishing one name at once ({'force' if force else 'no force'})",
+            "policy folder",
+            injected=30,
+            outcome="one whole policy each time, no staging folder left",
+        )
+    )
 
 
 def test_a_policy_published_while_staging_refuses_without_force(tmp_path):
@@ -168,3 +182,148 @@ def test_a_policy_folder_written_half_way_is_refused_in_one_line(tmp_path, monke
     assert "already exists and is not a readable policy" in str(info.value)
     assert "remove it, choose another name or pass --force" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------- real processes
+_KILL_AT = {
+    # the policy staged and its manifest written, not published yet
+    "staged": """
+import autoscale.agents.export as export
+real = export.write_manifest
+def write_then_die(path, manifest):
+    real(path, manifest)
+    os.kill(os.getpid(), signal.SIGKILL)
+export.write_manifest = write_then_die
+""",
+    # the old policy renamed away, the new one not renamed in yet (a forced replace)
+    "between renames": """
+real = os.replace
+def replace_then_die(src, dst):
+    real(src, dst)
+    if ".old." in str(dst):
+        os.kill(os.getpid(), signal.SIGKILL)
+os.replace = replace_then_die
+""",
+}
+
+
+def _export_script(kill: str) -> str:
+    return (
+        "import os, signal, sys\n"
+        + _KILL_AT[kill]
+        + "from autoscale.agents.export import export_parametric\n"
+        "export_parametric('torch', {'growth_interval': 2}, 'p', out_dir=sys.argv[1], force=True)\n"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", list(_KILL_AT))
+def test_an_export_killed_half_way_publishes_nothing_half(
+    tmp_path, monkeypatch, kill, capsys, request
+):
+    """A real process exporting over a policy is killed with SIGKILL half-way: the policy folder
+    never holds half a policy, ``autoscale list`` shows no staging folder, and the next export
+    of the name cleans up (putting the old policy back first where it had been moved away)."""
+    from autoscale.cli import main
+    from tests.search.faults import FaultRecord, report
+
+    monkeypatch.setenv(policies.POLICY_PATH_ENV, str(tmp_path))
+    export_parametric("torch", {"growth_interval": 1}, "p", out_dir=tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _export_script(kill), str(tmp_path)], env=env, timeout=300
+    )
+    assert proc.returncode == -signal.SIGKILL
+    left = sorted(p.split(".")[2] for p in _entries(tmp_path) if p.startswith("."))
+    # what the killed process staged (and the old policy it had moved away)
+    assert left == (["staging"] if kill == "staged" else ["old", "staging"])
+    if kill == "staged":
+        _whole(tmp_path / "p", 1)  # the old policy, untouched
+    else:
+        assert not (tmp_path / "p").exists()  # moved away: gone, not half there
+    assert main(["list", "--json"]) == 0
+    listed = [i["name"] for i in json.loads(capsys.readouterr().out)]
+    assert not [n for n in listed if n.startswith(".")]
+    assert ("p" in listed) == (kill == "staged")
+
+    export_parametric("torch", {"growth_interval": 3}, "p", out_dir=tmp_path, force=True)
+    assert _entries(tmp_path) == ["p"]
+    _whole(tmp_path / "p", 3)
+    report(
+        FaultRecord(
+            request.node.name,
+            f"SIGKILL of an export {kill}",
+            "policy folder",
+            outcome="no half policy seen; the next export cleaned up"
+            + (" and put the old policy back first" if kill != "staged" else ""),
+        )
+    )
+
+
+_RACER = """
+import json, os, sys, time
+from pathlib import Path
+from autoscale.agents.export import export_parametric
+from autoscale.errors import AutoscaleError
+root, k, rounds, force = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+for r in range(rounds):
+    (root / f"ready-{r}-{k}").touch()
+    while not (root / f"go-{r}").exists():
+        time.sleep(0.001)
+    try:
+        export_parametric("torch", {"growth_interval": 100 + k}, "same", out_dir=root / f"r{r}", force=force)
+        result = "ok"
+    except AutoscaleError as exc:
+        result = str(exc)
+    (root / f"done-{r}-{k}").write_text(result)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("force", [False, True], ids=["no-force", "force"])
+def test_processes_exporting_one_name_at_once(tmp_path, force, request):
+    """Four processes export the same name the moment a file appears, eight times over: each
+    time one whole policy results; without ``force`` exactly one export succeeds and the others
+    are refused in one line, with it every export succeeds and the last one stays."""
+    from tests.search.faults import FaultRecord, report, wait_for
+
+    n, rounds = 4, 8
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = tmp_path / "racer.py"
+    script.write_text(_RACER)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path), str(k), str(rounds), str(int(force))],
+            env=env,
+        )
+        for k in range(n)
+    ]
+    for r in range(rounds):
+        wait_for(f"{n} exporters ready", lambda r=r: len(list(tmp_path.glob(f"ready-{r}-*"))) == n)
+        (tmp_path / f"go-{r}").touch()
+        wait_for(f"{n} exports done", lambda r=r: len(list(tmp_path.glob(f"done-{r}-*"))) == n)
+        results = [(tmp_path / f"done-{r}-{k}").read_text() for k in range(n)]
+        assert _entries(tmp_path / f"r{r}") == ["same"]
+        _whole(tmp_path / f"r{r}" / "same")
+        winners = [k for k, text in enumerate(results) if text == "ok"]
+        if force:
+            assert winners == list(range(n))
+        else:
+            assert len(winners) == 1, results
+            _whole(tmp_path / f"r{r}" / "same", 100 + winners[0])
+            assert all(
+                "already exists; choose another name or pass --force" in text and "\n" not in text
+                for k, text in enumerate(results)
+                if k not in winners
+            )
+    assert [p.wait(timeout=120) for p in procs] == [0] * n
+    report(
+        FaultRecord(
+            request.node.name,
+            f"{n} processes exporting one name at once ({'--force' if force else 'no --force'})",
+            "policy folder",
+            injected=rounds,
+            outcome="one whole policy each time; "
+            + ("every export succeeded" if force else "the others refused in one line"),
+        )
+    )

@@ -183,6 +183,13 @@ class Storage:
         rows = self.trials(study) or {}
         return {n: t for n, t in rows.items() if t.state == TrialState.COMPLETE}
 
+    def finished(self, study: str) -> dict[int, TrialRow]:
+        """The trials told complete or pruned: what a fault must not lose."""
+        rows = self.trials(study) or {}
+        return {
+            n: t for n, t in rows.items() if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+        }
+
     def close(self) -> None:
         engine = getattr(self._storage, "engine", None)
         if engine is not None:

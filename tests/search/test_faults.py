@@ -42,9 +42,11 @@ from tests.search.faults import (
 
 pytestmark = pytest.mark.slow  # real searches: a minute or two each
 SPEC = Path(__file__).with_name("faults.yaml")  # mlp, bad-batches; a short replay horizon
-# With the traces and torch's no-harm runs cached (warm_cache), this leaves the search phase tens
-# of seconds even when other jobs slow the steps five times; --n-trials bounds it.
-BUDGET = "2m"
+# With the traces and torch's no-harm runs cached (warm_cache), a worker reserves validation
+# and the no-harm check of its candidates (about 2m20s when other jobs slow the mlp steps to
+# 47 ms, 3 ms on a quiet machine) and searches in the rest; on a quiet machine --n-trials ends the
+# search, and the run, well within it.
+BUDGET = "4m"
 N_TRIALS = "30"
 
 
@@ -57,13 +59,35 @@ def _search_args(storage: str, study: str) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def warm_cache(tmp_path_factory) -> Path:
-    """The artifacts folder of one search of SPEC: its recorded traces and torch's no-harm runs,
-    which every search of SPEC reuses (keyed by what they depend on)."""
+    """An artifacts folder holding what every search of SPEC reuses (keyed by what it depends
+    on): the traces one search recorded, and torch's long runs of the no-harm check."""
     root = tmp_path_factory.mktemp("warm")
     args = ("search", "--env", str(SPEC), "--budget", BUDGET, "--n-trials", "1", "--quiet")
+    # the same budget as the tests: the plan (trace length) depends on it
     warm = start_worker(*args, cwd=root, name="warm")
     assert warm.finish() == 0, warm.err[-3000:]
+    _fill_gate_cache(root / "artifacts")
     return root / "artifacts"
+
+
+def _fill_gate_cache(folder: Path) -> None:
+    """Run (or find cached) torch's reference runs of the no-harm check, as a search of SPEC
+    plans them, so that a search only runs its candidates' own."""
+    from autoscale.envs.suite import as_suite, load_spec
+    from autoscale.search.budget import Ledger
+    from autoscale.search.gate import GATE_STEPS, NoHarmCheck, gate_workloads
+    from autoscale.search.plan import GatePlan
+
+    base = as_suite(load_spec(str(SPEC)))
+    ep = base.episode
+    bounds = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
+    check = NoHarmCheck(
+        GatePlan(gate_workloads(list(base.members)), GATE_STEPS), folder, Ledger(), bounds
+    )
+    for workload in check.gate.workloads:
+        for seed in check.gate.seeds:
+            check.reference(workload, seed)
+            assert check.cached(workload, seed)
 
 
 @pytest.fixture
@@ -111,7 +135,7 @@ def test_worker_killed_mid_trial(kind, cached, request):
     a = start_worker(*args, cwd=tmp_path, name="a")
     b = start_worker(*args, cwd=tmp_path, name="b")
     victim = freeze_mid_trial(b, storage, study)
-    before = storage.complete(study)
+    before = storage.finished(study)
     assert kill_hard(b) == -9
     assert storage.trials(study)[victim].state == TrialState.RUNNING  # nobody told it
 
@@ -163,7 +187,7 @@ def test_postgresql_server_stops_and_restarts(postgres, cached, request):
     first = start_worker(*args, cwd=tmp_path, name="first")
     wait_for("3 complete trials", lambda: len(storage.complete(study)) >= 3, alive=(first,))
     freeze(first)
-    before = storage.complete(study)
+    before = storage.finished(study)
     storage.close()
     postgres.stop("immediate")
     thaw(first)
@@ -191,7 +215,7 @@ def test_postgresql_server_stops_and_restarts(postgres, cached, request):
         assert f"failed {len(left_running)} trial(s) left running" in again.out
     assert all(final[n].state == TrialState.FAIL for n in left_running)
     assert not [n for n, t in final.items() if t.state == TrialState.RUNNING]
-    assert lost(before, final) == [] and lost(storage_complete(kept), final) == []
+    assert lost(before, final) == [] and lost(storage_finished(kept), final) == []
     assert sorted(final) == list(range(len(final))) and len(final) > len(kept)
     _assert_whole_export(tmp_path, study)
     report(
@@ -210,5 +234,59 @@ def test_postgresql_server_stops_and_restarts(postgres, cached, request):
     )
 
 
-def storage_complete(rows):
-    return {n: t for n, t in rows.items() if t.state == TrialState.COMPLETE}
+def storage_finished(rows):
+    return {n: t for n, t in rows.items() if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
+
+
+def test_damaged_caches_and_a_half_written_policy(cached, request):
+    """Between two searches the cache is damaged (two traces cut short or overwritten in part,
+    one of torch's no-harm runs cut short) and a policy folder of the study's name is left
+    half-written. The search refuses that folder in one line before writing anything; with the
+    folder moved aside it warns once per damaged trace, records those again, and exports."""
+    tmp_path = cached
+    url = f"sqlite:///{tmp_path / 'autoscale.db'}"
+    traces = sorted((tmp_path / "artifacts" / "traces").glob("*.npz"))
+    gate = sorted((tmp_path / "artifacts" / "gate").glob("*.npz"))
+    assert len(traces) >= 2 and gate
+    cut = traces[0].read_bytes()
+    traces[0].write_bytes(cut[: len(cut) // 2])
+    data = bytearray(traces[1].read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    traces[1].write_bytes(bytes(data))
+    gate[0].write_bytes(gate[0].read_bytes()[:100])
+    half = tmp_path / "policies" / "damaged"
+    half.mkdir(parents=True)
+    # cut off in the middle of a mapping, as a copy that did not finish
+    (half / "policy.yaml").write_text(
+        "name: damaged\nkind: parametric\nfamily: torch\nparameters: {growth_interval: 5"
+    )
+
+    refused = start_worker(*_search_args(url, "damaged"), cwd=tmp_path, name="refused")
+    assert refused.finish() == 2
+    (line,) = refused.err.strip().splitlines()
+    assert line.startswith(f"autoscale search: error: policy folder '{half}' already exists and ")
+    assert "is not a readable policy (cannot read" in line
+    assert line.endswith("remove it, choose another name or pass --force")
+    assert not (tmp_path / "autoscale.db").exists()  # refused before writing anything
+
+    half.rename(tmp_path / "damaged-aside")
+    again = start_worker(*_search_args(url, "damaged"), cwd=tmp_path, name="again")
+    assert again.finish() == 0, again.err[-3000:]
+    warned = [line for line in again.err.splitlines() if line.startswith("warning: cached ")]
+    assert sorted(w.split("'")[1] for w in warned) == sorted(map(str, traces[:2])), again.err
+    assert all(w.endswith("; recording it again") for w in warned)
+    m = re.search(r"\[3/6 record\] (\d+) instances x \d+ real steps: (\d+) recorded", again.out)
+    assert m and int(m[2]) >= 2
+    assert "Traceback" not in again.err
+    _assert_whole_export(tmp_path, "damaged")
+    report(
+        FaultRecord(
+            request.node.name,
+            "damaged cache (2 traces, 1 no-harm run) and a half-written policy folder",
+            "sqlite",
+            injected=4,
+            outcome="the folder refused in one line before anything was written; each damaged "
+            "trace warned once and recorded again; the search exported a whole policy",
+            details={"warnings": warned},
+        )
+    )

@@ -14,6 +14,7 @@ from autoscale.errors import ConfigError
 from autoscale.search.plan import shape_suite
 from autoscale.search.traces import instance_key, load_traces
 from autoscale.search.workload import base_spec
+from tests.search.faults import FaultRecord, report
 from tests.training.conftest import torch  # noqa: F401  (one intra-op thread: deterministic steps)
 
 STEPS = 16
@@ -80,7 +81,7 @@ def recorded(tmp_path_factory):
 
 
 @pytest.mark.parametrize("how", list(DAMAGE))
-def test_a_damaged_trace_is_said_and_recorded_again(recorded, how):
+def test_a_damaged_trace_is_said_and_recorded_again(recorded, how, request):
     root, suite, first = recorded
     member = suite.members[0]
     inst = member.instances["test"][0]
@@ -101,3 +102,11 @@ def test_a_damaged_trace_is_said_and_recorded_again(recorded, how):
     for key in ("threshold", "nonfinite", "loss", "scale", "hist"):
         assert np.array_equal(getattr(again, key), getattr(before, key)), key
     assert Trace.load(path).instances  # the cache holds a whole trace again
+    report(
+        FaultRecord(
+            request.node.name,
+            f"cached trace {how}",
+            "trace cache",
+            outcome="warned in one line, recorded again: the same trace",
+        )
+    )
