@@ -197,6 +197,11 @@ class Storage:
         self._storage = None
 
 
+def finished(rows: dict[int, TrialRow]) -> dict[int, TrialRow]:
+    """The trials told complete or pruned: what a fault must not lose."""
+    return {n: t for n, t in rows.items() if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
+
+
 def lost(before: dict[int, TrialRow], after: dict[int, TrialRow]) -> list[int]:
     """Trials finished in ``before`` that ``after`` lacks or holds otherwise."""
     return [n for n, t in before.items() if after.get(n) != t]

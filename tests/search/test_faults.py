@@ -28,6 +28,7 @@ from tests.search.faults import (
     PostgresServer,
     Storage,
     TrialState,
+    finished,
     freeze,
     freeze_mid_trial,
     hidden_entries,
@@ -215,7 +216,7 @@ def test_postgresql_server_stops_and_restarts(postgres, cached, request):
         assert f"failed {len(left_running)} trial(s) left running" in again.out
     assert all(final[n].state == TrialState.FAIL for n in left_running)
     assert not [n for n, t in final.items() if t.state == TrialState.RUNNING]
-    assert lost(before, final) == [] and lost(storage_finished(kept), final) == []
+    assert lost(before, final) == [] and lost(finished(kept), final) == []
     assert sorted(final) == list(range(len(final))) and len(final) > len(kept)
     _assert_whole_export(tmp_path, study)
     report(
@@ -232,10 +233,6 @@ def test_postgresql_server_stops_and_restarts(postgres, cached, request):
             details={"trials": len(final), "error": errors[0]},
         )
     )
-
-
-def storage_finished(rows):
-    return {n: t for n, t in rows.items() if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
 
 
 def test_damaged_caches_and_a_half_written_policy(cached, request):
