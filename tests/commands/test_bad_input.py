@@ -166,6 +166,7 @@ ROWS: dict[str, Row] = {
     "cli: NaN learning rate": Row(_run("--lr", "nan"), "got nan", "positive finite number"),
     "cli: unknown trial": Row(("export", "--study", "made", "--storage", "made.db", "--trial", "x", "--name", "p"), "'x'", "trial number or 'best'"),
     "cli: study from elsewhere": Row(("export", "--study", "bare", "--storage", "made.db", "--name", "p"), "study 'bare'", "search it again under a new --study"),
+    "cli: port out of range": Row(("dashboard", "--storage", "made.db", "--port", "99999"), "got 99999", "from 1 to 65535"),
     "cli: misspelt study": Row(("export", "--study", "mde", "--storage", "made.db", "--name", "p"), "'mde'", "did you mean 'made'?"),
     # ---------------------------------------------------------------- storage URLs
     "storage: neither URL nor file": Row(("search", "--model", "mlp", "--storage", "autoscale"), "'autoscale'", "use e.g. sqlite:///autoscale.db"),
