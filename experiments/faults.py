@@ -85,6 +85,7 @@ def _render(rows: list[dict], outcome: dict[str, str], wall: float, command: str
     injected = sum(r["injected"] for r in passed)
     finished = sum(r["finished_before"] for r in passed)
     lost = sum(r["lost"] for r in passed)
+    searches = sum(r["injected"] for r in passed if r["finished_before"])
     lines = [
         "# Faults injected and what they cost",
         "",
@@ -92,8 +93,9 @@ def _render(rows: list[dict], outcome: dict[str, str], wall: float, command: str
         f"({platform.node()}, {os.cpu_count()} CPUs, load average "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end; {wall / 60:.1f} min).",
         "",
-        f"**{injected} faults injected in {len(passed)} passing tests; {finished} trials were "
-        f"finished in the storage when a fault hit a search, and {lost} of them were lost.**",
+        f"**{injected} faults injected in {len(passed)} passing tests. Into running searches: "
+        f"{searches} faults, when {finished} trials had finished in their storages; "
+        f"{lost} of those trials were lost.**",
         "",
         "| fault | where | injected | trials finished before | lost | what happened |",
         "|---|---|---|---|---|---|",

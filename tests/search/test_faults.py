@@ -49,6 +49,7 @@ SPEC = Path(__file__).with_name("faults.yaml")  # mlp, bad-batches; a short repl
 # search, and the run, well within it.
 BUDGET = "4m"
 N_TRIALS = "30"
+FINISHED = 5  # trials finished in the storage before a fault is injected
 
 
 def _search_args(storage: str, study: str) -> tuple[str, ...]:
@@ -135,6 +136,12 @@ def test_worker_killed_mid_trial(kind, cached, request):
     args = _search_args(url, study)
     a = start_worker(*args, cwd=tmp_path, name="a")
     b = start_worker(*args, cwd=tmp_path, name="b")
+    # some trials finished first, so that the kill has something to lose
+    wait_for(
+        f"{FINISHED} finished trials",
+        lambda: len(storage.finished(study)) >= FINISHED,
+        alive=(a, b),
+    )
     victim = freeze_mid_trial(b, storage, study)
     before = storage.finished(study)
     assert kill_hard(b) == -9
@@ -186,7 +193,11 @@ def test_postgresql_server_stops_and_restarts(postgres, cached, request):
     study, storage = "down", Storage(postgres.url)
     args = _search_args(postgres.url, study)
     first = start_worker(*args, cwd=tmp_path, name="first")
-    wait_for("3 complete trials", lambda: len(storage.complete(study)) >= 3, alive=(first,))
+    wait_for(
+        f"{FINISHED} finished trials",
+        lambda: len(storage.finished(study)) >= FINISHED,
+        alive=(first,),
+    )
     freeze(first)
     before = storage.finished(study)
     storage.close()
