@@ -6,8 +6,11 @@
 * the PostgreSQL server stopped (as a crash: ``pg_ctl -m immediate``) during a search: the worker
   says so in one line, no finished trial is lost, and the same command resumes the study once
   the server is back;
-* a cache of traces damaged between two runs: detected, said, recorded again;
-* an export killed half-way, and exports racing for one name: one whole policy.
+* a cache damaged between two runs, and a half-written policy folder at the export target:
+  the folder refused in one line, each damaged trace said and recorded again.
+
+Exports killed half-way or racing for one name are tested in tests/scalers/test_publish.py,
+damaged traces of every kind in tests/search/test_trace_cache.py.
 
 Every wait is for an event (a trial state in the storage, a process stopped or gone); the figures
 of each fault go to ``$AUTOSCALE_FAULTS_REPORT`` for ``experiments/faults.py``.
@@ -41,7 +44,7 @@ from tests.search.faults import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow  # real searches: a minute or two each
+pytestmark = pytest.mark.slow  # real searches: up to a few minutes each
 SPEC = Path(__file__).with_name("faults.yaml")  # mlp, bad-batches; a short replay horizon
 # With the traces and torch's no-harm runs cached (warm_cache), a worker reserves validation
 # and the no-harm check of its candidates (about 2m20s when other jobs slow the mlp steps to
