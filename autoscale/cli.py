@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import autoscale
 from autoscale.errors import AutoscaleError
@@ -69,8 +70,15 @@ EPILOG = """examples:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line, like autoscale's own (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help shows the usage)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="autoscale",
         description="Learned loss-scale policies for fp16 mixed-precision training.",
         epilog=EPILOG,
@@ -96,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0 if args.command is None and not argv else 2
     command = _command(argv[0])
-    sub = argparse.ArgumentParser(
+    sub = _Parser(
         prog=f"autoscale {argv[0]}",
         description=command.__doc__.strip().splitlines()[0] if command.__doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,

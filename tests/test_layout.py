@@ -17,6 +17,8 @@ PACKAGE = ROOT / "autoscale"
 LAYERS = {
     "errors": 0,
     "resources": 0,
+    "processes": 0,
+    "yamlio": 0,
     "scalers": 1,
     "integrations": 2,
     "training": 2,

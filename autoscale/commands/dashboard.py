@@ -31,8 +31,11 @@ It binds 127.0.0.1: reach it from another machine through an SSH tunnel
     def run(self, args: argparse.Namespace) -> int:
         from optuna_dashboard import run_server
 
+        from autoscale.errors import ConfigError
         from autoscale.search.storage import artifact_store, artifacts_dir, mask_url, open_storage
 
+        if not 0 < args.port < 65536:
+            raise ConfigError(f"--port must be a TCP port from 1 to 65535, got {args.port}")
         storage = open_storage(args.storage, must_exist=True)
         store = artifact_store(artifacts_dir(args.storage, args.artifacts))
         print(
@@ -57,8 +60,6 @@ It binds 127.0.0.1: reach it from another machine through an SSH tunnel
         except KeyboardInterrupt:
             print("stopped")
         except OSError as exc:
-            from autoscale.errors import ConfigError
-
             raise ConfigError(
                 f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}; try another --port"
             ) from None

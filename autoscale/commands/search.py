@@ -126,6 +126,19 @@ class SearchCommand(Command):
         runner = SearchRunner(cfg, budget)
         try:
             result = runner.run()
+        except Exception as exc:
+            from autoscale.errors import AutoscaleError, StorageError
+            from autoscale.search.storage import lost_connection
+
+            reason = None if isinstance(exc, AutoscaleError) else lost_connection(exc)
+            if reason is None:
+                raise
+            c = runner.counts
+            raise StorageError(
+                f"lost the storage '{mask_url(args.storage)}' ({reason}); this worker's "
+                f"{c['complete']} complete trials are kept in study '{study}'; the same command "
+                "resumes it once the storage is reachable"
+            ) from None
         except KeyboardInterrupt:
             c = runner.counts
             print(

@@ -17,6 +17,7 @@ import yaml
 
 from autoscale.errors import ConfigError, check_keys, unknown_name
 from autoscale.scalers.actions import ActionMap
+from autoscale.yamlio import load_yaml, yaml_problem
 
 __all__ = [
     "EnvSpec",
@@ -26,6 +27,7 @@ __all__ = [
     "load_env_spec",
     "find_env_spec",
     "spec_dirs",
+    "read_spec_yaml",
 ]
 
 
@@ -111,7 +113,7 @@ class InstanceSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"instance '{self.name}': seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.start, int) or self.start < 0:
+        if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 0:
             raise ConfigError(
                 f"instance '{self.name}': start must be an integer >= 0, got {self.start!r}"
             )
@@ -192,16 +194,26 @@ class EnvSpec:
         from autoscale.training import WorkloadSpec
 
         where = source or "env spec"
+        if data is None:
+            raise ConfigError(f"{where} is empty; write an env spec there (envs/*.yaml show how)")
         if not isinstance(data, dict):
             raise ConfigError(
                 f"{where}: expected a mapping at the top level, got {type(data).__name__}"
             )
         check_keys(where, data, ["name", "workload", "episode", "instances", "reward"])
-        name = str(data.get("name") or (Path(source).stem if source else "env"))
+        name = data.get("name") or (Path(source).stem if source else "env")
+        if not isinstance(name, (str, int)) or isinstance(name, bool):
+            raise ConfigError(f"{where}: 'name' must be a string, got {name!r}")
+        name = str(name)
         wl = data.get("workload") or {}
         if not isinstance(wl, dict):
             raise ConfigError(f"{where}: 'workload' must be a mapping")
         workload = WorkloadSpec.from_dict(wl)
+        for key in ("episode", "reward"):
+            if not isinstance(data.get(key) or {}, dict):
+                raise ConfigError(
+                    f"{where}: '{key}' must be a mapping of its fields, got {data[key]!r}"
+                )
         ep = dict(data.get("episode") or {})
         check_keys(
             f"{where}: episode",
@@ -211,6 +223,11 @@ class EnvSpec:
         action = ep.pop("action", None) or {}
         if isinstance(action, str):
             action = {"mode": action}
+        if not isinstance(action, dict):
+            raise ConfigError(
+                f"{where}: episode.action must be a mode name or a mapping (mode, deltas, ...), "
+                f"got {action!r}"
+            )
         check_keys(
             f"{where}: episode.action", action, ["mode", "deltas", "max_delta", "resolution"]
         )
@@ -251,7 +268,12 @@ def _num(key: str, value: Any) -> Any:
     if isinstance(value, str):  # allow "2**16" / "2^16" as well as plain numbers
         m = re.fullmatch(r"\s*2\s*(?:\*\*|\^)\s*(-?\d+)\s*", value)
         if m:
-            return 2.0 ** int(m.group(1))
+            try:
+                return 2.0 ** int(m.group(1))
+            except OverflowError:
+                raise ConfigError(
+                    f"episode {key}: '{value}' is beyond the range of a float; use at most 2**1023"
+                ) from None
         try:
             return float(value)
         except ValueError as exc:
@@ -290,12 +312,24 @@ def load_env_spec(spec: str | os.PathLike | dict[str, Any] | EnvSpec) -> EnvSpec
     if isinstance(spec, dict):
         return EnvSpec.from_dict(spec)
     path = find_env_spec(spec)
+    return EnvSpec.from_dict(read_spec_yaml(path), source=str(path))
+
+
+def read_spec_yaml(path: Path) -> Any:
+    """The YAML in the spec file ``path`` (strictly: a key given twice is an error).
+
+    Raises:
+        ConfigError: an unreadable file or malformed YAML, with the line.
+    """
     try:
-        data = yaml.safe_load(path.read_text())
+        return load_yaml(path.read_text())
     except OSError as exc:
         raise ConfigError(f"cannot read env spec '{path}': {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"env spec '{path}' is not text (byte {exc.start} is not UTF-8); give a YAML file"
+        ) from exc
     except yaml.YAMLError as exc:
         raise ConfigError(
-            f"env spec '{path}' is not valid YAML: {str(exc).splitlines()[0]}"
+            f"env spec '{path}' is not valid YAML: {yaml_problem(exc)}; fix that line"
         ) from exc
-    return EnvSpec.from_dict(data, source=str(path))

@@ -35,9 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from autoscale.envs.spec import EnvSpec, find_env_spec, load_env_spec
+from autoscale.envs.spec import EnvSpec, find_env_spec, load_env_spec, read_spec_yaml
 from autoscale.errors import ConfigError, UnknownNameError, check_keys, unknown_name
 
 __all__ = ["SuiteSpec", "as_suite", "load_spec", "member_name", "SEP"]
@@ -206,7 +204,10 @@ def _names(where: str, key: str, value: Any, known) -> set[str]:
         raise ConfigError(f"{where}: {key} must be a list")
     for item in value:
         if item not in known:
-            raise unknown_name(key.rsplit(".", 1)[-1].rstrip("s"), str(item), list(known), where)
+            kind = {"workloads": "workload", "scenarios": "scenario"}.get(
+                key.rsplit(".", 1)[-1], "member"
+            )
+            raise unknown_name(kind, str(item), list(known), where)
     return set(value)
 
 
@@ -229,14 +230,7 @@ def load_spec(
     if isinstance(spec, dict):
         return SuiteSpec.from_dict(spec) if _is_suite(spec) else EnvSpec.from_dict(spec)
     path = find_env_spec(spec)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read env spec '{path}': {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(
-            f"env spec '{path}' is not valid YAML: {str(exc).splitlines()[0]}"
-        ) from exc
+    data = read_spec_yaml(path)
     if isinstance(data, dict) and _is_suite(data):
         return SuiteSpec.from_dict(data, source=str(path))
     return load_env_spec(path)

@@ -111,44 +111,78 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trace:
+        """Read a trace :meth:`save` wrote.
+
+        Raises:
+            ConfigError: a missing file, one of another version or feature spec, or a damaged one
+                (truncated, overwritten, half-written: any part that does not read back), in one
+                line that says to record it again.
+        """
         path = Path(path)
         if not path.is_file():
             raise ConfigError(
                 f"no trace file '{path}'; record one with: autoscale record --env SPEC --steps N --out {path}"
             )
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+        if head != b"PK\x03\x04":  # every .npz is a zip archive
+            raise ConfigError(
+                f"'{path}' is not an autoscale trace (not an .npz archive: "
+                f"{'empty' if not head else 'it starts with ' + repr(head)}); record it again"
+            )
         try:
-            data = np.load(path, allow_pickle=False)
-            meta = json.loads(str(data["meta"]))
-        except Exception as exc:
+            with np.load(path, allow_pickle=False) as data:
+                meta = json.loads(str(data["meta"]))
+                _check_versions(path, meta)
+                instances = {}
+                for i, info in enumerate(meta["instances"]):
+                    arrays = {key: data[f"{i}.{key}"] for key in _ARRAYS}
+                    instances[info["name"]] = InstanceTrace(
+                        info["name"],
+                        info["seed"],
+                        info["start"],
+                        eval_loss=info["eval_loss"],
+                        start_scale=info["start_scale"],
+                        start_features=info["start_features"],
+                        **arrays,
+                    )
+                edges = data["hist_edges"]
+            trace = cls(meta["spec"], instances, edges, meta["feature_version"], meta["version"])
+            _check_shapes(trace)
+        except ConfigError:
+            raise
+        except Exception as exc:  # zip, zlib, npy header, JSON or key errors: all damage
+            reason = str(exc).splitlines()[0] if str(exc) else ""
+            reason = reason if len(reason) <= 100 else reason[:97] + "..."
             raise ConfigError(
-                f"'{path}' is not an autoscale trace ({exc.__class__.__name__}); record it again"
+                f"'{path}' is not a readable autoscale trace ({type(exc).__name__}"
+                f"{': ' + reason if reason else ''}); record it again"
             ) from exc
-        if meta.get("version") != TRACE_VERSION:
-            raise ConfigError(
-                f"trace '{path}' has version {meta.get('version')}, this autoscale reads version {TRACE_VERSION}; record it again"
-            )
-        from autoscale.scalers.features import FEATURE_VERSION
+        return trace
 
-        if meta.get("feature_version") != FEATURE_VERSION:
-            raise ConfigError(
-                f"trace '{path}' was recorded with feature spec {meta.get('feature_version')}, this autoscale uses "
-                f"{FEATURE_VERSION}; record it again"
-            )
-        instances = {}
-        for i, info in enumerate(meta["instances"]):
-            arrays = {key: data[f"{i}.{key}"] for key in _ARRAYS}
-            instances[info["name"]] = InstanceTrace(
-                info["name"],
-                info["seed"],
-                info["start"],
-                eval_loss=info["eval_loss"],
-                start_scale=info["start_scale"],
-                start_features=info["start_features"],
-                **arrays,
-            )
-        return cls(
-            meta["spec"], instances, data["hist_edges"], meta["feature_version"], meta["version"]
+
+def _check_versions(path: Path, meta: dict[str, Any]) -> None:
+    from autoscale.scalers.features import FEATURE_VERSION
+
+    if meta.get("version") != TRACE_VERSION:
+        raise ConfigError(
+            f"trace '{path}' has version {meta.get('version')}, this autoscale reads version {TRACE_VERSION}; record it again"
         )
+    if meta.get("feature_version") != FEATURE_VERSION:
+        raise ConfigError(
+            f"trace '{path}' was recorded with feature spec {meta.get('feature_version')}, this autoscale uses "
+            f"{FEATURE_VERSION}; record it again"
+        )
+
+
+def _check_shapes(trace: Trace) -> None:
+    """Every array of an instance has one row per step (a file overwritten in part may not)."""
+    bins = len(trace.hist_edges) - 1
+    for t in trace.instances.values():
+        n = t.steps
+        rows = {key: getattr(t, key).shape[:1] for key in _ARRAYS}
+        if any(r != (n,) for r in rows.values()) or t.hist.shape[1:] != (bins,):
+            raise ValueError(f"instance '{t.name}' has arrays of unequal lengths {rows}")
 
 
 def instance_trace(

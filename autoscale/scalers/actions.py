@@ -35,14 +35,23 @@ class ActionMap:
     def __post_init__(self) -> None:
         if self.mode not in ("discrete", "continuous"):
             raise ConfigError(f"action mode must be 'discrete' or 'continuous', got '{self.mode}'")
+        if not isinstance(self.deltas, (list, tuple)) or not all(
+            _number(d) and math.isfinite(d) for d in self.deltas
+        ):
+            raise ConfigError(
+                f"action deltas must be a list of numbers of bits such as [-2, -1, 0, 1, 2], "
+                f"got {self.deltas!r}"
+            )
         object.__setattr__(self, "deltas", tuple(float(d) for d in self.deltas))
         if self.mode == "discrete" and len(self.deltas) < 2:
             raise ConfigError(f"discrete actions need at least two deltas, got {list(self.deltas)}")
-        if not (math.isfinite(self.max_delta) and self.max_delta > 0):
+        if not (_number(self.max_delta) and math.isfinite(self.max_delta) and self.max_delta > 0):
             raise ConfigError(
                 f"max_delta must be a positive number of bits, got {self.max_delta!r}"
             )
-        if not (math.isfinite(self.resolution) and self.resolution >= 0):
+        if not (
+            _number(self.resolution) and math.isfinite(self.resolution) and self.resolution >= 0
+        ):
             raise ConfigError(f"resolution must be >= 0 bits, got {self.resolution!r}")
 
     @property
@@ -80,4 +89,10 @@ class ActionMap:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ActionMap:
-        return cls(**{k: tuple(v) if k == "deltas" else v for k, v in d.items()})
+        return cls(
+            **{k: tuple(v) if k == "deltas" and isinstance(v, list) else v for k, v in d.items()}
+        )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

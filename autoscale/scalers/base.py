@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from autoscale.errors import ConfigError
 from autoscale.scalers.rule import (
@@ -131,6 +131,7 @@ class LossScaler(torch.amp.GradScaler):
         self._collect_rms = self.collect_stats and (rule.needs_rms or collect_stats is True)
         self._host_scale = first if self._enabled else 1.0
         self.last_stats: StepStats | None = None
+        self._last_stepped: list[dict[str, Any]] = []
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
         if process_group is not None and not (
@@ -346,10 +347,30 @@ class LossScaler(torch.amp.GradScaler):
     def step_was_skipped(self) -> bool:
         """Whether the last ``step()`` skipped the optimizer update (a gradient was inf/NaN).
 
-        Read it after ``update()``, e.g. to keep a learning-rate scheduler from advancing on a
-        skipped step. False before the first step.
+        GradScaler has no such question (torch issue 67590); keep a learning-rate scheduler
+        from advancing on a skipped step with it::
+
+            scaler.step(optimizer)
+            scaler.update()
+            if not scaler.step_was_skipped:
+                scheduler.step()
+
+        Valid after ``step()`` (before or after ``update()``, also ``update(new_scale)``), for
+        plain optimizers, which ``step()`` does not call on such a step, and fused ones
+        (``AdamW(fused=True)``), whose kernel skips it from the same found-inf flag; with several
+        optimizers, True when any of them skipped. On a fused optimizer read before
+        ``update()``, it brings forward the one host sync ``update()`` makes. False before the
+        first step and when scaling is disabled.
         """
-        return bool(self.last_stats is not None and self.last_stats.found_inf)
+        if not self._enabled:
+            return False
+        states = [
+            s for s in self._per_optimizer_states.values() if s["stage"] is OptState.STEPPED
+        ] or self._last_stepped
+        if not states:
+            return False
+        self._read(states)  # no-op when step() or update() read the flags already
+        return any(s["autoscale_host"][0] for s in states)
 
     def set_scale(self, value: float) -> None:
         """Set the scale of the next step (clamped to ``[min_scale, max_scale]``), between steps.
@@ -481,6 +502,7 @@ class LossScaler(torch.amp.GradScaler):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_loss_sum"] = None
+        state["_last_stepped"] = []
         return state
 
     def __repr__(self) -> str:
@@ -496,6 +518,10 @@ class LossScaler(torch.amp.GradScaler):
         self._host_scale = value
 
     def _end_step(self) -> None:
+        # step_was_skipped answers for these until the next step()
+        self._last_stepped = [
+            s for s in self._per_optimizer_states.values() if s["stage"] is OptState.STEPPED
+        ]
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._loss_sum = None
         self._loss_count = 0

@@ -14,6 +14,8 @@ Torch and PyYAML only, so that loading a policy at training time needs nothing e
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import hashlib
 import os
 import shutil
@@ -26,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from autoscale.errors import ConfigError, PolicyError
+from autoscale.processes import host_name, pid_alive
+from autoscale.yamlio import load_yaml, yaml_problem
 
 if TYPE_CHECKING:
     from autoscale.scalers.base import LossScaler
@@ -42,6 +46,7 @@ __all__ = [
     "policy_dirs",
     "default_policy_dir",
     "find_policy",
+    "folder_without_manifest",
     "policy_names",
     "policy_infos",
     "load_policy",
@@ -135,8 +140,12 @@ def read_manifest(path: str | os.PathLike) -> PolicyManifest:
             f"no {MANIFEST} in '{folder}'; export a policy there with 'autoscale export'"
         )
     try:
-        data = yaml.safe_load(file.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        data = load_yaml(file.read_text())
+    except yaml.YAMLError as exc:
+        raise PolicyError(
+            f"cannot read '{file}': {yaml_problem(exc)}; re-export the policy"
+        ) from exc
+    except (OSError, UnicodeDecodeError) as exc:
         raise PolicyError(
             f"cannot read '{file}': {str(exc).splitlines()[0]}; re-export the policy"
         ) from exc
@@ -271,15 +280,28 @@ def find_policy(name: str) -> Path | None:
     return None
 
 
+def folder_without_manifest(name: str) -> Path | None:
+    """The folder ``name`` would be found in (a policy folder's entry, or the path ``name`` when
+    it has a separator) if it holds no manifest: a copy or an export that did not finish."""
+    if os.sep in name or "/" in name:
+        candidates = [Path(name)]
+    elif name and not name.startswith("."):
+        candidates = [d / name for d in policy_dirs()]
+    else:
+        candidates = []
+    return next((c for c in candidates if c.is_dir() and not (c / MANIFEST).exists()), None)
+
+
 def policy_names() -> list[str]:
-    """Names of every policy found in :func:`policy_dirs` (the first of a name wins)."""
+    """Names of every policy found in :func:`policy_dirs` (the first of a name wins); hidden
+    folders (an export being staged) are not policies."""
     names: list[str] = []
     for d in policy_dirs():
         if d.is_dir():
             names.extend(
                 p.name
                 for p in sorted(d.iterdir())
-                if (p / MANIFEST).is_file() and p.name not in names
+                if not p.name.startswith(".") and (p / MANIFEST).is_file() and p.name not in names
             )
     return names
 
@@ -326,7 +348,11 @@ def staged_policy(
     Yields an empty private folder beside the destination; write the policy's files there. On a
     clean exit it is given the usual file modes and moved into place in one rename (an existing
     folder is replaced only with ``force``, through a backup renamed away first); on an exception
-    or an interrupt it is removed and nothing is published.
+    or an interrupt it is removed and nothing is published. Several processes may publish the
+    same name at once: one complete policy results (without ``force``, the others are refused;
+    with it, the last one to publish stays). What a killed process left (a hidden staging or
+    backup folder named after its host and pid) is cleaned up by the next publish of the name on
+    that host, which also puts a backed-up policy back if the kill came between its two renames.
 
     Raises:
         ConfigError: a bad name, or an existing policy without ``force`` (checked before the block
@@ -335,10 +361,12 @@ def staged_policy(
     check_policy_name(name)
     root = Path(out_dir) if out_dir else default_policy_dir()
     dest = root / name
+    if root.is_dir():
+        _clean_dead_staging(root, name)
     if dest.exists() and not force:
         raise existing_policy_error(dest)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=_owned_prefix(name, "staging")))
     try:
         yield tmp
         _publish(tmp, dest, force)
@@ -347,18 +375,69 @@ def staged_policy(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _host() -> str:
+    return "".join(c if c.isalnum() or c == "-" else "-" for c in host_name())
+
+
+def _owned_prefix(name: str, what: str) -> str:
+    """``.NAME.WHAT.HOST.PID.``: a hidden folder that says which process made it."""
+    return f".{name}.{what}.{_host()}.{os.getpid()}."
+
+
+def _clean_dead_staging(root: Path, name: str) -> None:
+    """Remove the staging and backup folders of ``name`` left by dead processes of this host;
+    restore a backed-up policy whose replacement never arrived."""
+    for what in ("old", "staging"):  # a backup first: it may have to go back into place
+        head = f".{name}.{what}.{_host()}."
+        for folder in root.glob(glob.escape(head) + "*"):
+            pid = folder.name[len(head) :].split(".", 1)[0]
+            if not pid.isdigit() or pid_alive(int(pid)):
+                continue
+            kept = folder / name
+            if what == "old" and kept.is_dir() and not (root / name).exists():
+                with contextlib.suppress(OSError):
+                    os.replace(kept, root / name)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def _publish(tmp: Path, dest: Path, force: bool) -> None:
     # mkdtemp/mkstemp make private (0700/0600) entries: give the policy the usual umask modes
     umask = _umask()
     os.chmod(tmp, 0o777 & ~umask)
     for f in tmp.iterdir():
         os.chmod(f, 0o666 & ~umask)
-    if dest.exists():
+    # Another process may publish the same name between any two of these steps; a rename onto a
+    # folder that holds files fails (ENOTEMPTY/EEXIST), and then we look again.
+    for _ in range(20):
+        if not dest.exists():
+            try:
+                os.replace(tmp, dest)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+            if not force:  # published by another process meanwhile
+                raise existing_policy_error(dest)
+            continue
         if not force:
             raise existing_policy_error(dest)
-        backup = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.old."))
-        os.replace(dest, backup / dest.name)
-        os.replace(tmp, dest)
-        shutil.rmtree(backup, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
+        backup = Path(tempfile.mkdtemp(dir=dest.parent, prefix=_owned_prefix(dest.name, "old")))
+        try:
+            try:
+                os.replace(dest, backup / dest.name)
+            except FileNotFoundError:  # another process moved it away first
+                continue
+            try:
+                os.replace(tmp, dest)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    with contextlib.suppress(OSError):  # put the old policy back
+                        os.replace(backup / dest.name, dest)
+                    raise
+        finally:
+            shutil.rmtree(backup, ignore_errors=True)
+    raise ConfigError(
+        f"policy folder '{dest}' kept changing while publishing it (other exports of the same "
+        "name); export again"
+    )

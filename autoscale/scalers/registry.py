@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-from autoscale.errors import ConfigError, unknown_name
+from autoscale.errors import ConfigError, PolicyError, unknown_name
 from autoscale.scalers.rule import ScaleRule
 
 if TYPE_CHECKING:
@@ -217,6 +217,12 @@ def get_scaler(name: str, device: str | None = None, **overrides: Any) -> LossSc
     path = policies.find_policy(name)
     if path is not None:
         return policies.load_policy(path, device=device, **overrides)
+    broken = policies.folder_without_manifest(name)
+    if broken is not None:
+        raise PolicyError(
+            f"policy folder '{broken}' has no {policies.MANIFEST} (a copy or an export that did "
+            "not finish); export the policy again, or remove the folder"
+        )
     raise unknown_name("scaler", name, list(_RULES) + policies.policy_names(), "autoscale list")
 
 

@@ -186,16 +186,38 @@ def check_export_target(
         read_manifest,
     )
 
-    dest = Path(out_dir or default_policy_dir()) / check_policy_name(name)
+    root = Path(out_dir or default_policy_dir())
+    dest = root / check_policy_name(name)
+    _check_writable_folder(root)
     if not dest.exists() or force:
         return True
     try:
         ours = own_study_ok and read_manifest(dest).workload.get("study") == study_name
-    except PolicyError:
-        ours = False
+    except PolicyError as exc:  # half-written or corrupt: never replaced silently
+        raise ConfigError(
+            f"policy folder '{dest}' already exists and is not a readable policy "
+            f"({str(exc).split('; ')[0]}); "
+            "remove it, choose another name or pass --force"
+        ) from None
     if not ours:
         raise existing_policy_error(dest, other=True)
     return True
+
+
+def _check_writable_folder(root: Path) -> None:
+    """``root`` is a folder this process can create or write policies in."""
+    import os
+
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"policy folder '{root}' is a file; pass --policy-dir DIR, a folder")
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"cannot write policies to '{root}': '{existing}' is not a writable folder; "
+            "pass --policy-dir DIR"
+        )
 
 
 def _workload(study: Any, suite: SuiteSpec, extra: dict[str, Any]) -> dict[str, Any]:

@@ -185,7 +185,7 @@ class NoHarmCheck:
                     return Scorecard.from_dict(json.loads(card_path.read_text())), Trace.load(
                         trace_path
                     )
-                except (ConfigError, ValueError, KeyError):
+                except (ConfigError, ValueError, KeyError, TypeError):
                     card_path.unlink(missing_ok=True)  # damaged: run it again
             card, trace = self._run_torch(workload, seed)
             trace.save(trace_path)

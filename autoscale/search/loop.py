@@ -24,6 +24,7 @@ from typing import Any
 
 from autoscale.search.budget import Ledger
 from autoscale.search.interrupts import deferred_interrupt, interruptible
+from autoscale.search.storage import lost_connection
 
 __all__ = ["TrialLoop"]
 
@@ -90,6 +91,8 @@ class TrialLoop:
                 trial.set_user_attr("error", "KeyboardInterrupt: interrupted")
                 raise
             except Exception as exc:
+                if lost_connection(exc) is not None:
+                    raise  # the storage is gone: the command says so once, not per trial
                 error = f"{type(exc).__name__}: {exc}"
                 self.warn(f"trial {trial.number} failed: {error}")
                 trial.set_user_attr("error", error[:1000])

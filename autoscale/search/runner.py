@@ -183,6 +183,8 @@ class SearchRunner:
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are said once, here
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         cfg = self.cfg
+        # what the export will need is checked before anything is written (the storage, caches)
+        check_export_target(cfg.export, cfg.policy_dir, cfg.study, cfg.force)
         _preload()
         with self.ledger.track("bk:optuna"):
             storage = open_storage(cfg.storage)
@@ -195,7 +197,6 @@ class SearchRunner:
         base = kept[0] if kept is not None else as_suite(cfg.base)
         self.folder = artifacts_dir(cfg.storage, cfg.artifacts)
         store = artifact_store(self.folder)
-        check_export_target(cfg.export, cfg.policy_dir, cfg.study, cfg.force)
         self.out(
             f"search {cfg.space} policies for {describe_spec(base)} in {format_duration(self.budget.seconds)}; "
             f"study '{cfg.study}' in {mask_url(cfg.storage)}" + (" (resuming)" if stored else "")
@@ -225,6 +226,7 @@ class SearchRunner:
                 cost=lambda m, n: plan.timings.of(m.workload).run_s(n, record=True),
                 stop_at=self.budget.end - plan.validate_s - plan.gate_s,
                 progress=cfg.progress,
+                warn=self.warn,
             )
         n = sum(len(m.instances["train"]) + len(m.instances["test"]) for m in plan.suite.members)
         self.say(

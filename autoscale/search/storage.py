@@ -31,6 +31,7 @@ __all__ = [
     "load_study",
     "mask_url",
     "file_lock",
+    "lost_connection",
 ]
 
 DEFAULT_STORAGE = "sqlite:///autoscale.db"
@@ -63,6 +64,23 @@ def _reason(exc: BaseException) -> str:
     text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
     line = text[0] if text else type(exc).__name__
     return re.sub(r"^\([\w.]+\)\s*", "", line).strip().rstrip(".")
+
+
+_LOST = ("OperationalError", "InterfaceError", "DisconnectionError")
+
+
+def lost_connection(exc: BaseException) -> str | None:
+    """The reason, in a few words, when ``exc`` (or an exception it came from) says that the
+    database went away or refused a connection in the middle of a run; else None."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        module = type(cur).__module__ or ""
+        if module.startswith(("sqlalchemy", "psycopg")) and type(cur).__name__ in _LOST:
+            return _reason(cur)
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
+    return None
 
 
 def open_storage(url: str, *, must_exist: bool = False) -> Any:
@@ -133,13 +151,23 @@ def _rdb(
 
     import optuna
 
+    class Storage(optuna.storages.RDBStorage):
+        def record_heartbeat(self, trial_id: int) -> None:
+            # Optuna beats from a thread of its own, where an error would print a traceback;
+            # a server that went away is met and reported once by the main thread instead.
+            try:
+                super().record_heartbeat(trial_id)
+            except Exception as exc:
+                if lost_connection(exc) is None:
+                    raise
+
     def make() -> Any:
         import warnings
 
         with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna 4 and 5
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             beat = {"heartbeat_interval": HEARTBEAT_S, "grace_period": GRACE_S} if heartbeat else {}
-            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **beat)
+            return Storage(url, engine_kwargs=engine_kwargs, **beat)
 
     for _ in range(attempts - 1):
         try:

@@ -3,14 +3,13 @@ that joins or resumes one checks and cleans up."""
 
 from __future__ import annotations
 
-import os
 import platform
-import socket
 import time
 from typing import Any
 
 from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import ConfigError
+from autoscale.processes import host_name, pid_alive
 from autoscale.search.budget import Ledger
 from autoscale.search.export import study_suites
 from autoscale.search.objective import OBJECTIVE_DOC
@@ -193,20 +192,10 @@ def fail_stale_trials(study: Any, storage: Any) -> int:
     n = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         host, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
-        if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+        if host == host_name() and pid.isdigit() and not pid_alive(int(pid)):
             storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
             n += 1
     return n
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def fail_worker_trials(study: Any, worker: str) -> int:

@@ -72,6 +72,7 @@ def load_traces(
     cost: Callable[[EnvSpec, int], float],
     stop_at: float,
     progress: bool = False,
+    warn: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, Trace], dict[str, float]]:
     """Traces of ``steps`` steps of every train and test instance of every member of ``suite``,
     recording those not cached.
@@ -81,6 +82,8 @@ def load_traces(
         cost: Seconds to record ``n`` steps of a member (build and evaluation included), to check
             that a recording fits before starting it.
         stop_at: ``time.monotonic()`` value past which no recording may start.
+        warn: Told, in one line, of each cached trace that does not read back (truncated,
+            overwritten, of another version); it is recorded again.
 
     Returns:
         (member -> trace, stats): stats holds ``recorded`` and ``cached`` instance counts, real
@@ -106,7 +109,7 @@ def load_traces(
             key = instance_key(member, inst, steps)
             path = cache / f"{key}.npz"
             with file_lock(folder / "locks" / f"trace-{key}.lock"):
-                trace = _read(path)
+                trace = _read(path, warn)
                 if trace is None:
                     need = cost(member, inst.start + steps)
                     if time.monotonic() + need > stop_at:
@@ -135,11 +138,13 @@ def load_traces(
     return out, stats
 
 
-def _read(path: Path) -> Trace | None:
+def _read(path: Path, warn: Callable[[str], None] | None) -> Trace | None:
     if not path.is_file():
         return None
     try:
         return Trace.load(path)
-    except ConfigError:  # stale or damaged: record it again
+    except ConfigError as exc:  # stale or damaged: record it again
+        if warn is not None:
+            warn(f"cached {str(exc).removesuffix('; record it again')}; recording it again")
         path.unlink(missing_ok=True)
         return None

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -50,7 +48,9 @@ DETAILED_TOP = 10  # complete trials ranking among this many best get a note and
 
 def worker_id() -> str:
     """``host:pid``, naming the worker that ran a trial or a validation."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    from autoscale.processes import owner_tag
+
+    return owner_tag()
 
 
 def _pct(x: float) -> str:

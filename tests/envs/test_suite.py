@@ -109,7 +109,7 @@ def test_the_shipped_suite_crosses_three_workloads_with_five_scenarios():
             r"repeat a train instance's seed and start",
         ),
         ({"suite.workloads": {}}, ConfigError, r"suite.workloads must be a non-empty mapping"),
-        ({"suite.exclude": ["mlp/nothing"]}, UnknownNameError, r"unknown exclude 'mlp/nothing'"),
+        ({"suite.exclude": ["mlp/nothing"]}, UnknownNameError, r"unknown member 'mlp/nothing'"),
         ({"suite.colour": 1}, ConfigError, r"unknown key 'colour'"),
     ],
 )

@@ -114,3 +114,78 @@ def test_bad_scaler_arguments(scaler, overrides, match):
     accelerator = Accelerator(mixed_precision="fp16", cpu=True)
     with pytest.raises(autoscale.AutoscaleError, match=match):
         install_scaler(accelerator, scaler, **overrides)
+
+
+def _run_with_scheduler(kind: str, fused: bool, bad: set[int], n: int = 6) -> dict:
+    """``n`` fp16 steps through a prepared optimizer and scheduler; the loss of the steps in
+    ``bad`` is infinite. ``kind`` is which scaler the accelerator holds: torch's own GradScaler
+    (installed as install_scaler does, since Accelerate makes none on CPU) or autoscale's."""
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    if kind == "GradScaler":
+        accelerator.scaler, accelerator.native_amp = (
+            torch.amp.GradScaler("cpu", init_scale=SCALE),
+            True,
+        )
+    else:
+        install_scaler(accelerator, "torch", init_scale=SCALE)
+    model = tiny_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    out = {"accelerate_skipped": [], "applied": [], "lrs": []}
+    for i, (x, y) in enumerate(regression_batches(n)):
+        before = [p.detach().clone() for p in model.parameters()]
+        out["lrs"].append(optimizer.param_groups[0]["lr"])
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss * float("inf") if i in bad else loss)
+        optimizer.step()
+        scheduler.step()  # AcceleratedScheduler: not when the optimizer step was skipped
+        out["accelerate_skipped"].append(accelerator.optimizer_step_was_skipped)
+        out["applied"].append(
+            any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        )
+    out["scheduler_steps"] = scheduler.scheduler.last_epoch
+    out["scaler"] = accelerator.scaler
+    return out
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+def test_skipped_steps_hold_the_scheduler_as_with_gradscaler(fused):
+    """Accelerate sees our skips exactly as it sees GradScaler's: a plain optimizer's skipped
+    step sets ``optimizer_step_was_skipped`` and the prepared scheduler does not advance. A fused
+    optimizer skips inside its kernel, which Accelerate cannot see (for GradScaler too): the
+    scheduler advances there, and ``scaler.step_was_skipped`` is the way to tell."""
+    bad = {2, 4}
+    ours, torchs = (_run_with_scheduler(k, fused, bad) for k in ("autoscale", "GradScaler"))
+    for run in (ours, torchs):
+        assert run["applied"] == [i not in bad for i in range(6)]  # both skipped the bad steps
+    assert {k: v for k, v in ours.items() if k != "scaler"} == {
+        k: v for k, v in torchs.items() if k != "scaler"
+    }
+    assert ours["scaler"].skipped == 2
+    if not fused:
+        assert ours["accelerate_skipped"] == [i in bad for i in range(6)]
+        assert ours["scheduler_steps"] == 4
+        assert ours["lrs"] == [1e-3 * 0.5**k for k in (0, 1, 2, 2, 3, 3)]
+    else:
+        assert ours["accelerate_skipped"] == [False] * 6
+        assert ours["scheduler_steps"] == 6
+
+
+def test_fused_optimizer_scheduler_held_by_step_was_skipped():
+    """The README's way around a fused optimizer: an unprepared scheduler stepped only when
+    ``accelerator.scaler.step_was_skipped`` is False."""
+    accelerator = make_accelerator("torch", scaler_overrides={"init_scale": SCALE}, cpu=True)
+    model = tiny_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for i, (x, y) in enumerate(regression_batches(6)):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss * float("inf") if i in (2, 4) else loss)
+        optimizer.step()
+        if not accelerator.scaler.step_was_skipped:
+            scheduler.step()
+    assert scheduler.last_epoch == 4 and accelerator.scaler.skipped == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as L
+import pytest
 import torch
 from lightning.pytorch.plugins import FSDPPrecision, MixedPrecision
 
@@ -98,3 +99,71 @@ def test_fsdp_plugin_holds_the_scaler():
     other = fsdp_precision_plugin("deepspeed", device="cpu")
     other.load_state_dict(state)
     assert other.scaler.get_scale() == 2.0**10
+
+
+class _Scheduled(_Regression):
+    """Infinite loss at the batches in ``bad``; a StepLR stepped every batch. With
+    ``skip_aware`` the module's ``lr_scheduler_step`` asks the scaler first (the README's)."""
+
+    def __init__(self, bad: set[int], skip_aware: bool) -> None:
+        super().__init__()
+        self.bad, self.skip_aware, self.lrs = bad, skip_aware, []
+
+    def training_step(self, batch, batch_idx):
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if batch_idx in self.bad else loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        pass  # a GradScaler has no last_stats
+
+    def lr_scheduler_step(self, scheduler, metric):
+        if self.skip_aware and self.trainer.precision_plugin.scaler.step_was_skipped:
+            return  # the optimizer did not step: neither does the schedule
+        super().lr_scheduler_step(scheduler, metric)
+
+    def train_dataloader(self):
+        x, y = (torch.cat(t) for t in zip(*regression_batches(6)))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+@pytest.mark.parametrize(
+    ("scaler", "skip_aware"),
+    [("GradScaler", False), ("autoscale", False), ("autoscale", True)],
+)
+def test_scheduler_on_skipped_steps(scaler, skip_aware):
+    """Lightning (2.6) steps a step-interval scheduler after every optimizer step, skipped or
+    not, with GradScaler as with ours; overriding ``lr_scheduler_step`` with the scaler's
+    ``step_was_skipped`` holds it on skipped steps."""
+    plugin = (
+        MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=SCALE))
+        if scaler == "GradScaler"
+        else _plugin(SCALE)
+    )
+    module = _Scheduled(bad={2, 4}, skip_aware=skip_aware)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        plugins=[plugin],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    if scaler == "GradScaler":  # it halved at each of the two overflows: they were skipped
+        assert plugin.scaler.get_scale() == SCALE / 4
+    if skip_aware:
+        assert plugin.scaler.skipped == 2
+        assert sched.last_epoch == 4
+        assert module.lrs == [1e-3 * 0.5**k for k in (0, 1, 2, 2, 3, 3)]
+    else:
+        assert sched.last_epoch == 6
+        assert module.lrs == [1e-3 * 0.5**k for k in range(6)]

@@ -54,3 +54,35 @@ def test_training_loop(ddp, clip_spy, request):
         stats.append(scaler.last_stats)
 
     assert_three_clean_fp16_steps(scaler, dtypes, clip_spy.norms, stats, net)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+def test_scheduler_waits_for_applied_steps(fused):
+    """The README pattern: ``if not scaler.step_was_skipped: scheduler.step()``. Steps 2 and 4
+    have an infinite loss: the learning rate of step k is the schedule's value after the number
+    of steps applied before it, not after k."""
+    torch.manual_seed(0)
+    model = tiny_mlp()
+    scaler = autoscale.get_scaler("torch", device="cpu", init_scale=2.0**12)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    bad = {2, 4}
+    lrs, skipped = [], []
+    for step, (x, y) in enumerate(regression_batches(7)):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        if step in bad:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if not scaler.step_was_skipped:  # the README line
+            scheduler.step()
+        skipped.append(scaler.step_was_skipped)
+
+    assert [i for i, s in enumerate(skipped) if s] == sorted(bad)
+    applied_before = [sum(1 for j in range(i) if j not in bad) for i in range(7)]
+    assert lrs == [1e-3 * 0.5**n for n in applied_before]
+    assert scheduler.last_epoch == 5 and scaler.skipped == 2

@@ -104,3 +104,51 @@ def test_requires_fp16(tmp_path):
         match=r"AutoscaleTrainer needs TrainingArguments\(fp16=True\), got mixed precision 'no'",
     ):
         AutoscaleTrainer(model=tiny_gpt2(), args=args, train_dataset=ByteDataset(), scaler="torch")
+
+
+class _InfLossTrainer(AutoscaleTrainer):
+    """Multiplies the loss of the optimizer steps in ``bad`` (0-based) by inf."""
+
+    bad: frozenset[int] = frozenset()
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        return loss * float("inf") if self.state.global_step in self.bad else loss
+
+
+class _LearningRates(TrainerCallback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_skipped_steps_hold_the_learning_rate_schedule(tmp_path, optim):
+    """The Trainer steps its scheduler only when ``accelerator.optimizer_step_was_skipped`` is
+    False, which our skips set as GradScaler's do (tests/integrations/test_accelerate.py); a
+    fused optimizer skips inside its kernel, unseen by Accelerate, so the schedule advances."""
+    args = _args(tmp_path, max_steps=6, optim=optim, lr_scheduler_type="linear")
+    args.save_strategy = "no"
+    trainer = _InfLossTrainer(
+        model=tiny_gpt2(),
+        args=args,
+        train_dataset=ByteDataset(n=24),
+        scaler="torch",
+        scaler_overrides={"init_scale": SCALE},
+    )
+    trainer.bad = frozenset({2, 3})
+    lrs = _LearningRates()
+    trainer.add_callback(lrs)
+    trainer.train()
+
+    scaler = trainer.loss_scaler
+    assert (scaler.steps, scaler.skipped) == (6, 2) and trainer.state.global_step == 6
+    linear = [1e-3 * (1 - k / 6) for k in range(6)]
+    if optim == "adamw_torch":
+        assert trainer.lr_scheduler.last_epoch == 4  # steps 2 and 3 did not move it
+        assert lrs.lrs == pytest.approx([linear[k] for k in (0, 1, 2, 2, 2, 3)])
+    else:
+        assert trainer.lr_scheduler.last_epoch == 6
+        assert lrs.lrs == pytest.approx(linear)

@@ -165,6 +165,39 @@ def test_fp16_autocast_training(name, fused):
     assert forward_loss(model, *data[0]).item() < first_loss
 
 
+@pytest.mark.parametrize("optim", ["sgd", "adamw", "adamw-fused"])
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip"])
+def test_step_was_skipped_says_what_the_optimizer_did(name, optim, clip):
+    """``step_was_skipped`` after ``step()``, after ``update()`` and after ``update(new_scale)``
+    equals what happened to the parameters, on plain and fused optimizers."""
+    model = tiny_model()
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        if optim == "sgd"
+        else adamw(model, fused=optim == "adamw-fused")
+    )
+    scaler = make(name, init_scale=2.0**8)
+    assert scaler.step_was_skipped is False  # before the first step
+    inf_steps, seen = {1, 2, 5}, []
+    for i, (x, y) in enumerate(batches(7)):
+        before = flat_params(model)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(forward_loss(model, x, y, inf=i in inf_steps)).backward()
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        after_step = scaler.step_was_skipped
+        if i == 5:  # a forced scale: the step's own answer still holds
+            scaler.update(scaler.get_scale())
+        else:
+            scaler.update()
+        unchanged = torch.equal(before, flat_params(model))
+        assert after_step == scaler.step_was_skipped == unchanged, (i, after_step, unchanged)
+        seen.append(scaler.step_was_skipped)
+    assert [i for i, s in enumerate(seen) if s] == sorted(inf_steps)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
 def test_clipping_sees_unscaled_gradients(name, fused):
     model = tiny_model()

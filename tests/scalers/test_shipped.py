@@ -1,0 +1,141 @@
+"""The policies shipped in policies/: ``auto`` (the general policy) and the others.
+
+Each loads with torch alone, its manifest is intact (checksum, feature version, its evidence), it
+trains a plain fp16 loop, and it passes the no-harm check on a short clean run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoscale
+from autoscale.scalers.policies import find_policy, read_manifest, sha256_file
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = sorted(p.name for p in (ROOT / "policies").iterdir() if (p / "policy.yaml").is_file())
+HEAVY = ("stable_baselines3", "gymnasium", "optuna", "sb3_contrib")
+
+LOOP = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import autoscale
+
+    torch.manual_seed(0)
+    scaler = autoscale.get_scaler(NAME, device="cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 16), torch.randn(64, 1)
+    losses, scales = [], []
+    for step in range(40):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        if step == 20:
+            loss = loss * float("inf")  # one bad batch
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+        scales.append(scaler.get_scale())
+    heavy = sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)
+    print(json.dumps({
+        "heavy": heavy, "steps": scaler.steps, "skipped": scaler.skipped, "scales": scales,
+        "first": losses[0], "last": losses[-1], "rule": type(scaler.rule).__name__,
+    }))
+    """
+)
+
+
+def test_auto_is_shipped_with_its_evidence():
+    assert "auto" in SHIPPED
+    m = read_manifest(ROOT / "policies" / "auto")
+    assert m.name == "auto"
+    card = m.scorecard
+    assert card["objective"] and card["evidence"]["members"], "the manifest records its evidence"
+    assert card["no_harm"]["passed"] is True
+    assert set(m.workload["members"]) and set(m.workload["left_out"])
+    assert m.workload["suite"] == "suite" and m.workload["built_by"].startswith(
+        "experiments/build_auto.py"
+    )
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_manifest_is_intact(name):
+    from autoscale.scalers.features import FEATURE_VERSION
+
+    folder = find_policy(name)
+    assert folder is not None and folder.resolve() == (ROOT / "policies" / name).resolve()
+    m = read_manifest(folder)
+    assert m.name == name
+    if m.kind == "neural":
+        assert m.weights_sha256 == sha256_file(folder / "weights.pt")
+        assert m.feature_version == FEATURE_VERSION
+    else:
+        assert m.weights_sha256 is None and m.feature_version is None
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_plain_loop_with_torch_alone(name):
+    code = f"NAME = {name!r}\nHEAVY = {HEAVY!r}\n{LOOP}"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["heavy"] == []
+    assert r["steps"] == 40 and 1 <= r["skipped"] <= 3  # the bad batch is skipped, little else
+    assert all(s > 0 and s == s and s != float("inf") for s in r["scales"])
+    assert r["last"] < r["first"]  # it trained
+
+
+def test_a_damaged_auto_is_refused_with_one_line(tmp_path, monkeypatch):
+    """A copy of ``auto`` with its weights or feature version changed does not load."""
+    import shutil
+
+    from autoscale.errors import ConfigError
+
+    m = read_manifest(ROOT / "policies" / "auto")
+    if m.kind != "neural":
+        pytest.skip(f"auto is a {m.kind} policy: no weights to check")
+    copy = tmp_path / "policies" / "auto-copy"
+    shutil.copytree(ROOT / "policies" / "auto", copy)
+    text = (copy / "policy.yaml").read_text().replace("name: auto\n", "name: auto-copy\n")
+    (copy / "policy.yaml").write_text(text)
+    monkeypatch.setenv("AUTOSCALE_POLICY_PATH", str(tmp_path / "policies"))
+    autoscale.get_scaler("auto-copy", device="cpu")  # the intact copy loads
+    manifest = (copy / "policy.yaml").read_text()
+    (copy / "policy.yaml").write_text(
+        manifest.replace(f"feature_version: {m.feature_version}\n", "feature_version: 999\n")
+    )
+    with pytest.raises(ConfigError, match="feature"):
+        autoscale.get_scaler("auto-copy", device="cpu")
+    (copy / "policy.yaml").write_text(manifest)
+    weights = copy / "weights.pt"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(ConfigError, match="checksum"):
+        autoscale.get_scaler("auto-copy", device="cpu")
+
+
+@pytest.mark.slow
+def test_auto_passes_the_no_harm_check_on_a_short_clean_run(tmp_path):
+    from autoscale.envs.suite import load_spec
+    from autoscale.search.budget import Ledger
+    from autoscale.search.gate import NoHarmCheck, gate_workloads
+    from autoscale.search.plan import GatePlan
+
+    torch.set_num_threads(1)
+    member = load_spec("suite").members[0]
+    mlp = [w for w in gate_workloads([member], 300) if w.model == "mlp"]
+    check = NoHarmCheck(GatePlan(tuple(mlp), 300), tmp_path, Ledger(), {})
+    verdict = check.check(lambda: autoscale.get_scaler("auto", device="cpu"), "auto")
+    assert verdict.passed, verdict.summary()
+    run = verdict.runs["mlp"]["candidate"][0]
+    assert run["steps"] == 300

@@ -1,0 +1,303 @@
+"""A search that survives faults, with real ``autoscale search`` processes on real storages:
+
+* a worker killed with SIGKILL in the middle of a trial (SQLite, JournalFile, PostgreSQL): its
+  trial is failed by the worker restarted in its place, the other worker and the restarted one
+  finish, no finished trial is lost, the export is whole;
+* the PostgreSQL server stopped (as a crash: ``pg_ctl -m immediate``) during a search: the worker
+  says so in one line, no finished trial is lost, and the same command resumes the study once
+  the server is back;
+* a cache damaged between two runs, and a half-written policy folder at the export target:
+  the folder refused in one line, each damaged trace said and recorded again.
+
+Exports killed half-way or racing for one name are tested in tests/scalers/test_publish.py,
+damaged traces of every kind in tests/search/test_trace_cache.py.
+
+Every wait is for an event (a trial state in the storage, a process stopped or gone); the figures
+of each fault go to ``$AUTOSCALE_FAULTS_REPORT`` for ``experiments/faults.py``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from autoscale.scalers import LossScaler, get_scaler
+from autoscale.scalers.policies import read_manifest
+from tests.search.faults import (
+    FaultRecord,
+    PostgresServer,
+    Storage,
+    TrialState,
+    finished,
+    freeze,
+    freeze_mid_trial,
+    hidden_entries,
+    kill_hard,
+    lost,
+    postgres_skip_reason,
+    report,
+    start_worker,
+    thaw,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow  # real searches: up to a few minutes each
+SPEC = Path(__file__).with_name("faults.yaml")  # mlp, bad-batches; a short replay horizon
+# With the traces and torch's no-harm runs cached (warm_cache), a worker reserves validation
+# and the no-harm check of its candidates (about 2m20s when other jobs slow the mlp steps to
+# 47 ms, 3 ms on a quiet machine) and searches in the rest; on a quiet machine --n-trials ends the
+# search, and the run, well within it.
+BUDGET = "4m"
+N_TRIALS = "30"
+FINISHED = 5  # trials finished in the storage before a fault is injected
+
+
+def _search_args(storage: str, study: str) -> tuple[str, ...]:
+    return (
+        "search", "--env", str(SPEC), "--budget", BUDGET, "--n-trials", N_TRIALS,
+        "--storage", storage, "--study", study, "--quiet",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory) -> Path:
+    """An artifacts folder holding what every search of SPEC reuses (keyed by what it depends
+    on): the traces one search recorded, and torch's long runs of the no-harm check."""
+    root = tmp_path_factory.mktemp("warm")
+    args = ("search", "--env", str(SPEC), "--budget", BUDGET, "--n-trials", "1", "--quiet")
+    # the same budget as the tests: the plan (trace length) depends on it
+    warm = start_worker(*args, cwd=root, name="warm")
+    assert warm.finish() == 0, warm.err[-3000:]
+    _fill_gate_cache(root / "artifacts")
+    return root / "artifacts"
+
+
+def _fill_gate_cache(folder: Path) -> None:
+    """Run (or find cached) torch's reference runs of the no-harm check, as a search of SPEC
+    plans them, so that a search only runs its candidates' own."""
+    from autoscale.envs.suite import as_suite, load_spec
+    from autoscale.search.budget import Ledger
+    from autoscale.search.gate import GATE_STEPS, NoHarmCheck, gate_workloads
+    from autoscale.search.plan import GatePlan
+
+    base = as_suite(load_spec(str(SPEC)))
+    ep = base.episode
+    bounds = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
+    check = NoHarmCheck(
+        GatePlan(gate_workloads(list(base.members)), GATE_STEPS), folder, Ledger(), bounds
+    )
+    for workload in check.gate.workloads:
+        for seed in check.gate.seeds:
+            check.reference(workload, seed)
+            assert check.cached(workload, seed)
+
+
+@pytest.fixture
+def cached(warm_cache, tmp_path) -> Path:
+    """``tmp_path`` with the warm caches in its artifacts folder."""
+    for part in ("traces", "gate"):
+        shutil.copytree(warm_cache / part, tmp_path / "artifacts" / part)
+    return tmp_path
+
+
+@pytest.fixture
+def postgres():
+    reason = postgres_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    server = PostgresServer()
+    yield server
+    server.close()
+
+
+def _storage_url(kind: str, tmp_path, request) -> str:
+    if kind == "sqlite":
+        return f"sqlite:///{tmp_path / 'autoscale.db'}"
+    if kind == "journal":
+        return str(tmp_path / "runs.log")
+    return request.getfixturevalue("postgres").url
+
+
+def _assert_whole_export(tmp_path, study: str) -> None:
+    folder = tmp_path / "policies"
+    manifest = read_manifest(folder / study)
+    assert manifest.workload["study"] == study
+    assert isinstance(get_scaler(str(folder / study), device="cpu"), LossScaler)
+    assert hidden_entries(folder) == []  # no staging or backup folder left behind
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal", "postgresql"])
+def test_worker_killed_mid_trial(kind, cached, request):
+    """Two workers; one is frozen while a trial of its own is RUNNING in the storage and killed
+    with SIGKILL, then restarted with the same command."""
+    tmp_path = cached
+    url = _storage_url(kind, tmp_path, request)
+    study, storage = "kill", Storage(url)
+    args = _search_args(url, study)
+    a = start_worker(*args, cwd=tmp_path, name="a")
+    b = start_worker(*args, cwd=tmp_path, name="b")
+    # some trials finished first, so that the kill has something to lose
+    wait_for(
+        f"{FINISHED} finished trials",
+        lambda: len(storage.finished(study)) >= FINISHED,
+        alive=(a, b),
+    )
+    victim = freeze_mid_trial(b, storage, study)
+    before = storage.finished(study)
+    assert kill_hard(b) == -9
+    assert storage.trials(study)[victim].state == TrialState.RUNNING  # nobody told it
+
+    restarted = start_worker(*args, cwd=tmp_path, name="b2")
+    rc = {w.pid: w.finish() for w in (a, restarted)}
+    assert rc == {a.pid: 0, restarted.pid: 0}, a.err[-2000:] + restarted.err[-2000:]
+    after = storage.trials(study)
+    storage.close()
+
+    assert after[victim].state == TrialState.FAIL
+    assert "failed 1 trial(s) left running by stopped workers here" in restarted.out
+    assert not [n for n, t in after.items() if t.state == TrialState.RUNNING]
+    assert lost(before, after) == []
+    assert sorted(after) == list(range(len(after)))
+    workers = {"other": a, "restarted": restarted}
+    ran = {k: int(re.search(r"this worker ran (\d+) trials", w.out)[1]) for k, w in workers.items()}
+    by_worker = {k: sum(1 for t in after.values() if t.worker == w.tag) for k, w in workers.items()}
+    # every trial a worker says it ran is in the study, and the restarted worker searched on
+    # (the other may have spent its budget validating and checking: on a loaded machine the
+    # first round reserves both before it searches)
+    assert by_worker == ran and ran["restarted"] > 0
+    assert "Traceback" not in a.err + restarted.err
+    _assert_whole_export(tmp_path, study)
+    report(
+        FaultRecord(
+            request.node.name,
+            "SIGKILL of a worker mid-trial",
+            kind,
+            finished_before=len(before),
+            lost=len(lost(before, after)),
+            outcome=f"its trial {victim} failed by the restarted worker; both workers finished",
+            details={
+                "trials": len(after),
+                "ran": ran,
+                "complete": sum(t.state == TrialState.COMPLETE for t in after.values()),
+                "failed": sum(t.state == TrialState.FAIL for t in after.values()),
+            },
+        )
+    )
+
+
+def test_postgresql_server_stops_and_restarts(postgres, cached, request):
+    """The server goes down (as a crash) while the worker is frozen in its search; the worker
+    says in one line that the storage is lost and exits 2; with the server back, the same
+    command resumes the study and fails the trial the lost worker could not finish."""
+    tmp_path = cached
+    study, storage = "down", Storage(postgres.url)
+    args = _search_args(postgres.url, study)
+    first = start_worker(*args, cwd=tmp_path, name="first")
+    wait_for(
+        f"{FINISHED} finished trials",
+        lambda: len(storage.finished(study)) >= FINISHED,
+        alive=(first,),
+    )
+    freeze(first)
+    before = storage.finished(study)
+    storage.close()
+    postgres.stop("immediate")
+    thaw(first)
+    assert first.finish() == 2, first.err[-3000:]
+    errors = [line for line in first.err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in first.err, first.err[-3000:]
+    assert re.search(
+        r"autoscale search: error: lost the storage 'postgresql://autoscale@127\.0\.0\.1:\d+/"
+        r"autoscale' \(.+\); this worker's \d+ complete trials are kept in study 'down'; the same "
+        r"command resumes it once the storage is reachable$",
+        errors[0],
+    ), errors[0]
+
+    postgres.start()
+    kept = storage.trials(study)
+    assert lost(before, kept) == []  # every trial finished before the crash is still there
+    left_running = [n for n, t in kept.items() if t.state == TrialState.RUNNING]
+
+    again = start_worker(*args, cwd=tmp_path, name="again")
+    assert again.finish() == 0, again.err[-3000:]
+    final = storage.trials(study)
+    storage.close()
+    assert "(resuming)" in again.out and "Traceback" not in again.err
+    if left_running:
+        assert f"failed {len(left_running)} trial(s) left running" in again.out
+    assert all(final[n].state == TrialState.FAIL for n in left_running)
+    assert not [n for n, t in final.items() if t.state == TrialState.RUNNING]
+    assert lost(before, final) == [] and lost(finished(kept), final) == []
+    assert sorted(final) == list(range(len(final))) and len(final) > len(kept)
+    _assert_whole_export(tmp_path, study)
+    report(
+        FaultRecord(
+            request.node.name,
+            "PostgreSQL server crash (pg_ctl stop -m immediate) and restart mid-search",
+            "postgresql",
+            finished_before=len(before),
+            lost=len(lost(before, final)),
+            outcome=(
+                "one-line error, exit 2; the same command resumed the study"
+                + (f" and failed its {len(left_running)} running trial(s)" if left_running else "")
+            ),
+            details={"trials": len(final), "error": errors[0]},
+        )
+    )
+
+
+def test_damaged_caches_and_a_half_written_policy(cached, request):
+    """Between two searches the cache is damaged (two traces cut short or overwritten in part,
+    one of torch's no-harm runs cut short) and a policy folder of the study's name is left
+    half-written. The search refuses that folder in one line before writing anything; with the
+    folder moved aside it warns once per damaged trace, records those again, and exports."""
+    tmp_path = cached
+    url = f"sqlite:///{tmp_path / 'autoscale.db'}"
+    traces = sorted((tmp_path / "artifacts" / "traces").glob("*.npz"))
+    gate = sorted((tmp_path / "artifacts" / "gate").glob("*.npz"))
+    assert len(traces) >= 2 and gate
+    cut = traces[0].read_bytes()
+    traces[0].write_bytes(cut[: len(cut) // 2])
+    data = bytearray(traces[1].read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    traces[1].write_bytes(bytes(data))
+    gate[0].write_bytes(gate[0].read_bytes()[:100])
+    half = tmp_path / "policies" / "damaged"
+    half.mkdir(parents=True)
+    # cut off in the middle of a mapping, as a copy that did not finish
+    (half / "policy.yaml").write_text(
+        "name: damaged\nkind: parametric\nfamily: torch\nparameters: {growth_interval: 5"
+    )
+
+    refused = start_worker(*_search_args(url, "damaged"), cwd=tmp_path, name="refused")
+    assert refused.finish() == 2
+    (line,) = refused.err.strip().splitlines()
+    assert line.startswith(f"autoscale search: error: policy folder '{half}' already exists and ")
+    assert "is not a readable policy (cannot read" in line
+    assert line.endswith("remove it, choose another name or pass --force")
+    assert not (tmp_path / "autoscale.db").exists()  # refused before writing anything
+
+    half.rename(tmp_path / "damaged-aside")
+    again = start_worker(*_search_args(url, "damaged"), cwd=tmp_path, name="again")
+    assert again.finish() == 0, again.err[-3000:]
+    warned = [line for line in again.err.splitlines() if line.startswith("warning: cached ")]
+    assert sorted(w.split("'")[1] for w in warned) == sorted(map(str, traces[:2])), again.err
+    assert all(w.endswith("; recording it again") for w in warned)
+    m = re.search(r"\[3/6 record\] (\d+) instances x \d+ real steps: (\d+) recorded", again.out)
+    assert m and int(m[2]) >= 2
+    assert "Traceback" not in again.err
+    _assert_whole_export(tmp_path, "damaged")
+    report(
+        FaultRecord(
+            request.node.name,
+            "damaged cache (2 traces, 1 no-harm run) and a half-written policy folder",
+            "sqlite",
+            injected=4,
+            outcome="the folder refused in one line before anything was written; each damaged "
+            "trace warned once and recorded again; the search exported a whole policy",
+            details={"warnings": warned},
+        )
+    )
