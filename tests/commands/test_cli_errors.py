@@ -110,3 +110,24 @@ def test_bad_input_in_a_real_process():
         "autoencoder, gpt2, gpt2-medium, gpt2-tiny, mlp); a Hugging Face model id or local model folder also works when its files "
         "are on this machine"
     ]
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly():
+    """``autoscale list --json | head -1``: the pipe closes under the writer; no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before anything is written: every write fails with EPIPE
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "autoscale.cli", "list", "--json"],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(w)
+    assert out.returncode == 141 and "Traceback" not in out.stderr, out.stderr
