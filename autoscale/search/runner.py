@@ -217,6 +217,11 @@ class SearchRunner:
         plan = self._plan(base, timings, gate_plan, kept)
         study = self._open_study(storage, stored, plan)
         plan = self.result.plan
+        # the check the plan fitted to the budget (a model too slow for long runs is checked on
+        # its tiny proxy): its cost decides what the rounds leave time for
+        self.gate = NoHarmCheck(
+            plan.gate, self.folder, self.ledger, _scale_kw(base), progress=cfg.progress
+        )
 
         with self.ledger.track("work:record"):
             traces, stats = load_traces(
@@ -353,7 +358,9 @@ class SearchRunner:
                     study, plan, bench, validator, store, workdir, validated, factories, state
                 )
                 break
-            self._search(study, plan, bench, recorder, self.budget.end - after, workdir, first)
+            least = validator.cost(2) + 1.2 * self.gate.cost(plan.timings, 1)
+            stop = search_stop(time.monotonic(), self.budget.end, after, least, min_search, first)
+            self._search(study, plan, bench, recorder, stop, workdir, first)
             new = self._validate(
                 study, plan, bench, validator, store, workdir, validated, factories, first, k
             )
@@ -649,6 +656,20 @@ class SearchRunner:
                     store_artifact(store, path, study, "image/png")
                 except Exception as exc:
                     self.warn(f"could not store the comparison plot: {exc}")
+
+
+def search_stop(
+    now: float, end: float, after: float, least: float, min_search: float, first: bool
+) -> float:
+    """When a round's search stops: early enough to leave ``after`` seconds for the round's
+    validation and check. When phases before it overran (recording a slow model under load), the
+    first round still searches ``min_search`` seconds (replay trials are cheap) as long as the
+    ``least`` a round can do after it still fits (torch and one candidate validated, one check);
+    what it validates then is cut to the time left, as the validator does."""
+    stop = end - after
+    if first and stop - now < min_search:
+        stop = max(stop, min(now + min_search, end - least))
+    return stop
 
 
 def _scale_kw(suite: SuiteSpec) -> dict[str, float]:

@@ -1,0 +1,79 @@
+"""How a search's rounds spend what the earlier phases left: a slow model's proxied no-harm check,
+and a first round that still searches after recording overran."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autoscale.search import runner as runner_mod
+from autoscale.search.budget import Budget
+from autoscale.search.runner import SearchConfig, SearchRunner, search_stop
+from autoscale.search.workload import base_spec
+
+
+class _StopAtRecord(Exception):
+    pass
+
+
+def test_a_slow_models_search_checks_no_harm_on_the_proxy_the_plan_chose(tmp_path, monkeypatch):
+    """A language model whose 1000-step runs the budget cannot afford is checked on gpt2-tiny:
+    the runner's check (whose cost decides what each round leaves time for) is the plan's, not
+    the unfitted one, which would leave no time for anything after recording."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "lm"
+    GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300, n_positions=128)
+    ).save_pretrained(folder)
+    real = runner_mod.measure_all
+
+    def slow_lm(workloads, **kw):  # the local model measured as a 5 s step (GPT-2 on a CPU)
+        t = real(workloads, **kw)
+        return dataclasses.replace(
+            t,
+            by_key={
+                k: dataclasses.replace(v, step_s=5.0, record_step_s=5.0)
+                if k.startswith(str(folder))
+                else v
+                for k, v in t.by_key.items()
+            },
+        )
+
+    def stop(*a, **kw):
+        raise _StopAtRecord
+
+    monkeypatch.setattr(runner_mod, "measure_all", slow_lm)
+    monkeypatch.setattr(runner_mod, "load_traces", stop)
+    spec = base_spec(model=str(folder))
+    cfg = SearchConfig(
+        spec,
+        study="slow",
+        export="slow",
+        storage=f"sqlite:///{tmp_path / 'db.sqlite'}",
+        policy_dir=str(tmp_path / "policies"),
+        progress=False,
+    )
+    runner = SearchRunner(cfg, Budget.from_process_start(7200.0), out=lambda s: None)
+    with pytest.raises(_StopAtRecord):
+        runner.run()
+    plan = runner.result.plan
+    assert [w.model for w in plan.gate.workloads] == ["mlp", "gpt2-tiny"]
+    assert runner.gate.gate == plan.gate
+    assert runner.gate.cost(plan.timings) < 0.3 * 7200
+
+
+@pytest.mark.parametrize(
+    "now, after, first, expected",
+    [
+        (0.0, 600.0, True, 3400.0),  # time enough: the search stops where the round's share begins
+        (3380.0, 600.0, True, 3440.0),  # recording overran: the first round still searches 60 s
+        (3380.0, 600.0, False, 3400.0),  # later rounds keep their share (the caller starts none)
+        (3560.0, 600.0, True, 3600.0),  # then as much of the 60 s as leaves the least a round does
+        (3650.0, 600.0, True, 3600.0),  # not even that fits: no search (the stop has passed)
+    ],
+)
+def test_search_stop(now, after, first, expected):
+    end, least, min_search = 4000.0, 400.0, 60.0
+    assert search_stop(now, end, after, least, min_search, first) == pytest.approx(expected)
