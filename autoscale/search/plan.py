@@ -59,7 +59,8 @@ __all__ = [
     "HORIZON_LADDER",
 ]
 
-RECORD_SHARE = 0.45  # at most this share of the working budget records traces
+RECORD_SHARE = 0.50  # at most this share of the working budget records traces (replay trials cost
+# milliseconds: what a search learns is bounded by what it recorded, not by its search time)
 GATE_SHARE = 0.30  # a no-harm workload whose runs need more is checked on its tiny proxy
 REAL_SHARE = 0.80  # recording + validation + the no-harm check fit in this share
 VALIDATE_SHARE = 0.30  # validation takes at most this share
