@@ -33,6 +33,7 @@ import dataclasses
 import math
 import signal
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -162,6 +163,15 @@ class _TimeUp(Exception):
     """Raised by the alarm of :func:`_time_limit`."""
 
 
+def _importing(frame: Any) -> bool:
+    """Whether ``frame`` runs inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
 def _time_limit(seconds: float) -> Iterator[list[bool]]:
     """Interrupt the block after ``seconds`` with :class:`_TimeUp` (POSIX main thread; elsewhere
@@ -174,17 +184,37 @@ def _time_limit(seconds: float) -> Iterator[list[bool]]:
         yield fired
         return
 
+    active = [True]
+
     def on_alarm(signum: int, frame: Any) -> None:
+        if not active[0]:
+            return
+        # Fire again shortly: in an import (interrupting one leaves a module half set up, and
+        # a library's registrations with it), the alarm waits for the import to end; and the
+        # exception can land where Python swallows it (a weakref callback or a __del__ run by
+        # the garbage collector), which the next alarm follows up.
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        if _importing(frame):
+            return
         fired[0] = True
         raise _TimeUp()
 
+    def quiet_unraisable(unraisable: Any) -> None:  # a swallowed alarm is not an error to print
+        if not isinstance(unraisable.exc_value, _TimeUp):
+            previous_hook(unraisable)
+
     previous = signal.signal(signal.SIGALRM, on_alarm)
+    previous_hook, sys.unraisablehook = sys.unraisablehook, quiet_unraisable
     signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
     try:
         yield fired
+    except _TimeUp:  # a repeat of the alarm after the block handled the first
+        pass
     finally:
+        active[0] = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        sys.unraisablehook = previous_hook
 
 
 def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: float = 1.0) -> Timing:
@@ -539,8 +569,12 @@ def make_plan(
     need = max(rec / RECORD_SHARE, (rec + val + gate_min) / REAL_SHARE)
     key, slowest = timings.slowest()
     about = "about" if timings.complete else "more than"
+    # the search's own models name it; the slowest workload (maybe one of the check's) says why
+    searched = ", ".join(dict.fromkeys(m.workload.model for m in suite.members))
+    model = key.split("/")[0]
+    why = slowest.describe() if model in searched.split(", ") else f"{model}: {slowest.describe()}"
     raise BudgetError(
-        f"the budget cannot hold a search of {key.split('/')[0]} here: {slowest.describe()}; the "
+        f"the budget cannot hold a search of {searched} here: {why}; the "
         f"smallest plan ({smallest.episode.steps}-step episodes, 1 train + 1 test instance per member, "
         f"validated against torch, with the {gate.steps}-step no-harm check) needs {about} "
         f"{format_duration(1.1 * need + 10)} of budget; give a larger --budget, a GPU, or a smaller --model"

@@ -167,3 +167,60 @@ def test_measure_times_real_and_recorded_steps_of_a_tiny_model():
     assert t.complete and t.steps >= 2
     assert 0 < t.step_s < 1 and 0 < t.build_s < 10 and 0 < t.eval_s < 1
     assert t.record_step_s is not None and t.record_step_s > 0
+
+
+def test_a_time_limit_swallowed_where_python_ignores_exceptions_fires_again(capfd):
+    """The measuring alarm can land in a ``__del__`` run by the garbage collector, where Python
+    swallows the exception (and prints a traceback): the limit fires again until the block is
+    interrupted, and the swallowed one prints nothing."""
+    import time
+
+    from autoscale.search.plan import _time_limit
+
+    class SlowToDelete:
+        def __del__(self):  # longer than the limit: the first alarm lands here
+            t_end = time.monotonic() + 0.5
+            while time.monotonic() < t_end:
+                pass
+
+    finished = False
+    with _time_limit(0.05) as fired:
+        obj = SlowToDelete()
+        del obj  # runs __del__: the first alarm is raised inside it and swallowed
+        t_end = time.monotonic() + 60
+        while time.monotonic() < t_end:  # the repeat interrupts this
+            pass
+        finished = True
+    assert fired[0] and not finished
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err and "_TimeUp" not in err, err
+
+
+def test_a_time_limit_waits_for_an_import_to_end(tmp_path, monkeypatch):
+    """An alarm that lands in an import waits for it: a module cut off half-way would stay half
+    set up (and a library's registrations with it) for the rest of the process."""
+    import importlib
+    import sys
+    import time
+
+    from autoscale.search.plan import _time_limit
+
+    (tmp_path / "slow_to_import_mod.py").write_text(
+        "import time\n"
+        "t_end = time.monotonic() + 0.5\n"
+        "while time.monotonic() < t_end:\n"
+        "    pass\n"
+        "DONE = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    finished = False
+    with _time_limit(0.05) as fired:
+        importlib.import_module("slow_to_import_mod")  # the alarm lands in here and waits
+
+        t_end = time.monotonic() + 60
+        while time.monotonic() < t_end:  # then interrupts this
+            pass
+        finished = True
+    assert fired[0] and not finished
+    assert sys.modules["slow_to_import_mod"].DONE is True
+    del sys.modules["slow_to_import_mod"]
