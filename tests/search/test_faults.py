@@ -50,9 +50,10 @@ SPEC = Path(__file__).with_name("faults.yaml")  # mlp, bad-batches; a short repl
 # and the no-harm check of its candidates (about 2m20s when other jobs slow the mlp steps to
 # 47 ms, 3 ms on a quiet machine) and searches in the rest; on a quiet machine --n-trials ends the
 # search, and the run, well within it.
-BUDGET = "4m"
-N_TRIALS = "30"
+BUDGET = "2m"
+N_TRIALS = "12"
 FINISHED = 5  # trials finished in the storage before a fault is injected
+RECORD_SHAPE = re.compile(r"\[3/6 record\] (\d+) instances x (\d+) real steps")
 
 
 def _search_args(storage: str, study: str) -> tuple[str, ...]:
@@ -168,6 +169,9 @@ def test_worker_killed_mid_trial(kind, cached, request):
     # (the other may have spent its budget validating and checking: on a loaded machine the
     # first round reserves both before it searches)
     assert by_worker == ran and ran["restarted"] > 0
+    # one plan for the study: both scored the same instances with the same episodes
+    shapes = {RECORD_SHAPE.search(w.out).groups() for w in workers.values()}
+    assert len(shapes) == 1, shapes
     assert "Traceback" not in a.err + restarted.err
     _assert_whole_export(tmp_path, study)
     report(

@@ -1,13 +1,12 @@
-"""Interrupt and resume, and several workers on one storage (JournalFile; PostgreSQL when
-``AUTOSCALE_TEST_POSTGRES_URL`` is set), with real ``autoscale search`` subprocesses."""
+"""Interrupt and resume, and two workers on one JournalFile storage from a cold cache, with real
+``autoscale search`` subprocesses. Two workers on SQLite and on PostgreSQL (a private server) form
+one study in tests/search/test_faults.py, where one of them is also killed mid-trial."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import time
-import uuid
 
 import optuna
 import pytest
@@ -20,7 +19,6 @@ from tests.search.conftest import run_cli, spawn
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 pytestmark = pytest.mark.slow  # real `autoscale` subprocesses, seconds to a minute each
 TrialState = optuna.trial.TrialState
-POSTGRES_ENV = "AUTOSCALE_TEST_POSTGRES_URL"
 
 
 def _snapshot(url: str, study: str) -> dict[int, tuple]:
@@ -142,14 +140,3 @@ def test_two_journal_file_workers_form_one_study(tmp_path):
     storage = str(tmp_path / "runs.log")
     outs = _two_workers(tmp_path, storage, "shared")
     _check_one_study(tmp_path, storage, "shared", outs)
-
-
-@pytest.mark.skipif(
-    not os.environ.get(POSTGRES_ENV),
-    reason=f"{POSTGRES_ENV} is not set: start PostgreSQL and export it (see .ci/run) to test two workers on it",
-)
-def test_two_postgresql_workers_form_one_study(tmp_path):
-    storage = os.environ[POSTGRES_ENV]
-    study = f"pg-{uuid.uuid4().hex[:8]}"
-    outs = _two_workers(tmp_path, storage, study)
-    _check_one_study(tmp_path, storage, study, outs)
