@@ -16,8 +16,11 @@
    README block between the auto markers.
 
     python experiments/build_auto.py [--timesteps 300000] [--horizon 512] [--steps 256]
+                                     [--reuse-agents]
 
-Prints how long each part took, and the total.
+Prints how long each part took, and the total. ``--reuse-agents`` takes the agents an earlier run
+trained with the same settings (experiments/.cache/auto/policies, listed in agents.json there)
+instead of training them again; the report says so, and gives their training times from then.
 """
 
 from __future__ import annotations
@@ -54,13 +57,30 @@ def rl_suite(suite, horizon: int, history: int):
     return dataclasses.replace(suite, members=tuple(shape(m) for m in suite.members), left_out=())
 
 
-def train_agents(suite, traces, args, timings: dict) -> dict[str, Path]:
+def train_agents(suite, traces, args, timings: dict) -> tuple[dict[str, Path], dict[str, dict]]:
+    """The agents (name -> exported folder) and what each training run was (steps, seconds, best
+    eval reward, and whether this run reused it from the cache)."""
     from autoscale.agents.train import train_agent
 
-    out = {}
+    out, info = {}, {}
+    ledger = CACHE / "policies" / "agents.json"
+    known = json.loads(ledger.read_text()) if ledger.is_file() else {}
+    settings = {"timesteps": args.timesteps, "horizon": args.horizon, "seed": args.seed}
     runs = [("ppo", args.history), ("dqn", args.history), ("ppo", 1)]
     for algo, history in runs:
         name = f"rl-{algo}-h{history}"
+        folder = CACHE / "policies" / name
+        entry = known.get(name)
+        if (
+            args.reuse_agents
+            and entry is not None
+            and entry["settings"] == {**settings, "history": history}
+            and (folder / "policy.yaml").is_file()
+        ):
+            out[name], info[name] = folder, {**entry, "reused": True}
+            print(f"{name}: reused from {folder} (trained by an earlier run: "
+                  f"{entry['timesteps']} steps in {entry['wall_s']:.0f} s)", flush=True)  # fmt: skip
+            continue
         t0 = time.monotonic()
         spec = rl_suite(suite, args.horizon, history)
         result = train_agent(
@@ -79,7 +99,15 @@ def train_agents(suite, traces, args, timings: dict) -> dict[str, Path]:
         print(f"{name}: {result.timesteps} steps in {result.wall_s:.0f} s, best eval reward "
               f"{result.best_eval_reward:.3f}", flush=True)  # fmt: skip
         out[name] = result.policy_dir
-    return out
+        known[name] = {
+            "settings": {**settings, "history": history},
+            "timesteps": result.timesteps,
+            "wall_s": result.wall_s,
+            "best_eval_reward": result.best_eval_reward,
+        }
+        info[name] = {**known[name], "reused": False}
+        ledger.write_text(json.dumps(known, indent=1, default=float) + "\n")
+    return out, info
 
 
 def fresh_seeds(suite):
@@ -106,6 +134,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=256, help="real steps of each held-out episode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gate-steps", type=int, default=1000)
+    p.add_argument(
+        "--reuse-agents", action="store_true", help="take agents trained with these settings before"
+    )
     args = p.parse_args(argv)
 
     import torch
@@ -142,7 +173,7 @@ def main(argv=None) -> int:
     print(f"traces: {stats['recorded']} recorded, {stats['cached']} cached", flush=True)
 
     # 2. agents
-    agents = train_agents(suite, traces, args, timings)
+    agents, agent_runs = train_agents(suite, traces, args, timings)
 
     # 3. candidates on the held-out test instances
     member = suite.members[0]
@@ -150,8 +181,17 @@ def main(argv=None) -> int:
         name: (lambda path=path: scaler_for(str(path), member)) for name, path in agents.items()
     }
     searched_pick = ROOT / "experiments" / ".cache" / "policies" / "suite-parametric"
+    same_as_builtin = None  # the built-in rule the suite search exported as itself, if it did
     if (searched_pick / "policy.yaml").is_file():
-        factories["suite-parametric"] = lambda: scaler_for(str(searched_pick), member)
+        picked = read_manifest(searched_pick)
+        same_as_builtin = picked.workload.get("builtin_rule")
+        if same_as_builtin is None:
+            factories["suite-parametric"] = lambda: scaler_for(str(searched_pick), member)
+        elif same_as_builtin != "amax-history":
+            factories[same_as_builtin] = lambda r=same_as_builtin: scaler_for(r, member)
+        if same_as_builtin is not None:
+            print(f"the suite search's pick is the built-in {same_as_builtin} with its defaults: "
+                  "ranked as that rule", flush=True)  # fmt: skip
     factories["amax-history"] = lambda: scaler_for("amax-history", member)
     factories["torch"] = lambda: scaler_for("torch", member)
     t0 = time.monotonic()
@@ -273,6 +313,23 @@ def main(argv=None) -> int:
         "",
         "Time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()) + ".",
         "",
+        "Agents (SB3, replay episodes of "
+        f"{args.horizon} steps; best eval reward on one held-out train instance per member):",
+        "",
+        *(
+            f"- {n}: {r['timesteps']} steps in {r['wall_s'] / 60:.1f} min, best eval reward "
+            f"{r['best_eval_reward']:.3f}"
+            + (" (reused: trained by an earlier run)" if r["reused"] else "")
+            for n, r in agent_runs.items()
+        ),
+        "",
+        (
+            f"The suite search (experiments/reproduce.py) picked the built-in `{same_as_builtin}` with "
+            "its defaults; it is ranked as that rule."
+            if same_as_builtin
+            else "The suite search's pick is ranked as `suite-parametric`."
+        ),
+        "",
         f"Picked: **{pick}** ({manifest.kind}, {manifest.family}).",
         "",
         "## Selection: test instances (seeds 100-102), real steps",
@@ -306,11 +363,21 @@ def main(argv=None) -> int:
         zero_shot=zero_shot,
         verdicts=verdicts,
         timings=timings,
+        agents=agent_runs,
     )
     se.save_cards(evidence, RESULTS / "auto_evidence.json", acceptance=ev_accept, pick=pick)
+    reused = [n for n, r in agent_runs.items() if r["reused"]]
+    took = (
+        f"built from scratch in {timings['total'] / 60:.0f} min"
+        if not reused
+        else (
+            f"built in {timings['total'] / 60:.0f} min with {len(reused)} agents reused from an earlier "
+            f"run ({sum(agent_runs[n]['wall_s'] for n in reused) / 60:.0f} min of training then)"
+        )
+    )
     block = [
         f"Regenerated by `python experiments/build_auto.py` ([auto.md](experiments/results/auto.md)); "
-        f"built from scratch in {timings['total'] / 60:.0f} min.",
+        f"{took}.",
         "",
         f"`auto` is **{pick}**. On fresh seeds, {len(ev_accept) - len(scorecard['evidence']['bar_missed_on'])} of "
         f"{len(ev_accept)} members meet the bar against torch (skip rate at most torch's + 0.5 points, "
