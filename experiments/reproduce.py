@@ -2,8 +2,9 @@
 
 1. ``autoscale search --env envs/suite.yaml`` within ``--budget`` (study ``suite-parametric`` in
    experiments/.cache/suite.db), exporting its pick to experiments/.cache/policies/suite-parametric;
-2. that policy, ``torch`` (GradScaler's defaults), ``amax-history`` and ``auto`` (the shipped general
-   policy, when there is one) on real steps of every member's held-out test instances, left-out
+2. that policy (once, as the rule, when it is a built-in rule with its defaults), ``torch``
+   (GradScaler's defaults), ``amax-history`` and ``auto`` (the shipped general policy, when there
+   is one) on real steps of every member's held-out test instances, left-out
    members included (zero-shot);
 3. long real runs of a few members: scale trajectories of the winner, torch and amax-history;
 4. experiments/results/suite.md, suite.json, suite_long_runs.png, and the README block between the
@@ -46,14 +47,18 @@ def search(budget: str) -> None:
 
 def factories(suite) -> dict:
     from autoscale.agents.evaluate import scaler_for
-    from autoscale.scalers.policies import find_policy
+    from autoscale.scalers.policies import find_policy, read_manifest
 
     member = suite.members[0]
-    out = {
-        POLICY: lambda: scaler_for(str(CACHE / "policies" / POLICY), member),
-        "torch": lambda: scaler_for("torch", member),
-        "amax-history": lambda: scaler_for("amax-history", member),
-    }
+    out = {}
+    # a pick that is a built-in rule with its defaults is run once, as that rule
+    builtin = read_manifest(CACHE / "policies" / POLICY).workload.get("builtin_rule")
+    if builtin is None:
+        out[POLICY] = lambda: scaler_for(str(CACHE / "policies" / POLICY), member)
+    elif builtin not in ("torch", "amax-history"):
+        out[builtin] = lambda: scaler_for(builtin, member)
+    out["torch"] = lambda: scaler_for("torch", member)
+    out["amax-history"] = lambda: scaler_for("amax-history", member)
     auto = find_policy("auto")
     if auto is not None:
         out["auto"] = lambda: scaler_for(str(auto), member)
@@ -109,6 +114,10 @@ def main(argv=None) -> int:
     times["search"] = time.monotonic() - t0
     suite = load_spec(ROOT / "envs" / "suite.yaml")
     fs = factories(suite)
+    manifest = __import__("autoscale.scalers.policies", fromlist=["read_manifest"]).read_manifest(
+        CACHE / "policies" / POLICY
+    )
+    pick = POLICY if POLICY in fs else manifest.workload["builtin_rule"]
     t1 = time.monotonic()
     cards = se.held_out(suite, fs, args.steps)
     times["held-out"] = time.monotonic() - t1
@@ -116,7 +125,7 @@ def main(argv=None) -> int:
     runs = se.long_runs(
         suite,
         list(LONG_MEMBERS),
-        {k: fs[k] for k in (POLICY, "torch", "amax-history")},
+        {k: fs[k] for k in dict.fromkeys((pick, "torch", "amax-history"))},
         args.long_steps,
     )
     se.plot_long_runs(
@@ -131,10 +140,11 @@ def main(argv=None) -> int:
     zero_shot = se.objective_of(cards, left, weights)
     scalers = list(fs)
     accept = {s: se.acceptance(cards, s) for s in scalers if s != "torch"}
-    manifest = __import__("autoscale.scalers.policies", fromlist=["read_manifest"]).read_manifest(
-        CACHE / "policies" / POLICY
+    picked = (
+        f"the built-in `{pick}` with its defaults (its row above)"
+        if pick != POLICY
+        else f"{manifest.family} {manifest.parameters}"
     )
-    picked = manifest.workload.get("builtin_rule") or f"{manifest.family} {manifest.parameters}"
     summary = [
         f"Suite `envs/suite.yaml`: {len(searched)} members searched ({', '.join(searched)}), "
         f"{len(left)} left out ({', '.join(left)}). Held-out test instances (seeds 100-102), "
