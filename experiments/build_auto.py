@@ -110,6 +110,57 @@ def train_agents(suite, traces, args, timings: dict) -> tuple[dict[str, Path], d
     return out, info
 
 
+def parse_extra(text: str) -> tuple[str, tuple[str, dict]]:
+    """``RULE:key=value,...`` -> (its label, (rule, parameters)): a parametric candidate."""
+    rule, _, rest = text.partition(":")
+    params = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        params[key.strip()] = float(value) if "." in value or "e" in value else int(value)
+    label = f"{rule}({', '.join(f'{k}={v}' for k, v in params.items())})" if params else rule
+    return label, (rule, params)
+
+
+def selection_report(
+    args, agent_runs, same_as_builtin, ranked, objective, zero_shot, accept, verdicts, cards,
+    searched, left, weights, factories, se,
+) -> list[str]:  # fmt: skip
+    """The report's agents, candidates and selection table (whether or not anything shipped)."""
+    scalers = [s for s in factories if s != "torch"] + ["torch"]
+    lines = [
+        "Agents (SB3, replay episodes of "
+        f"{args.horizon} steps; best eval reward on one held-out train instance per member):",
+        "",
+        *(
+            f"- {n}: {r['timesteps']} steps in {r['wall_s'] / 60:.1f} min, best eval reward "
+            f"{r['best_eval_reward']:.3f}"
+            + (" (reused: trained by an earlier run)" if r["reused"] else "")
+            for n, r in agent_runs.items()
+        ),
+        "",
+        (
+            f"The suite search (experiments/reproduce.py) picked the built-in `{same_as_builtin}` with "
+            "its defaults; it is ranked as that rule."
+            if same_as_builtin
+            else "The suite search's pick is ranked as `suite-parametric`."
+        ),
+        "",
+        "## Selection: test instances (seeds 100-102), real steps",
+        "",
+        "| candidate | objective, searched members | objective, left-out members (zero-shot) | bar met on | no-harm |",
+        "|---|---|---|---|---|",
+    ]
+    for s in ranked:
+        met = sum(r["met"] for r in accept[s].values())
+        v = verdicts.get(s)
+        gate_text = "-" if v is None else ("passed" if v["passed"] else "; ".join(v["reasons"]))
+        lines.append(
+            f"| {s} | {objective[s]:+.4f} | {zero_shot[s]:+.4f} | {met} of {len(accept[s])} | {gate_text} |"
+        )
+    lines += ["", *se.table(cards, searched + left, set(left), weights, scalers)]
+    return lines
+
+
 def fresh_seeds(suite):
     """The suite with every member's test instances moved to fresh seeds (test seed + 1000)."""
     from autoscale.envs.spec import InstanceSpec
@@ -134,6 +185,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=256, help="real steps of each held-out episode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gate-steps", type=int, default=1000)
+    p.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="RULE:KEY=VALUE,...",
+        help="a parametric candidate more, e.g. amax-history:history_len=256",
+    )
     p.add_argument(
         "--reuse-agents", action="store_true", help="take agents trained with these settings before"
     )
@@ -193,6 +251,9 @@ def main(argv=None) -> int:
             print(f"the suite search's pick is the built-in {same_as_builtin} with its defaults: "
                   "ranked as that rule", flush=True)  # fmt: skip
     factories["amax-history"] = lambda: scaler_for("amax-history", member)
+    extras = dict(parse_extra(e) for e in args.extra)  # label -> (rule, parameters)
+    for label, (rule, params) in extras.items():
+        factories[label] = lambda r=rule, kw=params: scaler_for(r, member, **kw)
     factories["torch"] = lambda: scaler_for("torch", member)
     t0 = time.monotonic()
     cards = se.held_out(suite, factories, args.steps)
@@ -228,7 +289,28 @@ def main(argv=None) -> int:
             break
     timings["no-harm"] = time.monotonic() - t0
     if pick is None:
-        print("no candidate meets the bar everywhere and passes the no-harm check: auto not built")
+        timings["total"] = time.monotonic() - t_all
+        lines = [
+            "# The general policy `auto`: not built",
+            "",
+            f"`python experiments/build_auto.py {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip(),
+            "",
+            "Time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()) + ".",
+            "",
+            "No candidate meets the bar on every member (skip rate at most torch's + 0.5 points, "
+            "eval loss within seed noise, precision loss lower where torch underflows) and passes "
+            "the no-harm check, so nothing was exported.",
+            "",
+            *selection_report(args, agent_runs, same_as_builtin, ranked, objective, zero_shot,
+                              accept, verdicts, cards, searched, left, weights, factories, se),
+        ]  # fmt: skip
+        (RESULTS / "auto.md").write_text("\n".join(lines) + "\n")
+        se.save_cards(
+            cards, RESULTS / "auto_selection.json", objective=objective, zero_shot=zero_shot,
+            verdicts=verdicts, timings=timings, agents=agent_runs, acceptance=accept,
+        )  # fmt: skip
+        print("no candidate meets the bar everywhere and passes the no-harm check: auto not built "
+              f"(report: {RESULTS / 'auto.md'})")  # fmt: skip
         return 1
 
     # the evidence, on fresh seeds
@@ -248,7 +330,13 @@ def main(argv=None) -> int:
 
     source = agents.get(pick) or (searched_pick if pick == "suite-parametric" else None)
     dest_root = ROOT / "policies"
-    if source is not None:
+    bounds = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
+    if pick in extras:
+        from autoscale.agents.export import export_parametric
+
+        rule, params = extras[pick]
+        export_parametric(rule, {**bounds, **params}, "auto", out_dir=dest_root, force=True)
+    elif source is not None:
         manifest = read_manifest(source)
         from autoscale.scalers.policies import staged_policy
 
@@ -305,7 +393,6 @@ def main(argv=None) -> int:
     timings["total"] = time.monotonic() - t_all
 
     # the report
-    scalers = [s for s in factories if s != "torch"] + ["torch"]
     lines = [
         "# The general policy `auto`",
         "",
@@ -313,40 +400,26 @@ def main(argv=None) -> int:
         "",
         "Time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()) + ".",
         "",
-        "Agents (SB3, replay episodes of "
-        f"{args.horizon} steps; best eval reward on one held-out train instance per member):",
+        f"Picked: **{pick}** ({manifest.kind}, {manifest.family}"
+        + (f", {extras[pick][1]}" if pick in extras else "")
+        + ").",
         "",
-        *(
-            f"- {n}: {r['timesteps']} steps in {r['wall_s'] / 60:.1f} min, best eval reward "
-            f"{r['best_eval_reward']:.3f}"
-            + (" (reused: trained by an earlier run)" if r["reused"] else "")
-            for n, r in agent_runs.items()
+        *selection_report(
+            args,
+            agent_runs,
+            same_as_builtin,
+            ranked,
+            objective,
+            zero_shot,
+            accept,
+            verdicts,
+            cards,
+            searched,
+            left,
+            weights,
+            factories,
+            se,
         ),
-        "",
-        (
-            f"The suite search (experiments/reproduce.py) picked the built-in `{same_as_builtin}` with "
-            "its defaults; it is ranked as that rule."
-            if same_as_builtin
-            else "The suite search's pick is ranked as `suite-parametric`."
-        ),
-        "",
-        f"Picked: **{pick}** ({manifest.kind}, {manifest.family}).",
-        "",
-        "## Selection: test instances (seeds 100-102), real steps",
-        "",
-        "| candidate | objective, searched members | objective, left-out members (zero-shot) | bar met on | no-harm |",
-        "|---|---|---|---|---|",
-    ]
-    for s in ranked:
-        met = sum(r["met"] for r in accept[s].values())
-        v = verdicts.get(s)
-        gate_text = "-" if v is None else ("passed" if v["passed"] else "; ".join(v["reasons"]))
-        lines.append(
-            f"| {s} | {objective[s]:+.4f} | {zero_shot[s]:+.4f} | {met} of {len(accept[s])} | {gate_text} |"
-        )
-    lines += [
-        "",
-        *se.table(cards, searched + left, set(left), weights, scalers),
         "",
         "## Evidence: fresh seeds (test seeds + 1000), real steps",
         "",
