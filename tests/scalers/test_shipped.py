@@ -125,7 +125,8 @@ def test_a_damaged_auto_is_refused_with_one_line(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_auto_passes_the_no_harm_check_on_a_short_clean_run(tmp_path):
+@pytest.mark.parametrize("name", SHIPPED)
+def test_passes_the_no_harm_check_on_a_short_clean_run(name, tmp_path):
     from autoscale.envs.suite import load_spec
     from autoscale.search.budget import Ledger
     from autoscale.search.gate import NoHarmCheck, gate_workloads
@@ -135,7 +136,7 @@ def test_auto_passes_the_no_harm_check_on_a_short_clean_run(tmp_path):
     member = load_spec("suite").members[0]
     mlp = [w for w in gate_workloads([member], 300) if w.model == "mlp"]
     check = NoHarmCheck(GatePlan(tuple(mlp), 300), tmp_path, Ledger(), {})
-    verdict = check.check(lambda: autoscale.get_scaler("auto", device="cpu"), "auto")
+    verdict = check.check(lambda: autoscale.get_scaler(name, device="cpu"), name)
     assert verdict.passed, verdict.summary()
     run = verdict.runs["mlp"]["candidate"][0]
     assert run["steps"] == 300
