@@ -185,14 +185,31 @@ def check_workload(stored: SuiteSpec, asked: SuiteSpec, study: str) -> None:
             )
 
 
-def fail_stale_trials(study: Any, storage: Any) -> int:
-    """Fail the running trials left by workers of this host that no longer run (killed hard)."""
+# A worker tags its trial (``worker`` = host:pid) as the trial's objective starts, milliseconds
+# after Optuna created it; a trial still untagged this long after its start had its worker killed
+# in between (in the sampler's work inside ``ask``), and nobody else would ever fail it.
+UNTAGGED_GRACE_S = 300.0
+
+
+def fail_stale_trials(study: Any, storage: Any, untagged_grace_s: float = UNTAGGED_GRACE_S) -> int:
+    """Fail the running trials left by workers of this host that no longer run (killed hard),
+    and those that no worker ever tagged (killed between Optuna's ask and the objective)."""
+    import datetime
+
     from optuna.trial import TrialState
 
     n = 0
+    now = datetime.datetime.now()  # Optuna stamps datetime_start with the local naive time
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        host, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
-        if host == host_name() and pid.isdigit() and not pid_alive(int(pid)):
+        tag = t.user_attrs.get("worker")
+        host, _, pid = str(tag or "").rpartition(":")
+        dead = host == host_name() and pid.isdigit() and not pid_alive(int(pid))
+        untagged = (
+            tag is None
+            and t.datetime_start is not None
+            and (now - t.datetime_start).total_seconds() > untagged_grace_s
+        )
+        if dead or untagged:
             storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
             n += 1
     return n

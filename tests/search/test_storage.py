@@ -1,7 +1,10 @@
+import os
+
 import optuna
 import pytest
 
 from autoscale.errors import StorageError, UnknownNameError
+from autoscale.processes import host_name
 from autoscale.search.storage import (
     artifacts_dir,
     load_study,
@@ -56,3 +59,24 @@ def test_unknown_study_lists_the_studies(tmp_path):
     with pytest.raises(UnknownNameError, match="did you mean 'bad-batches-run'"):
         load_study("bad-batches-rnu", storage, url)
     assert mask_url("postgresql://u:p@h/db") == "postgresql://u:***@h/db"
+
+
+def test_a_trial_no_worker_tagged_is_failed_once_it_is_old(tmp_path):
+    """A worker killed between Optuna's ask and its objective leaves a running trial without its
+    ``worker`` tag: the next worker fails it once it is older than the grace period (a live
+    worker tags its trial milliseconds after the ask), and leaves a fresh one alone."""
+
+    from autoscale.search.study import fail_stale_trials
+
+    storage = open_storage(str(tmp_path / "s.db"))
+    study = optuna.create_study(study_name="s", storage=storage)
+    untagged = study.ask()  # RUNNING, never tagged
+    tagged_live = study.ask()
+    tagged_live.set_user_attr("worker", f"{host_name()}:{os.getpid()}")  # this live process
+    assert fail_stale_trials(study, storage) == 0  # both too fresh or alive
+    assert fail_stale_trials(study, storage, untagged_grace_s=0.0) == 1
+    states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
+    assert states == {
+        untagged.number: optuna.trial.TrialState.FAIL,
+        tagged_live.number: optuna.trial.TrialState.RUNNING,
+    }
