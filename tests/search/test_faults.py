@@ -32,7 +32,6 @@ from tests.search.faults import (
     Storage,
     TrialState,
     finished,
-    freeze,
     freeze_mid_trial,
     hidden_entries,
     kill_hard,
@@ -71,7 +70,13 @@ def warm_cache(tmp_path_factory) -> Path:
     args = ("search", "--env", str(SPEC), "--budget", BUDGET, "--n-trials", "1", "--quiet")
     # the same budget as the tests: the plan (trace length) depends on it
     warm = start_worker(*args, cwd=root, name="warm")
-    assert warm.finish() == 0, warm.err[-3000:]
+    rc = warm.finish()
+    if rc == 2 and "the budget ran out while recording traces" in warm.err:
+        # a machine slower than measured (other jobs on its cores): the traces recorded so far
+        # stay cached and the same command goes on from them, as the error says
+        warm = start_worker(*args, cwd=root, name="warm-again")
+        rc = warm.finish()
+    assert rc == 0, warm.err[-3000:]
     _fill_gate_cache(root / "artifacts")
     return root / "artifacts"
 
@@ -158,7 +163,7 @@ def test_worker_killed_mid_trial(kind, cached, request):
     storage.close()
 
     assert after[victim].state == TrialState.FAIL
-    assert "failed 1 trial(s) left running by stopped workers here" in restarted.out
+    assert "failed 1 trial(s) left running by stopped workers" in restarted.out
     assert not [n for n, t in after.items() if t.state == TrialState.RUNNING]
     assert lost(before, after) == []
     assert sorted(after) == list(range(len(after)))
@@ -205,7 +210,9 @@ def test_postgresql_server_stops_and_restarts(postgres, cached, request):
         lambda: len(storage.finished(study)) >= FINISHED,
         alive=(first,),
     )
-    freeze(first)
+    # frozen while a trial of its own runs (tagged, as a worker tags it when its objective
+    # starts): the crash leaves exactly that trial running, for the resumed command to fail
+    victim = freeze_mid_trial(first, storage, study)
     before = storage.finished(study)
     storage.close()
     postgres.stop("immediate")
@@ -230,8 +237,8 @@ def test_postgresql_server_stops_and_restarts(postgres, cached, request):
     final = storage.trials(study)
     storage.close()
     assert "(resuming)" in again.out and "Traceback" not in again.err
-    if left_running:
-        assert f"failed {len(left_running)} trial(s) left running" in again.out
+    assert left_running == [victim]
+    assert "failed 1 trial(s) left running by stopped workers" in again.out
     assert all(final[n].state == TrialState.FAIL for n in left_running)
     assert not [n for n, t in final.items() if t.state == TrialState.RUNNING]
     assert lost(before, final) == [] and lost(finished(kept), final) == []
@@ -245,8 +252,8 @@ def test_postgresql_server_stops_and_restarts(postgres, cached, request):
             finished_before=len(before),
             lost=len(lost(before, final)),
             outcome=(
-                "one-line error, exit 2; the same command resumed the study"
-                + (f" and failed its {len(left_running)} running trial(s)" if left_running else "")
+                "one-line error, exit 2; the same command resumed the study and failed the "
+                "trial left running"
             ),
             details={"trials": len(final), "error": errors[0]},
         )
