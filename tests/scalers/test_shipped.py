@@ -1,7 +1,9 @@
-"""The policies shipped in policies/: ``auto`` (the general policy) and the others.
+"""The policies shipped in policies/.
 
-Each loads with torch alone, its manifest is intact (checksum, feature version, its evidence), it
-trains a plain fp16 loop, and it passes the no-harm check on a short clean run.
+Each loads with torch alone, its manifest is intact (checksum and feature version of a neural
+one), it trains a plain fp16 loop, and it passes the no-harm check on a short clean run. (The
+general policy ``auto`` ships only when experiments/build_auto.py finds one that meets its bar on
+every member of the suite; see experiments/results/auto.md.)
 """
 
 from __future__ import annotations
@@ -54,19 +56,6 @@ LOOP = textwrap.dedent(
 )
 
 
-def test_auto_is_shipped_with_its_evidence():
-    assert "auto" in SHIPPED
-    m = read_manifest(ROOT / "policies" / "auto")
-    assert m.name == "auto"
-    card = m.scorecard
-    assert card["objective"] and card["evidence"]["members"], "the manifest records its evidence"
-    assert card["no_harm"]["passed"] is True
-    assert set(m.workload["members"]) and set(m.workload["left_out"])
-    assert m.workload["suite"] == "suite" and m.workload["built_by"].startswith(
-        "experiments/build_auto.py"
-    )
-
-
 @pytest.mark.parametrize("name", SHIPPED)
 def test_manifest_is_intact(name):
     from autoscale.scalers.features import FEATURE_VERSION
@@ -94,34 +83,6 @@ def test_plain_loop_with_torch_alone(name):
     assert r["steps"] == 40 and 1 <= r["skipped"] <= 3  # the bad batch is skipped, little else
     assert all(s > 0 and s == s and s != float("inf") for s in r["scales"])
     assert r["last"] < r["first"]  # it trained
-
-
-def test_a_damaged_auto_is_refused_with_one_line(tmp_path, monkeypatch):
-    """A copy of ``auto`` with its weights or feature version changed does not load."""
-    import shutil
-
-    from autoscale.errors import ConfigError
-
-    m = read_manifest(ROOT / "policies" / "auto")
-    if m.kind != "neural":
-        pytest.skip(f"auto is a {m.kind} policy: no weights to check")
-    copy = tmp_path / "policies" / "auto-copy"
-    shutil.copytree(ROOT / "policies" / "auto", copy)
-    text = (copy / "policy.yaml").read_text().replace("name: auto\n", "name: auto-copy\n")
-    (copy / "policy.yaml").write_text(text)
-    monkeypatch.setenv("AUTOSCALE_POLICY_PATH", str(tmp_path / "policies"))
-    autoscale.get_scaler("auto-copy", device="cpu")  # the intact copy loads
-    manifest = (copy / "policy.yaml").read_text()
-    (copy / "policy.yaml").write_text(
-        manifest.replace(f"feature_version: {m.feature_version}\n", "feature_version: 999\n")
-    )
-    with pytest.raises(ConfigError, match="feature"):
-        autoscale.get_scaler("auto-copy", device="cpu")
-    (copy / "policy.yaml").write_text(manifest)
-    weights = copy / "weights.pt"
-    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
-    with pytest.raises(ConfigError, match="checksum"):
-        autoscale.get_scaler("auto-copy", device="cpu")
 
 
 @pytest.mark.slow
