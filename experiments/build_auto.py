@@ -116,7 +116,12 @@ def parse_extra(text: str) -> tuple[str, tuple[str, dict]]:
     params = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        params[key.strip()] = float(value) if "." in value or "e" in value else int(value)
+        try:
+            params[key.strip()] = float(value) if "." in value or "e" in value else int(value)
+        except ValueError:
+            print(f"build_auto.py: error: --extra {text!r}: {key}={value!r} is not a number",
+                  file=sys.stderr)  # fmt: skip
+            raise SystemExit(2) from None
     label = f"{rule}({', '.join(f'{k}={v}' for k, v in params.items())})" if params else rule
     return label, (rule, params)
 
@@ -266,6 +271,13 @@ def main(argv=None) -> int:
     t_all = time.monotonic()
     timings: dict[str, float] = {}
     suite = load_spec(ROOT / "envs" / "suite.yaml")
+    extras = dict(parse_extra(e) for e in args.extra)  # label -> (rule, parameters)
+    for label, (rule, params) in extras.items():  # a bad candidate says so now, not after hours
+        try:
+            scaler_for(rule, suite.members[0], **params)
+        except Exception as exc:
+            print(f"build_auto.py: error: --extra {label}: {exc}", file=sys.stderr)
+            return 2
     weights = suite.reward
     CACHE.mkdir(parents=True, exist_ok=True)
 
@@ -303,7 +315,6 @@ def main(argv=None) -> int:
             print(f"the suite search's pick is the built-in {same_as_builtin} with its defaults: "
                   "ranked as that rule", flush=True)  # fmt: skip
     factories["amax-history"] = lambda: scaler_for("amax-history", member)
-    extras = dict(parse_extra(e) for e in args.extra)  # label -> (rule, parameters)
     for label, (rule, params) in extras.items():
         factories[label] = lambda r=rule, kw=params: scaler_for(r, member, **kw)
     factories["torch"] = lambda: scaler_for("torch", member)
