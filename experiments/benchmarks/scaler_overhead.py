@@ -64,9 +64,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--rules", default="", help="comma-separated rule names (default: every registered rule)"
     )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "fp16", "bf16", "fp32"),
+        help="autocast dtype; auto: fp16 on CUDA, bf16 on a CPU (fp32: no autocast, the fastest "
+        "step on a CPU without bf16 units, where a fixed cost weighs most)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave as is)")
     p.add_argument("--out", type=Path, help="also write the table to this markdown file")
     return p.parse_args(argv)
+
+
+def autocast_dtype(name: str, device_type: str):
+    """The autocast dtype of ``--dtype`` (None: no autocast)."""
+    if name == "auto":
+        name = "fp16" if device_type == "cuda" else "bf16"
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}[name]
+
+
+def dtype_name(name: str, device_type: str) -> str:
+    dtype = autocast_dtype(name, device_type)
+    return "fp32 (no autocast)" if dtype is None else f"{str(dtype).split('.')[-1]} autocast"
 
 
 class Job:
@@ -76,7 +95,7 @@ class Job:
         self.label, self.scaler, self.model = label, scaler, model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
         self.device = torch.device(args.device)
-        self.dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        self.dtype = autocast_dtype(args.dtype, self.device.type)
         g = torch.Generator(device="cpu").manual_seed(0)
         self.x = torch.randn(args.batch, args.width, generator=g).to(self.device)
         self.y = torch.randn(args.batch, args.width, generator=g).to(self.device)
@@ -94,7 +113,9 @@ class Job:
 
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=True)
-        with torch.autocast(self.device.type, dtype=self.dtype):
+        with torch.autocast(
+            self.device.type, dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None
+        ):
             out = self.model(self.x)
         loss = torch.nn.functional.mse_loss(out.float(), self.y)
         self._opt_s = 0.0
@@ -221,7 +242,7 @@ def table(rows: list[dict], args, n_params: int) -> str:
         + (f" ({torch.cuda.get_device_name()})" if cuda else "")
         + f", {torch.get_num_threads()} CPU thread(s)",
         f"- MLP {args.depth}x{args.width} ({n_params:,} fp32 parameters), batch {args.batch}, "
-        f"{'fp16' if cuda else 'bf16'} autocast; {args.repeats} interleaved block pairs of "
+        f"{dtype_name(args.dtype, 'cuda' if cuda else 'cpu')}; {args.repeats} interleaved block pairs of "
         f"{args.steps} steps per rule and optimizer",
         "- step ms: median GradScaler step; scaler us: median per step of the time in scale + "
         "step + update minus optimizer.step",
