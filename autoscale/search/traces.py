@@ -96,7 +96,7 @@ def load_traces(
     cache = folder / "traces"
     cache.mkdir(parents=True, exist_ok=True)
     jobs = _jobs(suite)
-    stats = {"recorded": 0, "cached": 0, "steps": 0, "wall_s": 0.0}
+    stats = {"recorded": 0, "cached": 0, "steps": 0, "wall_s": 0.0, "planned_s": 0.0}
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -113,15 +113,25 @@ def load_traces(
                 if trace is None:
                     need = cost(member, inst.start + steps)
                     if time.monotonic() + need > stop_at:
+                        slower = ""
+                        if stats["recorded"] and stats["planned_s"] > 0:
+                            ratio = stats["wall_s"] / stats["planned_s"]
+                            if ratio > 1.2:
+                                slower = (
+                                    f"; steps ran {ratio:.1f}x slower than measured at the start "
+                                    "(other jobs on the cores? OMP_NUM_THREADS=1 helps there)"
+                                )
                         raise BudgetError(
                             f"the budget ran out while recording traces ({stats['recorded']} recorded, "
-                            f"'{member.name}' instance '{inst.name}' needs ~{format_duration(need)} more); "
-                            "they stay cached: rerun with a larger --budget and the same --study to continue"
+                            f"'{member.name}' instance '{inst.name}' needs ~{format_duration(need)} more"
+                            f"{slower}); they stay cached: rerun with a larger --budget and the same "
+                            "--study to continue"
                         )
                     t0 = time.monotonic()
                     trace = record_trace(member, steps, instances=(inst.name,))
                     trace.save(path)
                     stats["wall_s"] += time.monotonic() - t0
+                    stats["planned_s"] += need
                     stats["recorded"] += 1
                     stats["steps"] += inst.start + steps
                 else:

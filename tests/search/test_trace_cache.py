@@ -110,3 +110,24 @@ def test_a_damaged_trace_is_said_and_recorded_again(recorded, how, request):
             outcome="warned in one line, recorded again: the same trace",
         )
     )
+
+
+def test_recording_slower_than_planned_stops_and_says_how_much_slower(tmp_path):
+    """Steps that run slower than the plan measured (other jobs on the cores) run the recording
+    out of its share of the budget: one line saying how much slower, the recorded traces kept."""
+    import time
+
+    from autoscale.errors import BudgetError
+
+    suite = shape_suite(as_suite(base_spec(model="mlp")), STEPS, 2, 1)
+    planned = iter([1e-4] + [5.0] * 10)  # the first trace planned at 0.1 ms, the next ones 5 s
+
+    with pytest.raises(BudgetError) as info:
+        load_traces(
+            suite, tmp_path, STEPS, cost=lambda m, n: next(planned), stop_at=time.monotonic() + 4
+        )
+    msg = str(info.value)
+    assert msg.startswith("the budget ran out while recording traces (1 recorded, ")
+    assert "x slower than measured at the start" in msg and "OMP_NUM_THREADS=1" in msg
+    assert msg.endswith("rerun with a larger --budget and the same --study to continue")
+    assert len(list((tmp_path / "traces").glob("*.npz"))) == 1  # kept for the rerun
