@@ -126,6 +126,19 @@ def parse_extra(text: str) -> tuple[str, tuple[str, dict]]:
     return label, (rule, params)
 
 
+def report_head(title: str, argv, timings: dict) -> list[str]:
+    """The report's title, the command that made it and how long each part took."""
+    args = " ".join(argv if argv is not None else sys.argv[1:])
+    return [
+        title,
+        "",
+        f"`python experiments/build_auto.py {args}`".replace(" `", "`"),
+        "",
+        "Time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()) + ".",
+        "",
+    ]
+
+
 def selection_report(
     args, agent_runs, same_as_builtin, ranked, objective, zero_shot, accept, verdicts, cards,
     searched, left, weights, factories, se,
@@ -354,12 +367,7 @@ def main(argv=None) -> int:
     if pick is None:
         timings["total"] = time.monotonic() - t_all
         lines = [
-            "# The general policy `auto`: not built",
-            "",
-            f"`python experiments/build_auto.py {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip(),
-            "",
-            "Time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()) + ".",
-            "",
+            *report_head("# The general policy `auto`: not built", argv, timings),
             "No candidate meets the bar on every member (skip rate at most torch's + 0.5 points, "
             "eval loss within seed noise, precision loss lower where torch underflows) and passes "
             "the no-harm check, so nothing was exported.",
@@ -461,12 +469,7 @@ def main(argv=None) -> int:
 
     # the report
     lines = [
-        "# The general policy `auto`",
-        "",
-        f"`python experiments/build_auto.py {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip(),
-        "",
-        "Time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()) + ".",
-        "",
+        *report_head("# The general policy `auto`", argv, timings),
         f"Picked: **{pick}** ({manifest.kind}, {manifest.family}"
         + (f", {extras[pick][1]}" if pick in extras else "")
         + ").",
