@@ -507,6 +507,7 @@ def main(argv=None) -> int:
         verdicts=verdicts,
         timings=timings,
         agents=agent_runs,
+        acceptance=accept,
     )
     se.save_cards(evidence, RESULTS / "auto_evidence.json", acceptance=ev_accept, pick=pick)
     reused = [n for n, r in agent_runs.items() if r["reused"]]
