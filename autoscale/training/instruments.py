@@ -9,11 +9,14 @@ run records traces.
 
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autoscale.scalers.base import FP16_MIN_NORMAL
+from autoscale.scalers.base import FP16_MIN_NORMAL, FlatAbs
 
 __all__ = [
     "HIST_EDGES",
@@ -25,6 +28,7 @@ __all__ = [
     "BackwardAmaxMode",
 ]
 
+_F32_MAX = 3.4028234663852886e38
 HIST_LO = -64
 HIST_HI = 16
 #: Edges of the log2|g| histogram: 1 bit wide, -64 .. +16 (80 bins). Bin ``k`` holds elements
@@ -37,26 +41,30 @@ class GradientCensus:
     """Counts over the magnitudes of a list of gradients, in a buffer reused from step to step.
 
     Call :meth:`load` once per step, then any of :meth:`underflow_counts` and
-    :meth:`log2_histogram`. Holds one float32 and one bool buffer the size of all gradients.
+    :meth:`log2_histogram`. Holds a float32 buffer of |g| (its own, or the scaler's: :meth:`adopt`) and an int32
+    scratch buffer, each the size of all gradients.
     """
 
     def __init__(self) -> None:
+        self._flat = FlatAbs()
         self._abs: torch.Tensor | None = None
-        self._mask: torch.Tensor | None = None
+        self._scratch: torch.Tensor | None = None
 
     def load(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Copy ``|g|`` of every gradient into the flat buffer (float32, on ``grads[0]``'s device)."""
-        device = grads[0].device
-        n = sum(g.numel() for g in grads)
-        if self._abs is None or self._abs.numel() != n or self._abs.device != device:
-            self._abs = torch.empty(n, dtype=torch.float32, device=device)
-            self._mask = torch.empty(n, dtype=torch.bool, device=device)
-        with torch.no_grad():
-            try:
-                torch.cat([g.flatten() for g in grads], out=self._abs)
-            except RuntimeError:  # a model split across devices
-                torch.cat([g.flatten().to(device) for g in grads], out=self._abs)
-            return self._abs.abs_()
+        return self.adopt(self._flat.load(grads))
+
+    def adopt(self, flat: torch.Tensor) -> torch.Tensor:
+        """Count over ``flat`` (``|g|``, float32, one dimension) instead of a copy of its own: the
+        buffer a :class:`~autoscale.scalers.base.LossScaler` filled for its statistics."""
+        self._abs = flat
+        if (
+            self._scratch is None
+            or self._scratch.numel() != flat.numel()
+            or self._scratch.device != flat.device
+        ):
+            self._scratch = torch.empty(flat.numel(), dtype=torch.int32, device=flat.device)
+        return flat
 
     def underflow_counts(self, scale: float, min_normal: float = FP16_MIN_NORMAL) -> torch.Tensor:
         """``[below, nonzero]`` (int64): non-zero elements with ``|g| * scale < min_normal``, and all.
@@ -66,10 +74,17 @@ class GradientCensus:
         loss is NaN anyway.
         """
         flat = self._abs
-        nonzero = torch.count_nonzero(flat)
-        torch.lt(flat, min_normal / scale, out=self._mask)
-        below_or_zero = torch.count_nonzero(self._mask)
-        return torch.stack([below_or_zero - (flat.numel() - nonzero), nonzero])
+        limit = min_normal / scale
+        limit = limit if limit <= _F32_MAX else math.inf  # beyond float32: every finite |g|
+        bound = struct.unpack("<i", struct.pack("<f", limit))[0]
+        # |g| >= 0, so float order is the order of the bit patterns: integer ops, which CPUs
+        # vectorize better than float compares into bool (NaN's pattern is above every bound).
+        # clamp(bits, bound-1, bound) - (bound-1) is 1 where |g| >= limit, else 0.
+        bits = flat.view(torch.int32)
+        nonzero = torch.count_nonzero(bits)
+        torch.clamp(bits, min=bound - 1, max=bound, out=self._scratch).sub_(bound - 1)
+        at_or_above = torch.count_nonzero(self._scratch)
+        return torch.stack([nonzero - at_or_above, nonzero])
 
     def log2_histogram(self) -> torch.Tensor:
         """Counts (int64, 80 bins of :data:`HIST_EDGES`) of ``floor(log2|g|)`` over finite non-zero elements.

@@ -163,8 +163,11 @@ class TrainingRun:
                 value = objective.detach().float().reshape(1)
                 objective_sum = value if objective_sum is None else objective_sum + value
         self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self._params if p.grad is not None]
-        self._census.load(grads)
+        flat = self.scaler.grad_abs(self.optimizer)  # the scaler's copy, when it made one
+        if flat is not None:
+            self._census.adopt(flat)
+        else:
+            self._census.load([p.grad for p in self._params if p.grad is not None])
         extras = [
             objective_sum / spec.grad_accum,
             self._census.underflow_counts(scale, MIN_NORMAL[spec.dtype]),

@@ -103,3 +103,49 @@ def test_record_extras_absent_unless_asked_or_not_fp16():
     rec = TrainingRun(WorkloadSpec(model="mlp", dtype="bf16"), "torch", record=True).step()
     assert rec.backward_amax is None and len(rec.grad_log2_hist) == 80
     assert rec.precision_loss == 0.0  # bf16's range: nothing below its normal minimum at scale 2^16
+
+
+def test_underflow_counts_integer_compare_agrees_with_float_compare():
+    """The count compares bit patterns; the float comparison is the reference, at scales that are
+    not powers of two, beyond float32's range, and with NaN, inf and zeros in the gradients."""
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(4096, generator=gen) * torch.exp2(
+        torch.randint(-40, 10, (4096,), generator=gen)
+    )
+    g[:7] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -3e38])
+    census = GradientCensus()
+    census.load([g])
+    flat = g.abs()
+    for scale in (2.0**-30, 1e-40, 0.37, 1.0, 3.0, 2.0**16, 65537.5, 2.0**40):
+        limit = torch.tensor(2.0**-14 / scale, dtype=torch.float64).float()  # as torch rounds it
+        nonzero = int((flat != 0).sum())
+        below = int(((flat < limit) & (flat != 0)).sum())
+        assert census.underflow_counts(scale).tolist() == [below, nonzero], scale
+
+
+def test_run_counts_on_the_scalers_copy_of_the_gradients():
+    """On CPU the scaler's statistics copy |g| into a buffer once; the run's census counts on that
+    buffer (no second copy) and gets what a census of its own copy gets."""
+    run = TrainingRun(
+        WorkloadSpec(model="mlp", scenario="small-grads"), "static", init_scale=2.0**8
+    )
+    seen = []
+    original = run._census.adopt
+
+    def adopt(flat):
+        seen.append(flat)
+        mine = GradientCensus()
+        mine.load([p.grad for p in run._params if p.grad is not None])
+        out = original(flat)
+        assert (
+            run._census.underflow_counts(2.0**8).tolist() == mine.underflow_counts(2.0**8).tolist()
+        )
+        assert torch.equal(torch.sort(flat).values, torch.sort(mine._abs).values)
+        return out
+
+    run._census.adopt = adopt
+    rec = run.step()
+    run.step()
+    assert len(seen) == 2 and seen[0] is seen[1]  # one buffer, reused
+    assert run.scaler.grad_abs(run.optimizer) is None  # after update(): a past step's gradients
+    assert 0 < rec.precision_loss < 1
