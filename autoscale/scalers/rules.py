@@ -25,6 +25,7 @@ __all__ = [
     "FairseqRule",
     "MetaseqRule",
     "AmaxHistoryRule",
+    "AmaxCapRule",
 ]
 
 
@@ -585,3 +586,77 @@ class AmaxHistoryRule(ScaleRule):
                 "the checkpoint was not written by this rule"
             )
         self.history = deque((float(a) for a in history), maxlen=self.history_len)
+
+
+@register_loss_scaler("amax-cap")
+class AmaxCapRule(AmaxHistoryRule):
+    """``amax-history`` under a cap that remembers gradient overflows, blind to failed batches.
+
+    The scale is the smaller of ``amax-history``'s (the largest power of two that keeps the
+    gradient amax of the last ``history_len`` clean steps ``margin`` bits below fp16's maximum)
+    and a cap. The cap starts unbounded; a gradient overflow sets it to the scale that overflowed
+    times ``backoff_factor``, and it doubles after every ``growth_interval`` clean steps in a row,
+    as torch's scale does. So spikes that the amax of recent steps cannot foresee (gradients that
+    swing by orders of magnitude from batch to batch) are met as torch meets them, at a scale
+    that leaves them room, while steady gradients get ``amax-history``'s scale.
+
+    A step whose *loss* is non-finite failed in the forward pass, which the loss scale never
+    touches, so it would fail at any scale: it changes neither the scale nor the cap (where the
+    counter rules halve on every such batch and ratchet down to their minimum). Without a loss
+    (``scale()`` never saw a single-element one) every overflow counts as a gradient overflow.
+    """
+
+    description = "amax-history under torch's overflow cap; ignores batches whose loss is inf/nan"
+    source = "autoscale: Transformer Engine DelayedScaling plus torch.amp.GradScaler's backoff"
+    needs_loss = True
+
+    def __init__(
+        self,
+        *,
+        history_len: int = 16,
+        margin: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        super().__init__(history_len=history_len, margin=margin, backoff_factor=backoff_factor)
+        self.growth_interval = _interval("growth_interval", growth_interval)
+        self.cap = math.inf
+        self.clean = 0  # clean steps in a row since the cap last changed
+
+    def next_scale(self, scale: float, stats: StepStats) -> float:
+        if stats.loss_nonfinite:
+            return scale  # fails at any scale: nothing to learn about the scale from it
+        if stats.found_inf or not math.isfinite(stats.grad_amax):
+            self.cap, self.clean = scale * self.backoff_factor, 0
+            return self.cap
+        if math.isfinite(self.cap):
+            self.clean += 1
+            if self.clean >= self.growth_interval:
+                self.cap, self.clean = self.cap * 2.0, 0
+        if stats.grad_amax > 0:
+            self.history.append(stats.grad_amax)
+        if not self.history:
+            return min(scale, self.cap)
+        amax = max(self.history)
+        wanted = 2.0 ** math.floor(math.log2(FP16_MAX / amax) - self.margin)
+        return min(wanted, self.cap)
+
+    def params(self) -> dict[str, Any]:
+        return {**super().params(), "growth_interval": self.growth_interval}
+
+    def state(self) -> dict[str, Any]:
+        cap = self.cap if math.isfinite(self.cap) else None  # None: no overflow yet
+        return {**super().state(), "cap": cap, "clean": self.clean}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        cap = state.get("cap")
+        if cap is not None and (
+            isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf
+        ):
+            raise ConfigError(
+                f"rule '{self.name}': state 'cap' must be a positive number or null, got {cap!r}; "
+                "the checkpoint was not written by this rule"
+            )
+        self.cap = math.inf if cap is None else float(cap)
+        self.clean = _ints(self, state, {"clean": 0})["clean"]

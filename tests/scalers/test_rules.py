@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import autoscale
+from autoscale.errors import ConfigError
 from autoscale.scalers import FP16_MAX, StepStats
 from tests.scalers.helpers import adamw, batches, forward_loss, run, tiny_model
 
@@ -273,3 +274,65 @@ def test_amax_history_skips_the_rms_pass_unless_asked():
     plain.collect_stats = True  # switching statistics on later collects all of them
     run(model, adamw(model), plain, [(x, y)])
     assert math.isfinite(plain.last_stats.grad_amax) and math.isfinite(plain.last_stats.grad_rms)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+def test_grad_abs_is_the_unscaled_gradients_of_this_step_only(fused):
+    scaler = autoscale.get_scaler("torch", device="cpu", init_scale=2.0**10, collect_stats=True)
+    model = tiny_model()
+    opt = adamw(model, fused=fused)
+    for x, y in batches(2):
+        opt.zero_grad()
+        scaler.scale(forward_loss(model, x, y)).backward()
+        assert scaler.grad_abs(opt) is None  # nothing collected for this step yet
+        scaler.unscale_(opt)
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).abs()
+        assert torch.equal(scaler.grad_abs(opt), grads)
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.grad_abs(opt) is None  # the next step's gradients are not these
+    if fused:  # without unscale_, the fused kernel unscales: the statistics' copy is scaled
+        opt.zero_grad()
+        scaler.scale(forward_loss(model, x, y)).backward()
+        scaler.step(opt)
+        assert scaler.last_stats is not None and scaler.grad_abs(opt) is None
+        scaler.update()
+
+
+# ---------------------------------------------------------------- amax-cap
+def test_amax_cap_hand_computed():
+    scaler = autoscale.get_scaler(
+        "amax-cap", device="cpu", history_len=2, margin=2.0, growth_interval=3
+    )
+    inf_loss = dict(loss=math.inf, loss_seen=True)
+    steps = [  # (found_inf, amax, loss of the batch) -> scale
+        ((F, 1.0, {}), 2.0**13),  # no cap yet: amax-history's 2^13
+        ((T, math.inf, inf_loss), 2.0**13),  # the loss itself was inf: fails at any scale, kept
+        ((F, 0.01, {}), 2.0**13),  # history [1, .01]
+        ((F, 0.01, {}), 2.0**20),  # history [.01, .01]
+        ((T, math.inf, dict(loss=0.5, loss_seen=True)), 2.0**19),  # a gradient overflow: cap 2^19
+        ((F, 0.01, {}), 2.0**19),  # amax wants 2^20, the cap holds (clean 1 of 3)
+        ((F, 1.0, {}), 2.0**13),  # amax below the cap rules (clean 2)
+        ((F, 0.01, {}), 2.0**13),  # history [1, .01] (clean 3: the cap doubles to 2^20)
+        ((F, 0.001, {}), 2.0**20),  # history [.01, .001]: 2^20, the cap too
+        ((T, math.inf, {}), 2.0**19),  # no loss seen: an overflow counts as a gradient overflow
+    ]
+    scale = scaler.get_scale()
+    for i, ((found, amax, loss), expected) in enumerate(steps):
+        stats = StepStats(i, scale, found, grad_amax=amax, **loss)
+        scale = scaler.rule.next_scale(scale, stats)
+        assert scale == expected, f"step {i}"
+    assert scaler.rule.state() == {"history": [0.01, 0.001], "cap": 2.0**19, "clean": 0}
+
+
+def test_amax_cap_keeps_its_scale_on_batches_that_fail_at_any_scale():
+    """Real steps: a batch whose loss is inf changes nothing (torch's rule would halve), and the
+    state survives a checkpoint round trip."""
+    after, scaler = drive("amax-cap", [F, F, T, F, T, F], init_scale=2.0**8)
+    assert after[1] == after[2] and after[3] == after[4]  # the inf-loss steps kept the scale
+    assert math.isinf(scaler.rule.cap)  # no gradient overflow: no cap
+    fresh = autoscale.get_scaler("amax-cap", device="cpu")
+    fresh.load_state_dict(scaler.state_dict())
+    assert fresh.rule.state() == scaler.rule.state() and fresh.get_scale() == scaler.get_scale()
+    with pytest.raises(ConfigError, match="state .cap."):
+        fresh.rule.load_state({"history": [], "cap": -1.0, "clean": 0})
