@@ -102,6 +102,7 @@ class TrainingRun:
             self._params, lr=spec.lr, fused=self.device.type == "cuda"
         )
         self.scaler = self._make_scaler(scaler, scaler_overrides)
+        self.scaler.keep_grad_abs = True  # its statistics' copy of |g| is the census's input
         self.scaler_spec = self.scaler.spec()  # as configured, before training moves the scale
         self._census = GradientCensus()
         self.step_index = 0

@@ -237,9 +237,11 @@ def test_amax_history_on_real_steps(fused):
 
 
 # ---------------------------------------------------------------- statistics the rules read
+@pytest.mark.parametrize("keep", [False, True], ids=["per-tensor", "flat-copy"])
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
-def test_collected_amax_and_rms_are_those_of_the_unscaled_gradients(fused):
+def test_collected_amax_and_rms_are_those_of_the_unscaled_gradients(fused, keep):
     scaler = autoscale.get_scaler("torch", device="cpu", init_scale=2.0**10, collect_stats=True)
+    scaler.keep_grad_abs = keep
     model = tiny_model()
     opt = adamw(model, fused=fused)
     (x, y), (x2, y2) = batches(2)
@@ -281,6 +283,9 @@ def test_grad_abs_is_the_unscaled_gradients_of_this_step_only(fused):
     scaler = autoscale.get_scaler("torch", device="cpu", init_scale=2.0**10, collect_stats=True)
     model = tiny_model()
     opt = adamw(model, fused=fused)
+    run(model, opt, scaler, batches(1))
+    assert scaler.grad_abs(opt) is None  # not kept unless asked for: the per-tensor path is cheaper
+    scaler.keep_grad_abs = True
     for x, y in batches(2):
         opt.zero_grad()
         scaler.scale(forward_loss(model, x, y)).backward()
