@@ -600,13 +600,24 @@ class AmaxCapRule(AmaxHistoryRule):
     swing by orders of magnitude from batch to batch) are met as torch meets them, at a scale
     that leaves them room, while steady gradients get ``amax-history``'s scale.
 
+    Halving lands anywhere up to a bit below the overflow boundary (half a bit on average), and
+    the precision lost there is what a spiky workload pays for its whole run. So once the cap has
+    stayed clean for ``probe_after`` steps, it tries the geometric midpoint between itself and the
+    scale that overflowed, once: if that overflows too, the cap returns to the level that was
+    clean (instead of halving again), and the boundary is known to within half a bit either way.
+    A probe costs at most one skipped step per backoff; so does each growth, which also returns
+    to the clean level when it overflows.
+
     A step whose *loss* is non-finite failed in the forward pass, which the loss scale never
     touches, so it would fail at any scale: it changes neither the scale nor the cap (where the
     counter rules halve on every such batch and ratchet down to their minimum). Without a loss
     (``scale()`` never saw a single-element one) every overflow counts as a gradient overflow.
     """
 
-    description = "amax-history under torch's overflow cap; ignores batches whose loss is inf/nan"
+    description = (
+        "amax-history under torch's overflow cap, refined by one half-bit probe; "
+        "ignores batches whose loss is inf/nan"
+    )
     source = "autoscale: Transformer Engine DelayedScaling plus torch.amp.GradScaler's backoff"
     needs_loss = True
 
@@ -617,46 +628,93 @@ class AmaxCapRule(AmaxHistoryRule):
         margin: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
+        probe_after: int = 64,
+        capped_margin: float = 0.0,
     ) -> None:
         super().__init__(history_len=history_len, margin=margin, backoff_factor=backoff_factor)
+        capped_margin = float(capped_margin)
+        if not (math.isfinite(capped_margin) and capped_margin >= 0):
+            raise ConfigError(
+                f"capped_margin must be a non-negative number of bits, got {capped_margin!r}"
+            )
+        self.capped_margin = capped_margin
         self.growth_interval = _interval("growth_interval", growth_interval)
-        self.cap = math.inf
+        self.probe_after = _interval("probe_after", probe_after)
+        self.cap = math.inf  # no gradient overflow yet
         self.clean = 0  # clean steps in a row since the cap last changed
+        self.overflowed = math.inf  # the lowest scale that overflowed since the last backoff
+        self.safe = 0.0  # the cap's level before a probe or a growth (0: none to return to)
 
     def next_scale(self, scale: float, stats: StepStats) -> float:
         if stats.loss_nonfinite:
             return scale  # fails at any scale: nothing to learn about the scale from it
         if stats.found_inf or not math.isfinite(stats.grad_amax):
-            self.cap, self.clean = scale * self.backoff_factor, 0
+            if 0.0 < self.safe < scale:  # a probe or a growth overflowed: back to the clean level
+                self.cap = self.safe
+            else:
+                self.cap = scale * self.backoff_factor
+            self.overflowed, self.safe, self.clean = scale, 0.0, 0
             return self.cap
         if math.isfinite(self.cap):
             self.clean += 1
             if self.clean >= self.growth_interval:
-                self.cap, self.clean = self.cap * 2.0, 0
+                self.safe, self.cap, self.overflowed = self.cap, self.cap * 2.0, math.inf
+                self.clean = 0
+            elif self.clean == self.probe_after and self.overflowed > self.cap * _HALF_BIT:
+                self.safe, self.cap = self.cap, math.sqrt(self.cap * self.overflowed)
+                self.clean = 0
         if stats.grad_amax > 0:
             self.history.append(stats.grad_amax)
         if not self.history:
             return min(scale, self.cap)
         amax = max(self.history)
-        wanted = 2.0 ** math.floor(math.log2(FP16_MAX / amax) - self.margin)
+        margin = self.margin if math.isinf(self.cap) else self.capped_margin
+        wanted = 2.0 ** math.floor(math.log2(FP16_MAX / amax) - margin)
         return min(wanted, self.cap)
 
     def params(self) -> dict[str, Any]:
-        return {**super().params(), "growth_interval": self.growth_interval}
+        return {
+            **super().params(),
+            "capped_margin": self.capped_margin,
+            "growth_interval": self.growth_interval,
+            "probe_after": self.probe_after,
+        }
 
     def state(self) -> dict[str, Any]:
-        cap = self.cap if math.isfinite(self.cap) else None  # None: no overflow yet
-        return {**super().state(), "cap": cap, "clean": self.clean}
+        def finite(x: float) -> float | None:  # None: unbounded
+            return x if math.isfinite(x) else None
+
+        return {
+            **super().state(),
+            "cap": finite(self.cap),
+            "clean": self.clean,
+            "overflowed": finite(self.overflowed),
+            "safe": self.safe,
+        }
 
     def load_state(self, state: dict[str, Any]) -> None:
         super().load_state(state)
-        cap = state.get("cap")
-        if cap is not None and (
-            isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf
-        ):
+        values = {}
+        for key, unbounded in (("cap", math.inf), ("overflowed", math.inf), ("safe", 0.0)):
+            v = state.get(key)
+            if v is None and unbounded == math.inf:
+                values[key] = math.inf
+                continue
+            v = 0.0 if v is None else v
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ConfigError(
+                    f"rule '{self.name}': state '{key}' must be a non-negative number"
+                    f"{' or null' if unbounded == math.inf else ''}, got {v!r}; "
+                    "the checkpoint was not written by this rule"
+                )
+            values[key] = float(v)
+        if values["cap"] == 0.0:
             raise ConfigError(
-                f"rule '{self.name}': state 'cap' must be a positive number or null, got {cap!r}; "
+                f"rule '{self.name}': state 'cap' must be positive or null, got 0; "
                 "the checkpoint was not written by this rule"
             )
-        self.cap = math.inf if cap is None else float(cap)
+        self.cap, self.overflowed, self.safe = values["cap"], values["overflowed"], values["safe"]
         self.clean = _ints(self, state, {"clean": 0})["clean"]
+
+
+_HALF_BIT = math.sqrt(2.0) * (1.0 + 1e-9)  # a gap wider than half a bit (rounding aside)

@@ -307,27 +307,40 @@ def test_grad_abs_is_the_unscaled_gradients_of_this_step_only(fused):
 # ---------------------------------------------------------------- amax-cap
 def test_amax_cap_hand_computed():
     scaler = autoscale.get_scaler(
-        "amax-cap", device="cpu", history_len=2, margin=2.0, growth_interval=3
+        "amax-cap", device="cpu", history_len=2, margin=2.0, growth_interval=4, probe_after=2
     )
-    inf_loss = dict(loss=math.inf, loss_seen=True)
+    bad_batch = dict(loss=math.inf, loss_seen=True)
+    spike = dict(loss=0.5, loss_seen=True)  # a finite loss: the gradients overflowed
+    mid = math.sqrt(2.0**39)  # the geometric midpoint of 2^19 and 2^20
     steps = [  # (found_inf, amax, loss of the batch) -> scale
-        ((F, 1.0, {}), 2.0**13),  # no cap yet: amax-history's 2^13
-        ((T, math.inf, inf_loss), 2.0**13),  # the loss itself was inf: fails at any scale, kept
+        ((F, 1.0, {}), 2.0**13),  # no cap yet: amax-history's 2^13 (log2(65504) - 2 = 13.9997)
+        ((T, math.inf, bad_batch), 2.0**13),  # the loss itself was inf: fails at any scale, kept
         ((F, 0.01, {}), 2.0**13),  # history [1, .01]
-        ((F, 0.01, {}), 2.0**20),  # history [.01, .01]
-        ((T, math.inf, dict(loss=0.5, loss_seen=True)), 2.0**19),  # a gradient overflow: cap 2^19
-        ((F, 0.01, {}), 2.0**19),  # amax wants 2^20, the cap holds (clean 1 of 3)
-        ((F, 1.0, {}), 2.0**13),  # amax below the cap rules (clean 2)
-        ((F, 0.01, {}), 2.0**13),  # history [1, .01] (clean 3: the cap doubles to 2^20)
-        ((F, 0.001, {}), 2.0**20),  # history [.01, .001]: 2^20, the cap too
-        ((T, math.inf, {}), 2.0**19),  # no loss seen: an overflow counts as a gradient overflow
+        ((F, 0.01, {}), 2.0**20),  # history [.01, .01]: 20.64
+        ((T, math.inf, spike), 2.0**19),  # a gradient overflow at 2^20: cap 2^19
+        ((F, 0.01, {}), 2.0**19),  # under a cap the amax keeps no margin: 2^22; the cap rules
+        ((F, 1.0, {}), 2.0**15),  # clean 2: the probe, cap 2^19.5; amax 1.0 wants 2^15
+        ((F, 0.01, {}), 2.0**15),  # history [1, .01]
+        ((F, 0.01, {}), mid),  # the probe is on; the gap to 2^20 is half a bit: no more probes
+        ((T, math.inf, spike), 2.0**19),  # the probe overflowed: back to the clean 2^19, not /2
+        ((F, 0.01, {}), 2.0**19),
+        ((F, 0.01, {}), 2.0**19),  # clean 2: the gap to 2^19.5 is half a bit: no probe
+        ((F, 0.01, {}), 2.0**19),
+        ((F, 0.01, {}), 2.0**20),  # clean 4: growth, as torch's
+        ((T, math.inf, {}), 2.0**19),  # no loss seen: a gradient overflow; back to the clean level
     ]
     scale = scaler.get_scale()
     for i, ((found, amax, loss), expected) in enumerate(steps):
         stats = StepStats(i, scale, found, grad_amax=amax, **loss)
         scale = scaler.rule.next_scale(scale, stats)
         assert scale == expected, f"step {i}"
-    assert scaler.rule.state() == {"history": [0.01, 0.001], "cap": 2.0**19, "clean": 0}
+    assert scaler.rule.state() == {
+        "history": [0.01, 0.01],
+        "cap": 2.0**19,
+        "clean": 0,
+        "overflowed": 2.0**20,
+        "safe": 0.0,
+    }
 
 
 def test_amax_cap_keeps_its_scale_on_batches_that_fail_at_any_scale():
@@ -339,5 +352,7 @@ def test_amax_cap_keeps_its_scale_on_batches_that_fail_at_any_scale():
     fresh = autoscale.get_scaler("amax-cap", device="cpu")
     fresh.load_state_dict(scaler.state_dict())
     assert fresh.rule.state() == scaler.rule.state() and fresh.get_scale() == scaler.get_scale()
-    with pytest.raises(ConfigError, match="state .cap."):
+    with pytest.raises(ConfigError, match="state 'cap'"):
         fresh.rule.load_state({"history": [], "cap": -1.0, "clean": 0})
+    with pytest.raises(ConfigError, match="state 'safe'"):
+        fresh.rule.load_state({"history": [], "cap": None, "safe": "x"})
