@@ -575,9 +575,20 @@ class LossScaler(torch.amp.GradScaler):
                 sumsq = torch.full((), math.nan, device=dev)
             if inv_scale is not None:
                 amax, sumsq = amax * inv_scale, sumsq * (inv_scale * inv_scale)
+            elif flat is not None and self._collect_rms:
+                # the 2-norm of the unscaled gradients, for a caller that clips (grad_norm)
+                state["autoscale_norm"] = (self.steps, sumsq)
             # torch.full, not torch.tensor: no host-to-device copy (a stream sync on CUDA)
             count = torch.full((), float(sum(g.numel() for g in grads)), device=dev)
             state["autoscale_stats"] = torch.stack([amax, sumsq, count])
+
+    def grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The 2-norm of ``optimizer``'s unscaled gradients (a float32 device tensor, no host
+        sync) where this step's statistics computed it from the ``grad_abs`` copy; else None.
+        For a caller that clips, instead of a second pass over every gradient."""
+        state = self._per_optimizer_states.get(id(optimizer))  # get: adds no state
+        entry = state.get("autoscale_norm") if state is not None else None
+        return entry[1].sqrt() if entry is not None and entry[0] == self.steps else None
 
     def grad_abs(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """``|g|`` of ``optimizer``'s unscaled gradients, flat (float32), if this step's statistics

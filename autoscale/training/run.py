@@ -178,7 +178,12 @@ class TrainingRun:
             if watch is not None and watch.amax is not None:
                 extras.append(watch.amax.reshape(1))
         if spec.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self._params, spec.clip)
+            norm = self.scaler.grad_norm(self.optimizer)  # from the statistics' pass, if it ran
+            if norm is None:
+                torch.nn.utils.clip_grad_norm_(self._params, spec.clip)
+            else:  # clip_grad_norm_'s own arithmetic, on that norm
+                coef = torch.clamp(spec.clip / (norm + 1e-6), max=1.0)
+                torch._foreach_mul_([p.grad for p in self._params if p.grad is not None], coef)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         # The one extra host sync, after update(): where the scaler syncs with fused optimizers.
