@@ -3,8 +3,8 @@ policy folder, and what it cost (finished trials lost; the target is zero).
 
     python experiments/faults.py [--out experiments/results/faults.md] [-k EXPR]
 
-Runs ``tests/search/test_faults.py`` (real ``autoscale search`` workers on SQLite, JournalFile
-and a private PostgreSQL server: SIGKILL mid-trial, a server crash, damaged caches),
+Runs ``tests/search/test_faults.py`` (real ``autoscale search`` workers on SQLite and a private
+PostgreSQL server: SIGKILL mid-trial, a server crash, damaged caches),
 ``tests/scalers/test_publish.py`` (exports killed half-way and racing for one name, as threads
 and as processes) and ``tests/search/test_trace_cache.py`` (each kind of damaged trace) with
 pytest; each test appends its figures to a JSON-lines file, written here as a table. Tests that
