@@ -46,7 +46,7 @@ def test_interrupt_keeps_finished_trials_and_resume_continues_the_study(tmp_path
     Where the SIGINT lands in the trial loop is left to chance here; the loop's handling of each
     point (inside ask, tell, the objective) is tested deterministically in test_trials.py."""
     url, study = f"sqlite:///{tmp_path / 'autoscale.db'}", "int"
-    args = ("search", "--model", "mlp", "--budget", "2m", "--study", study, "--quiet")
+    args = ("search", "--model", "mlp", "--budget", "90s", "--study", study, "--quiet")
     proc = spawn(*args, cwd=tmp_path)
     deadline = time.monotonic() + 180  # the search's own budget ends it first
     while proc.poll() is None and time.monotonic() < deadline and _complete_count(url, study) < 3:
