@@ -499,6 +499,8 @@ class LossScaler(torch.amp.GradScaler):
             )
         self.rule.load_state(ours["rule_state"])
         self.controller.load_counters(counters)
+        for buf in self._flat.values():  # its step number may come back: not these gradients
+            buf.forget()
         saved = (ours.get("min_scale"), ours.get("max_scale"))
         if saved != (None, None) and saved != (self.min_scale, self.max_scale):
             warnings.warn(
@@ -511,6 +513,7 @@ class LossScaler(torch.amp.GradScaler):
         state = super().__getstate__()
         state["_loss_sum"] = None
         state["_last_stepped"] = []
+        state["_flat"] = {}  # gradient-sized buffers keyed by optimizers of this process
         return state
 
     def __repr__(self) -> str:
@@ -533,6 +536,8 @@ class LossScaler(torch.amp.GradScaler):
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._loss_sum = None
         self._loss_count = 0
+        for buf in self._flat.values():  # grad_abs answers for the step that filled it only
+            buf.forget()
 
     def _collect_grad_stats(
         self, optimizer: torch.optim.Optimizer, inv_scale: float | None
@@ -575,7 +580,16 @@ class LossScaler(torch.amp.GradScaler):
                 sumsq = torch.full((), math.nan, device=dev)
             if inv_scale is not None:
                 amax, sumsq = amax * inv_scale, sumsq * (inv_scale * inv_scale)
-            elif flat is not None and self._collect_rms:
+            elif (
+                flat is not None
+                and self._collect_rms
+                and not any(
+                    p.grad.is_sparse
+                    for group in optimizer.param_groups
+                    for p in group["params"]
+                    if p.grad is not None
+                )
+            ):  # (an uncoalesced sparse gradient's values repeat indices: no norm of it here)
                 # the 2-norm of the unscaled gradients, for a caller that clips (grad_norm)
                 state["autoscale_norm"] = (self.steps, sumsq)
             # torch.full, not torch.tensor: no host-to-device copy (a stream sync on CUDA)
@@ -757,6 +771,10 @@ class FlatAbs:
             self.buffer.abs_()
         self._step = step if unscaled else None
         return self.buffer
+
+    def forget(self) -> None:
+        """The buffer no longer holds the current step's gradients (the step ended)."""
+        self._step = None
 
     def current(self, step: int) -> torch.Tensor | None:
         """The buffer if it holds the unscaled gradients of ``step``, else None."""

@@ -660,7 +660,11 @@ class AmaxCapRule(AmaxHistoryRule):
             if self.clean >= self.growth_interval:
                 self.safe, self.cap, self.overflowed = self.cap, self.cap * 2.0, math.inf
                 self.clean = 0
-            elif self.clean == self.probe_after and self.overflowed > self.cap * _HALF_BIT:
+            elif (
+                self.clean == self.probe_after
+                and math.isfinite(self.overflowed)  # after a growth nothing overflowed yet
+                and self.overflowed > self.cap * _HALF_BIT
+            ):
                 self.safe, self.cap = self.cap, math.sqrt(self.cap * self.overflowed)
                 self.clean = 0
         if stats.grad_amax > 0:
@@ -717,4 +721,5 @@ class AmaxCapRule(AmaxHistoryRule):
         self.clean = _ints(self, state, {"clean": 0})["clean"]
 
 
-_HALF_BIT = math.sqrt(2.0) * (1.0 + 1e-9)  # a gap wider than half a bit (rounding aside)
+# a gap wider than half a bit; the tolerance covers the float32 rounding of the scale
+_HALF_BIT = math.sqrt(2.0) * (1.0 + 1e-6)

@@ -76,7 +76,8 @@ class GradientCensus:
         flat = self._abs
         limit = min_normal / scale
         limit = limit if limit <= _F32_MAX else math.inf  # beyond float32: every finite |g|
-        bound = struct.unpack("<i", struct.pack("<f", limit))[0]
+        # at least 1: a limit that rounds to 0 in float32 has no non-zero |g| below it
+        bound = max(struct.unpack("<i", struct.pack("<f", limit))[0], 1)
         # |g| >= 0, so float order is the order of the bit patterns: integer ops, which CPUs
         # vectorize better than float compares into bool (NaN's pattern is above every bound).
         # clamp(bits, bound-1, bound) - (bound-1) is 1 where |g| >= limit, else 0 (in the step,

@@ -296,6 +296,7 @@ def test_grad_abs_is_the_unscaled_gradients_of_this_step_only(fused):
         scaler.step(opt)
         scaler.update()
         assert scaler.grad_abs(opt) is None  # the next step's gradients are not these
+        assert scaler.grad_norm(opt) is None
     if fused:  # without unscale_, the fused kernel unscales: the statistics' copy is scaled
         opt.zero_grad()
         scaler.scale(forward_loss(model, x, y)).backward()
@@ -341,6 +342,22 @@ def test_amax_cap_hand_computed():
         "overflowed": 2.0**20,
         "safe": 0.0,
     }
+
+
+def test_amax_cap_probes_only_below_a_scale_that_overflowed():
+    """After a growth nothing has overflowed above the cap: no probe (a probe toward an unknown
+    boundary would be a jump to infinity), and the cap holds."""
+    rule = autoscale.get_scaler("amax-cap", device="cpu", growth_interval=3, probe_after=1).rule
+    scale = rule.next_scale(2.0**10, StepStats(0, 2.0**10, True, grad_amax=math.inf))
+    scales = [scale]
+    for i in range(1, 7):  # tiny gradients: amax-history alone would want 2^25
+        scale = rule.next_scale(scale, StepStats(i, scale, False, grad_amax=1e-3))
+        scales.append(scale)
+    # backoff 2^9; probe 2^9.5 (the gap to 2^10 is then half a bit); growth to 2^10.5 at clean 3
+    assert scales[:5] == [2.0**9, math.sqrt(2.0**19), math.sqrt(2.0**19), math.sqrt(2.0**19),
+                          math.sqrt(2.0**21)]  # fmt: skip
+    assert scales[5:] == [math.sqrt(2.0**21)] * 2 and math.isfinite(rule.cap)  # no probe at 5
+    assert math.isinf(rule.overflowed) and rule.safe == math.sqrt(2.0**19)
 
 
 def test_amax_cap_keeps_its_scale_on_batches_that_fail_at_any_scale():

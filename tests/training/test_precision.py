@@ -121,6 +121,10 @@ def test_underflow_counts_integer_compare_agrees_with_float_compare():
         nonzero = int((flat != 0).sum())
         below = int(((flat < limit) & (flat != 0)).sum())
         assert census.underflow_counts(scale).tolist() == [below, nonzero], scale
+    # bf16/fp32's normal minimum 2^-126 at a scale of 2^24: the limit rounds to 0 in float32,
+    # and no non-zero |g| is below it (zeros are not counted either way)
+    census.load([torch.tensor([0.0, -0.0, 1e-30, 1.0])])
+    assert census.underflow_counts(2.0**24, min_normal=2.0**-126).tolist() == [0, 2]
 
 
 def test_run_counts_on_the_scalers_copy_of_the_gradients():
