@@ -111,6 +111,7 @@ def drive_episode(env: ScaleEnvBase, scaler: LossScaler, instance: str, offset: 
         options["offset"] = offset
     _, info = env.reset(options=options)
     controller = scaler.controller
+    env.set_guard(controller.rule)  # a rule that guards each step does so here too
     scale = controller.start(info["scale"], env.features.state_dict())
     advance, step = env.advance_at, controller.step  # step_at's bookkeeping, without observations
     while not advance(scale):

@@ -11,7 +11,7 @@ from gymnasium import spaces
 
 from autoscale.envs.spec import EnvSpec, InstanceSpec, RewardWeights, load_env_spec
 from autoscale.scalers.features import FEATURE_BOUND, N_FEATURES, FeatureExtractor, FrameStack
-from autoscale.scalers.rule import ScaleBounds, StepStats
+from autoscale.scalers.rule import ScaleBounds, ScaleRule, StepStats
 
 __all__ = ["ScaleEnvBase", "step_reward"]
 
@@ -77,6 +77,13 @@ class ScaleEnvBase(gym.Env):
         self._nonfinite_run = 0
         self.last_stats: StepStats | None = None
         self.hit_min = False  # an overflow at the minimum scale this episode
+        self.guard_rule: ScaleRule | None = None  # whose per-step guard the steps apply
+
+    def set_guard(self, rule: ScaleRule | None) -> None:
+        """Apply ``rule``'s per-step guard (:meth:`ScaleRule.guard_limit`) to the steps taken from
+        now on, as a scaler hosting that rule does (None: no guard). Drivers that step the env
+        with a rule's decisions set it; agents choose the scale alone."""
+        self.guard_rule = rule if getattr(rule, "has_guard", False) else None
 
     # ------------------------------------------------------------------ gymnasium API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -142,7 +149,7 @@ class ScaleEnvBase(gym.Env):
         stats, precision, diverged = self._advance(scale)
         self.last_stats = stats
         found_inf = stats.found_inf
-        if found_inf and scale <= self.bounds.min_scale:  # ScaleBounds.overflow_at_min
+        if found_inf and stats.scale <= self.bounds.min_scale:  # ScaleBounds.overflow_at_min
             self.hit_min = True
         self._t += 1
         self._nonfinite_run = self._nonfinite_run + 1 if stats.loss_nonfinite else 0

@@ -122,6 +122,7 @@ class LossScaleEnv(ScaleEnvBase):
     def _advance(self, scale: float) -> tuple[StepStats, float, bool]:
         t0 = time.perf_counter()
         self.run.scaler.set_scale(scale)
+        self.run.scaler.guard_rule = self.guard_rule  # the scaler lowers the step's scale itself
         rec = self.run.step()
         self._wall += time.perf_counter() - t0
         self.records.append(rec)

@@ -13,7 +13,7 @@ from autoscale.envs.base import ScaleEnvBase
 from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.errors import ConfigError
-from autoscale.scalers.rule import StepStats
+from autoscale.scalers.rule import StepStats, guarded_scale
 
 __all__ = ["ReplayEnv", "precision_table"]
 
@@ -66,13 +66,14 @@ def _plain_defaults(cls: type, filled: tuple[str, ...]) -> dict[str, Any] | None
 
 
 def _stats_maker() -> Callable[..., StepStats]:
-    """``make(step, scale, found_inf, grad_amax, grad_rms, loss, loss_seen)`` == ``StepStats(...)``."""
-    names = ("step", "scale", "found_inf", "grad_amax", "grad_rms", "loss", "loss_seen")
+    """``make(step, scale, found_inf, grad_amax, grad_rms, loss, loss_seen[, guarded])`` ==
+    ``StepStats(...)``."""
+    names = ("step", "scale", "found_inf", "grad_amax", "grad_rms", "loss", "loss_seen", "guarded")
     if _plain_defaults(StepStats, names) != {}:
         return StepStats
     new, set_dict = object.__new__, object.__setattr__
 
-    def make(step, scale, found_inf, grad_amax, grad_rms, loss, loss_seen):
+    def make(step, scale, found_inf, grad_amax, grad_rms, loss, loss_seen, guarded=False):
         obj = new(StepStats)
         set_dict(
             obj,
@@ -85,6 +86,7 @@ def _stats_maker() -> Callable[..., StepStats]:
                 "grad_rms": grad_rms,
                 "loss": loss,
                 "loss_seen": loss_seen,
+                "guarded": guarded,
             },
         )
         return obj
@@ -259,13 +261,19 @@ class ReplayEnv(ScaleEnvBase):
         # _stats inlined, with log2(scale) taken once: this runs once a replayed step
         _, table, cols = self._cur
         i = self._offset + self._t
-        log2_scale = math.log2(scale)
         loss = cols["loss"][i]
+        guarded = False
+        if self.guard_rule is not None:  # the rule's per-step guard, from the step's loss
+            step_scale = guarded_scale(scale, loss, self.guard_rule.guard_limit(), self.min_scale)
+            scale, guarded = step_scale, step_scale < scale
+        log2_scale = math.log2(scale)
         if cols["nonfinite"][i] or log2_scale > cols["threshold"][i]:
-            stats = _make_stats(i, scale, True, math.inf, math.inf, loss, True)
+            stats = _make_stats(i, scale, True, math.inf, math.inf, loss, True, guarded)
             precision = math.nan
         else:
-            stats = _make_stats(i, scale, False, cols["amax"][i], cols["rms"][i], loss, True)
+            stats = _make_stats(
+                i, scale, False, cols["amax"][i], cols["rms"][i], loss, True, guarded
+            )
             pos = min(max(log2_scale - TABLE_LO, 0.0), TABLE_HI - TABLE_LO)
             lo = int(pos)
             row = table[i]

@@ -136,6 +136,11 @@ class SuiteEnv(gym.Env):
     def step(self, action):
         return self._delegate(self._env().step(action))
 
+    def set_guard(self, rule) -> None:
+        """Apply ``rule``'s per-step guard in every member (see :meth:`ScaleEnvBase.set_guard`)."""
+        for env in self.envs.values():
+            env.set_guard(rule)
+
     def step_at(self, scale: float):
         """Take the next step at ``scale`` (see :meth:`ScaleEnvBase.step_at`)."""
         return self._delegate(self._env().step_at(scale))

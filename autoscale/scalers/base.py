@@ -138,6 +138,10 @@ class LossScaler(torch.amp.GradScaler):
         self._last_stepped: list[dict[str, Any]] = []
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
+        # the rule whose per-step guard this scaler applies (None: its own; an environment that
+        # drives a static scaler by another rule's decisions sets that rule here)
+        self.guard_rule: ScaleRule | None = None
+        self._guarded = False  # this step's guard ran: _scale holds the step's scale
         # keep_grad_abs: CPU statistics from |g| of each optimizer's gradients copied into a flat
         # buffer kept between steps, for an instrument that reads them too (grad_abs)
         self.keep_grad_abs = False
@@ -244,7 +248,11 @@ class LossScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ GradScaler overrides
     def scale(self, outputs):  # noqa: D401 - same contract as GradScaler.scale
-        """Multiply a loss (or tensors) by the current scale; also remembers the loss."""
+        """Multiply a loss (or tensors) by the current scale; also remembers the loss.
+
+        With a rule that guards each step (``has_guard``), the first loss of a step may lower
+        that step's scale (on the device, no host sync; the losses of later micro-batches take
+        the same scale)."""
         if self._enabled and isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
             # as few ops as possible on the hot path: float32 only when losses accumulate
             loss = outputs.detach()
@@ -255,7 +263,36 @@ class LossScaler(torch.amp.GradScaler):
             else:
                 self._loss_sum = self._loss_sum.float() + loss.float()
             self._loss_count += 1
+            if not self._guarded:
+                self._guard(loss)
         return super().scale(outputs)
+
+    def _guard(self, loss: torch.Tensor) -> None:
+        """Lower this step's scale to the rule's guard (see ScaleRule.guard_limit), on the device:
+        the largest power of two S with S * |loss| <= limit where that is below the scale the
+        rule set, never below the minimum; a non-finite loss keeps the set scale. Under
+        torch.distributed the ranks agree on the largest |loss| first, so that they scale alike."""
+        rule = self.guard_rule if self.guard_rule is not None else self.rule
+        if not rule.has_guard:
+            return
+        limit = rule.guard_limit()
+        if limit is None:
+            return
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(loss.device)
+        dev = self._scale.device
+        exact = torch.float32 if dev.type == "mps" else torch.float64  # MPS has no float64
+        mag = loss.to(dev, exact).abs()
+        group = self._group()
+        if group is not None:  # a NaN on any rank: every rank keeps the set scale
+            mag = torch.nan_to_num(mag, nan=math.inf)
+            dist.all_reduce(mag, op=dist.ReduceOp.MAX, group=group)
+        # few ops, in place: this runs every step. A non-finite |loss| becomes 0, so the quotient
+        # is inf and the clamp keeps the set scale; a zero loss gives inf too
+        g = torch.div(limit, mag.nan_to_num_(nan=0.0, posinf=0.0))
+        g.log2_().floor_().exp2_().clamp_(min=self.min_scale, max=self._host_scale)
+        self._scale.copy_(g)
+        self._guarded = True
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
@@ -284,7 +321,10 @@ class LossScaler(torch.amp.GradScaler):
         through it), so GradScaler's separate found-inf pass over every gradient is skipped. The
         flag lives on the scale's device, where GradScaler's fused path gathers it anyway.
         """
-        self._collect_grad_stats(optimizer, inv_scale=1.0 / self._host_scale)
+        inv = (  # a guarded step's scale is on the device only
+            self._scale.double().reciprocal().float() if self._guarded else 1.0 / self._host_scale
+        )
+        self._collect_grad_stats(optimizer, inv_scale=inv)
         state = self._per_optimizer_states[id(optimizer)]
         amax = state["autoscale_stats"][0]
         state["found_inf_per_device"] = {
@@ -320,6 +360,7 @@ class LossScaler(torch.amp.GradScaler):
             self._agree(state)
         self._read(states)
         host = [s["autoscale_host"] for s in states]
+        used = next((s["autoscale_used"] for s in states if "autoscale_used" in s), None)
         found = any(h[0] for h in host)
         amax = max((h[1] for h in host), default=math.nan)
         sumsq = sum(h[2] for h in host)
@@ -338,12 +379,13 @@ class LossScaler(torch.amp.GradScaler):
             )
         stats = StepStats(
             self.steps,
-            self._host_scale,
+            self._host_scale if used is None else used,
             bool(found),
             amax,
             rms,
             math.nan if loss is None else loss,
             loss is not None,
+            used is not None and used < self._host_scale,
         )
         self.last_stats = stats
         try:
@@ -524,7 +566,7 @@ class LossScaler(torch.amp.GradScaler):
     def _set_scale(self, value: float) -> None:
         if self._scale is None:
             self._init_scale = value
-        elif value != self._host_scale:  # most steps keep the scale: no op then
+        elif value != self._host_scale or self._guarded:  # most steps keep it: no op then
             self._scale.fill_(value)
         self._host_scale = value
 
@@ -536,6 +578,7 @@ class LossScaler(torch.amp.GradScaler):
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._loss_sum = None
         self._loss_count = 0
+        self._guarded = False
         for buf in self._flat.values():  # grad_abs answers for the step that filled it only
             buf.forget()
 
@@ -686,8 +729,11 @@ class LossScaler(torch.amp.GradScaler):
         self._loss_sum, self._loss_count = None, 0
         stats = state.get("autoscale_stats") if self.collect_stats else None
         group = self._group()
+        guarded = self._guarded  # the step's own scale travels with the flag (last element)
         if group is None:  # as few ops as possible: this runs every step
             parts = [flag] + ([] if loss is None else [loss.to(dev).float()])
+            if guarded:
+                parts.append(self._scale)
             vec = (
                 torch.stack(parts)
                 if stats is None
@@ -698,6 +744,7 @@ class LossScaler(torch.amp.GradScaler):
                 stats is not None,
                 n_loss if loss is not None else 0,
                 False,
+                guarded,
             )
             return
         if stats is None:
@@ -705,6 +752,7 @@ class LossScaler(torch.amp.GradScaler):
         total = torch.zeros((), device=dev) if loss is None else loss.to(dev).float()
         local = torch.cat(
             [flag.reshape(1), stats, total.reshape(1), torch.full((1,), float(n_loss), device=dev)]
+            + ([self._scale.reshape(1)] if guarded else [])
         )
         # every rank takes the same decision: found-inf and amax by MAX (a NaN amax, from the
         # gradients of an overflowing rank, counts as inf), the rest by SUM; one all_gather
@@ -713,9 +761,13 @@ class LossScaler(torch.amp.GradScaler):
         rows = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(rows, local, group=group)
         table = torch.stack(rows)
-        vec = torch.cat([table[:, :2].amax(0), table[:, 2:].sum(0)])
+        # (a guarded step's scale, last, is the same on every rank: the loss was agreed)
+        vec = torch.cat(
+            [table[:, :2].amax(0), table[:, 2:6].sum(0)]
+            + ([table[:, 6:].amax(0)] if guarded else [])
+        )
         state["autoscale_vec"] = vec
-        state["autoscale_layout"] = (True, -1, True)
+        state["autoscale_layout"] = (True, -1, True, guarded)
         if state["found_inf_per_device"]:  # what GradScaler and fused kernels read: the agreed flag
             state["found_inf_per_device"] = {dev: vec[0].clone()}
 
@@ -731,7 +783,9 @@ class LossScaler(torch.amp.GradScaler):
         for s, v in zip(todo, vecs):
             n = v.numel()
             row, i = flat[i : i + n], i + n
-            with_stats, n_loss, distributed = s["autoscale_layout"]
+            with_stats, n_loss, distributed, guarded = s["autoscale_layout"]
+            if guarded:
+                s["autoscale_used"], row = row[-1], row[:-1]
             if distributed:  # [found, amax, sumsq, count, loss_sum, loss_count], all ranks
                 s["autoscale_host"] = (row[0] > 0, row[1], row[2], row[3], row[4], row[5])
                 continue

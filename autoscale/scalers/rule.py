@@ -24,6 +24,7 @@ from autoscale.errors import ConfigError, MinimumLossScaleError
 __all__ = [
     "ScaleRule",
     "ScaleBounds",
+    "guarded_scale",
     "ScaleController",
     "StepStats",
     "FP16_MAX",
@@ -74,6 +75,23 @@ def positive_finite(name: str, value: Any) -> float:
     return out
 
 
+def guarded_scale(scale: float, loss: float, limit: float | None, min_scale: float) -> float:
+    """The scale a step with ``loss`` takes under a rule's guard ``limit`` (see
+    :meth:`ScaleRule.guard_limit`): ``scale``, or the largest power of two ``S`` with
+    ``S * |loss| <= limit`` where that is lower (never below ``min_scale``). The host twin of
+    what :class:`~autoscale.scalers.base.LossScaler` computes on the device; the environments
+    use it."""
+    if limit is None or loss != loss or loss == 0:
+        return scale
+    ratio = limit / abs(loss)
+    if not ratio < math.inf:  # an infinite loss gives 0 here; a tiny one, inf
+        return scale
+    if ratio <= 0:
+        return scale
+    g = 2.0 ** math.floor(math.log2(ratio))
+    return max(g, min_scale) if g < scale else scale
+
+
 @dataclass(frozen=True)
 class StepStats:
     """What one optimizer step looked like, as the scale rule and the feature extractor see it.
@@ -88,6 +106,8 @@ class StepStats:
         loss: Mean of the unscaled losses passed to ``scale()`` this step (``nan`` if none was a
             single-element tensor). A non-finite loss means the batch fails at any scale.
         loss_seen: Whether ``scale()`` received a single-element loss this step.
+        guarded: The rule's per-step guard (:meth:`ScaleRule.guard_limit`) lowered this step's
+            scale below the one the rule set at the last update: ``scale`` is the lowered one.
     """
 
     step: int
@@ -97,6 +117,7 @@ class StepStats:
     grad_rms: float = math.nan
     loss: float = math.nan
     loss_seen: bool = False
+    guarded: bool = False
 
     @property
     def loss_nonfinite(self) -> bool:
@@ -124,6 +145,8 @@ class ScaleRule:
         needs_rms: With ``needs_stats``, whether ``grad_rms`` is read (False spares a pass).
         needs_loss: :meth:`next_scale` reads ``loss`` (under DDP each rank's loss differs, so it
             is agreed across ranks even when the gradients are identical).
+        has_guard: :meth:`guard_limit` may return a limit: the scale of each step is lowered, on
+            the device when the loss is scaled, to keep ``scale * |loss|`` under it.
         default_init_scale, default_min_scale, default_max_scale: The scale bounds a scaler of this
             rule gets unless the user gives others.
     """
@@ -134,6 +157,7 @@ class ScaleRule:
     needs_stats: ClassVar[bool] = False
     needs_rms: ClassVar[bool] = True
     needs_loss: ClassVar[bool] = False
+    has_guard: ClassVar[bool] = False
     default_init_scale: ClassVar[float] = 2.0**16
     default_min_scale: ClassVar[float] = 2.0**-24
     default_max_scale: ClassVar[float] = 2.0**64
@@ -146,6 +170,18 @@ class ScaleRule:
             stats: This step's record (found-inf flag; gradient statistics when ``needs_stats``).
         """
         raise NotImplementedError
+
+    def guard_limit(self) -> float | None:
+        """The largest ``scale * |loss|`` the next step may take, or None (no guard).
+
+        Where a rule has one (``has_guard``), the scaler lowers the next step's scale, when its
+        loss is scaled, to the largest power of two ``S`` with ``S * |loss| <= limit`` if that is
+        below the scale :meth:`next_scale` set (never below the minimum; a non-finite loss keeps
+        the set scale): a loss the rule foresees to make larger gradients gets a smaller scale for
+        that step only. The step's :class:`StepStats` then carry the lowered scale and
+        ``guarded``. Read once per step, after :meth:`next_scale`.
+        """
+        return None
 
     def backs_off_on_overflow(self) -> bool:
         """Whether an overflow now would lower the scale (False while hysteresis or a tolerance

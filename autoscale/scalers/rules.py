@@ -8,9 +8,10 @@ including their quirks, since learned policies are measured against them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
-from typing import Any
+from typing import Any, ClassVar
 
 from autoscale.errors import ConfigError
 from autoscale.scalers.registry import register_loss_scaler
@@ -45,6 +46,14 @@ def _backoff(value: float) -> float:
             f"backoff factor must be in (0, 1) (it multiplies the scale on overflow), got {value!r}"
         )
     return value
+
+
+def _bits(name: str, value: float) -> float:
+    """A margin in bits: a non-negative finite number."""
+    out = float(value)
+    if not (math.isfinite(out) and out >= 0):
+        raise ConfigError(f"{name} must be a non-negative number of bits, got {out!r}")
+    return out
 
 
 def _interval(name: str, value: int) -> int:
@@ -549,10 +558,7 @@ class AmaxHistoryRule(ScaleRule):
         self, *, history_len: int = 16, margin: float = 2.0, backoff_factor: float = 0.5
     ) -> None:
         self.history_len = _interval("history_len", history_len)
-        margin = float(margin)
-        if not (math.isfinite(margin) and margin >= 0):
-            raise ConfigError(f"margin must be a non-negative number of bits, got {margin!r}")
-        self.margin = margin
+        self.margin = _bits("margin", margin)
         self.backoff_factor = _backoff(backoff_factor)
         self.history: deque[float] = deque(maxlen=self.history_len)
 
@@ -632,18 +638,14 @@ class AmaxCapRule(AmaxHistoryRule):
         capped_margin: float = 0.0,
     ) -> None:
         super().__init__(history_len=history_len, margin=margin, backoff_factor=backoff_factor)
-        capped_margin = float(capped_margin)
-        if not (math.isfinite(capped_margin) and capped_margin >= 0):
-            raise ConfigError(
-                f"capped_margin must be a non-negative number of bits, got {capped_margin!r}"
-            )
-        self.capped_margin = capped_margin
+        self.capped_margin = _bits("capped_margin", capped_margin)
         self.growth_interval = _interval("growth_interval", growth_interval)
         self.probe_after = _interval("probe_after", probe_after)
         self.cap = math.inf  # no gradient overflow yet
         self.clean = 0  # clean steps in a row since the cap last changed
         self.overflowed = math.inf  # the lowest scale that overflowed since the last backoff
         self.safe = 0.0  # the cap's level before a probe or a growth (0: none to return to)
+        self.binding = False  # whether the cap set the last scale (read by rules that regrow)
 
     def next_scale(self, scale: float, stats: StepStats) -> float:
         if stats.loss_nonfinite:
@@ -651,21 +653,26 @@ class AmaxCapRule(AmaxHistoryRule):
         if stats.found_inf or not math.isfinite(stats.grad_amax):
             if 0.0 < self.safe < scale:  # a probe or a growth overflowed: back to the clean level
                 self.cap = self.safe
+                self._probe_failed()
             else:
                 self.cap = scale * self.backoff_factor
             self.overflowed, self.safe, self.clean = scale, 0.0, 0
             return self.cap
         if math.isfinite(self.cap):
             self.clean += 1
+            wait = self._probe_wait()
             if self.clean >= self.growth_interval:
                 self.safe, self.cap, self.overflowed = self.cap, self.cap * 2.0, math.inf
                 self.clean = 0
             elif (
-                self.clean == self.probe_after
+                self.clean >= wait
                 and math.isfinite(self.overflowed)  # after a growth nothing overflowed yet
                 and self.overflowed > self.cap * _HALF_BIT
             ):
                 self.safe, self.cap = self.cap, math.sqrt(self.cap * self.overflowed)
+                self.clean = 0
+            elif self.regrows and self.binding and self.clean >= wait:  # try above the boundary
+                self.safe, self.cap, self.overflowed = self.cap, self.cap * 2.0, math.inf
                 self.clean = 0
         if stats.grad_amax > 0:
             self.history.append(stats.grad_amax)
@@ -674,7 +681,17 @@ class AmaxCapRule(AmaxHistoryRule):
         amax = max(self.history)
         margin = self.margin if math.isinf(self.cap) else self.capped_margin
         wanted = 2.0 ** math.floor(math.log2(FP16_MAX / amax) - margin)
+        self.binding = wanted >= self.cap  # the cap, not the amax, sets the scale
         return min(wanted, self.cap)
+
+    regrows: ClassVar[bool] = False  # try above a known boundary again, after _probe_wait()
+
+    def _probe_wait(self) -> int:
+        """Clean steps under the cap before it is probed."""
+        return self.probe_after
+
+    def _probe_failed(self) -> None:
+        """A probe or a growth of the cap overflowed (it is back at its clean level)."""
 
     def params(self) -> dict[str, Any]:
         return {
@@ -723,3 +740,139 @@ class AmaxCapRule(AmaxHistoryRule):
 
 # a gap wider than half a bit; the tolerance covers the float32 rounding of the scale
 _HALF_BIT = math.sqrt(2.0) * (1.0 + 1e-6)
+
+
+@register_loss_scaler("amax-loss")
+class AmaxLossRule(AmaxCapRule):
+    """``amax-cap`` that reads each step's loss before its backward pass, and regrows its cap.
+
+    Spiky losses (preference/DPO-style log-sigmoids, rare hard batches) make gradients whose size
+    follows the loss: measured on the suite's preference members, log2 of the gradient amax
+    follows log2 |loss| with slope about 1 (``experiments/results/preference_anatomy.md``). A
+    scale that suits the quiet steps overflows on the spikes, and a scale that suits the spikes
+    (torch's, and ``amax-cap``'s cap) leaves the quiet steps' gradients below fp16's normal range.
+
+    So the rule keeps the largest gradient amax per unit of loss of the last ``guard_history``
+    clean steps, and the scaler lowers each step's scale, on the device when the loss is scaled
+    (no host sync), to keep the step's foreseen amax ``guard_margin`` bits below fp16's maximum:
+    a spike gets a smaller scale for that step only (:meth:`guard_limit`). A guarded step that
+    still overflows raises the amax per loss it remembers and leaves the cap alone; other
+    overflows set the cap as ``amax-cap`` does.
+
+    A cap set by spikes the guard now absorbs would hold the quiet steps down for
+    ``growth_interval`` steps; so after ``probe_after`` clean steps the cap is probed (towards a
+    known overflow half a bit away, else, while the cap and not the amax sets the scale, one bit
+    above it), and each probe that overflows doubles the wait before the next, up to
+    ``growth_interval``: in a long run the probes cost a few skipped steps, then one per
+    ``growth_interval`` steps, as torch's growth does.
+    """
+
+    description = (
+        "amax-cap, each step's scale lowered on the device to fit its loss; regrows its cap "
+        "with backoff"
+    )
+    source = "autoscale: amax-cap plus a loss-proportional per-step guard"
+    has_guard = True
+    regrows = True
+
+    def __init__(
+        self,
+        *,
+        history_len: int = 16,
+        margin: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        probe_after: int = 16,
+        capped_margin: float = 0.0,
+        guard_history: int = 16,
+        guard_margin: float = 1.0,
+    ) -> None:
+        super().__init__(
+            history_len=history_len,
+            margin=margin,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            probe_after=probe_after,
+            capped_margin=capped_margin,
+        )
+        self.guard_margin = _bits("guard_margin", guard_margin)
+        self.guard_history = _interval("guard_history", guard_history)
+        self.ratios: deque[float] = deque(maxlen=self.guard_history)  # gradient amax per |loss|
+        self.wait = self.probe_after  # clean steps before the next probe of the cap
+        self.base = math.nan  # the scale next_scale set last (before any guard)
+
+    def guard_limit(self) -> float | None:
+        if not self.ratios:
+            return None
+        return FP16_MAX * 2.0**-self.guard_margin / max(self.ratios)
+
+    def _probe_wait(self) -> int:
+        return self.wait
+
+    def _probe_failed(self) -> None:
+        self.wait = min(2 * self.wait, self.growth_interval)
+
+    def next_scale(self, scale: float, stats: StepStats) -> float:
+        base = self.base if self.base == self.base else scale
+        loss = abs(stats.loss) if stats.loss_seen else math.nan
+        usable = 0.0 < loss < math.inf
+        if stats.found_inf or not math.isfinite(stats.grad_amax):
+            if stats.guarded and usable:
+                # the guard's foresight fell short: this loss needed at least twice the room
+                self.ratios.append(2.0 * FP16_MAX / (scale * loss))
+                self.base = base
+                return base
+        elif usable and stats.grad_amax > 0:
+            self.ratios.append(stats.grad_amax / loss)
+            if stats.guarded:  # its loss explains its gradients: no amax for the quiet steps
+                stats = dataclasses.replace(stats, grad_amax=0.0)
+        self.base = super().next_scale(base if stats.guarded else scale, stats)
+        return self.base
+
+    def params(self) -> dict[str, Any]:
+        return {
+            **super().params(),
+            "guard_history": self.guard_history,
+            "guard_margin": self.guard_margin,
+        }
+
+    def state(self) -> dict[str, Any]:
+        return {
+            **super().state(),
+            "ratios": [float(r) for r in self.ratios],
+            "wait": self.wait,
+            "base": None if self.base != self.base else self.base,
+            "binding": self.binding,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        ratios = state.get("ratios", [])
+        if not isinstance(ratios, list) or not all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < math.inf
+            for r in ratios
+        ):
+            raise ConfigError(
+                f"rule '{self.name}': state 'ratios' must be a list of positive numbers, got "
+                f"{ratios!r}; the checkpoint was not written by this rule"
+            )
+        base = state.get("base")
+        if base is not None and (
+            isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < math.inf
+        ):
+            raise ConfigError(
+                f"rule '{self.name}': state 'base' must be a positive number or null, got "
+                f"{base!r}; the checkpoint was not written by this rule"
+            )
+        binding = state.get("binding", False)
+        if not isinstance(binding, bool):
+            raise ConfigError(
+                f"rule '{self.name}': state 'binding' must be true or false, got {binding!r}; "
+                "the checkpoint was not written by this rule"
+            )
+        self.binding = binding
+        self.ratios = deque((float(r) for r in ratios), maxlen=self.guard_history)
+        self.base = math.nan if base is None else float(base)
+        self.wait = min(
+            max(_ints(self, state, {"wait": self.probe_after})["wait"], 1), self.growth_interval
+        )

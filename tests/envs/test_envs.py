@@ -8,7 +8,7 @@ from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 import autoscale.envs  # noqa: F401  (registers the env ids)
 from autoscale.agents.evaluate import drive_episode, scaler_for
-from autoscale.envs import LossScaleEnv, ReplayEnv, Trace
+from autoscale.envs import LossScaleEnv, ReplayEnv, Trace, load_env_spec
 from autoscale.errors import ConfigError, UnknownNameError
 from autoscale.scalers.features import N_FEATURES
 
@@ -167,3 +167,42 @@ def test_replay_starts_instances_where_the_real_env_does(tiny_spec, tiny_trace):
         assert info_real["scale"] == info_replay["scale"]
         np.testing.assert_array_equal(obs_real, obs_replay)
     assert obs_real[10] > 0  # the warm-up steps are in the features (progress), in both
+
+
+def test_a_guarding_rule_through_env_matches_autoscale_run():
+    """amax-loss lowers the scale of single steps from their loss: the real env applies the same
+    guard the scaler does (same scales, same skips, same guarded steps), and replay applies it
+    from the recorded loss."""
+    from autoscale.training import TrainingRun
+
+    spec = load_env_spec(
+        {
+            "name": "spiky",
+            "workload": {
+                "model": "mlp",
+                "scenario": "preference",
+                "scenario_params": {"beta": 50},
+                "dtype": "fp16",
+            },  # fmt: skip
+            "episode": {"steps": 48, "init_scale": 65536, "min_scale": 1.0, "max_scale": 2**40},
+            "instances": {"train": [{"seed": 0}], "test": [{"seed": 3}]},
+        }
+    )
+    env = LossScaleEnv(spec, instances="test")
+    card, records = drive_episode(env, scaler_for("amax-loss", spec), "test-s3-t0")
+    run = TrainingRun(
+        spec.workload.replace(seed=3), "amax-loss", init_scale=65536, min_scale=1.0,
+        max_scale=2**40,
+    )  # fmt: skip
+    ref = run.run(spec.episode.steps)
+
+    def key(r):  # (statistics NaN on skipped steps compare unequal to themselves)
+        return (r.scale, r.found_inf, r.stats.guarded, r.loss, r.precision_loss)
+
+    assert [key(r) for r in records] == [key(r) for r in run.records]
+    assert card.skip_rate == ref.skip_rate and card.precision_loss == ref.precision_loss
+    guarded = [r.step for r in records if r.stats.guarded]
+    assert guarded, "no step's loss called for a lower scale: the test shows nothing"
+    assert all(r.scale < 65536 for r in records if r.stats.guarded)
+    env.set_guard(None)  # an agent's steps are its own
+    assert env.guard_rule is None

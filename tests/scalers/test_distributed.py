@@ -26,15 +26,20 @@ INF_STEP = 1  # only rank 1 overflows, at this step
 STEPS = 3
 
 
-def _scenario(rank: int, name: str, fused: bool, unscale: bool = True) -> dict:
+def _scenario(
+    rank: int, name: str, fused: bool, unscale: bool = True, spike: int | None = None
+) -> dict:
     model = tiny_model()  # same weights on both ranks
     opt = adamw(model, fused=fused)
     scaler = autoscale.get_scaler(name, device="cpu", init_scale=2.0**8)
     data = batches(STEPS, seed=10 + rank)  # different data per rank
-    out = {"skipped": [], "scales": [], "local_amax": [], "amax": []}
+    out = {"skipped": [], "scales": [], "local_amax": [], "amax": [], "step_scales": [],
+           "guarded": []}  # fmt: skip
     for i, (x, y) in enumerate(data):
         opt.zero_grad()
         loss = forward_loss(model, x, y, inf=rank == 1 and i == INF_STEP) * (1 + 9 * rank)
+        if i == spike:  # a loss 2^12 times the usual: a guarding rule lowers this step's scale
+            loss = loss * 2.0**12
         scaler.scale(loss).backward()
         if unscale:  # else a fused optimizer unscales inside its kernel
             scaler.unscale_(opt)
@@ -46,6 +51,8 @@ def _scenario(rank: int, name: str, fused: bool, unscale: bool = True) -> dict:
             out["skipped"].append(i)
         out["scales"].append(scaler.get_scale())
         out["amax"].append(scaler.last_stats.grad_amax)
+        out["step_scales"].append(scaler.last_stats.scale)
+        out["guarded"].append(scaler.last_stats.guarded)
     out["found_inf"] = scaler.skipped
     return out
 
@@ -61,6 +68,10 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         }
         # a fused step without unscale_ checks for infs inside GradScaler.step instead
         results["torch-fused-in-step"] = _scenario(rank, "torch", fused=True, unscale=False)
+        for fused in (False, True):  # each rank's loss differs: they agree on one step scale
+            results[f"amax-loss-{'fused' if fused else 'adamw'}"] = _scenario(
+                rank, "amax-loss", fused, spike=STEPS - 1
+            )
     except Exception:
         results = {"error": traceback.format_exc()}
     # written before the process group goes away, so that a failure is reported with its cause
@@ -107,6 +118,17 @@ def test_scales_stay_equal(ranks, case):
     r0, r1 = ranks[0][case], ranks[1][case]
     assert r0["scales"] == r1["scales"]
     assert r0["scales"][INF_STEP] < r0["scales"][0]  # both backed off
+
+
+@pytest.mark.parametrize("case", ["amax-loss-adamw", "amax-loss-fused"])
+def test_a_guarded_steps_scale_is_agreed(ranks, case):
+    """Each rank's loss differs (rank 1's is 10x); the step whose loss spikes is guarded, at the
+    same scale on both ranks (the larger loss decides), and both ranks step together."""
+    r0, r1 = ranks[0][case], ranks[1][case]
+    assert r0["guarded"][-1] and r1["guarded"][-1]
+    assert r0["step_scales"] == r1["step_scales"] and r0["scales"] == r1["scales"]
+    assert r0["step_scales"][-1] < r0["scales"][-2]  # below the scale the rule had set
+    assert r0["skipped"] == r1["skipped"] == [INF_STEP]  # rank 1's inf loss: both skip
 
 
 @pytest.mark.parametrize("case", ["amax-history-adamw", "amax-history-fused"])

@@ -373,3 +373,110 @@ def test_amax_cap_keeps_its_scale_on_batches_that_fail_at_any_scale():
         fresh.rule.load_state({"history": [], "cap": -1.0, "clean": 0})
     with pytest.raises(ConfigError, match="state 'safe'"):
         fresh.rule.load_state({"history": [], "cap": None, "safe": "x"})
+
+
+# ---------------------------------------------------------------- amax-loss
+def test_amax_loss_hand_computed():
+    """The guard's limit, a guarded overflow (raises the amax per loss, keeps the cap), and the
+    cap's regrowth whose wait doubles after each probe that overflows."""
+    rule = autoscale.get_scaler(
+        "amax-loss", device="cpu", history_len=1, probe_after=1, growth_interval=4
+    ).rule
+    assert rule.guard_limit() is None  # nothing seen yet: no guard
+    s = rule.next_scale(2.0**10, StepStats(0, 2.0**10, False, grad_amax=2.0**-4, loss=2.0**-8,
+                                           loss_seen=True))  # fmt: skip
+    assert s == 2.0**17  # no cap yet: amax-history's floor(log2(65504 / 2^-4) - 2) = 17
+    # amax per unit of loss 2^4; limit = 65504 * 2^-1 / 2^4
+    assert rule.guard_limit() == FP16_MAX / 2.0**5
+    # a guarded step (its scale lowered below the set one) that overflowed anyway
+    s2 = rule.next_scale(2.0**6, StepStats(1, 2.0**6, True, grad_amax=math.inf, loss=2.0**2,
+                                           loss_seen=True, guarded=True))  # fmt: skip
+    assert s2 == s and math.isinf(rule.cap)  # the set scale and the cap stay
+    assert max(rule.ratios) == 2.0 * FP16_MAX / (2.0**6 * 2.0**2)  # at least this much room
+    # an unguarded gradient overflow caps as amax-cap does; probes then double their wait
+    s3 = rule.next_scale(s, StepStats(2, s, True, grad_amax=math.inf, loss=1.0, loss_seen=True))
+    assert s3 == s / 2 == rule.cap and rule.wait == 1
+    tiny = dict(grad_amax=2.0**-20, loss=2.0**-24, loss_seen=True)
+    s4 = rule.next_scale(s3, StepStats(3, s3, False, **tiny))  # clean 1: the half-bit probe
+    assert s4 == math.sqrt(s3 * s)
+    s5 = rule.next_scale(s4, StepStats(4, s4, True, grad_amax=math.inf, loss=1.0, loss_seen=True))
+    assert s5 == s3 and rule.wait == 2  # the probe overflowed: back, and twice the wait
+    s6 = rule.next_scale(s5, StepStats(5, s5, False, **tiny))
+    assert s6 == s5  # clean 1 of 2: no probe yet (within half a bit of 2^17: none due anyway)
+    s7 = rule.next_scale(s6, StepStats(6, s6, False, **tiny))
+    assert s7 == 2 * s5  # clean 2: the boundary is known within half a bit, so it regrows
+    state = rule.state()
+    assert state["wait"] == 2 and state["base"] == s7
+    fresh = autoscale.get_scaler("amax-loss", device="cpu").rule
+    fresh.load_state(state)
+    assert fresh.state() == state and fresh.guard_limit() == rule.guard_limit()
+    with pytest.raises(ConfigError, match="state 'ratios'"):
+        fresh.load_state({**state, "ratios": [0.0]})
+    with pytest.raises(ConfigError, match="guard_margin"):
+        autoscale.get_scaler("amax-loss", device="cpu", guard_margin=-1)
+
+
+def test_guarded_scale_is_the_host_twin_of_the_device_guard():
+    """The environments' guarded_scale and the scaler's device computation agree."""
+    from autoscale.scalers.rule import guarded_scale
+
+    scaler = autoscale.get_scaler("amax-loss", device="cpu", init_scale=2.0**12, min_scale=1.0)
+    scaler.rule.ratios.append(3.0)  # gradient amax 3x the loss
+    limit = scaler.rule.guard_limit()
+    cases = [1e-9, 1e-3, 0.7, 1.0, 5.0, 1e3, 1e6, 1e12, 0.0, math.inf, -4.0, math.nan]
+    for loss in cases:
+        scaler.scale(torch.tensor(loss))
+        device = scaler._scale.item()
+        assert device == guarded_scale(2.0**12, loss, limit, 1.0), loss
+        scaler._end_step()  # forget the step (as update() does), the set scale back
+        scaler._set_scale(2.0**12)
+    assert guarded_scale(2.0**12, 1e12, limit, 1.0) == 1.0  # never below the minimum
+    assert guarded_scale(2.0**12, 1.0, None, 1.0) == 2.0**12  # no guard
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+def test_amax_loss_lowers_a_spikes_scale_for_that_step_only(fused):
+    """Real steps: a loss 2^12 times the usual gets a lower scale on the device, the step is not
+    skipped, its gradients are unscaled by the scale it used, the record says so, and the next
+    step is back at the set scale."""
+    scaler = autoscale.get_scaler("amax-loss", device="cpu", init_scale=2.0**10)
+    model = tiny_model()
+    opt = adamw(model, fused=fused)
+    data = batches(6)
+    for x, y in data[:4]:  # quiet steps: the rule learns the amax per unit of loss
+        opt.zero_grad()
+        scaler.scale(forward_loss(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert not scaler.last_stats.guarded and not scaler.last_stats.found_inf
+    set_scale = scaler.get_scale()
+    x, y = data[4]
+    ref = torch.autograd.grad(forward_loss(model, x, y) * 2.0**12, list(model.parameters()))
+    opt.zero_grad()
+    spike = forward_loss(model, x, y) * 2.0**12
+    scaled = scaler.scale(spike)
+    step_scale = scaled.item() / spike.item()
+    assert step_scale < set_scale  # lowered for this step
+    scaled.backward()
+    scaler.step(opt)
+    scaler.update()
+    stats = scaler.last_stats
+    assert stats.guarded and not stats.found_inf and stats.scale == step_scale
+    assert stats.grad_amax == pytest.approx(max(g.abs().max().item() for g in ref), rel=1e-2)
+    assert scaler._scale.item() == scaler.get_scale()  # the tensor is back at the set scale
+    opt.zero_grad()
+    x, y = data[5]
+    scaled = scaler.scale(forward_loss(model, x, y))
+    assert scaled.item() / forward_loss(model, x, y).item() == pytest.approx(scaler.get_scale())
+
+
+def test_amax_loss_guards_from_the_first_micro_batch():
+    """With gradient accumulation every micro-batch takes the first one's scale (the gradients
+    accumulate under one scale)."""
+    scaler = autoscale.get_scaler("amax-loss", device="cpu", init_scale=2.0**10)
+    scaler.rule.ratios.append(1.0)
+    # limit 65504 / 2 (one bit of margin), just under 2^15: 2^floor(log2(limit / 2^8)) = 2^6
+    first = scaler.scale(torch.tensor(2.0**8)).item() / 2.0**8
+    assert first == 2.0**6
+    second = scaler.scale(torch.tensor(2.0**-8)).item() / 2.0**-8  # would want the set 2^10
+    assert second == first
