@@ -6,7 +6,8 @@
 * :func:`acceptance`: the bar a general policy must clear against ``torch`` on those episodes
   (skip rate at most torch's + 0.5 points, eval loss within seed noise, precision loss lower where
   torch underflows);
-* :func:`long_runs`: long real runs of a few members (scale trajectories over a whole run);
+* :func:`long_runs`: long real runs of a few members (scale trajectories over a whole run), and
+  :func:`long_harm`: where one scaler's long run is worse than torch's;
 * markdown tables and plots.
 """
 
@@ -129,6 +130,26 @@ def long_runs(
             run = TrainingRun(member.workload.replace(seed=seed), factory())
             card = run.run(steps)
             out[name][scaler] = {"card": card, "records": list(run.records)}
+    return out
+
+
+def long_harm(runs: dict[str, dict[str, Any]], scaler: str) -> dict[str, list[str]]:
+    """Per member of :func:`long_runs`: how ``scaler``'s long run is worse than torch's on the
+    same seed (empty: no harm). A policy is used for whole runs, so a rule that wins short
+    episodes by what it does early must not lose over a run: more than torch's skip rate + 0.5
+    points, a precision loss more than 0.5 points above torch's, or a divergence torch avoids."""
+    out = {}
+    for member, by in runs.items():
+        mine, ref = by[scaler]["card"], by["torch"]["card"]
+        why = []
+        if mine.diverged and not ref.diverged:
+            why.append("diverged")
+        if mine.skip_rate > ref.skip_rate + SKIP_POINTS:
+            why.append(f"skips {100 * mine.skip_rate:.2f}% vs torch {100 * ref.skip_rate:.2f}%")
+        prec, prec_ref = mine.precision_loss, ref.precision_loss
+        if not math.isfinite(prec) or (math.isfinite(prec_ref) and prec > prec_ref + SKIP_POINTS):
+            why.append(f"precision loss {100 * prec:.2f}% vs torch {100 * prec_ref:.2f}%")
+        out[member] = why
     return out
 
 
