@@ -9,11 +9,13 @@
    from experiments/reproduce.py) when present, and the built-in ``amax-history``; ``torch`` is the
    reference. Each runs real steps of every member's *test* instances (left-out members too); the
    objective against torch on the searched members ranks them.
-4. The best that passes the no-harm check (long clean runs next to torch) and meets the bar on
-   every member (skip rate at most torch's + 0.5 points, eval loss within seed noise, precision
-   loss lower where torch underflows) is measured again on fresh seeds (never used for training
-   or selection), and exported to policies/auto only if it meets the bar there too and its long
-   runs (``--long-steps``, every member, next to torch) do no harm: experiments/results/auto.md
+4. In the objective's order, the first candidate that meets the bar on every member (skip rate
+   at most torch's + 0.5 points, eval loss within seed noise, precision loss lower where torch
+   underflows), passes the no-harm check (long clean runs next to torch) and does no harm in
+   long runs of every member (``--long-steps``, next to torch: skips, eval loss, the share of
+   gradient elements kept at fp16 precision, divergence; a candidate that harms is passed over)
+   is measured again on fresh seeds (never used for training or selection), and exported to
+   policies/auto only if it meets the bar there too: experiments/results/auto.md
    and the README block between the auto markers.
 
     python experiments/build_auto.py [--timesteps 300000] [--horizon 512] [--steps 256]
@@ -40,6 +42,10 @@ RESULTS = ROOT / "experiments" / "results"
 CACHE = ROOT / "experiments" / ".cache" / "auto"
 START, END = "<!-- auto:start -->", "<!-- auto:end -->"
 EVIDENCE_SEED_OFFSET = 1000  # fresh seeds: the test seeds + 1000
+# first seeds of the confirming episodes (suite_eval.confirm) at selection and on fresh seeds:
+# apart from the train (0-2), test (100-102) and fresh (1100-1102) seeds, and from the seeds
+# experiments/eval_noise.py has looked at (2000-2011)
+CONFIRM_SEEDS = {"selection": 5000, "evidence": 6000}
 
 
 def rl_suite(suite, horizon: int, history: int):
@@ -175,12 +181,23 @@ def selection_report(
     for s in ranked:
         met = sum(r["met"] for r in accept[s].values())
         v = verdicts.get(s)
-        gate_text = "-" if v is None else ("passed" if v["passed"] else "; ".join(v["reasons"]))
+        if v is None:
+            gate_text = "-" if met < len(accept[s]) else NOT_REACHED
+        else:
+            gate_text = "passed" if v["passed"] else "; ".join(v["reasons"])
         lines.append(
             f"| {s} | {objective[s]:+.4f} | {zero_shot[s]:+.4f} | {met} of {len(accept[s])} | {gate_text} |"
         )
     lines += ["", *se.table(cards, searched + left, set(left), weights, scalers)]
+    for s in ranked:
+        lines += confirm_lines(accept[s], f"{s}: e")
     return lines
+
+
+NOT_REACHED = (
+    "meets the bar on the test instances; not checked further (fresh seeds are spent once, on the "
+    "first candidate through the other gates)"
+)
 
 
 def not_built_block(objective, zero_shot, accept, verdicts, ranked) -> list[str]:
@@ -204,11 +221,151 @@ def not_built_block(objective, zero_shot, accept, verdicts, ranked) -> list[str]
         if v is not None and not misses and not v["passed"]:
             fresh = [r for r in v["reasons"] if r.startswith(("on fresh seeds", "long runs"))]
             misses = fresh or ["the no-harm check"]
+        elif v is None and not misses:
+            misses = [NOT_REACHED]
         lines.append(
             f"| `{s}` | {objective[s]:+.4f} | {zero_shot[s]:+.4f} | {', '.join(misses) or '-'} |"
         )
     lines += ["| `torch` | +0.0000 | +0.0000 | (the reference) |"]
     return lines
+
+
+def long_table(runs, harm, scaler: str, members: list[str], steps: int, se) -> list[str]:
+    """Markdown: a candidate's long run of every member next to torch's."""
+
+    def cells(run) -> str:
+        c = run["card"]
+        return (
+            f"{100 * c.skip_rate:.2f}% | {c.eval_loss:.4g} | {100 * c.precision_loss:.2f}% | "
+            f"{100 * se.kept_share(run):.2f}% | {se.zeroed_steps(run)}"
+        )
+
+    return [
+        "",
+        f"## Long runs: {steps} real steps of every member (seed 100), {scaler} next to torch",
+        "",
+        "Skip rate, eval loss, precision loss (share of the elements left non-zero by the fp16 "
+        "backward that lie below fp16's normal range), kept (share of all gradient elements that "
+        "reach the optimizer non-zero and at normal precision, mean over applied steps) and zeroed "
+        "(applied steps whose every gradient element the fp16 backward flushed to zero). Harm: a "
+        "divergence torch avoids, skips above torch's + 0.5 points, eval loss above torch's beyond "
+        "the member's seed noise, or kept more than 0.5 points below torch's. Precision loss is "
+        "shown, not judged: a scale low enough to zero whole gradients lowers it.",
+        "",
+        f"| member | {scaler}: skip rate | eval loss | precision loss | kept | zeroed | "
+        "torch: skip rate | eval loss | precision loss | kept | zeroed | harm |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {m} | {cells(runs[m][scaler])} | {cells(runs[m]['torch'])} | "
+            f"{'; '.join(harm[m]) or '-'} |"
+            for m in members
+        ),
+    ]
+
+
+def shipped_block(
+    evidence, accept, pick, timings, agent_runs, long_runs, searched, left, weights, se
+) -> list[str]:
+    """The README block of a shipped ``auto``: its evidence on fresh seeds (``accept``: its bar
+    there, confirmations included) and its long runs."""
+    reused = [n for n, r in agent_runs.items() if r["reused"]]
+    took = (
+        f"built from scratch in {timings['total'] / 60:.0f} min"
+        if not reused
+        else (
+            f"built in {timings['total'] / 60:.0f} min with {len(reused)} agents reused from an "
+            f"earlier run ({sum(agent_runs[n]['wall_s'] for n in reused) / 60:.0f} min of "
+            "training then)"
+        )
+    )
+    objective = se.objective_of(evidence, searched, weights)
+    zero_shot = se.objective_of(evidence, left, weights)
+    met = sum(r["met"] for r in accept.values())
+    rows = []
+    for m in searched + left:
+        cells = " | ".join(
+            f"{100 * se.mean(evidence[s][m], 'skip_rate'):.2f}% | "
+            f"{100 * se.mean(evidence[s][m], 'precision_loss'):.2f}% | "
+            f"{se.mean(evidence[s][m], 'eval_loss'):.4g}"
+            for s in (pick, "amax-history", "torch")
+        )
+        rows.append(f"| {m}{' (left out)' if m in left else ''} | {cells} |")
+    long_members = long_runs["members"]
+    worst_skip = max(v[pick]["skip_rate"] - v["torch"]["skip_rate"] for v in long_members.values())
+    return [
+        "Regenerated by `python experiments/build_auto.py` "
+        f"([auto.md](experiments/results/auto.md)); {took}.",
+        "",
+        f"`auto` is **`{pick}`**. On fresh seeds (the test seeds + 1000: never used to train or "
+        f"select), it meets the bar against torch on {met} of {len(accept)} members (skip rate at "
+        "most torch's + 0.5 points, eval loss within seed noise, precision loss lower where torch "
+        f"underflows); in {long_runs['steps']}-step runs of all {len(long_members)} members it "
+        "does no harm next to torch: no divergence, at most "
+        f"{100 * worst_skip:+.2f} points of skip rate above torch's (0.5 allowed), eval loss "
+        "within seed noise, and no fewer gradient elements kept at fp16 precision (0.5 points "
+        "allowed). Mean over three episodes of "
+        f"{se.mean(evidence['torch'][searched[0]], 'steps'):.0f} real steps per member:",
+        "",
+        "| member | `auto`: skip rate | precision loss | eval loss | `amax-history`: skip rate | "
+        "precision loss | eval loss | `torch`: skip rate | precision loss | eval loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        *confirm_lines(accept),
+        "",
+        "| | objective, searched members | objective, left-out members |",
+        "|---|---|---|",
+        f"| `auto` | {objective[pick]:+.4f} | {zero_shot[pick]:+.4f} |",
+        f"| `amax-history` | {objective['amax-history']:+.4f} | {zero_shot['amax-history']:+.4f} |",
+        "| `torch` | +0.0000 | +0.0000 |",
+    ]
+
+
+def confirm_loss(suite, cards, scaler, factories, args, first_seed, se):
+    """``scaler``'s acceptance on ``cards``, with members that miss the bar on eval loss alone
+    judged again on ``--confirm-episodes`` more paired episodes (seeds from ``first_seed``), and
+    member -> those episodes' scorecards (scaler and torch)."""
+    accept = se.acceptance(cards, scaler)
+    todo = [m for m, r in accept.items() if se.missed_on_loss_alone(r)]
+    if not todo or args.confirm_episodes <= 0:
+        return accept, {}
+    pair = {scaler: factories[scaler], "torch": factories["torch"]}
+    more = {}
+    for m in todo:
+        print(f"{scaler}: eval loss on {m} not told from seed noise by three episodes: "
+              f"{args.confirm_episodes} paired episodes more", flush=True)  # fmt: skip
+        more[m] = se.confirm(suite, m, pair, args.confirm_episodes, first_seed, args.steps)
+    return se.acceptance(cards, scaler, more), more
+
+
+def confirm_lines(accept, lead: str = "E") -> list[str]:
+    """Markdown: the members judged on confirming episodes, with their paired eval-loss test."""
+    rows = [(m, r) for m, r in accept.items() if r["values"]["paired"] is not None]
+    if not rows:
+        return []
+    return [
+        "",
+        f"{lead}val loss judged on more paired episodes (three did not tell it from seed noise): "
+        "worse beyond noise when the mean difference to torch on the same seeds exceeds "
+        "2 standard errors.",
+        "",
+        "| member | episodes | eval loss | torch | mean difference | standard error | "
+        "skip rate | torch | precision loss | torch | bar |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {m} | {v['episodes']} | {v['eval_loss']:.4g} | {v['torch_eval_loss']:.4g} | "
+            f"{v['paired']['mean_difference']:+.4g} | {v['paired']['standard_error']:.4g} | "
+            f"{100 * v['skip_rate']:.2f}% | {100 * v['torch_skip_rate']:.2f}% | "
+            f"{100 * v['precision_loss']:.2f}% | {100 * v['torch_precision_loss']:.2f}% | "
+            f"{'met' if r['met'] else 'missed'} |"
+            for m, r in rows
+            for v in [r["values"]]
+        ),
+    ]
+
+
+def cards_dict(more: dict[str, dict[str, list]]) -> dict:
+    """JSON-ready: member -> scaler -> scorecard dicts of confirming episodes."""
+    return {m: {s: [c.to_dict() for c in cs] for s, cs in by.items()} for m, by in more.items()}
 
 
 def fresh_seeds(suite):
@@ -230,10 +387,21 @@ def readme_only() -> int:
     import suite_eval as se
 
     sel = json.loads((RESULTS / "auto_selection.json").read_text())
-    manifest = ROOT / "policies" / "auto" / "policy.yaml"
-    if manifest.is_file():
-        print("policies/auto exists: rebuild it (its block needs the evidence run) instead")
-        return 2
+    if (ROOT / "policies" / "auto" / "policy.yaml").is_file():
+        from autoscale.envs.suite import load_spec
+        from autoscale.scalers.policies import read_manifest
+
+        manifest = read_manifest(ROOT / "policies" / "auto")
+        evidence, extra = se.load_cards(RESULTS / "auto_evidence.json")
+        suite = load_spec(ROOT / "envs" / "suite.yaml")
+        block = shipped_block(
+            evidence, extra["acceptance"], extra["pick"], sel["timings"], sel["agents"],
+            manifest.scorecard["long_runs"], manifest.workload["members"],
+            manifest.workload["left_out"], suite.reward, se,
+        )  # fmt: skip
+        se.write_readme_block(ROOT / "README.md", START, END, block)
+        print("\n".join(block))
+        return 0
     ranked = sorted(sel["objective"], key=lambda k: sel["objective"][k])
     ranked = [s for s in ranked if s != "torch"]
     block = not_built_block(
@@ -259,6 +427,12 @@ def main(argv=None) -> int:
         type=int,
         default=2000,
         help="steps of the pick's long run on every member next to torch's (0: none)",
+    )
+    p.add_argument(
+        "--confirm-episodes",
+        type=int,
+        default=12,
+        help="paired episodes more of a member missed on eval loss alone (0: none)",
     )
     p.add_argument(
         "--extra",
@@ -354,62 +528,69 @@ def main(argv=None) -> int:
     ranked = sorted((s for s in factories if s != "torch"), key=lambda s: objective[s])
     print("objective (searched members): " + ", ".join(f"{s} {objective[s]:+.4f}" for s in ranked))
 
-    # 4. the pick: the best that meets the bar everywhere and passes the no-harm check
+    # 4. the pick
     gate = GatePlan(gate_workloads(list(suite.members), args.gate_steps), args.gate_steps)
     ep = member.episode
     check = NoHarmCheck(
         gate, ROOT / "experiments" / ".cache" / "no-harm", Ledger(),
         {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale},
     )  # fmt: skip
+    # the first in the ranking that meets the bar, passes the no-harm check and does no
+    # harm in long runs (a harm gate, not a contest: a candidate that harms is passed over)
+    members = searched + left
+    noise = se.seed_noise(cards, members)
     verdicts, pick = {}, None
-    t0 = time.monotonic()
+    long_lines: list[str] = []
+    long_summary: dict[str, dict] = {}  # the pick's long runs, for its manifest
+    timings["no-harm"] = timings["long runs"] = 0.0
+    confirmed: dict[str, dict[str, dict[str, list]]] = {}  # scaler -> member -> more episodes
     for s in ranked:
+        accept[s], confirmed[s] = confirm_loss(
+            suite, cards, s, factories, args, CONFIRM_SEEDS["selection"], se
+        )
         misses = [m for m, r in accept[s].items() if not r["met"]]
         if misses:
             verdicts[s] = {"passed": False, "reasons": [f"misses the bar on {', '.join(misses)}"]}
             print(f"{s}: misses the bar on {', '.join(misses)}", flush=True)
             continue
+        t0 = time.monotonic()
         verdict = check.check(factories[s], s)
+        timings["no-harm"] += time.monotonic() - t0
         verdicts[s] = {"passed": verdict.passed, "reasons": verdict.reasons}
         print(verdict.summary(), flush=True)
-        if verdict.passed:
+        if not verdict.passed:
+            continue
+        if args.long_steps <= 0:
             pick = s
             break
-    timings["no-harm"] = time.monotonic() - t0
-
-    # long runs: a policy is used for whole runs; the pick must do no harm over one on any member
-    long_lines: list[str] = []
-    if pick is not None and args.long_steps > 0:
         t0 = time.monotonic()
-        members = searched + left
         runs = se.long_runs(
-            suite, members, {pick: factories[pick], "torch": factories["torch"]}, args.long_steps
+            suite, members, {s: factories[s], "torch": factories["torch"]}, args.long_steps
         )
-        timings["long runs"] = time.monotonic() - t0
-        harm = se.long_harm(runs, pick)
-        long_lines = [
-            "",
-            f"## Long runs: {args.long_steps} real steps of every member (seed 100), {pick} next "
-            "to torch",
-            "",
-            "| member | skip rate | precision loss | torch: skip rate | torch: precision loss | "
-            "harm |",
-            "|---|---|---|---|---|---|",
-            *(
-                f"| {m} | {100 * runs[m][pick]['card'].skip_rate:.2f}% | "
-                f"{100 * runs[m][pick]['card'].precision_loss:.3f}% | "
-                f"{100 * runs[m]['torch']['card'].skip_rate:.2f}% | "
-                f"{100 * runs[m]['torch']['card'].precision_loss:.3f}% | "
-                f"{'; '.join(harm[m]) or '-'} |"
-                for m in members
-            ),
-        ]
+        timings["long runs"] += time.monotonic() - t0
+        harm = se.long_harm(runs, s, noise)
+        long_lines += long_table(runs, harm, s, members, args.long_steps, se)
         harmed = [m for m in members if harm[m]]
         if harmed:
             reason = f"long runs: worse than torch on {', '.join(harmed)}"
-            verdicts[pick] = {"passed": False, "reasons": [*verdicts[pick]["reasons"], reason]}
-            print(f"{pick}: {reason}", flush=True)
-            pick = None
+            verdicts[s] = {"passed": False, "reasons": [*verdicts[s]["reasons"], reason]}
+            print(f"{s}: {reason}", flush=True)
+            continue
+        long_summary = {
+            m: {
+                who: {
+                    "skip_rate": runs[m][who]["card"].skip_rate,
+                    "eval_loss": runs[m][who]["card"].eval_loss,
+                    "precision_loss": runs[m][who]["card"].precision_loss,
+                    "kept": se.kept_share(runs[m][who]),
+                    "zeroed_steps": se.zeroed_steps(runs[m][who]),
+                }
+                for who in (s, "torch")
+            }
+            for m in members
+        }
+        pick = s
+        break
 
     # the evidence, on fresh seeds: the pick ships only if it meets the bar there too (three
     # episodes a member are few; a pick that met the bar on them by chance is not shipped)
@@ -420,8 +601,10 @@ def main(argv=None) -> int:
         evidence = se.held_out(
             fresh, {k: factories[k] for k in (pick, "amax-history", "torch")}, args.steps
         )
+        ev_accept, ev_confirmed = confirm_loss(
+            fresh, evidence, pick, factories, args, CONFIRM_SEEDS["evidence"], se
+        )
         timings["evidence"] = time.monotonic() - t0
-        ev_accept = se.acceptance(evidence, pick)
         ev_objective = se.objective_of(evidence, searched, weights)
         ev_zero = se.objective_of(evidence, left, weights)
         evidence_lines = [
@@ -435,13 +618,17 @@ def main(argv=None) -> int:
             *se.table(
                 evidence, searched + left, set(left), weights, [pick, "amax-history", "torch"]
             ),
+            *confirm_lines(ev_accept),
         ]
         ev_misses = [m for m, r in ev_accept.items() if not r["met"]]
         if ev_misses:
             reason = f"on fresh seeds misses the bar on {', '.join(ev_misses)}"
             verdicts[pick] = {"passed": False, "reasons": [*verdicts[pick]["reasons"], reason]}
             print(f"{pick}: {reason}", flush=True)
-            se.save_cards(evidence, RESULTS / "auto_evidence.json", acceptance=ev_accept, pick=None)
+            se.save_cards(
+                evidence, RESULTS / "auto_evidence.json", acceptance=ev_accept, pick=None,
+                confirmed=cards_dict(ev_confirmed),
+            )  # fmt: skip
             pick = None
     if pick is None:
         timings["total"] = time.monotonic() - t_all
@@ -461,6 +648,7 @@ def main(argv=None) -> int:
         se.save_cards(
             cards, RESULTS / "auto_selection.json", objective=objective, zero_shot=zero_shot,
             verdicts=verdicts, timings=timings, agents=agent_runs, acceptance=accept,
+            confirmed={k: cards_dict(v) for k, v in confirmed.items() if v},
         )  # fmt: skip
         block = not_built_block(objective, zero_shot, accept, verdicts, ranked)
         if not se.write_readme_block(ROOT / "README.md", START, END, block):
@@ -520,6 +708,7 @@ def main(argv=None) -> int:
             "bar_missed_on": [m for m, r in ev_accept.items() if not r["met"]],
         },
         "no_harm": verdicts[pick],
+        "long_runs": {"steps": args.long_steps, "seed": 100, "members": long_summary},
     }
     workload = {
         **manifest.workload,
@@ -574,37 +763,24 @@ def main(argv=None) -> int:
         timings=timings,
         agents=agent_runs,
         acceptance=accept,
+        confirmed={k: cards_dict(v) for k, v in confirmed.items() if v},
     )
-    se.save_cards(evidence, RESULTS / "auto_evidence.json", acceptance=ev_accept, pick=pick)
-    reused = [n for n, r in agent_runs.items() if r["reused"]]
-    took = (
-        f"built from scratch in {timings['total'] / 60:.0f} min"
-        if not reused
-        else (
-            f"built in {timings['total'] / 60:.0f} min with {len(reused)} agents reused from an earlier "
-            f"run ({sum(agent_runs[n]['wall_s'] for n in reused) / 60:.0f} min of training then)"
-        )
+    se.save_cards(
+        evidence, RESULTS / "auto_evidence.json", acceptance=ev_accept, pick=pick,
+        confirmed=cards_dict(ev_confirmed),
+    )  # fmt: skip
+    block = shipped_block(
+        evidence,
+        ev_accept,
+        pick,
+        timings,
+        agent_runs,
+        scorecard["long_runs"],
+        searched,
+        left,
+        weights,
+        se,
     )
-    block = [
-        f"Regenerated by `python experiments/build_auto.py` ([auto.md](experiments/results/auto.md)); "
-        f"{took}.",
-        "",
-        f"`auto` is **{pick}**. On fresh seeds, {len(ev_accept) - len(scorecard['evidence']['bar_missed_on'])} of "
-        f"{len(ev_accept)} members meet the bar against torch (skip rate at most torch's + 0.5 points, "
-        "eval loss within seed noise, precision loss lower where torch underflows)"
-        + (
-            f"; missed on {', '.join(scorecard['evidence']['bar_missed_on'])}"
-            if scorecard["evidence"]["bar_missed_on"]
-            else ""
-        )
-        + ".",
-        "",
-        "| | objective, searched members | objective, left-out members |",
-        "|---|---|---|",
-        f"| `auto` | {ev_objective[pick]:+.4f} | {ev_zero[pick]:+.4f} |",
-        f"| `amax-history` | {ev_objective['amax-history']:+.4f} | {ev_zero['amax-history']:+.4f} |",
-        "| `torch` | +0.0000 | +0.0000 |",
-    ]
     if not se.write_readme_block(ROOT / "README.md", START, END, block):
         print(f"README.md has no {START} ... {END} markers; its block was not written")
     print("\n".join(block))
