@@ -113,3 +113,43 @@ class ByteDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+def trainer_args(out, max_steps: int, **kw):
+    """HF TrainingArguments of the Trainer tests: fp16 on CPU, a checkpoint every 2 steps."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(out),
+        fp16=True,
+        use_cpu=True,
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        max_grad_norm=1.0,
+        save_strategy="steps",
+        save_steps=2,
+        logging_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        **kw,
+    )
+
+
+def lightning_trainer(plugin, max_steps: int, **kw):
+    """A quiet one-device CPU Lightning Trainer with ``plugin`` and no checkpoints of its own."""
+    import lightning.pytorch as L
+
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        plugins=[plugin],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )

@@ -14,6 +14,7 @@ from tests.integrations.helpers import (
     FAST_TORCH,
     SCALE,
     assert_three_clean_fp16_steps,
+    lightning_trainer,
     record_output_dtypes,
     regression_batches,
     tiny_mlp,
@@ -43,17 +44,7 @@ class _Regression(L.LightningModule):
 
 
 def _fit(plugin: MixedPrecision, max_steps: int, ckpt_path=None) -> tuple[L.Trainer, _Regression]:
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        plugins=[plugin],
-        gradient_clip_val=1.0,
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = lightning_trainer(plugin, max_steps, gradient_clip_val=1.0)
     module = _Regression()
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, module
@@ -146,16 +137,7 @@ def test_scheduler_on_skipped_steps(scaler, skip_aware):
         else _plugin(SCALE)
     )
     module = _Scheduled(bad={2, 4}, skip_aware=skip_aware)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=6,
-        plugins=[plugin],
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = lightning_trainer(plugin, 6)
     trainer.fit(module)
     sched = trainer.lr_scheduler_configs[0].scheduler
     if scaler == "GradScaler":  # it halved at each of the two overflows: they were skipped

@@ -16,6 +16,7 @@ from tests.integrations.helpers import (
     n_params,
     record_output_dtypes,
     tiny_gpt2,
+    trainer_args,
 )
 
 
@@ -34,30 +35,10 @@ class _Record(TrainerCallback):
         self.stats.append(self.trainer.loss_scaler.last_stats)
 
 
-def _args(out, max_steps: int, **kw) -> TrainingArguments:
-    return TrainingArguments(
-        output_dir=str(out),
-        fp16=True,
-        use_cpu=True,
-        max_steps=max_steps,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        max_grad_norm=1.0,
-        save_strategy="steps",
-        save_steps=2,
-        logging_steps=1,
-        report_to=[],
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
-        **kw,
-    )
-
-
 def _trainer(out, max_steps: int, init_scale: float) -> tuple[AutoscaleTrainer, _Record]:
     trainer = AutoscaleTrainer(
         model=tiny_gpt2(),
-        args=_args(out, max_steps),
+        args=trainer_args(out, max_steps),
         train_dataset=ByteDataset(),
         scaler="torch",
         scaler_overrides={"init_scale": init_scale, "growth_interval": 3, "collect_stats": True},
@@ -129,7 +110,7 @@ def test_skipped_steps_hold_the_learning_rate_schedule(tmp_path, optim):
     """The Trainer steps its scheduler only when ``accelerator.optimizer_step_was_skipped`` is
     False, which our skips set as GradScaler's do (tests/integrations/test_accelerate.py); a
     fused optimizer skips inside its kernel, unseen by Accelerate, so the schedule advances."""
-    args = _args(tmp_path, max_steps=6, optim=optim, lr_scheduler_type="linear")
+    args = trainer_args(tmp_path, max_steps=6, optim=optim, lr_scheduler_type="linear")
     args.save_strategy = "no"
     trainer = _InfLossTrainer(
         model=tiny_gpt2(),
