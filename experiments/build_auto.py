@@ -264,10 +264,11 @@ def long_table(runs, harm, scaler: str, members: list[str], steps: int, se) -> l
 
 
 def shipped_block(
-    evidence, accept, pick, timings, agent_runs, long_runs, searched, left, weights, se
+    evidence, accept, pick, timings, agent_runs, long_runs, searched, left, weights, se, selection
 ) -> list[str]:
-    """The README block of a shipped ``auto``: its evidence on fresh seeds (``accept``: its bar
-    there, confirmations included) and its long runs."""
+    """The README block of a shipped ``auto``: the selection's ranking (``selection``: objective,
+    zero-shot objective and acceptance of every candidate on the test instances), its evidence on
+    fresh seeds (``accept``: its bar there, confirmations included) and its long runs."""
     reused = [n for n, r in agent_runs.items() if r["reused"]]
     took = (
         f"built from scratch in {timings['total'] / 60:.0f} min"
@@ -317,6 +318,29 @@ def shipped_block(
         f"| `auto` | {objective[pick]:+.4f} | {zero_shot[pick]:+.4f} |",
         f"| `amax-history` | {objective['amax-history']:+.4f} | {zero_shot['amax-history']:+.4f} |",
         "| `torch` | +0.0000 | +0.0000 |",
+        *selection_lines(*selection, pick),
+    ]
+
+
+def selection_lines(objective, zero_shot, accept, pick) -> list[str]:
+    """Markdown: every candidate's objective and bar on the test instances (the selection)."""
+    ranked = sorted((s for s in objective if s != "torch"), key=lambda s: objective[s])
+    return [
+        "",
+        "The selection, on the test instances (seeds 100-102; RL agents `rl-*`, parametric rules "
+        "otherwise), in the objective's order. Bar met on: members that pass on their three "
+        "episodes, or on confirming ones; only candidates the ranking reached before the pick got "
+        "those:",
+        "",
+        "| candidate | objective, searched members | objective, left-out members | bar met on |",
+        "|---|---|---|---|",
+        *(
+            f"| `{s}`{' (auto)' if s == pick else ''} | {objective[s]:+.4f} | "
+            f"{zero_shot[s]:+.4f} | {sum(r['met'] for r in accept[s].values())} of "
+            f"{len(accept[s])} |"
+            for s in ranked
+        ),
+        *(line for s in ranked for line in confirm_lines(accept[s], f"`{s}`: e")),
     ]
 
 
@@ -398,6 +422,7 @@ def readme_only() -> int:
             evidence, extra["acceptance"], extra["pick"], sel["timings"], sel["agents"],
             manifest.scorecard["long_runs"], manifest.workload["members"],
             manifest.workload["left_out"], suite.reward, se,
+            (sel["objective"], sel["zero_shot"], sel["acceptance"]),
         )  # fmt: skip
         se.write_readme_block(ROOT / "README.md", START, END, block)
         print("\n".join(block))
@@ -780,6 +805,7 @@ def main(argv=None) -> int:
         left,
         weights,
         se,
+        (objective, zero_shot, accept),
     )
     if not se.write_readme_block(ROOT / "README.md", START, END, block):
         print(f"README.md has no {START} ... {END} markers; its block was not written")
