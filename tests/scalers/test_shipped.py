@@ -1,9 +1,9 @@
 """The policies shipped in policies/.
 
 Each loads with torch alone, its manifest is intact (checksum and feature version of a neural
-one), it trains a plain fp16 loop, and it passes the no-harm check on a short clean run. (The
-general policy ``auto`` ships only when experiments/build_auto.py finds one that meets its bar on
-every member of the suite; see experiments/results/auto.md.)
+one), it trains a plain fp16 loop, and it passes the no-harm check on a short clean run. The
+general policy ``auto`` (written by experiments/build_auto.py) also carries the evidence it
+shipped on.
 """
 
 from __future__ import annotations
@@ -101,3 +101,32 @@ def test_passes_the_no_harm_check_on_a_short_clean_run(name, tmp_path):
     assert verdict.passed, verdict.summary()
     run = verdict.runs["mlp"]["candidate"][0]
     assert run["steps"] == 300
+
+
+def test_auto_records_its_suite_objective_and_evidence():
+    from autoscale.envs.suite import load_spec
+    from autoscale.search.objective import OBJECTIVE_DOC
+
+    m = read_manifest(ROOT / "policies" / "auto")
+    suite = load_spec("suite")
+    members = [x.name for x in suite.members]
+    left = [x.name for x in suite.left_out]
+    assert m.workload["suite"] == suite.name
+    assert m.workload["members"] == members and m.workload["left_out"] == left
+    assert m.workload["built_by"].startswith("experiments/build_auto.py")
+    card = m.scorecard
+    assert card["objective"] == OBJECTIVE_DOC
+    # it shipped because it met the bar on every member on fresh seeds and did no harm
+    assert sorted(card["evidence"]["bar_met_on"]) == sorted(members + left)
+    assert card["evidence"]["bar_missed_on"] == []
+    assert card["no_harm"]["passed"] is True
+    assert card["long_runs"]["steps"] >= 1000
+    assert sorted(card["long_runs"]["members"]) == sorted(members + left)
+    # better than torch on the fresh seeds, searched and left-out members alike
+    assert card["evidence"]["objective_searched"] < 0 and card["evidence"]["objective_left_out"] < 0
+    # what loads is what the manifest says
+    scaler = autoscale.get_scaler("auto", device="cpu")
+    assert scaler.rule.name == m.family
+    for key, value in m.parameters.items():
+        if hasattr(scaler.rule, key):
+            assert getattr(scaler.rule, key) == value
