@@ -106,7 +106,7 @@ def acceptance(
     member's three held-out episodes that is a screen: mean eval loss <= torch's + the spread of
     torch's three (at least 0.2% of torch's mean). Three episodes cannot tell a real difference
     from noise where eval loss scatters widely (heavy-tailed preference losses: the spread of three
-    torch episodes itself ranges 0.26-0.54 on gpt2-tiny/preference, experiments/results/
+    torch episodes itself ranges 0.19-1.0 on gpt2-tiny/preference, experiments/results/
     eval_noise.md), so a member that misses the screen on eval loss alone is measured again on
     more paired episodes (:func:`confirm`; ``more[member]``: scaler -> scorecards of episodes never
     used before). Such a member is judged on all its episodes pooled, and its eval loss by the
@@ -200,16 +200,17 @@ def long_runs(
         out[name] = {}
         for scaler, factory in factories.items():
             run = TrainingRun(member.workload.replace(seed=seed), factory())
-            numel = sum(p.numel() for p in run._params)
+            params = [p for p in run.model.parameters() if p.requires_grad]
+            numel = sum(p.numel() for p in params)
             kept: list[float] = []
             nonzero: list[int] = []
 
-            def count(rec, run=run, numel=numel, kept=kept, nonzero=nonzero):
+            def count(rec, params=params, numel=numel, kept=kept, nonzero=nonzero):
                 if rec.found_inf or not math.isfinite(rec.precision_loss):
                     kept.append(math.nan)
                     nonzero.append(-1)
                     return
-                grads = [p.grad for p in run._params if p.grad is not None]
+                grads = [p.grad for p in params if p.grad is not None]
                 nonzero.append(sum(int(g.count_nonzero()) for g in grads))
                 kept.append(nonzero[-1] * (1.0 - rec.precision_loss) / numel)
 
