@@ -17,10 +17,40 @@ from autoscale.scalers import (  # noqa: E402
     LossScaler,
     ScaleRule,
     StepStats,
-    get_scaler,
     list_scalers,
     register_loss_scaler,
 )
+from autoscale.scalers import get_scaler as _build_scaler  # noqa: E402
+
+
+def get_scaler(
+    name: str,
+    device: str | None = None,
+    *,
+    record: str | None = None,
+    log: str | list[str] | None = None,
+    **overrides,
+) -> LossScaler:
+    """Build the scaler registered (or exported) as ``name``: a drop-in ``torch.amp.GradScaler``.
+
+    As :func:`autoscale.scalers.get_scaler`, plus:
+
+    Args:
+        record: A folder to record every step to (``autoscale report`` reads it; see
+            :func:`autoscale.observe.watch_scaler`).
+        log: Live logs: ``csv:FILE``, ``tensorboard:DIR`` or ``wandb:PROJECT`` (or a list).
+
+    Example::
+
+        scaler = autoscale.get_scaler("auto", record="runs/x")
+    """
+    scaler = _build_scaler(name, device, **overrides)
+    if record is not None or log:
+        from autoscale.observe import watch_scaler
+
+        watch_scaler(scaler, record=record, log=log)
+    return scaler
+
 
 __version__ = "0.1.0"
 

@@ -31,6 +31,16 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "DoctorCommand",
         "check fp16/bf16 support and speed here, and recommend one",
     ),
+    "wrap": (
+        "wrap",
+        "WrapCommand",
+        "run a training command with autoscale's scaler in place of GradScaler",
+    ),
+    "report": (
+        "report",
+        "ReportCommand",
+        "one HTML page on a recorded run: the scale, its cost, what every rule would have done",
+    ),
     "record": (
         "record",
         "RecordCommand",
@@ -66,6 +76,9 @@ EPILOG = """examples:
   autoscale compare --scalers torch,deepspeed,amax-history --seeds 3
                                                    the rules side by side, mean and spread over seeds
   autoscale doctor                                 device, fp16/bf16 support, step speeds, advice
+  autoscale wrap --scaler auto -- python train.py  your own script under auto, not a line changed
+  autoscale wrap --record runs/x -- python train.py; autoscale report runs/x
+                                                   record your run; one page on what the scale did
   autoscale search --budget 30m                    search, validate on real steps, export the best
   autoscale dashboard                              review the search: trials, notes, plots
 """

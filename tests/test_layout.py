@@ -20,14 +20,16 @@ LAYERS = {
     "processes": 0,
     "yamlio": 0,
     "scalers": 1,
+    "observe": 1.5,
     "integrations": 2,
     "training": 2,
     "envs": 3,
     "agents": 4,
     "search": 5,
+    "report": 5,
     "commands": 6,
     "cli": 6,
-    "__init__": 1,
+    "__init__": 2,
     "__main__": 6,
 }
 

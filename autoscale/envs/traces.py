@@ -31,6 +31,7 @@ __all__ = [
     "load_suite_traces",
     "member_file",
     "RECORD_RULE",
+    "trace_from_record",
 ]
 
 TRACE_VERSION = 2  # 2: instances carry their start scale and features
@@ -354,3 +355,59 @@ def load_suite_traces(suite, folder: str | os.PathLike) -> dict[str, Trace]:
                 "record the suite again"
             )
     return out
+
+
+def trace_from_record(record, name: str = "run") -> Trace:
+    """A user's recorded run (:class:`~autoscale.observe.RunRecord`, or its folder) as a
+    :class:`Trace` of one instance, the replay environments' and the search's format.
+
+    Steps without a gradient histogram (``hist_every`` > 1) take the nearest earlier one (the
+    first steps, the first one); the eval loss is unknown (NaN). The spec records the folder and
+    what ran instead of a workload.
+    """
+    from autoscale.observe import RunRecord, read_record
+    from autoscale.observe.record import HIST_EDGES
+    from autoscale.scalers.features import FEATURE_VERSION
+
+    if not isinstance(record, RunRecord):
+        record = read_record(record)
+    steps = record.steps
+    if not steps:
+        raise ConfigError(
+            f"record '{record.path}' holds no whole chunk of steps yet; let the run go on longer"
+        )
+    bins = len(HIST_EDGES) - 1
+    hist = np.zeros((len(steps), bins), dtype=np.float32)
+    last = next((s["hist"] for s in steps if s.get("hist") is not None), None)
+    if last is None:
+        raise ConfigError(
+            f"record '{record.path}' has no gradient histogram (recorded with --hist-every 0); "
+            "record the run again with histograms"
+        )
+    for i, s in enumerate(steps):
+        if s.get("hist") is not None:
+            last = s["hist"]
+        hist[i] = last
+    nan = math.nan
+    col = record.column
+    inst = InstanceTrace(
+        name,
+        int(record.meta.get("rank", 0)),
+        0,
+        threshold=np.asarray(col("threshold"), dtype=np.float64),
+        nonfinite=np.asarray(col("loss_nonfinite", False), dtype=bool),
+        loss=np.asarray(col("loss"), dtype=np.float64),
+        amax=np.asarray([nan if s["found_inf"] else s["amax"] for s in steps], dtype=np.float64),
+        rms=np.asarray([nan if s["found_inf"] else s["rms"] for s in steps], dtype=np.float64),
+        scale=np.asarray(col("scale"), dtype=np.float64),
+        hist=hist,
+        eval_loss=nan,
+        start_scale=float(steps[0]["scale"]),
+        start_features=None,
+    )
+    spec = {
+        "record": str(record.path),
+        "argv": record.meta.get("argv"),
+        "scaler": record.meta.get("scaler"),
+    }
+    return Trace(spec, {name: inst}, np.asarray(HIST_EDGES, dtype=np.float64), FEATURE_VERSION)

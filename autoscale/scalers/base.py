@@ -156,6 +156,7 @@ class LossScaler(torch.amp.GradScaler):
         self._process_group = process_group
         self.identical_grads = bool(identical_grads)
         self._checked = False  # the one-time handshake of the ranks
+        self._observers: list[Any] = []
         if self._enabled:  # a policy takes its first decision now, as the env does at reset
             self._set_scale(self.controller.start(first))
 
@@ -169,6 +170,11 @@ class LossScaler(torch.amp.GradScaler):
         self._collect_stats = self._collect_rms = bool(value)
 
     # ------------------------------------------------------------------ what the controller keeps
+    @property
+    def device(self) -> str:
+        """The device type of the scale tensor (``"cuda"``, ``"cpu"``, ...)."""
+        return self._device
+
     @property
     def min_scale(self) -> float:
         return self.controller.bounds.min_scale
@@ -265,6 +271,8 @@ class LossScaler(torch.amp.GradScaler):
             self._loss_count += 1
             if not self._guarded:
                 self._guard(loss)
+            for obs in self._observers:
+                obs.on_scale(self, loss)
         return super().scale(outputs)
 
     def _guard(self, loss: torch.Tensor) -> None:
@@ -392,6 +400,8 @@ class LossScaler(torch.amp.GradScaler):
             self._set_scale(self.controller.step(stats))
         finally:
             self._end_step()
+        for obs in self._observers:
+            obs.on_update(self, stats)
 
     @property
     def step_was_skipped(self) -> bool:
@@ -421,6 +431,20 @@ class LossScaler(torch.amp.GradScaler):
             return False
         self._read(states)  # no-op when step() or update() read the flags already
         return any(s["autoscale_host"][0] for s in states)
+
+    def add_observer(self, observer: Any) -> None:
+        """Call ``observer`` at each step, as :class:`autoscale.observe.StepObserver` describes:
+        ``on_scale(scaler, loss)`` when a loss is scaled, ``on_grads(scaler, optimizer, grads,
+        inv_scale)`` when the gradients are read for the statistics (unscaled when ``inv_scale``
+        is None, else scaled by ``1 / inv_scale``), ``on_update(scaler, stats)`` after the rule
+        set the next scale. Observers read; they never change the step. Switches the gradient
+        statistics on (an observer reads them)."""
+        self.collect_stats = True
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: Any) -> None:
+        """Stop calling ``observer`` (see :meth:`add_observer`)."""
+        self._observers = [o for o in self._observers if o is not observer]
 
     def set_scale(self, value: float) -> None:
         """Set the scale of the next step (clamped to ``[min_scale, max_scale]``), between steps.
@@ -556,6 +580,7 @@ class LossScaler(torch.amp.GradScaler):
         state["_loss_sum"] = None
         state["_last_stepped"] = []
         state["_flat"] = {}  # gradient-sized buffers keyed by optimizers of this process
+        state["_observers"] = []  # recorders and loggers hold files of this process
         return state
 
     def __repr__(self) -> str:
@@ -593,6 +618,8 @@ class LossScaler(torch.amp.GradScaler):
         ]
         state = self._per_optimizer_states[id(optimizer)]
         dev = self._scale.device
+        for obs in self._observers:
+            obs.on_grads(self, optimizer, grads, inv_scale)
         if not grads:
             state["autoscale_stats"] = torch.zeros(3, device=dev)
             return

@@ -13,9 +13,10 @@ import math
 import struct
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from autoscale.observe.record import HIST_EDGES, HIST_HI, HIST_LO
+from autoscale.observe.watch import BackwardAmaxMode
+from autoscale.observe.watch import log2_histogram as histogram_of
 from autoscale.scalers.base import FP16_MIN_NORMAL, FlatAbs
 
 __all__ = [
@@ -29,12 +30,6 @@ __all__ = [
 ]
 
 _F32_MAX = 3.4028234663852886e38
-HIST_LO = -64
-HIST_HI = 16
-#: Edges of the log2|g| histogram: 1 bit wide, -64 .. +16 (80 bins). Bin ``k`` holds elements
-#: with ``HIST_EDGES[k] <= log2|g| < HIST_EDGES[k+1]``; elements beyond either end are counted in
-#: the first or last bin.
-HIST_EDGES: tuple[float, ...] = tuple(float(e) for e in range(HIST_LO, HIST_HI + 1))
 
 
 class GradientCensus:
@@ -90,22 +85,9 @@ class GradientCensus:
         return torch.stack([nonzero - at_or_above, nonzero])
 
     def log2_histogram(self) -> torch.Tensor:
-        """Counts (int64, 80 bins of :data:`HIST_EDGES`) of ``floor(log2|g|)`` over finite non-zero elements.
-
-        Read from the float32 exponent bits (exact, where ``log2`` rounds values just below a power
-        of two up a bin): one shift and one ``bincount`` over the buffer, about 8x cheaper than
-        ``log2`` and ``index_add_`` on GPT-2's 124M gradients. Subnormal float32 values land in
-        the first bin, infinities and NaNs in none.
-        """
-        flat = self._abs
-        with torch.no_grad():
-            biased = torch.bincount(flat.view(torch.int32) >> 23, minlength=256)
-            biased[0] -= flat.numel() - torch.count_nonzero(flat)  # zeros: exponent 0, not counted
-            lo, hi = HIST_LO + 127, HIST_HI - 1 + 127  # biased exponents of the first and last bin
-            out = biased[lo : hi + 1].clone()
-            out[0] += biased[:lo].sum()
-            out[-1] += biased[hi + 1 : 255].sum()  # 255: inf and NaN
-            return out
+        """Counts (int64, 80 bins of :data:`HIST_EDGES`) of ``floor(log2|g|)`` over finite
+        non-zero elements (:func:`autoscale.observe.watch.log2_histogram` of the buffer)."""
+        return histogram_of(self._abs)
 
 
 def underflow_counts(
@@ -122,25 +104,3 @@ def log2_histogram(grads: list[torch.Tensor]) -> torch.Tensor:
     census = GradientCensus()
     census.load(grads)
     return census.log2_histogram()
-
-
-class BackwardAmaxMode(TorchDispatchMode):
-    """Tracks ``max |x|`` over every tensor of ``dtype`` that any op produces while active.
-
-    Used around ``backward()`` it sees every fp16 tensor of the backward pass, intermediate
-    activation gradients included, not only the parameter gradients. ``amax`` stays a device
-    tensor (no host sync); it is NaN if any tensor held a NaN and None if none was seen.
-    """
-
-    def __init__(self, dtype: torch.dtype = torch.float16) -> None:
-        super().__init__()
-        self.dtype = dtype
-        self.amax: torch.Tensor | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.dtype == self.dtype and t.numel():
-                m = t.detach().abs().amax().float()
-                self.amax = m if self.amax is None else torch.maximum(self.amax, m)
-        return out

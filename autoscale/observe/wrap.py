@@ -1,0 +1,180 @@
+"""Inside a program run by ``autoscale wrap``: every GradScaler it builds is an autoscale scaler.
+
+``autoscale wrap`` puts :mod:`autoscale.observe.boot` on the program's ``PYTHONPATH``; its
+``sitecustomize`` waits for ``import torch`` and then calls :func:`install`, which replaces
+``torch.amp.GradScaler`` and the deprecated ``torch.cuda.amp.GradScaler`` (in ``torch.amp``,
+``torch.amp.grad_scaler``, ``torch.cuda.amp`` and ``torch.cuda.amp.grad_scaler``) by classes whose
+construction returns ``autoscale.get_scaler(NAME, ...)``. ``isinstance(x, torch.amp.GradScaler)``
+still answers for the original class, and a program's own subclass of GradScaler is kept as it is
+(and said at exit). The configuration comes from the ``AUTOSCALE_WRAP`` environment variable
+(JSON, written by :mod:`autoscale.observe.launch`). At exit each scaler leaves a summary file that
+the launcher prints.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoscale.observe import watch_scaler
+from autoscale.scalers import LossScaler, get_scaler
+
+__all__ = ["ENV", "install", "installed"]
+
+ENV = "AUTOSCALE_WRAP"
+_DEFAULT = object()  # an argument the program did not pass
+_KNOBS = ("growth_factor", "backoff_factor", "growth_interval")
+_state: dict[str, Any] = {"installed": False, "built": [], "kept": []}
+
+
+def installed() -> bool:
+    """Whether this process's GradScaler is replaced."""
+    return _state["installed"]
+
+
+def install(config: dict[str, Any] | None = None) -> None:
+    """Replace torch's GradScaler classes by autoscale's (once per process)."""
+    if _state["installed"]:
+        return
+    config = config if config is not None else json.loads(os.environ.get(ENV) or "{}")
+    _state.update(installed=True, config=config)
+    amp_original = torch.amp.GradScaler
+    amp_cls = _replacement(amp_original, cuda_only=False)
+    for mod in (torch.amp, torch.amp.grad_scaler):
+        mod.GradScaler = amp_cls
+    cuda_amp = importlib.import_module("torch.cuda.amp")
+    cuda_module = importlib.import_module("torch.cuda.amp.grad_scaler")
+    cuda_cls = _replacement(cuda_module.GradScaler, cuda_only=True)
+    for mod in (cuda_amp, cuda_module):
+        mod.GradScaler = cuda_cls
+    atexit.register(_write_summaries)
+
+
+def _replacement(original: type, cuda_only: bool) -> type:
+    class _Meta(type):
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, original)
+
+        def __subclasscheck__(cls, sub: type) -> bool:
+            return issubclass(sub, original)
+
+        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            if cls is not replacement:  # the program's own subclass: kept as it is
+                _state["kept"].append(cls.__name__)
+                return super().__call__(*args, **kwargs)
+            return _build(cuda_only, *args, **kwargs)
+
+    replacement = _Meta("GradScaler", (original,), {"__module__": original.__module__})
+    replacement.__doc__ = (
+        f"autoscale wrap: builds autoscale's scaler in place of {original.__module__}.GradScaler"
+    )
+    return replacement
+
+
+def _build(
+    cuda_only: bool,
+    *args: Any,
+    **kwargs: Any,
+) -> LossScaler:
+    names = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
+    if not cuda_only:
+        names = ("device", *names)
+    given = dict(zip(names, args))
+    given.update(kwargs)
+    device = "cuda" if cuda_only else given.pop("device", "cuda")
+    config = _state["config"]
+    name = config.get("scaler") or "torch"
+    build: dict[str, Any] = {"enabled": given.pop("enabled", True)}
+    if "init_scale" in given:
+        build["init_scale"] = float(given.pop("init_scale"))
+    scaler = get_scaler(name, device=device, **build)
+    ignored, kept = [], []
+    for knob in _KNOBS:
+        if knob not in given:
+            continue
+        value = given.pop(knob)
+        if knob in scaler.rule.params():
+            getattr(scaler, f"set_{knob}")(value)
+            kept.append(f"{knob}={value}")
+        else:
+            ignored.append(f"{knob}={value}")
+    if given:
+        ignored.extend(f"{k}={v!r}" for k, v in given.items())
+    index = len(_state["built"])
+    entry: dict[str, Any] = {"scaler": scaler, "name": name, "index": index, "ignored": ignored}
+    if ignored and index == 0:
+        keeps = f"keeps {', '.join(kept)} and " if kept else ""
+        print(
+            f"autoscale wrap: '{name}' {keeps}ignores the program's GradScaler arguments "
+            f"{', '.join(ignored)} (its rule has no such parameter)",
+            file=sys.stderr,
+        )
+    rank = int(os.environ.get("RANK", "0") or 0)
+    entry["rank"] = rank
+    if scaler.is_enabled():
+        record = config.get("record")
+        if record and (rank == 0 or config.get("all_ranks")):
+            sub = "" if (rank, index) == (0, 0) else f"rank{rank}-scaler{index}"
+            record = str(Path(record) / sub) if sub else record
+        else:
+            record = None
+        logs = (config.get("log") or []) if rank == 0 else []
+        try:
+            entry["watch"] = watch_scaler(
+                scaler,
+                record=record,
+                log=logs,
+                hist_every=int(config.get("hist_every", 1)),
+                measure_threshold=bool(config.get("measure_threshold", False)),
+                meta={"argv": config.get("argv") or sys.argv, "rank": rank, "index": index},
+            )
+            entry["record"] = record
+        except Exception as exc:  # never break the program's run for the record's sake
+            print(f"autoscale wrap: not recording scaler {index}: {exc}", file=sys.stderr)
+            entry["watch"] = watch_scaler(scaler)
+            entry["record"] = None
+    _state["built"].append(entry)
+    return scaler
+
+
+def _write_summaries() -> None:
+    folder = _state.get("config", {}).get("summary_dir")
+    if not folder:
+        return
+    rows = []
+    for e in _state["built"]:
+        watch = e.get("watch")
+        if watch is not None:
+            watch.close()
+        scaler = e["scaler"]
+        rows.append(
+            {
+                "name": e["name"],
+                "index": e["index"],
+                "rank": e["rank"],
+                "enabled": scaler.is_enabled(),
+                "steps": watch.steps if watch else 0,
+                "skipped": watch.skipped if watch else 0,
+                "at_min": watch.at_min if watch else 0,
+                "scale_lo": watch.scale_lo if watch and watch.steps else None,
+                "scale_hi": watch.scale_hi if watch and watch.steps else None,
+                "min_scale": scaler.min_scale,
+                "record": e.get("record"),
+                "ignored": e["ignored"],
+            }
+        )
+    out = {"pid": os.getpid(), "scalers": rows, "kept": _state["kept"]}
+    try:
+        path = Path(folder) / f"{os.getpid()}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out))
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -1,0 +1,135 @@
+"""``autoscale wrap`` end to end, as subprocesses: scripts autoscale never saw, unchanged."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoscale.observe import read_record
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _wrap(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "autoscale", "wrap", *args], cwd)
+
+
+def _lines(out: str, tag: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(tag + " ")]
+
+
+def test_the_observer_changes_nothing_and_records(tmp_path):
+    script = [sys.executable, str(SCRIPTS / "plain.py"), "30"]
+    plain = _run(script, tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    wrapped = _wrap("--record", "runs/x", "--", *script, cwd=tmp_path)
+    assert wrapped.returncode == 0, wrapped.stderr
+    # bit for bit: every loss and the final weights
+    assert _lines(wrapped.stdout, "LOSS") == _lines(plain.stdout, "LOSS")
+    assert _lines(wrapped.stdout, "WEIGHTS") == _lines(plain.stdout, "WEIGHTS")
+    assert _lines(wrapped.stdout, "SCALER") == ["SCALER autoscale.scalers.base LossScaler torch"]
+    assert _lines(wrapped.stdout, "ISINSTANCE") == ["ISINSTANCE True"]
+    summary = [line for line in wrapped.stderr.splitlines() if line.startswith("autoscale wrap:")]
+    assert len(summary) == 1
+    assert "torch (rank 0): 30 steps, 1 skipped (3.3%), scale 2^15 .. 2^16" in summary[0]
+    assert str(tmp_path / "runs" / "x") in summary[0]
+
+    record = read_record(tmp_path / "runs" / "x")
+    assert record.meta["finished"] and record.notes == []
+    assert [s["step"] for s in record.steps] == list(range(30))
+    step5 = record.steps[5]
+    assert step5["found_inf"] and step5["loss_nonfinite"] and step5["scale"] == 2.0**16
+    assert record.steps[6]["scale"] == 2.0**15  # torch halved it
+    assert all(
+        s["hist"] is not None and sum(s["hist"]) > 0 for s in record.steps if not s["found_inf"]
+    )
+    # the scheduler stepped on every step: the record's lr shows the schedule
+    assert record.steps[0]["lr"] == pytest.approx(1e-3) and record.steps[3]["lr"] == pytest.approx(
+        2.5e-4
+    )
+    assert not any(s["threshold_measured"] for s in record.steps)
+
+
+def test_scaler_auto_replaces_gradscaler_keeping_what_it_has(tmp_path):
+    out = _wrap(
+        "--scaler", "auto", "--", sys.executable, str(SCRIPTS / "plain.py"), "12", cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    assert _lines(out.stdout, "SCALER") == ["SCALER autoscale.scalers.base LossScaler auto"]
+    # auto's rule has a growth_interval (kept) and no growth_factor (ignored): said once
+    assert (
+        "'auto' keeps growth_interval=50 and ignores the program's GradScaler arguments "
+        "growth_factor=2.0" in out.stderr
+    )
+    assert "auto (rank 0): 12 steps, 1 skipped" in out.stderr
+
+
+def test_exit_status_and_bad_input(tmp_path):
+    fail = _wrap("--", sys.executable, "-c", "import torch, sys; sys.exit(3)", cwd=tmp_path)
+    assert fail.returncode == 3
+    assert "built no GradScaler" in fail.stderr
+    unknown = _wrap("--scaler", "autoo", "--", sys.executable, "-c", "pass", cwd=tmp_path)
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip().splitlines() == [
+        line for line in unknown.stderr.strip().splitlines() if "did you mean 'auto'" in line
+    ]
+    missing = _wrap("--", "no-such-command-xyz", cwd=tmp_path)
+    assert missing.returncode == 2 and "command 'no-such-command-xyz' not found" in missing.stderr
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o500)
+    if os.access(tmp_path / "ro", os.W_OK):  # root writes anywhere: use a file in the way
+        target = tmp_path / "file"
+        target.write_text("")
+        bad = str(target / "rec")
+    else:
+        bad = str(tmp_path / "ro" / "rec")
+    unwritable = _wrap("--record", bad, "--", sys.executable, "-c", "print('RAN')", cwd=tmp_path)
+    assert unwritable.returncode == 2 and "cannot write the record folder" in unwritable.stderr
+    assert "RAN" not in unwritable.stdout  # refused before the command started
+    nolog = _wrap("--log", "tensorbord:x", "--", sys.executable, "-c", "pass", cwd=tmp_path)
+    assert nolog.returncode == 2 and "did you mean 'tensorboard'" in nolog.stderr
+
+
+def test_a_record_is_never_overwritten(tmp_path):
+    args = ["--record", "r", "--", sys.executable, str(SCRIPTS / "plain.py"), "3"]
+    assert _wrap(*args, cwd=tmp_path).returncode == 0
+    again = _wrap(*args, cwd=tmp_path)
+    assert again.returncode == 2 and "holds a record already" in again.stderr
+    assert len(read_record(tmp_path / "r").steps) == 3
+
+
+@pytest.mark.slow
+def test_lightning_under_the_observer_and_auto(tmp_path):
+    pytest.importorskip(
+        "lightning", reason="the Lightning test needs lightning (pip install -e '.[dev]')"
+    )
+    script = [sys.executable, str(SCRIPTS / "lightning_run.py")]
+    plain = _run(script, tmp_path)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    observed = _wrap("--", *script, cwd=tmp_path)
+    assert observed.returncode == 0, observed.stderr[-2000:]
+    assert _lines(observed.stdout, "LOSS") == _lines(plain.stdout, "LOSS")
+    assert _lines(observed.stdout, "WEIGHTS") == _lines(plain.stdout, "WEIGHTS")
+    assert _lines(plain.stdout, "SCALER") == ["SCALER torch.amp.grad_scaler GradScaler -"]
+    auto = _wrap("--scaler", "auto", "--", *script, cwd=tmp_path)
+    assert _lines(auto.stdout, "SCALER") == ["SCALER autoscale.scalers.base LossScaler auto"]
+    assert "auto (rank 0): 8 steps, 1 skipped" in auto.stderr
+
+
+@pytest.mark.slow
+def test_trainer_fp16_on_a_cpu_builds_no_gradscaler_and_keeps_its_status(tmp_path):
+    pytest.importorskip("transformers")
+    out = _wrap("--", sys.executable, str(SCRIPTS / "trainer_run.py"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # Accelerate's fp16 path needs a GPU: on a CPU the Trainer builds no GradScaler (tests/gpu
+    # runs the same script where it does)
+    assert "built no GradScaler" in out.stderr and "only on a GPU" in out.stderr
