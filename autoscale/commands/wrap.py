@@ -40,9 +40,9 @@ class WrapCommand(Command):
         parser.add_argument(
             "--hist-every",
             type=int,
-            default=1,
+            default=8,
             metavar="N",
-            help="gradient histogram every N steps (default 1; 0: none)",
+            help="gradient histogram every N steps (default 8; 1: every step, costlier; 0: none)",
         )
         parser.add_argument(
             "--measure-threshold",

@@ -35,7 +35,7 @@ class WrapPlan:
     record: str | None = None
     log: tuple[str, ...] = ()
     all_ranks: bool = False
-    hist_every: int = 1
+    hist_every: int = 8
     measure_threshold: bool = False
 
     def check(self) -> None:

@@ -131,7 +131,7 @@ def _build(
                 scaler,
                 record=record,
                 log=logs,
-                hist_every=int(config.get("hist_every", 1)),
+                hist_every=int(config.get("hist_every", 8)),
                 measure_threshold=bool(config.get("measure_threshold", False)),
                 meta={"argv": config.get("argv") or sys.argv, "rank": rank, "index": index},
             )

@@ -1,0 +1,132 @@
+"""``autoscale report``: the page, its replay and findings on real recorded steps, in Chromium."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import autoscale
+from autoscale.cli import main
+from autoscale.observe import read_record
+from autoscale.report import RecordReplay, findings, write_report
+
+
+def _record(path, steps: int, bad_every: int | None = None, weight: float = 1.0, lr_decay=False):
+    """A real fp16 loop under the torch rule, recorded (histogram every step)."""
+    scaler = autoscale.get_scaler("torch", device="cpu", init_scale=2.0**16, growth_interval=20)
+    watch = autoscale.observe.watch_scaler(scaler, record=str(path), hist_every=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if lr_decay else None
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        if bad_every and step % bad_every == bad_every - 1:
+            x[0, 0] = math.inf
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y) * weight
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        if sched is not None:
+            sched.step()  # also on skipped steps: what the finding is about
+    watch.close()
+    return read_record(path)
+
+
+def test_replay_of_the_recorded_rule_reproduces_the_record(tmp_path):
+    record = _record(tmp_path / "r", 60, bad_every=7)
+    replay = RecordReplay(record)
+    recorded, again = replay.recorded(), replay.replay("torch")
+    # the torch rule replayed from the same start takes the same scales and skips the same steps
+    # (replay follows the recorded thresholds; every skip here is a non-finite loss)
+    np.testing.assert_array_equal(again.scales, recorded.scales)
+    np.testing.assert_array_equal(again.skipped, recorded.skipped)
+    assert recorded.skip_rate == pytest.approx(8 / 60)
+    auto = replay.replay("auto")
+    assert auto.skip_rate == pytest.approx(8 / 60)  # a non-finite loss fails at any scale
+    assert auto.scales.min() > recorded.scales.min()  # the guard does not ratchet down
+
+
+def test_findings_name_what_the_record_shows(tmp_path):
+    record = _record(tmp_path / "r", 80, bad_every=5, weight=2.0**-16, lr_decay=True)
+    replay = RecordReplay(record)
+    recorded = replay.recorded()
+    outcomes = {name: replay.replay(name) for name in ("torch", "auto")}
+    titles = [f.title for f in findings(replay, recorded, outcomes)]
+    assert titles[0] == "Non-finite losses: no loss scale fixes these"
+    assert "Gradients lost to underflow" in titles  # 2^-16 loss weight, scale ratcheted to ~2^0
+    assert "The learning-rate schedule counted skipped steps" in titles
+    assert recorded.precision_loss > outcomes["auto"].precision_loss
+
+    clean = _record(tmp_path / "c", 30)
+    replay = RecordReplay(clean)
+    found = findings(replay, replay.recorded(), {"torch": replay.replay("torch")})
+    assert [f.title for f in found] == ["Nothing to fix in this run"]
+
+
+def test_report_command_writes_one_self_contained_page(tmp_path, capsys):
+    _record(tmp_path / "r", 40, bad_every=9)
+    assert main(["report", str(tmp_path / "r"), "--out", str(tmp_path / "page.html")]) == 0
+    html = (tmp_path / "page.html").read_text()
+    assert html.count("data:image/png;base64,") == 3
+    assert "http://" not in html and "https://" not in html  # nothing fetched
+    for name in ("torch", "deepspeed", "amax-history", "auto"):
+        assert f"<td>{name}</td>" in html
+    assert "Replay of this run&#x27;s recorded steps" in html
+    assert "wrote" in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "no record folder" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "r"), "--scalers", "torh"]) == 2
+    assert "did you mean 'torch'" in capsys.readouterr().err
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="headless Chromium not installed (apt-get install chromium)"
+)
+def test_the_page_renders_in_headless_chromium_with_its_plots(tmp_path):
+    record = _record(tmp_path / "r", 40, bad_every=9)
+    page = write_report(record, tmp_path / "report.html", names=["torch", "auto"])
+    shot = tmp_path / "shot.png"
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--hide-scrollbars",
+    ]
+    dom = subprocess.run(
+        [CHROMIUM, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120
+    )
+    assert "Loss scale against the gradients" not in dom.stdout  # titles are inside the images
+    assert dom.stdout.count("<img") == 3 and "Findings" in dom.stdout
+    subprocess.run(
+        [CHROMIUM, *flags, "--window-size=1200,1600", f"--screenshot={shot}", page.as_uri()],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    from matplotlib.image import imread
+
+    pixels = imread(shot)[..., :3]
+    assert pixels.shape[:2] == (1600, 1200)
+    # the scale plot is drawn: its overflow band (pink) and the black scale line are on screen
+    pink = np.all(np.abs(pixels - np.array([0xF4, 0xCC, 0xCC]) / 255) < 0.02, axis=-1).sum()
+    black = np.all(pixels < 0.1, axis=-1).sum()
+    assert pink > 5000 and black > 2000, (pink, black)
