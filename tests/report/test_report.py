@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
