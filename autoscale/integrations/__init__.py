@@ -45,6 +45,9 @@ _LAZY = {
     "AutoscaleTrainerMixin": "trainer",
     "mixed_precision_plugin": "lightning",
     "fsdp_precision_plugin": "lightning",
+    "ScaleMonitor": "lightning",
+    "ScaleLogCallback": "trainer",
+    "log_scale": "trainer",
     "deepspeed_config": "deepspeed",
     "write_deepspeed_config": "deepspeed",
 }

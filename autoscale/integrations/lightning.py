@@ -29,7 +29,58 @@ if TYPE_CHECKING:
 
     from autoscale.scalers.base import LossScaler
 
-__all__ = ["mixed_precision_plugin", "fsdp_precision_plugin"]
+__all__ = ["ScaleMonitor", "mixed_precision_plugin", "fsdp_precision_plugin"]
+
+
+def _callback_base():
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:  # the standalone package
+        from pytorch_lightning import Callback
+    return Callback
+
+
+class ScaleMonitor(_callback_base()):
+    """Logs the loss scale with the LightningModule's own ``log``, as ``LearningRateMonitor``
+    logs the learning rate: ``autoscale/scale``, ``autoscale/log2_scale``,
+    ``autoscale/skipped_total``, ``autoscale/skipped_since_last_log``, ``autoscale/grad_amax``
+    and ``autoscale/underflow`` every ``log_every_n_steps``, to whatever logger the Trainer
+    has. Finds the scaler on the precision plugin (an autoscale one, or torch's replaced by
+    ``autoscale wrap``).
+
+    Example::
+
+        trainer = L.Trainer(plugins=[mixed_precision_plugin("auto")], callbacks=[ScaleMonitor()])
+    """
+
+    def __init__(self, hist_every: int = 8) -> None:
+        self.hist_every = hist_every
+        self.watch: Any = None
+        self.sink: Any = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from autoscale.observe import watch_scaler
+        from autoscale.observe.live import LatestSink
+        from autoscale.scalers.base import LossScaler
+
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if isinstance(scaler, LossScaler) and self.watch is None:
+            self.sink = LatestSink()
+            self.watch = watch_scaler(scaler, hist_every=self.hist_every)
+            self.watch.sinks.append(self.sink)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.watch is None or trainer.global_step % trainer.log_every_n_steps:
+            return
+        self.watch.flush()
+        metrics = {f"autoscale/{k}": v for k, v in self.sink.take().items()}
+        if metrics:
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
 
 
 def _plugins():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from autoscale.errors import ConfigError
 from autoscale.integrations.accelerate import install_scaler
@@ -22,7 +22,57 @@ from autoscale.integrations.accelerate import install_scaler
 if TYPE_CHECKING:
     from autoscale.scalers.base import LossScaler
 
-__all__ = ["AutoscaleTrainer", "AutoscaleTrainerMixin"]
+__all__ = ["AutoscaleTrainer", "AutoscaleTrainerMixin", "ScaleLogCallback", "log_scale"]
+
+
+class ScaleLogCallback(TrainerCallback):
+    """Adds the loss scale to the Trainer's logs: ``autoscale/scale``, ``autoscale/log2_scale``,
+    ``autoscale/skipped_total``, ``autoscale/skipped_since_last_log``, ``autoscale/grad_amax``
+    and ``autoscale/underflow`` (share of gradient elements below fp16's range, from the latest
+    gradient histogram), every ``logging_steps``, wherever ``report_to`` sends them.
+
+    It finds the scaler on the prepared optimizer (any GradScaler autoscale built: the
+    AutoscaleTrainer's, or the Trainer's own under ``autoscale wrap``). The Trainer hands one
+    logs dict to its callbacks in order, reporting integrations first: add this one with
+    :func:`log_scale`, which puts it before them.
+    """
+
+    def __init__(self, hist_every: int = 8) -> None:
+        self.hist_every = hist_every
+        self.watch: Any = None
+        self.sink: Any = None
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        from autoscale.observe import watch_scaler
+        from autoscale.observe.live import LatestSink
+        from autoscale.scalers.base import LossScaler
+
+        scaler = getattr(optimizer, "scaler", None)
+        if isinstance(scaler, LossScaler) and self.watch is None:
+            self.sink = LatestSink()
+            self.watch = watch_scaler(scaler, hist_every=self.hist_every)
+            self.watch.sinks.append(self.sink)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.watch is None or logs is None or "loss" not in logs:
+            return
+        self.watch.flush()
+        metrics = {f"autoscale/{k}": v for k, v in self.sink.take().items()}
+        logs.update(metrics)  # what the reporting callbacks after this one send
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)  # the Trainer kept a copy before on_log
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+
+
+def log_scale(trainer: Trainer, hist_every: int = 8) -> ScaleLogCallback:
+    """Put a :class:`ScaleLogCallback` first among ``trainer``'s callbacks; return it."""
+    callback = ScaleLogCallback(hist_every)
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback
 
 
 class AutoscaleTrainerMixin:

@@ -20,7 +20,15 @@ from typing import Any
 from autoscale.errors import ConfigError
 from autoscale.observe.watch import underflow_of
 
-__all__ = ["KINDS", "CsvSink", "TensorBoardSink", "WandbSink", "check_log_spec", "make_log_sink"]
+__all__ = [
+    "KINDS",
+    "CsvSink",
+    "LatestSink",
+    "TensorBoardSink",
+    "WandbSink",
+    "check_log_spec",
+    "make_log_sink",
+]
 
 #: kind -> (what the rest of the spec names, the package it needs or None)
 KINDS = {
@@ -64,6 +72,39 @@ class _Counting:
         for row in rows:
             self.skipped += bool(row["found_inf"])
             yield _metrics(row, self.skipped)
+
+
+class LatestSink(_Counting):
+    """Keeps the latest step's metrics, for a framework's own logger to read
+    (:class:`~autoscale.integrations.trainer.ScaleLogCallback`,
+    :class:`~autoscale.integrations.lightning.ScaleMonitor`): scale, log2 scale, skipped steps
+    in all and since the last :meth:`take`, gradient amax, and the latest underflow share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latest: dict[str, Any] = {}
+        self._taken = 0
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        for m in self._each(rows):
+            underflow = m["underflow"] if m["underflow"] is not None else self.latest.get("underflow")
+            self.latest = {**m, "underflow": underflow}
+
+    def take(self) -> dict[str, float]:
+        """The metrics to log now (numbers only), and the skips since the last call."""
+        out = {
+            k: float(v)
+            for k, v in self.latest.items()
+            if k in ("scale", "log2_scale", "skipped_total", "grad_amax", "underflow")
+            and v is not None
+        }
+        if self.latest:
+            out["skipped_since_last_log"] = float(self.skipped - self._taken)
+            self._taken = self.skipped
+        return out
+
+    def close(self) -> None:
+        pass
 
 
 class CsvSink(_Counting):

@@ -133,3 +133,29 @@ def test_trainer_fp16_on_a_cpu_builds_no_gradscaler_and_keeps_its_status(tmp_pat
     # Accelerate's fp16 path needs a GPU: on a CPU the Trainer builds no GradScaler (tests/gpu
     # runs the same script where it does)
     assert "built no GradScaler" in out.stderr and "only on a GPU" in out.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_are_wrapped_and_rank_0_records(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not next to this Python")
+    script = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(SCRIPTS / "ddp_run.py")]
+    plain = _run(script, tmp_path)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    wrapped = _wrap("--record", "r", "--", *script, cwd=tmp_path)
+    assert wrapped.returncode == 0, wrapped.stderr[-2000:]
+    for rank in (0, 1):  # each rank's scaler is autoscale's, the weights bit-identical
+        mine = [line for line in wrapped.stdout.splitlines() if line.startswith(f"RANK{rank} ")]
+        theirs = [line for line in plain.stdout.splitlines() if line.startswith(f"RANK{rank} ")]
+        assert mine[0].split()[2:] == theirs[0].split()[2:]
+        assert mine[0].split()[1] == "LossScaler"
+    summary = [line for line in wrapped.stderr.splitlines() if line.startswith("autoscale wrap:")]
+    assert len(summary) == 2 and "(rank 0)" in summary[0] and "(rank 1)" in summary[1]
+    assert all("10 steps, 1 skipped" in line for line in summary)  # the ranks agreed
+    assert "record:" in summary[0] and "record:" not in summary[1]
+    assert [p.name for p in (tmp_path / "r").iterdir() if p.is_dir()] == []  # rank 0 only
+    everyone = _wrap("--record", "all", "--all-ranks", "--", *script, cwd=tmp_path)
+    assert everyone.returncode == 0, everyone.stderr[-2000:]
+    assert len(read_record(tmp_path / "all").steps) == 10
+    assert len(read_record(tmp_path / "all" / "rank1-scaler0").steps) == 10

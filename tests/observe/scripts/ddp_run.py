@@ -1,0 +1,30 @@
+"""A DDP script autoscale never saw, for torchrun on CPU (gloo): fp16 autocast, its own
+GradScaler, a non-finite batch at step 4 on rank 1 only."""
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(
+    torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu")
+g = torch.Generator().manual_seed(1 + rank)
+for step in range(10):
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    if step == 4 and rank == 1:
+        x[0, 0] = float("inf")
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+print(f"RANK{rank}", type(scaler).__name__, scaler.get_scale(), digest.hexdigest(), flush=True)
+dist.destroy_process_group()
