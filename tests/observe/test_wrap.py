@@ -148,6 +148,7 @@ def test_torchrun_ranks_are_wrapped_and_rank_0_records(tmp_path):
     for rank in (0, 1):  # each rank's scaler is autoscale's, the weights bit-identical
         mine = [line for line in wrapped.stdout.splitlines() if line.startswith(f"RANK{rank} ")]
         theirs = [line for line in plain.stdout.splitlines() if line.startswith(f"RANK{rank} ")]
+        assert mine and theirs, (wrapped.stdout, wrapped.stderr[-3000:], plain.stdout)
         assert mine[0].split()[2:] == theirs[0].split()[2:]
         assert mine[0].split()[1] == "LossScaler"
     summary = [line for line in wrapped.stderr.splitlines() if line.startswith("autoscale wrap:")]

@@ -2,6 +2,7 @@
 GradScaler, a non-finite batch at step 4 on rank 1 only."""
 
 import hashlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -26,5 +27,8 @@ for step in range(10):
     scaler.step(opt)
     scaler.update()
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
-print(f"RANK{rank}", type(scaler).__name__, scaler.get_scale(), digest.hexdigest(), flush=True)
+# one write of the whole line: the ranks share the pipe (print writes its pieces one by one when
+# the stream is unbuffered, and two ranks' pieces then interleave)
+line = f"RANK{rank} {type(scaler).__name__} {scaler.get_scale()} {digest.hexdigest()}\n"
+os.write(1, line.encode())
 dist.destroy_process_group()
