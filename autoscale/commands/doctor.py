@@ -205,7 +205,11 @@ class DoctorCommand(Command):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
-            "--model", default="gpt2-tiny", help="model to time (default gpt2-tiny)"
+            "--model",
+            "--workload",
+            dest="model",
+            default="gpt2-tiny",
+            help="model to time (default gpt2-tiny); or a workload module:factory",
         )
         parser.add_argument(
             "--steps", type=int, default=5, help="timed steps per dtype (default 5)"

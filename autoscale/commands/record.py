@@ -14,10 +14,22 @@ class RecordCommand(Command):
     epilog = """examples:
   autoscale record --env envs/bad-batches.yaml --steps 256 --out traces/bad-batches.npz
   autoscale record --env envs/suite.yaml --steps 512 --out traces/suite   (a folder: one trace per member)
+  autoscale record --workload experiments/workloads/cnn.py:make --steps 256 --out traces/cnn.npz
 """
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--env", required=True, help="env spec: a YAML path or a name in envs/")
+        which = parser.add_mutually_exclusive_group(required=True)
+        which.add_argument("--env", help="env spec: a YAML path or a name in envs/")
+        which.add_argument(
+            "--workload",
+            "--model",
+            dest="model",
+            help="a model or your own workload (module:factory or file.py:factory) on the "
+            "defaults of envs/ for --scenario",
+        )
+        parser.add_argument(
+            "--scenario", help="with --workload: the failure mode (default bad-batches)"
+        )
         parser.add_argument("--steps", type=int, required=True, help="steps recorded per instance")
         parser.add_argument(
             "--out", required=True, help="trace file to write (.npz); for a suite, a folder"
@@ -37,7 +49,13 @@ class RecordCommand(Command):
         from autoscale.envs.suite import SuiteSpec, load_spec
         from autoscale.envs.traces import record_suite
 
-        spec = load_spec(args.env)
+        if args.env is not None:
+            spec = load_spec(args.env)
+        else:
+            from autoscale.search.workload import base_spec, check_user_workloads
+
+            spec = base_spec(model=args.model, scenario=args.scenario)
+            check_user_workloads(spec)
         if args.fp16 is not None:
             fp16 = args.fp16
             spec = (

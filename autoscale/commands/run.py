@@ -42,8 +42,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, steps: int | None
     g = parser.add_argument_group("workload")
     g.add_argument(
         "--model",
+        "--workload",
+        dest="model",
         default="gpt2-tiny",
-        help=f"preset ({', '.join(list_models())}), Hub id or local folder",
+        help=f"preset ({', '.join(list_models())}), Hub id, local folder, or your own workload "
+        "as module:factory or path/to/file.py:factory (docs/workloads.md)",
     )
     g.add_argument(
         "--scenario",

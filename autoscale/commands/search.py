@@ -50,7 +50,13 @@ class SearchCommand(Command):
         wl.add_argument(
             "--env", help="env spec: a YAML path or a name in envs/ (sets the workload)"
         )
-        wl.add_argument("--model", help="model preset, Hub id or local folder (default gpt2-tiny)")
+        wl.add_argument(
+            "--model",
+            "--workload",
+            dest="model",
+            help="model preset, Hub id, local folder, or your own workload module:factory or "
+            "path/to/file.py:factory (default gpt2-tiny)",
+        )
         wl.add_argument("--scenario", help="failure mode (default bad-batches)")
         wl.add_argument(
             "--param", action="append", default=[], metavar="KEY=VALUE", help="scenario parameter"
@@ -106,6 +112,9 @@ class SearchCommand(Command):
             dtype=args.dtype,
             fp16=args.fp16,
         )
+        from autoscale.search.workload import check_user_workloads
+
+        check_user_workloads(spec)
         study = args.study or default_study_name(spec, args.space)
         cfg = SearchConfig(
             spec,

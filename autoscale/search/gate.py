@@ -85,9 +85,13 @@ def gate_workloads(members: list[Any], steps: int = GATE_STEPS) -> tuple[Any, ..
 def gate_proxy(workload: Any) -> Any | None:
     """What stands in for ``workload`` in the check when a budget cannot afford its long runs: the
     tiny model of its family (``gpt2-tiny`` for a language model, same dtype and device); None for
-    the small presets, which are cheap anyway."""
+    the small presets, which are cheap anyway, and for a user's workload (``module:factory``),
+    which nothing stands in for: its own runs are checked, or the plan says what budget fits."""
     from autoscale.training.models import PRESETS
+    from autoscale.training.user import is_user_workload
 
+    if is_user_workload(workload.model):
+        return None
     preset = PRESETS.get(workload.model)
     if (preset is not None and preset.kind != "lm") or workload.model == "gpt2-tiny":
         return None

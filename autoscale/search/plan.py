@@ -116,6 +116,16 @@ class Timing:
         )
 
 
+def _model_label(key: str) -> str:
+    """The model of a :func:`workload_key` (a path may hold slashes: cut at the dtype), short."""
+    import re
+
+    from autoscale.training.user import is_user_workload, workload_label
+
+    model = re.split(r"/(?:fp16|bf16|fp32)(?:/|$)", key)[0]
+    return workload_label(model) if is_user_workload(model) else model
+
+
 def workload_key(workload: Any) -> str:
     """What the step time depends on: the workload without its scenario's knobs and seed (a
     preference loss runs two forward passes, so its scenario counts)."""
@@ -146,7 +156,7 @@ class Timings:
         if len(self.by_key) == 1:
             return next(iter(self.by_key.values())).describe()
         return "; ".join(
-            f"{k.split('/')[0]}{'+pref' if k.endswith('+pref') else ''}: "
+            f"{_model_label(k)}{'+pref' if k.endswith('+pref') else ''}: "
             f"{_fmt_s(t.step_s)} per step"
             for k, t in self.by_key.items()
         )

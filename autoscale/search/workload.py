@@ -12,7 +12,13 @@ from autoscale.envs.spec import EnvSpec, InstanceSpec, spec_dirs
 from autoscale.envs.suite import SuiteSpec, load_spec
 from autoscale.errors import ConfigError
 
-__all__ = ["DEFAULT_MODEL", "DEFAULT_SCENARIO", "base_spec", "default_study_name"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "DEFAULT_SCENARIO",
+    "base_spec",
+    "check_user_workloads",
+    "default_study_name",
+]
 
 DEFAULT_MODEL = "gpt2-tiny"
 DEFAULT_SCENARIO = "bad-batches"
@@ -100,6 +106,23 @@ def default_study_name(spec: EnvSpec | SuiteSpec, space: str) -> str:
     if isinstance(spec, SuiteSpec):
         name = f"{spec.name}-{space}"
         return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "search"
+    from autoscale.training.user import is_user_workload, workload_label
+
     wl = spec.workload
-    name = f"{Path(wl.model).name if '/' not in wl.model else wl.model}-{wl.scenario}-{space}"
+    model = workload_label(wl.model) if is_user_workload(wl.model) else wl.model
+    name = f"{Path(model).name if '/' not in model else model}-{wl.scenario}-{space}"
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "search"
+
+
+def check_user_workloads(spec: EnvSpec | SuiteSpec) -> None:
+    """One real step of every user workload (``module:factory``) the spec names, so that a
+    broken one is refused in one line before a study, trace or policy is written."""
+    from autoscale.training.user import check_workload, is_user_workload
+
+    members = spec.members + spec.left_out if isinstance(spec, SuiteSpec) else [spec]
+    seen = set()
+    for m in members:
+        wl = m.workload
+        if is_user_workload(wl.model) and wl.model not in seen:
+            seen.add(wl.model)
+            check_workload(wl)

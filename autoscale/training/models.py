@@ -150,7 +150,12 @@ class BuiltModel:
 
 
 def check_model_name(name: str) -> None:
-    """Refuse a name that is no preset, no local path and no Hub id (with did-you-mean)."""
+    """Refuse a name that is no preset, no local path, no Hub id and no ``module:factory``
+    workload (with did-you-mean). A workload's module is imported when a run is built."""
+    from autoscale.training.user import is_user_workload
+
+    if is_user_workload(name):
+        return
     if name in PRESETS or "/" in name or Path(name).expanduser().exists() or _cached_on_hub(name):
         return
     err = unknown_name("model", name, PRESETS, "autoscale run --help")

@@ -92,3 +92,4 @@ class Snapshot:
     data: dict[str, Any]
     scenario: dict[str, Any]
     records: tuple[StepRecord, ...]
+    extra: dict[str, Any] | None = None  # the learning rates' base, a user's scheduler

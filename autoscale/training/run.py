@@ -29,6 +29,12 @@ from autoscale.training.records import Snapshot, StepRecord
 from autoscale.training.scenarios import make_scenario
 from autoscale.training.scorecard import Scorecard, precision_loss_from_counts
 from autoscale.training.spec import WorkloadSpec
+from autoscale.training.user import (
+    UserStream,
+    UserWorkload,
+    build_user_workload,
+    is_user_workload,
+)
 
 __all__ = ["TrainingRun", "AMP_DTYPES", "resolve_device"]
 
@@ -85,22 +91,50 @@ class TrainingRun:
         self.device = resolve_device(spec.device)
         self._amp_dtype = AMP_DTYPES[spec.dtype]
         _seed_everything(spec.seed)
-        self.built: BuiltModel = build_model(spec)
+        # a user's workload (module:factory) brings its model, optimizer, batches and loss
+        self.user: UserWorkload | None = None
+        if is_user_workload(spec.model):
+            if spec.scenario == "preference":
+                raise ConfigError(
+                    f"workload '{spec.model}': the preference scenario needs a language-model "
+                    "preset or mlp; a user workload takes clean, bad-batches, small-grads or moving"
+                )
+            self.user = build_user_workload(spec.model, spec.seed, self.device.type)
+            self.built = BuiltModel(self.user.model, "user", "factory", spec.model)
+        else:
+            self.built: BuiltModel = build_model(spec)
         self.model = self.built.model.to(self.device).train()
+        if self.user is not None:
+            self.data = UserStream(self.user, eval_batches=spec.eval_batches, device=self.device)
+        else:
+            self.data = _make_data(spec, self.built, self.device)
         self.fp16_path: str | None = None
         self.fp16_reason: str | None = None
         if spec.dtype == "fp16":
-            samples = spec.batch_size * (spec.seq_len if self.built.kind == "lm" else 1)
+            if self.user is not None:
+                samples = _rows(self.data.next_batch())
+                self.data.cursor = 0
+            else:
+                samples = spec.batch_size * (spec.seq_len if self.built.kind == "lm" else 1)
             self.fp16_path, self.fp16_reason = resolve_fp16_path(
                 spec.fp16, self.device, matmul_macs(self.model, samples)
             )
         self._emulator = Fp16EmulationMode() if self.fp16_path == "emulated" else None
-        self.data = _make_data(spec, self.built, self.device)
         self.scenario = make_scenario(spec.scenario, spec.scenario_params, spec.seed)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self._params, lr=spec.lr, fused=self.device.type == "cuda"
-        )
+        if self.user is not None:
+            self.optimizer = self.user.optimizer
+        else:
+            self.optimizer = torch.optim.AdamW(
+                self._params, lr=spec.lr, fused=self.device.type == "cuda"
+            )
+        # the learning rates the scenario's factor multiplies: spec.lr, or the user's optimizer's
+        # own (moved by its scheduler after each applied step)
+        self._base_lrs = [
+            float(g["lr"]) if self.user is not None else spec.lr
+            for g in self.optimizer.param_groups
+        ]
+        self._checked_fp16 = spec.dtype != "fp16" or self.user is None
         self.scaler = self._make_scaler(scaler, scaler_overrides)
         self.scaler.keep_grad_abs = True  # its statistics' copy of |g| is the census's input
         self.scaler_spec = self.scaler.spec()  # as configured, before training moves the scale
@@ -146,9 +180,10 @@ class TrainingRun:
         """Take one optimizer step and return its record (also appended to :attr:`records`)."""
         start = time.perf_counter()
         spec, index = self.spec, self.step_index
-        lr = spec.lr * self.scenario.lr_factor(index)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        factor = self.scenario.lr_factor(index)
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = base * factor
+        lr = self._base_lrs[0] * factor
         weight = self.scenario.loss_weight(index) / spec.grad_accum
         scale = self.scaler.get_scale()
         self.optimizer.zero_grad(set_to_none=True)
@@ -157,8 +192,13 @@ class TrainingRun:
         with self._emulation():  # entered first: `watch` sees each emulated op's fp16 result
             for micro in range(spec.grad_accum):
                 batch = self.data.next_batch()
-                with self._autocast():
-                    objective = self.scenario.objective(self.data, self.model, batch, index, micro)
+                if not self._checked_fp16:
+                    objective = self._first_fp16_forward(batch, index, micro)
+                else:
+                    with self._autocast():
+                        objective = self.scenario.objective(
+                            self.data, self.model, batch, index, micro
+                        )
                 with watch if watch is not None else contextlib.nullcontext():
                     self.scaler.scale(objective if weight == 1.0 else objective * weight).backward()
                 value = objective.detach().float().reshape(1)
@@ -186,6 +226,8 @@ class TrainingRun:
                 torch._foreach_mul_([p.grad for p in self._params if p.grad is not None], coef)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        if self.user is not None and self.user.lr_scheduler is not None:
+            self._schedule()
         # The one extra host sync, after update(): where the scaler syncs with fused optimizers.
         host = torch.cat([e.to(self.device, torch.float64) for e in extras]).tolist()
         stats = self.scaler.last_stats
@@ -215,6 +257,33 @@ class TrainingRun:
         self.step_index += 1
         self.records.append(record)
         return record
+
+    def _first_fp16_forward(self, batch: Any, index: int, micro: int) -> torch.Tensor:
+        """The first forward of a user's workload, checking that autocast runs some op in fp16
+        (a model it runs wholly in fp32 has nothing for a loss scale to do)."""
+        from autoscale.observe.watch import BackwardAmaxMode
+
+        seen = BackwardAmaxMode(torch.float16)
+        with seen, self._autocast():
+            objective = self.scenario.objective(self.data, self.model, batch, index, micro)
+        if seen.amax is None:
+            raise ConfigError(
+                f"workload '{self.spec.model}': its model ran no op in fp16 under autocast, so "
+                "there is nothing to scale (autocast runs matmuls, convolutions and linear layers "
+                "in fp16; check that the forward uses them, and that the model is float32)"
+            )
+        self._checked_fp16 = True
+        return objective
+
+    def _schedule(self) -> None:
+        """Step the user's scheduler after an applied step (a skipped one leaves it), from the
+        learning rates it set, then keep what it sets as the scenario's base."""
+        if self.scaler.step_was_skipped:
+            return
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = base
+        self.user.lr_scheduler.step()
+        self._base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def run(
         self,
@@ -273,6 +342,10 @@ class TrainingRun:
         was_training = self.model.training
         self.model.eval()
         try:
+            if self.user is not None and self.user.eval is not None:
+                with torch.no_grad(), self._emulation(), self._autocast():
+                    value = self.user.eval(self.model)
+                return float(value.item() if isinstance(value, torch.Tensor) else value)
             with torch.no_grad(), self._emulation(), self._autocast():
                 losses = [
                     self.scenario.eval_objective(self.data, self.model, b).float()
@@ -301,6 +374,7 @@ class TrainingRun:
             data=self.data.state_dict(),
             scenario=copy.deepcopy(self.scenario.state_dict()),
             records=tuple(self.records),
+            extra=self._extra_state(),
         )
 
     def restore(self, snap: Snapshot) -> None:
@@ -317,6 +391,18 @@ class TrainingRun:
         self.scenario.load_state_dict(copy.deepcopy(snap.scenario))
         self.step_index = snap.step_index
         self.records = list(snap.records)
+        extra = snap.extra or {}
+        if "base_lrs" in extra:
+            self._base_lrs = list(extra["base_lrs"])
+        if "lr_scheduler" in extra:
+            self.user.lr_scheduler.load_state_dict(copy.deepcopy(extra["lr_scheduler"]))
+
+    def _extra_state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"base_lrs": list(self._base_lrs)}
+        sched = self.user.lr_scheduler if self.user is not None else None
+        if sched is not None and hasattr(sched, "state_dict"):
+            out["lr_scheduler"] = copy.deepcopy(sched.state_dict())
+        return out
 
     def __repr__(self) -> str:
         return f"TrainingRun(model={self.spec.model!r}, scenario={self.spec.scenario!r}, scaler={self.scaler.name!r}, step={self.step_index})"
@@ -357,6 +443,18 @@ def _make_data(spec: WorkloadSpec, built: BuiltModel, device: torch.device) -> B
     return TokenStream(
         tokens, seq_len=spec.seq_len, vocab_size=built.vocab_size, source=source, **common
     )
+
+
+def _rows(batch: Any) -> int:
+    """The leading dimension of a batch's first tensor (1 if it has none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    values = batch.values() if isinstance(batch, dict) else batch
+    if isinstance(values, (list, tuple)) or isinstance(batch, dict):
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                return int(v.shape[0]) if v.dim() else 1
+    return 1
 
 
 def _seed_everything(seed: int) -> None:
