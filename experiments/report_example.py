@@ -3,13 +3,15 @@ images in fp16 autocast, with what users report from their own runs: a batch wit
 input every 40 steps (a corrupt sample), a loss down-weighted by 2^-12 (an auxiliary loss), and a
 learning-rate schedule that steps on every step. Unchanged by autoscale; run it as a user would::
 
-    autoscale wrap --record runs/example -- python experiments/report_example.py
-    autoscale report runs/example --out docs/images/report.html
+    autoscale wrap --record runs/example -- python experiments/report_example.py [STEPS]
+    autoscale report runs/example
 """
+
+import sys
 
 import torch
 
-steps = 600
+steps = int(sys.argv[1]) if len(sys.argv) > 1 else 600
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 model = torch.nn.Sequential(

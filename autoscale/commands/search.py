@@ -59,6 +59,13 @@ class SearchCommand(Command):
         )
         wl.add_argument("--scenario", help="failure mode (default bad-batches)")
         wl.add_argument(
+            "--traces",
+            nargs="+",
+            metavar="DIR",
+            help="search on the replay of your recorded runs (autoscale wrap --record DIR) "
+            "instead of a workload's real steps",
+        )
+        wl.add_argument(
             "--param", action="append", default=[], metavar="KEY=VALUE", help="scenario parameter"
         )
         wl.add_argument("--dtype", help="autocast dtype (default: the spec's, fp16)")
@@ -102,6 +109,8 @@ class SearchCommand(Command):
 
         if args.n_trials is not None and args.n_trials <= 0:
             raise ConfigError(f"--n-trials must be a positive number, got {args.n_trials}")
+        if args.traces:
+            return self._on_traces(args, budget)
         params = parse_pairs(args.param, "--param")
         explicit = any(v is not None for v in (args.env, args.model, args.scenario)) or bool(params)
         spec = base_spec(
@@ -164,4 +173,54 @@ class SearchCommand(Command):
             f"artifacts) {100 * bk / result.wall_s:.1f}%; this worker ran {sum(result.trials.values())} trials"
         )
         print(f"review it with: autoscale dashboard --storage {mask_url(args.storage)}")
+        return 0
+
+    def _on_traces(self, args: argparse.Namespace, budget: Any) -> int:
+        from autoscale.errors import ConfigError
+        from autoscale.search.budget import format_duration
+        from autoscale.search.on_traces import TraceSearch, TraceSearchConfig
+        from autoscale.search.storage import mask_url
+
+        other = [
+            f
+            for f, v in (
+                ("--env", args.env),
+                ("--model/--workload", args.model),
+                ("--scenario", args.scenario),
+                ("--param", args.param),
+            )
+            if v
+        ]
+        if other or args.space != "parametric":
+            raise ConfigError(
+                f"--traces searches parametric rules on your records; it takes no "
+                f"{', '.join(other) or '--space ' + args.space} (drop it, or search a workload instead)"
+            )
+        cfg = TraceSearchConfig(
+            tuple(args.traces),
+            study=args.study,
+            export=args.export,
+            storage=args.storage,
+            artifacts=args.artifacts,
+            policy_dir=args.policy_dir,
+            force=args.force,
+            seed=args.seed,
+            n_trials=args.n_trials,
+            progress=not args.quiet,
+            command=shlex.join(["autoscale", *sys.argv[1:]]) if sys.argv else "autoscale search",
+        )
+        try:
+            result = TraceSearch(cfg, budget).run()
+        except KeyboardInterrupt:
+            print(
+                "interrupted: every finished trial is kept in the study; nothing was exported; the "
+                "same command resumes it",
+                file=sys.stderr,
+            )
+            return 130
+        print(
+            f"done in {format_duration(budget.elapsed())} of a {format_duration(budget.seconds)} "
+            f"budget; {result['trials']} trials; review it with: autoscale dashboard --storage "
+            f"{mask_url(args.storage)}"
+        )
         return 0

@@ -284,6 +284,10 @@ def _threshold(row: dict[str, Any], backward_amax: float | None) -> tuple[float,
     amax = row["amax"]
     if not row["found_inf"] and math.isfinite(amax) and amax > 0:
         return math.log2(FP16_MAX / amax), False
+    if not row["found_inf"] and amax == 0:
+        # every gradient flushed to zero at this scale: the threshold lies somewhere above
+        # log2(65504 * scale / 2^-24), nobody knows where (NaN: replay cannot judge this step)
+        return math.nan, False
     return math.log2(scale) - 1.0, False  # overflowed: only known to lie below the scale used
 
 

@@ -115,9 +115,11 @@ class RecordReplay:
             f"{name} (recorded)", False, t.scale.copy(), skipped, precision, at_min, min_scale
         )
 
-    def replay(self, name: str) -> Outcome:
-        """Replay the scaler ``name`` (a rule or an exported policy) from the run's first scale."""
-        scaler = get_scaler(name, device="cpu", init_scale=float(self.inst.start_scale))
+    def replay(self, name: str, **params) -> Outcome:
+        """Replay the scaler ``name`` (a rule or an exported policy; ``params`` override its
+        parameters) from the run's first scale."""
+        params = {"init_scale": float(self.inst.start_scale), **params}
+        scaler = get_scaler(name, device="cpu", **params)
         rule, ctrl = scaler.rule, scaler.controller
         min_scale = ctrl.bounds.min_scale
         t = self.inst

@@ -1,0 +1,366 @@
+"""``autoscale search --traces DIR...``: a search on the replay of a user's recorded runs.
+
+The records (``autoscale wrap --record DIR``) become the instances: windows of each run, the
+first two thirds train and the rest test, disjoint in time
+(:func:`~autoscale.envs.traces.suite_from_records`). With no way to take real steps, every phase
+is replay, and says so (terminal, study note, manifest):
+
+1. **search**: parametric rule families with their knobs, scored on the train windows' replay
+   against ``torch`` with the suite search's objective (the built-in rules' defaults first);
+2. **validate**: the best trials and every built-in rule on the test windows' replay;
+3. **no harm**: the pick replayed over the whole of each run, judged on its clean steps (a
+   finite loss and a known overflow threshold: not every gradient flushed to zero), next to
+   ``torch``: it may skip at most 0.5 points more of those steps
+   and must not lose more gradient elements below fp16's range; otherwise the next candidate;
+4. **export** the pick as a parametric policy (torch alone at run time) and write the report of
+   the first run with it among the counterfactuals.
+
+The budget is wall clock: the search takes what the later phases do not need (they cost seconds).
+Interrupting keeps every finished trial in the study; the same command resumes it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autoscale.errors import ConfigError
+
+__all__ = ["TraceSearch", "TraceSearchConfig"]
+
+NO_HARM_SKIP = 0.005  # at most this much more of the clean steps skipped than torch
+NO_HARM_PRECISION = 0.005  # at most this much more precision loss than torch (absolute)
+CANDIDATES = 5  # best trials validated
+REPLAY_NOTE = (
+    "validated on the replay of held-out windows of the recorded runs (no real steps: a record "
+    "cannot be trained again); the no-harm check is the replay of the runs' clean steps"
+)
+
+
+@dataclass(frozen=True)
+class TraceSearchConfig:
+    """What ``autoscale search --traces`` was asked."""
+
+    traces: tuple[str, ...]
+    study: str | None = None
+    export: str | None = None
+    storage: str = "autoscale.db"
+    artifacts: str | None = None
+    policy_dir: str | None = None
+    force: bool = False
+    seed: int = 0
+    n_trials: int | None = None
+    horizon: int | None = None
+    progress: bool = True
+    command: str = "autoscale search --traces"
+
+
+@dataclass
+class Candidate:
+    """A validated candidate: a trial's tuned rule or a built-in rule with its defaults."""
+
+    label: str
+    rule: str
+    params: dict[str, Any]
+    test_objective: float
+    trial: Any = None
+    no_harm: dict[str, Any] | None = None
+
+
+class TraceSearch:
+    """Runs the four phases of a search on records within ``budget``."""
+
+    def __init__(
+        self, cfg: TraceSearchConfig, budget: Any, out: Callable[[str], None] | None = None
+    ):
+        self.cfg, self.budget = cfg, budget
+        self.out = out or (lambda s: print(s, flush=True))
+
+    def say(self, phase: str, text: str) -> None:
+        self.out(f"[{phase}] {text}")
+
+    def run(self) -> dict[str, Any]:
+        import optuna
+
+        from autoscale.envs.traces import suite_from_records
+        from autoscale.observe import read_record
+        from autoscale.search.bench import ReplayBench
+        from autoscale.search.budget import Ledger, format_duration
+        from autoscale.search.space import default_trial_params, parametric_families
+        from autoscale.search.storage import artifact_store, artifacts_dir, mask_url, open_storage
+        from autoscale.search.study import study_kwargs
+        from autoscale.search.trials import ParametricObjective, TrialRecorder, write_note
+
+        cfg = self.cfg
+        records = [read_record(p) for p in cfg.traces]
+        for rec in records:
+            if rec.notes:
+                self.out(f"note: {rec.path}: {rec.notes[0]}")
+        suite, traces = suite_from_records(records, cfg.horizon)
+        h = suite.episode.steps
+        windows = {m.name: {k: len(v) for k, v in m.instances.items()} for m in suite.members}
+        name = cfg.study or _default_name(suite)
+        storage = open_storage(cfg.storage)
+        folder = artifacts_dir(cfg.storage, cfg.artifacts)
+        store = artifact_store(folder)
+        ledger = Ledger()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(
+            study_name=name,
+            storage=storage,
+            direction="minimize",
+            load_if_exists=True,
+            **study_kwargs(cfg.seed, 0, ledger),
+        )
+        families = parametric_families()
+        fresh = "traces" not in study.user_attrs
+        if fresh:
+            study.set_user_attr("traces", [str(Path(r.path).resolve()) for r in records])
+            study.set_user_attr("command", cfg.command)
+            study.set_user_attr("validation", REPLAY_NOTE)
+            study.set_user_attr("suite", suite.to_dict())
+            for rule, defaults in families.items():
+                study.enqueue_trial(
+                    default_trial_params(rule, defaults, suite.episode),
+                    user_attrs={"baseline": True},
+                )
+            write_note(study, _note(name, records, suite, windows))
+        self.say(
+            "1/4 plan",
+            f"{len(records)} record(s), {sum(len(r.steps) for r in records)} steps; windows of {h} "
+            f"steps: {_windows_text(windows)}; "
+            f"study '{name}' in {mask_url(cfg.storage)}; {REPLAY_NOTE}",
+        )
+        bench = ReplayBench(suite, traces)
+        workdir = folder / "work"
+        workdir.mkdir(parents=True, exist_ok=True)
+        recorder = TrialRecorder(bench, store, ledger, workdir, lambda s: self.out(f"warning: {s}"))
+        objective = ParametricObjective(bench, recorder, ledger, families)
+        # what the later phases need: a test replay per candidate and rule, no-harm, the report
+        from autoscale.report.replay import RecordReplay
+
+        t0 = time.perf_counter()
+        bench.run("test", lambda: bench.scaler("torch"))
+        per_test = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for rec in records:
+            RecordReplay(rec).replay("torch")
+        per_run = time.perf_counter() - t0
+        # validation: candidates and rules on the test windows; no harm: two whole-run replays
+        # per candidate tried; the report: every rule on the first run, and its plots (~2 s)
+        n = CANDIDATES + len(families)
+        reserve = 1.5 * (per_test * n + per_run * (2 * n + len(families) + 2)) + 3.0
+        stop_at = self.budget.end - reserve
+        if stop_at <= time.monotonic():
+            need = self.budget.elapsed() + reserve + self.budget.reserve + 5
+            raise ConfigError(
+                f"the budget leaves no time to search after validation ({format_duration(reserve)}); "
+                f"give --budget {format_duration(need)} or more"
+            )
+        before = len(study.trials)
+        study.optimize(
+            objective,
+            n_trials=cfg.n_trials,
+            timeout=max(1.0, stop_at - time.monotonic()),
+            catch=(ValueError, ArithmeticError),
+            show_progress_bar=False,
+        )
+        done = study.trials[before:]
+        states = {
+            s: sum(1 for t in done if t.state.name == s) for s in ("COMPLETE", "PRUNED", "FAIL")
+        }
+        best = study.best_trial
+        self.say(
+            "2/4 search",
+            f"{len(done)} trials ({states['COMPLETE']} complete, {states['PRUNED']} pruned, "
+            f"{states['FAIL']} failed) on the train windows' replay; best: trial {best.number} "
+            f"({best.user_attrs.get('policy', {}).get('rule')}), objective {best.value:+.4f}",
+        )
+        t_val = time.monotonic()
+        candidates = self._validate(study, bench, families)
+        self.say(
+            "3/4 validate",
+            f"in {time.monotonic() - t_val:.1f}s, on the test windows' replay (objective vs torch, "
+            "lower is better): "
+            + ", ".join(f"{c.label} {c.test_objective:+.4f}" for c in candidates[:6]),
+        )
+        t_exp = time.monotonic()
+        pick = None
+        for c in candidates:
+            c.no_harm = _no_harm(records, c)
+            if c.no_harm["passed"]:
+                pick = c
+                break
+            self.say("4/4 no harm", f"{c.label} refused: {c.no_harm['why']}")
+        if pick is None:
+            raise ConfigError(
+                "no candidate passed the no-harm check on the runs' clean steps; nothing exported"
+            )
+        path = self._export(study, suite, pick, records)
+        from autoscale.report import write_report
+        from autoscale.report.page import compare_names
+
+        report = write_report(records[0], Path(path) / "report.html", [*compare_names(), path.name])
+        nh = pick.no_harm
+        self.say(
+            "4/4 export",
+            f"{pick.label} passed the no-harm check on the clean steps (replay: skipped "
+            f"{100 * nh['skip_rate']:.2f}% vs torch {100 * nh['torch_skip_rate']:.2f}%, below fp16 "
+            f"range {100 * nh['precision_loss']:.2f}% vs {100 * nh['torch_precision_loss']:.2f}%); "
+            f"exported to {path}; report {report} (in {time.monotonic() - t_exp:.1f}s)",
+        )
+        self.say(
+            "done",
+            f"use it with autoscale wrap --scaler {path.name} -- <your command>, or "
+            f"autoscale.get_scaler('{path.name}'); {REPLAY_NOTE}",
+        )
+        return {
+            "study": name,
+            "policy": str(path),
+            "report": str(report),
+            "pick": pick.label,
+            "trials": len(done),
+            "ledger": ledger,
+        }
+
+    def _validate(self, study, bench, families) -> list[Candidate]:
+        complete = [
+            t for t in study.trials if t.state.name == "COMPLETE" and "policy" in t.user_attrs
+        ]
+        complete.sort(key=lambda t: t.value)
+        out: list[Candidate] = []
+        seen = set()
+        for t in complete:
+            pol = t.user_attrs["policy"]
+            if t.user_attrs.get("baseline"):
+                continue  # the rules' defaults are validated as rules below
+            key = json.dumps(pol, sort_keys=True)
+            if key in seen:
+                continue
+            seen.add(key)
+            test = (t.user_attrs.get("scores") or {}).get("test_replay") or {}
+            value = test.get("objective")
+            if value is None:
+                cards, _ = bench.run("test", lambda p=pol: bench.scaler(p["rule"], **p["params"]))
+                value = bench.objective("test", cards)
+            out.append(
+                Candidate(f"{pol['rule']}, trial {t.number}", pol["rule"], pol["params"], value, t)
+            )
+            if len(out) >= CANDIDATES:
+                break
+        for rule in families:
+            cards, _ = bench.run("test", lambda r=rule: bench.scaler(r))
+            out.append(Candidate(rule, rule, {}, bench.objective("test", cards)))
+        out.sort(key=lambda c: (c.test_objective, c.trial is not None))
+        return out
+
+    def _export(self, study, suite, pick: Candidate, records) -> Path:
+        from autoscale.search.export import export_rule, export_trial
+
+        name = self.cfg.export or study.study_name
+        provenance = {
+            "traces": [str(Path(r.path).resolve()) for r in records],
+            "validation": REPLAY_NOTE,
+        }
+        scorecard = {
+            "test_replay_objective": pick.test_objective,
+            "no_harm_replay": pick.no_harm,
+            "validation": REPLAY_NOTE,
+        }
+        kw = dict(
+            suite=suite,
+            out_dir=self.cfg.policy_dir,
+            force=self.cfg.force,
+            scorecard=scorecard,
+            provenance=provenance,
+        )
+        if pick.trial is None:
+            return Path(export_rule(study, pick.rule, name, **kw))
+        return Path(export_trial(study, pick.trial, name, store=None, **kw))
+
+
+def _windows_text(windows: dict[str, dict[str, int]]) -> str:
+    return ", ".join(f"{m}: {w['train']} train, {w['test']} test" for m, w in windows.items())
+
+
+def _default_name(suite) -> str:
+    import re
+
+    names = "-".join(m.name for m in suite.members)[:60]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{names}-traces").strip("-.") or "traces"
+
+
+def _note(name, records, suite, windows) -> str:
+    lines = [
+        f"# {name}: a search on recorded runs",
+        "",
+        f"Records: {', '.join(str(r.path) for r in records)}.",
+        f"Windows of {suite.episode.steps} steps; {json.dumps(windows)}.",
+        "",
+        f"**Validation: {REPLAY_NOTE}.**",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _no_harm(records, c: Candidate) -> dict[str, Any]:
+    """The candidate and torch replayed over each whole run, judged on its clean steps."""
+    import numpy as np
+
+    from autoscale.report.replay import RecordReplay
+
+    skip = tskip = prec = tprec = 0.0
+    n = 0
+    for rec in records:
+        rp = RecordReplay(rec)
+        # clean: a finite loss, and a threshold the record knows (not every gradient zero)
+        clean = ~rp.inst.nonfinite & np.isfinite(rp.inst.threshold)
+        mine = rp.replay(c.rule, **c.params)
+        ref = rp.replay("torch")
+        k = int(clean.sum())
+        if k == 0:
+            continue
+        n += k
+        skip += float(mine.skipped[clean].sum())
+        tskip += float(ref.skipped[clean].sum())
+        for out, o in ((0, mine), (1, ref)):
+            p = o.precision[clean & ~o.skipped]
+            p = p[np.isfinite(p)]
+            value = float(p.mean()) * k if p.size else 0.0
+            if out == 0:
+                prec += value
+            else:
+                tprec += value
+    if n == 0:
+        return {"passed": False, "why": "the runs have no clean step"}
+    res = {
+        "clean_steps": n,
+        "skip_rate": skip / n,
+        "torch_skip_rate": tskip / n,
+        "precision_loss": prec / n,
+        "torch_precision_loss": tprec / n,
+    }
+    why = []
+    if res["skip_rate"] > res["torch_skip_rate"] + NO_HARM_SKIP:
+        why.append(
+            f"skips {100 * res['skip_rate']:.2f}% of the clean steps, torch {100 * res['torch_skip_rate']:.2f}%"
+        )
+    if res["precision_loss"] > res["torch_precision_loss"] + NO_HARM_PRECISION:
+        why.append(
+            f"loses {100 * res['precision_loss']:.2f}% of gradient elements below fp16's range, "
+            f"torch {100 * res['torch_precision_loss']:.2f}%"
+        )
+    res["passed"] = not why
+    res["why"] = "; ".join(why)
+    if math.isnan(res["precision_loss"]):
+        res["precision_loss"] = 0.0
+    return res
+
+
+def main_out(text: str) -> None:  # pragma: no cover - the CLI's printer
+    print(text, file=sys.stdout, flush=True)

@@ -1,0 +1,101 @@
+"""``autoscale search --traces``: a search on the replay of a user's recorded runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import autoscale
+from autoscale.cli import main
+from autoscale.envs.traces import suite_from_records
+from autoscale.errors import ConfigError
+from autoscale.observe import read_record, watch_scaler
+from autoscale.scalers import read_manifest
+
+
+def _record(path, steps: int = 400, weight: float = 2.0**-10):
+    """A real fp16 loop under torch's rule (a loss weighted down, a bad batch every 50 steps)."""
+    scaler = autoscale.get_scaler("torch", device="cpu", growth_interval=100)
+    watch = watch_scaler(scaler, record=str(path))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        if step % 50 == 49:
+            x[0, 0] = math.inf
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y) * weight
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    watch.close()
+    return path
+
+
+def test_windows_split_train_and_test_in_time(tmp_path):
+    suite, traces = suite_from_records([_record(tmp_path / "r")])
+    (member,) = suite.members
+    assert member.episode.steps == 128  # three windows of 128 fit in 400 steps, of 256 do not
+    train = [i.start for i in member.instances["train"]]
+    test = [i.start for i in member.instances["test"]]
+    assert train == [0] and test == [128, 256] or (train == [0, 128] and test == [256])
+    assert max(train) < min(test)
+    inst = traces[member.name].instance(member.instances["test"][0].name)
+    assert inst.steps == 128 and inst.start_features is not None
+    with pytest.raises(ConfigError, match="fewer than three windows of 1024"):
+        suite_from_records([tmp_path / "r"], horizon=1024)
+
+
+def test_search_on_a_record_exports_a_policy_and_its_report(tmp_path, monkeypatch, capsys):
+    _record(tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    assert main(["search", "--traces", "run", "--budget", "40s", "--n-trials", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "validated on the replay of held-out windows" in out
+    policy = tmp_path / "policies" / "run-traces"
+    manifest = read_manifest(policy)
+    assert manifest.kind == "parametric"
+    assert manifest.workload["traces"] == [str((tmp_path / "run").resolve())]
+    assert "replay" in manifest.workload["validation"]
+    nh = manifest.scorecard["no_harm_replay"]
+    assert nh["passed"] and nh["skip_rate"] <= nh["torch_skip_rate"] + 0.005
+    assert (policy / "report.html").is_file()
+    assert "run-traces" in (policy / "report.html").read_text()  # the pick among the replays
+    scaler = autoscale.get_scaler(str(policy), device="cpu")  # torch alone
+    assert scaler.name == "run-traces"
+    import optuna
+
+    study = optuna.load_study(study_name="run-traces", storage="sqlite:///autoscale.db")
+    assert "replay" in study.user_attrs["validation"]
+    # the same command resumes the study: its trials are kept
+    before = len(study.trials)
+    assert main(["search", "--traces", "run", "--budget", "30s", "--n-trials", "5", "--force"]) == 0
+    assert (
+        len(optuna.load_study(study_name="run-traces", storage="sqlite:///autoscale.db").trials)
+        == before + 5
+    )
+
+
+def test_bad_traces_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    assert main(["search", "--traces", "empty", "--budget", "1m"]) == 2
+    assert "'empty' is not an autoscale record: it has no meta.json" in capsys.readouterr().err
+    _record(tmp_path / "old", steps=200)
+    meta = json.loads((tmp_path / "old" / "meta.json").read_text())
+    (tmp_path / "old" / "meta.json").write_text(json.dumps({**meta, "version": 0}))
+    assert main(["search", "--traces", "old", "--budget", "1m"]) == 2
+    assert "format version 0, this autoscale reads version 1" in capsys.readouterr().err
+    _record(tmp_path / "short", steps=100)
+    assert main(["search", "--traces", "short", "--budget", "1m"]) == 2
+    assert "fewer than three windows" in capsys.readouterr().err
+    assert main(["search", "--traces", "short", "--model", "mlp", "--budget", "1m"]) == 2
+    assert "takes no --model/--workload" in capsys.readouterr().err
+    assert not (tmp_path / "autoscale.db").exists() and not (tmp_path / "policies").exists()
+    assert read_record(tmp_path / "short").steps  # the record itself is untouched
