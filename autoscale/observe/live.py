@@ -87,7 +87,9 @@ class LatestSink(_Counting):
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         for m in self._each(rows):
-            underflow = m["underflow"] if m["underflow"] is not None else self.latest.get("underflow")
+            underflow = (
+                m["underflow"] if m["underflow"] is not None else self.latest.get("underflow")
+            )
             self.latest = {**m, "underflow": underflow}
 
     def take(self) -> dict[str, float]:

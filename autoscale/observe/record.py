@@ -19,7 +19,8 @@ A step's fields (``None`` where not known):
 - ``loss``: the mean unscaled loss passed to ``scale()`` (NaN/inf when non-finite; None if the
   program scaled something else than a one-element loss).
 - ``loss_nonfinite``: the loss itself was non-finite: the step fails at any scale.
-- ``amax``, ``rms``: largest and root-mean-square unscaled gradient element.
+- ``amax``, ``rms``: largest and root-mean-square unscaled gradient element (the RMS only on
+  the histogram steps, unless the scaler's rule computes it every step; NaN otherwise).
 - ``threshold``: log2 of the smallest scale at which this step's backward overflows fp16.
   ``threshold_measured`` says how it was obtained: True, from every fp16 tensor the backward
   produced (``measure_threshold=True``); False, estimated from the parameter gradients' amax

@@ -3,7 +3,9 @@
 A :class:`Watch` is an observer of a :class:`~autoscale.scalers.LossScaler`
 (:meth:`~autoscale.scalers.LossScaler.add_observer`). It reads what the scaler has already
 computed (the step's scale, found-inf, loss, gradient amax and RMS, all on the host after
-``update()``) and adds a log2|g| histogram of the unscaled gradients every ``hist_every`` steps
+``update()``: the rule's gradient amax is switched on if it was not) and adds, every
+``hist_every`` steps, a log2|g| histogram of the unscaled gradients and their RMS (where the rule
+computes no RMS of its own: on other steps the record's RMS is NaN)
 (one copy of |g| into a reused buffer, a shift and a ``bincount``: no Python loop over
 parameters). Device tensors (the histograms, the backward's amax) are gathered to the host once
 every ``flush_every`` steps in one copy, so on CUDA the watch adds no host sync per step beyond
@@ -138,6 +140,7 @@ class Watch:
         self._flushed = time.monotonic()
         self._flat = FlatAbs()
         self._hist: torch.Tensor | None = None
+        self._sumsq: torch.Tensor | None = None
         self._mode: BackwardAmaxMode | None = None
         self._bamax: torch.Tensor | None = None
         self._optimizer: Any = None
@@ -168,6 +171,11 @@ class Watch:
             flat.mul_(inv_scale)
         hist = log2_histogram(flat, subnormals=False)
         self._hist = hist if self._hist is None else self._hist + hist
+        # the RMS from the same buffer, where the rule does not compute it (one dot product)
+        sums = torch.stack(
+            [torch.dot(flat, flat), torch.full((), float(flat.numel()), device=flat.device)]
+        )
+        self._sumsq = sums if self._sumsq is None else self._sumsq + sums
 
     def on_update(self, scaler: Any, stats: Any) -> None:
         self._end_backward()
@@ -188,9 +196,10 @@ class Watch:
             "wall_s": now - self._last,
             "hist": self._hist,
             "_bamax": self._bamax,
+            "_sumsq": self._sumsq if not math.isfinite(float(stats.grad_rms)) else None,
         }
         self._last = now
-        self._hist = self._bamax = None
+        self._hist = self._bamax = self._sumsq = None
         self.steps += 1
         self.skipped += row["found_inf"]
         self.at_min += scale <= scaler.min_scale
@@ -209,10 +218,18 @@ class Watch:
             return
         hists = [r["hist"] for r in rows if isinstance(r["hist"], torch.Tensor)]
         amaxes = [r["_bamax"] for r in rows if isinstance(r["_bamax"], torch.Tensor)]
+        sums = [r["_sumsq"] for r in rows if isinstance(r["_sumsq"], torch.Tensor)]
         host_h = torch.stack(hists).cpu().tolist() if hists else []
         host_a = torch.stack([a.float() for a in amaxes]).cpu().tolist() if amaxes else []
-        ih = ia = 0
+        host_s = torch.stack([x.double() for x in sums]).cpu().tolist() if sums else []
+        ih = ia = i_s = 0
         for r in rows:
+            sumsq = r.pop("_sumsq")
+            if isinstance(sumsq, torch.Tensor):
+                total, count = host_s[i_s]
+                i_s += 1
+                if count > 0 and not r["found_inf"]:
+                    r["rms"] = math.sqrt(total / count)
             if isinstance(r["hist"], torch.Tensor):
                 r["hist"] = host_h[ih]
                 ih += 1

@@ -438,8 +438,8 @@ class LossScaler(torch.amp.GradScaler):
         inv_scale)`` when the gradients are read for the statistics (unscaled when ``inv_scale``
         is None, else scaled by ``1 / inv_scale``), ``on_update(scaler, stats)`` after the rule
         set the next scale. Observers read; they never change the step. Switches the gradient
-        statistics on (an observer reads them)."""
-        self.collect_stats = True
+        amax on (an observer reads it); the RMS pass stays as the rule wants it."""
+        self._collect_stats = True
         self._observers.append(observer)
 
     def remove_observer(self, observer: Any) -> None:

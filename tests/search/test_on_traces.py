@@ -52,7 +52,18 @@ def test_windows_split_train_and_test_in_time(tmp_path):
         suite_from_records([tmp_path / "r"], horizon=1024)
 
 
-def test_search_on_a_record_exports_a_policy_and_its_report(tmp_path, monkeypatch, capsys):
+@pytest.fixture()
+def fresh_clock(monkeypatch):
+    """A budget counts from the process's import of autoscale (the CLI's start); called in
+    process after other tests, it would count their time too: start it now."""
+    import time
+
+    monkeypatch.setattr(autoscale, "IMPORT_TIME", time.monotonic())
+
+
+def test_search_on_a_record_exports_a_policy_and_its_report(
+    tmp_path, monkeypatch, capsys, fresh_clock
+):
     _record(tmp_path / "run")
     monkeypatch.chdir(tmp_path)
     assert main(["search", "--traces", "run", "--budget", "40s", "--n-trials", "40"]) == 0
@@ -75,6 +86,7 @@ def test_search_on_a_record_exports_a_policy_and_its_report(tmp_path, monkeypatc
     assert "replay" in study.user_attrs["validation"]
     # the same command resumes the study: its trials are kept
     before = len(study.trials)
+    monkeypatch.setattr(autoscale, "IMPORT_TIME", __import__("time").monotonic())
     assert main(["search", "--traces", "run", "--budget", "30s", "--n-trials", "5", "--force"]) == 0
     assert (
         len(optuna.load_study(study_name="run-traces", storage="sqlite:///autoscale.db").trials)
