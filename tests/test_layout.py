@@ -12,7 +12,7 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "autoscale"
 
-# Lower layers never import higher ones (DESIGN.md 2). errors/resources sit under everything;
+# Lower layers never import higher ones (docs/design.md 2). errors/resources sit under everything;
 # integrations plug the run-time scalers into frameworks and stand beside training.
 LAYERS = {
     "errors": 0,

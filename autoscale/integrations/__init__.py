@@ -1,4 +1,4 @@
-"""Plug an autoscale scaler into a training framework (DESIGN.md 9).
+"""Plug an autoscale scaler into a training framework (docs/design.md 9).
 
 Each integration is optional and loads its framework only when used: ``import autoscale`` (and
 ``import autoscale.integrations``) imports none of accelerate, transformers or lightning.

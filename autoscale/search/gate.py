@@ -1,4 +1,4 @@
-"""The no-harm check: nothing is exported that harms a long clean run (DESIGN.md 3.8).
+"""The no-harm check: nothing is exported that harms a long clean run (docs/design.md 3.8).
 
 A policy is used for whole runs of 10^4 to 10^6 steps. Before anything is exported it trains long
 *clean* runs (nothing wrong with the data; a warm-up and a cosine learning-rate decay, as real runs

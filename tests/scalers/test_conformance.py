@@ -1,4 +1,4 @@
-"""The drop-in contract, checked for every registered scaler (DESIGN.md 3.1 and 3.4).
+"""The drop-in contract, checked for every registered scaler (docs/design.md 3.1 and 3.4).
 
 Parametrized at collection time over every registered rule, every shipped policy and the fixture
 policies (``tests/scalers/helpers.py``): registering a rule or shipping a policy is enough for it

@@ -1,4 +1,4 @@
-"""Distributed agreement (DESIGN.md 3.5): every rank takes the same decision.
+"""Distributed agreement (docs/design.md 3.5): every rank takes the same decision.
 
 Two CPU processes on gloo, deliberately *without* DDP so that gradients differ per rank: only rank
 1's loss is made infinite, yet both ranks must skip the step and keep equal scales; the gradient

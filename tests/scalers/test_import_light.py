@@ -1,4 +1,4 @@
-"""Using a scaler imports torch and PyYAML only (DESIGN.md 2): no SB3, Gymnasium or Optuna."""
+"""Using a scaler imports torch and PyYAML only (docs/design.md 2): no SB3, Gymnasium or Optuna."""
 
 from __future__ import annotations
 

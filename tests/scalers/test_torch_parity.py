@@ -1,4 +1,4 @@
-"""The built-in ``torch`` rule reproduces ``torch.amp.GradScaler`` bit for bit (DESIGN.md 3.2)."""
+"""The built-in ``torch`` rule reproduces ``torch.amp.GradScaler`` bit for bit (docs/design.md 3.2)."""
 
 from __future__ import annotations
 
