@@ -20,18 +20,9 @@ class EvalCommand(Command):
         parser.add_argument(
             "--policy", required=True, help="exported policy name or folder (or any scaler name)"
         )
-        which = parser.add_mutually_exclusive_group(required=True)
-        which.add_argument("--env", help="env spec: a YAML path or a name in envs/")
-        which.add_argument(
-            "--workload",
-            "--model",
-            dest="model",
-            help="a model or your own workload (module:factory or file.py:factory) on the "
-            "defaults of envs/ for --scenario",
-        )
-        parser.add_argument(
-            "--scenario", help="with --workload: the failure mode (default bad-batches)"
-        )
+        from autoscale.commands.run import add_env_or_workload
+
+        add_env_or_workload(parser)
         parser.add_argument(
             "--seeds", type=int, default=1, help="seeds per test instance (default 1)"
         )
@@ -61,13 +52,9 @@ class EvalCommand(Command):
 
         if args.seeds <= 0:
             raise ConfigError(f"--seeds must be a positive number, got {args.seeds}")
-        if args.env is not None:
-            spec = load_env_spec(args.env)
-        else:
-            from autoscale.search.workload import base_spec, check_user_workloads
+        from autoscale.commands.run import env_spec_from_args
 
-            spec = base_spec(model=args.model, scenario=args.scenario)
-            check_user_workloads(spec)
+        spec = env_spec_from_args(args, load_env_spec)
         rules = (
             [i.name for i in list_scalers() if i.kind == "rule"]
             if args.against is None

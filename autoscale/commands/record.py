@@ -18,18 +18,9 @@ class RecordCommand(Command):
 """
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        which = parser.add_mutually_exclusive_group(required=True)
-        which.add_argument("--env", help="env spec: a YAML path or a name in envs/")
-        which.add_argument(
-            "--workload",
-            "--model",
-            dest="model",
-            help="a model or your own workload (module:factory or file.py:factory) on the "
-            "defaults of envs/ for --scenario",
-        )
-        parser.add_argument(
-            "--scenario", help="with --workload: the failure mode (default bad-batches)"
-        )
+        from autoscale.commands.run import add_env_or_workload
+
+        add_env_or_workload(parser)
         parser.add_argument("--steps", type=int, required=True, help="steps recorded per instance")
         parser.add_argument(
             "--out", required=True, help="trace file to write (.npz); for a suite, a folder"
@@ -45,17 +36,12 @@ class RecordCommand(Command):
         )
 
     def run(self, args: argparse.Namespace) -> int:
+        from autoscale.commands.run import env_spec_from_args
         from autoscale.envs import record_trace
         from autoscale.envs.suite import SuiteSpec, load_spec
         from autoscale.envs.traces import record_suite
 
-        if args.env is not None:
-            spec = load_spec(args.env)
-        else:
-            from autoscale.search.workload import base_spec, check_user_workloads
-
-            spec = base_spec(model=args.model, scenario=args.scenario)
-            check_user_workloads(spec)
+        spec = env_spec_from_args(args, load_spec)
         if args.fp16 is not None:
             fp16 = args.fp16
             spec = (

@@ -35,6 +35,35 @@ def workload_help() -> str:
     return "\n".join(lines) + "\n"
 
 
+def add_env_or_workload(parser: argparse.ArgumentParser) -> None:
+    """``--env SPEC`` or ``--workload NAME [--scenario S]`` (one of them), for commands that work
+    on an env spec; :func:`env_spec_from_args` makes the spec."""
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--env", help="env spec: a YAML path or a name in envs/")
+    which.add_argument(
+        "--workload",
+        "--model",
+        dest="model",
+        help="a model or your own workload (module:factory or file.py:factory) on the "
+        "defaults of envs/ for --scenario",
+    )
+    parser.add_argument(
+        "--scenario", help="with --workload: the failure mode (default bad-batches)"
+    )
+
+
+def env_spec_from_args(args: argparse.Namespace, load: Any) -> Any:
+    """The spec of :func:`add_env_or_workload`'s arguments: ``load(args.env)``, or the defaults
+    for ``--workload``, whose user workloads take one real step first (one line if broken)."""
+    if args.env is not None:
+        return load(args.env)
+    from autoscale.search.workload import base_spec, check_user_workloads
+
+    spec = base_spec(model=args.model, scenario=args.scenario)
+    check_user_workloads(spec)
+    return spec
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser, *, steps: int | None = 200) -> None:
     """The flags that make a :class:`~autoscale.training.WorkloadSpec` (and ``--steps``)."""
     from autoscale.training import list_models, list_scenarios

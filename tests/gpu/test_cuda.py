@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 
 import pytest
 import torch
 
 import autoscale
+from tests.gpu.helpers import count_syncs
 
 DEV = "cuda"
 
@@ -80,19 +80,6 @@ def test_fused_adamw_skips_inf_and_nan_while_statistics_are_collected(poison):
     assert scaler.skipped == 2
 
 
-def _syncs(fn) -> int:
-    """Synchronizing CUDA calls made by ``fn`` (torch.cuda.set_sync_debug_mode)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum(1 for w in seen if "synchroniz" in str(w.message))
-
-
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused"])
 @pytest.mark.parametrize("rule", ["torch", "amax-history", "deepspeed"])
 def test_host_syncs_per_step_are_gradscalers_plus_at_most_one(rule, fused):
@@ -106,8 +93,8 @@ def test_host_syncs_per_step_are_gradscalers_plus_at_most_one(rule, fused):
         step(a, oa, ours, x, y)
         step(b, ob, ref, x, y)
     for x, y in batches[2:]:
-        mine = _syncs(lambda x=x, y=y: step(a, oa, ours, x, y))
-        theirs = _syncs(lambda x=x, y=y: step(b, ob, ref, x, y))
+        mine = count_syncs(lambda x=x, y=y: step(a, oa, ours, x, y))
+        theirs = count_syncs(lambda x=x, y=y: step(b, ob, ref, x, y))
         assert mine <= theirs + 1, (mine, theirs)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 
 import autoscale
 from autoscale.observe import watch_scaler
+from tests.gpu.helpers import count_syncs
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "observe" / "scripts"
 
@@ -45,18 +45,6 @@ def test_framework_gradscaler_replaced_and_observer_bit_identical(script, tmp_pa
     assert "1 skipped" in auto.stderr
 
 
-def _syncs(fn) -> int:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum(1 for w in seen if "synchroniz" in str(w.message))
-
-
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused"])
 def test_recording_adds_no_host_sync_per_step(fused, tmp_path):
     def loop(scaler):
@@ -85,6 +73,6 @@ def test_recording_adds_no_host_sync_per_step(fused, tmp_path):
     for _ in range(2):
         a(), b()
     for _ in range(5):
-        assert _syncs(b) <= _syncs(a)
-    assert _syncs(watch.flush) == 1  # the pending steps come to the host in one copy
+        assert count_syncs(b) <= count_syncs(a)
+    assert count_syncs(watch.flush) == 1  # the pending steps come to the host in one copy
     watch.close()

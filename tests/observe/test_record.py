@@ -19,26 +19,11 @@ from autoscale.envs.traces import trace_from_record
 from autoscale.errors import AutoscaleError, ConfigError
 from autoscale.observe import read_record, watch_scaler
 from autoscale.observe.record import underflow_share
+from tests.observe.helpers import fp16_loop
 
 
 def _train(scaler, steps: int, bad: int | None = None, weight: float = 1.0) -> list[float]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for step in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        if step == bad:
-            x[0, 0] = math.inf
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.mse_loss(model(x).float(), y) * weight
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        losses.append(loss.item())
-    return losses
+    return fp16_loop(scaler, steps, bad=None if bad is None else {bad}, weight=weight)
 
 
 def test_get_scaler_records_every_step_in_chunks(tmp_path):

@@ -2,41 +2,25 @@
 
 from __future__ import annotations
 
-import math
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
-import torch
 
 import autoscale
 from autoscale.cli import main
 from autoscale.observe import read_record
 from autoscale.report import RecordReplay, findings, write_report
+from tests.observe.helpers import fp16_loop
 
 
 def _record(path, steps: int, bad_every: int | None = None, weight: float = 1.0, lr_decay=False):
     """A real fp16 loop under the torch rule, recorded (histogram every step)."""
     scaler = autoscale.get_scaler("torch", device="cpu", init_scale=2.0**16, growth_interval=20)
     watch = autoscale.observe.watch_scaler(scaler, record=str(path), hist_every=1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if lr_decay else None
-    g = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        if bad_every and step % bad_every == bad_every - 1:
-            x[0, 0] = math.inf
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.mse_loss(model(x).float(), y) * weight
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        if sched is not None:
-            sched.step()  # also on skipped steps: what the finding is about
+    # the schedule steps on skipped steps too: what a finding is about
+    fp16_loop(scaler, steps, bad_every=bad_every, weight=weight, lr_decay=lr_decay)
     watch.close()
     return read_record(path)
 

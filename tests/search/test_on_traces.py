@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
-import torch
 
 import autoscale
 from autoscale.cli import main
@@ -14,26 +12,14 @@ from autoscale.envs.traces import suite_from_records
 from autoscale.errors import ConfigError
 from autoscale.observe import read_record, watch_scaler
 from autoscale.scalers import read_manifest
+from tests.observe.helpers import fp16_loop
 
 
 def _record(path, steps: int = 400, weight: float = 2.0**-10):
     """A real fp16 loop under torch's rule (a loss weighted down, a bad batch every 50 steps)."""
     scaler = autoscale.get_scaler("torch", device="cpu", growth_interval=100)
     watch = watch_scaler(scaler, record=str(path))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        if step % 50 == 49:
-            x[0, 0] = math.inf
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.mse_loss(model(x).float(), y) * weight
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+    fp16_loop(scaler, steps, bad_every=50, weight=weight)
     watch.close()
     return path
 
