@@ -28,7 +28,7 @@ def _tagged(out: str, tag: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith(tag + " ")]
 
 
-@pytest.mark.parametrize("script", ["accelerate_run.py", "trainer_run.py"])
+@pytest.mark.parametrize("script", ["accelerate_run.py", "trainer_run.py", "lightning_run.py"])
 def test_framework_gradscaler_replaced_and_observer_bit_identical(script, tmp_path):
     cmd = [sys.executable, str(SCRIPTS / script)]
     plain = _run(cmd, tmp_path)

@@ -1,6 +1,6 @@
-"""A Lightning script autoscale never saw: fp16 autocast on the CPU through Lightning's own
-MixedPrecision plugin (which builds torch.amp.GradScaler itself; Trainer(precision="16-mixed")
-refuses the CPU), a non-finite batch at step 3."""
+"""A Lightning script autoscale never saw, a non-finite batch at step 3: on a GPU
+Trainer(precision="16-mixed"); on the CPU, which that refuses, Lightning's own MixedPrecision
+plugin (it builds torch.amp.GradScaler itself either way)."""
 
 import hashlib
 
@@ -45,5 +45,5 @@ trainer = L.Trainer(
 trainer.fit(model, data)
 scaler = trainer.precision_plugin.scaler
 print("SCALER", type(scaler).__module__, type(scaler).__name__, getattr(scaler, "name", "-"))
-digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))
 print("WEIGHTS", digest.hexdigest())
