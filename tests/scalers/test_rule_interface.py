@@ -1,5 +1,5 @@
 """The rule interface and what the scaler adds to it: one controller, the minimum, checkpoints,
-policy kinds, and the README's own example."""
+policy kinds, and the example of docs/rules.md."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from autoscale.scalers import (
 from autoscale.scalers.rules import MegatronRule
 from tests.scalers.helpers import adamw, batches, run, tiny_model
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+RULES_PAGE = Path(__file__).resolve().parents[2] / "docs" / "rules.md"  # "Register a rule"
 
 
 def overflow(scale: float, step: int = 0) -> StepStats:
@@ -253,14 +253,14 @@ def test_staged_publish_leaves_nothing_on_failure_and_refuses_to_overwrite(tmp_p
         policies.check_policy_name("../escape")
 
 
-# ---------------------------------------------------------------- the README's example
+# ---------------------------------------------------------------- the example of docs/rules.md
 def test_readme_register_a_rule_example_runs(monkeypatch):
     monkeypatch.setattr(registry, "_RULES", dict(registry._RULES))
-    text = README.read_text()
-    section = text[text.index("### Register a rule") : text.index("### Exported policies")]
+    text = RULES_PAGE.read_text()
+    section = text[text.index("## Register a rule") :]
     (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/rules.md", "exec"), namespace)
     scaler = namespace["scaler"]
     assert isinstance(scaler, LossScaler) and scaler.name == "halve-then-wait"
     assert scaler.get_scale() == 2.0**12 and scaler.rule.params() == {"patience": 50}
