@@ -93,9 +93,12 @@ def run_wrapped(plan: WrapPlan) -> WrapResult:
         }
         env = dict(os.environ)
         path = env.get("PYTHONPATH")
-        # the boot folder, then autoscale's own root (a checkout not installed still imports)
-        root = str(BOOT.parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BOOT), root, path) if p)
+        # the boot folder, and for a checkout that is not installed its root (so that the child
+        # imports autoscale); never an installed site-packages, which would leak this Python's
+        # packages into a command run by another one
+        root = BOOT.parents[2]
+        checkout = str(root) if root.name not in ("site-packages", "dist-packages") else None
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BOOT), checkout, path) if p)
         env["AUTOSCALE_WRAP"] = json.dumps(config)
         proc = subprocess.Popen(list(plan.command), env=env)
         # Ctrl-C reaches the command's process group; let the command handle it and end
@@ -137,6 +140,9 @@ def summary_lines(result: WrapResult, plan: WrapPlan) -> list[str]:
             lines.append(f"{who}: disabled by the program (enabled=False); nothing scaled")
             continue
         steps, skipped = s["steps"], s["skipped"]
+        if steps == 0:
+            lines.append(f"{who}: built, but the program took no step with it")
+            continue
         share = f" ({100 * skipped / steps:.1f}%)" if steps else ""
         where = f"; record: {s['record']}" if s.get("record") else ""
         lines.append(
