@@ -10,6 +10,7 @@ import torch
 from tests.integrations.helpers import ByteDataset, lightning_trainer, tiny_gpt2, trainer_args
 
 
+@pytest.mark.slow
 def test_trainer_logs_carry_the_scale(tmp_path):
     pytest.importorskip("transformers")
     from autoscale.integrations.trainer import AutoscaleTrainer, log_scale

@@ -102,6 +102,7 @@ for step in range(10_000):
 """
 
 
+@pytest.mark.slow
 def test_a_killed_run_keeps_its_whole_chunks_and_the_report_says_so(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", KILLED, str(tmp_path / "r")], stdout=subprocess.PIPE, text=True

@@ -27,6 +27,7 @@ def _lines(out: str, tag: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith(tag + " ")]
 
 
+@pytest.mark.slow
 def test_the_observer_changes_nothing_and_records(tmp_path):
     script = [sys.executable, str(SCRIPTS / "plain.py"), "30"]
     plain = _run(script, tmp_path)
@@ -59,6 +60,7 @@ def test_the_observer_changes_nothing_and_records(tmp_path):
     assert not any(s["threshold_measured"] for s in record.steps)
 
 
+@pytest.mark.slow
 def test_scaler_auto_replaces_gradscaler_keeping_what_it_has(tmp_path):
     out = _wrap(
         "--scaler", "auto", "--", sys.executable, str(SCRIPTS / "plain.py"), "12", cwd=tmp_path
@@ -73,6 +75,7 @@ def test_scaler_auto_replaces_gradscaler_keeping_what_it_has(tmp_path):
     assert "auto (rank 0): 12 steps, 1 skipped" in out.stderr
 
 
+@pytest.mark.slow
 def test_exit_status_and_bad_input(tmp_path):
     fail = _wrap("--", sys.executable, "-c", "import torch, sys; sys.exit(3)", cwd=tmp_path)
     assert fail.returncode == 3
@@ -99,6 +102,7 @@ def test_exit_status_and_bad_input(tmp_path):
     assert nolog.returncode == 2 and "did you mean 'tensorboard'" in nolog.stderr
 
 
+@pytest.mark.slow
 def test_a_record_is_never_overwritten(tmp_path):
     args = ["--record", "r", "--", sys.executable, str(SCRIPTS / "plain.py"), "3"]
     assert _wrap(*args, cwd=tmp_path).returncode == 0

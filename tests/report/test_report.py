@@ -78,6 +78,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.mark.skipif(
     CHROMIUM is None, reason="headless Chromium not installed (apt-get install chromium)"
 )
+@pytest.mark.slow
 def test_the_page_renders_in_headless_chromium_with_its_plots(tmp_path):
     record = _record(tmp_path / "r", 40, bad_every=9)
     page = write_report(record, tmp_path / "report.html", names=["torch", "auto"])

@@ -47,6 +47,7 @@ def fresh_clock(monkeypatch):
     monkeypatch.setattr(autoscale, "IMPORT_TIME", time.monotonic())
 
 
+@pytest.mark.slow
 def test_search_on_a_record_exports_a_policy_and_its_report(
     tmp_path, monkeypatch, capsys, fresh_clock
 ):

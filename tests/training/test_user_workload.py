@@ -143,6 +143,7 @@ def test_commands_take_workload_and_refuse_in_one_line_writing_nothing(module, t
     assert not (tmp_path / "t.npz").exists()
 
 
+@pytest.mark.slow
 def test_the_example_workloads_train(tmp_path):
     """experiments/workloads/: a CNN classifier and a denoising autoencoder, as the README runs them."""
     cnn = TrainingRun(WorkloadSpec(model=CNN, scenario="clean", lr=2e-3), "torch")
