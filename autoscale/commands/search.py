@@ -206,7 +206,6 @@ class SearchCommand(Command):
             force=args.force,
             seed=args.seed,
             n_trials=args.n_trials,
-            progress=not args.quiet,
             command=shlex.join(["autoscale", *sys.argv[1:]]) if sys.argv else "autoscale search",
         )
         try:

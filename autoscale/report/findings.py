@@ -41,8 +41,8 @@ def findings(
     nonfinite = t.nonfinite
     nf = np.flatnonzero(nonfinite)
     if len(nf):
-        at_min = recorded.min_scale and (recorded.scales <= recorded.min_scale)
-        pinned = int((at_min & nonfinite).sum()) if recorded.min_scale else 0
+        at_min = recorded.scales <= recorded.min_scale  # min_scale 0: unknown, never true
+        pinned = int((at_min & nonfinite).sum())
         lowered = sum(1 for i in nf if i + 1 < n and recorded.scales[i + 1] < recorded.scales[i])
         detail = (
             f"{len(nf)} of {n} steps ({100 * len(nf) / n:.1f}%) had a non-finite loss (steps "

@@ -61,7 +61,7 @@ def _scale_plot(replay: RecordReplay, recorded: Outcome, shown: dict[str, Outcom
         x, thr[x], 60, color="#f4cccc", step="post", lw=0, label="overflow (above threshold)"
     )
     # the scale below which 1% of the step's gradient elements fall under fp16's normal range
-    cum = replay._cum  # noqa: SLF001 - same module family
+    cum = replay.cumulative
     lo = float(replay.trace.hist_edges[0])
     pct = np.full(n, np.nan)
     for i in x:

@@ -80,7 +80,8 @@ class RecordReplay:
         hist = self.inst.hist.astype(np.float64)
         totals = hist.sum(axis=1, keepdims=True)
         cum = np.concatenate([np.zeros((hist.shape[0], 1)), np.cumsum(hist, axis=1)], axis=1)
-        self._cum = np.divide(cum, totals, out=np.full_like(cum, np.nan), where=totals > 0)
+        # per step, the share of counted elements below each histogram edge (NaN: no histogram)
+        self.cumulative = np.divide(cum, totals, out=np.full_like(cum, np.nan), where=totals > 0)
         self._lo = float(self.trace.hist_edges[0])
         measured = record.meta.get("threshold") == "measured"
         self.limits = LIMITS.format(
@@ -93,11 +94,11 @@ class RecordReplay:
     def precision_at(self, log2_scales: np.ndarray) -> np.ndarray:
         """Share of each step's gradient elements below fp16's normal range at these scales."""
         x = LOG2_FP16_MIN_NORMAL - np.asarray(log2_scales, dtype=np.float64) - self._lo
-        x = np.clip(x, 0.0, self._cum.shape[1] - 1.0)
-        i = np.minimum(np.floor(x).astype(int), self._cum.shape[1] - 2)
+        x = np.clip(x, 0.0, self.cumulative.shape[1] - 1.0)
+        i = np.minimum(np.floor(x).astype(int), self.cumulative.shape[1] - 2)
         frac = x - i
-        rows = np.arange(self._cum.shape[0])
-        return self._cum[rows, i] * (1.0 - frac) + self._cum[rows, i + 1] * frac
+        rows = np.arange(self.cumulative.shape[0])
+        return self.cumulative[rows, i] * (1.0 - frac) + self.cumulative[rows, i + 1] * frac
 
     def recorded(self) -> Outcome:
         """What the run's own scaler did."""

@@ -22,8 +22,6 @@ Interrupting keeps every finished trial in the study; the same command resumes i
 from __future__ import annotations
 
 import json
-import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,7 +55,6 @@ class TraceSearchConfig:
     seed: int = 0
     n_trials: int | None = None
     horizon: int | None = None
-    progress: bool = True
     command: str = "autoscale search --traces"
 
 
@@ -328,14 +325,8 @@ def _no_harm(records, c: Candidate) -> dict[str, Any]:
         n += k
         skip += float(mine.skipped[clean].sum())
         tskip += float(ref.skipped[clean].sum())
-        for out, o in ((0, mine), (1, ref)):
-            p = o.precision[clean & ~o.skipped]
-            p = p[np.isfinite(p)]
-            value = float(p.mean()) * k if p.size else 0.0
-            if out == 0:
-                prec += value
-            else:
-                tprec += value
+        prec += _mean_precision(mine, clean) * k
+        tprec += _mean_precision(ref, clean) * k
     if n == 0:
         return {"passed": False, "why": "the runs have no clean step"}
     res = {
@@ -357,10 +348,14 @@ def _no_harm(records, c: Candidate) -> dict[str, Any]:
         )
     res["passed"] = not why
     res["why"] = "; ".join(why)
-    if math.isnan(res["precision_loss"]):
-        res["precision_loss"] = 0.0
     return res
 
 
-def main_out(text: str) -> None:  # pragma: no cover - the CLI's printer
-    print(text, file=sys.stdout, flush=True)
+def _mean_precision(outcome, clean) -> float:
+    """Mean share of gradient elements below fp16's range over the clean steps it applied (0
+    when it applied none with a histogram)."""
+    import numpy as np
+
+    p = outcome.precision[clean & ~outcome.skipped]
+    p = p[np.isfinite(p)]
+    return float(p.mean()) if p.size else 0.0
