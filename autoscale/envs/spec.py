@@ -28,6 +28,7 @@ __all__ = [
     "find_env_spec",
     "spec_dirs",
     "read_spec_yaml",
+    "near_spec",
 ]
 
 
@@ -312,7 +313,29 @@ def load_env_spec(spec: str | os.PathLike | dict[str, Any] | EnvSpec) -> EnvSpec
     if isinstance(spec, dict):
         return EnvSpec.from_dict(spec)
     path = find_env_spec(spec)
-    return EnvSpec.from_dict(read_spec_yaml(path), source=str(path))
+    data = read_spec_yaml(path)
+    if isinstance(data, dict) and isinstance(data.get("workload"), dict):
+        data["workload"] = near_spec(data["workload"], path.parent)
+    return EnvSpec.from_dict(data, source=str(path))
+
+
+def near_spec(workload: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``workload`` with a relative ``path/to/file.py:factory`` model read from the spec's folder.
+
+    A spec file that names a workload file (``model: ../experiments/workloads/cnn.py:make``) means
+    the file next to it, wherever the command runs; a path that is not there is left as written
+    (relative to the working directory). Module references (``pkg.mod:make``) are left alone.
+    """
+    model = workload.get("model")
+    if not isinstance(model, str) or ":" not in model:
+        return workload
+    target, factory = model.rsplit(":", 1)
+    if not (target.endswith(".py") or "/" in target) or os.path.isabs(target):
+        return workload
+    here = folder / target
+    if not here.is_file():
+        return workload
+    return {**workload, "model": f"{here.resolve()}:{factory}"}
 
 
 def read_spec_yaml(path: Path) -> Any:

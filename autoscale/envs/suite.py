@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from autoscale.envs.spec import EnvSpec, find_env_spec, load_env_spec, read_spec_yaml
+from autoscale.envs.spec import EnvSpec, find_env_spec, load_env_spec, near_spec, read_spec_yaml
 from autoscale.errors import ConfigError, UnknownNameError, check_keys, unknown_name
 
 __all__ = ["SuiteSpec", "as_suite", "load_spec", "member_name", "SEP"]
@@ -159,6 +159,7 @@ def _from_yaml(data: dict[str, Any], where: str, source: str | None) -> SuiteSpe
     exclude = _names(where, "suite.exclude", suite.get("exclude"), pairs)
     name = str(data.get("name") or (Path(source).stem if source else "suite"))
     common = {k: data[k] for k in ("episode", "instances", "reward") if k in data}
+    folder = Path(source).parent if source else Path.cwd()
     members, left_out = [], []
     for w, wl in workloads.items():
         if not isinstance(wl, dict):
@@ -176,8 +177,7 @@ def _from_yaml(data: dict[str, Any], where: str, source: str | None) -> SuiteSpe
             scenario_name = (params or {}).get("scenario", s)
             scenario_params = {k: v for k, v in (params or {}).items() if k != "scenario"}
             workload = {
-                **shared,
-                **wl,
+                **near_spec({**shared, **wl}, folder),
                 "scenario": scenario_name,
                 "scenario_params": scenario_params,
             }

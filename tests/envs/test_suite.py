@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import yaml
@@ -9,6 +11,8 @@ import yaml
 from autoscale.envs.suite import SuiteSpec, as_suite, load_spec
 from autoscale.envs.suite_env import SuiteEnv, split_instance, suite_instances
 from autoscale.errors import ConfigError, UnknownNameError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_suite(**changes) -> dict:
@@ -65,14 +69,17 @@ def test_members_are_workloads_times_scenarios_with_the_left_out_apart():
     assert single.is_single and single.members[0].name == "bad-batches"
 
 
-def test_the_shipped_suite_crosses_three_workloads_with_five_scenarios():
+def test_the_shipped_suite_crosses_four_workloads_with_five_scenarios():
     suite = load_spec("suite")
     models = {m.workload.model for m in suite.members + suite.left_out}
     scenarios = {m.workload.scenario for m in suite.members + suite.left_out}
-    assert models == {"gpt2-tiny", "mlp", "autoencoder"}
+    cnn = str((ROOT / "experiments" / "workloads" / "cnn.py").resolve()) + ":make"
+    assert models == {"gpt2-tiny", "mlp", "autoencoder", cnn}  # the CNN read from envs/'s folder
     assert scenarios == {"clean", "bad-batches", "small-grads", "moving", "preference"}
-    assert len(suite.members) + len(suite.left_out) == 15
-    assert all(m.workload.model != "autoencoder" for m in suite.members)  # the left-out workload
+    assert len(suite.members) + len(suite.left_out) == 19  # a user workload takes no preference
+    assert "cnn/preference" not in {m.name for m in suite.left_out}
+    # the left-out workloads
+    assert all(m.workload.model not in ("autoencoder", cnn) for m in suite.members)
     assert all(m.workload.scenario != "preference" for m in suite.members)  # the left-out scenario
     for m in suite.members:
         train = {i.seed for i in m.instances["train"]}
@@ -193,3 +200,34 @@ def test_train_agent_accepts_a_suite_on_replay(tmp_path):
     ]  # fmt: skip
     assert "trained on suite tiny-suite (2 members)" in m.describe()
     assert get_scaler(str(result.policy_dir), device="cpu").name == "suite-ppo"
+
+
+def test_a_workload_file_in_a_spec_is_read_from_the_spec_s_folder(tmp_path, monkeypatch):
+    """``model: ../work/cnn.py:make`` in a suite or env spec means the file beside the spec, from
+    any working directory; a module reference and a path that is not there stay as written."""
+    from autoscale.envs.spec import load_env_spec
+
+    (tmp_path / "work").mkdir()
+    (tmp_path / "specs").mkdir()
+    cnn = (ROOT / "experiments" / "workloads" / "cnn.py").read_text()
+    (tmp_path / "work" / "cnn.py").write_text(cnn)
+    seeds = "instances: {train: [{seed: 0}], test: [{seed: 1}]}\n"
+    (tmp_path / "specs" / "s.yaml").write_text(
+        "suite:\n  workloads:\n    cnn: {model: ../work/cnn.py:make}\n"
+        "    mod: {model: mypkg.train:make}\n  scenarios: {clean: {}}\n" + seeds
+    )
+    (tmp_path / "specs" / "e.yaml").write_text("workload: {model: ../work/cnn.py:make}\n" + seeds)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    want = f"{(tmp_path / 'work' / 'cnn.py').resolve()}:make"
+    suite = load_spec(tmp_path / "specs" / "s.yaml")
+    assert {m.name: m.workload.model for m in suite.members} == {
+        "cnn/clean": want,
+        "mod/clean": "mypkg.train:make",
+    }
+    assert load_env_spec(tmp_path / "specs" / "e.yaml").workload.model == want
+    (tmp_path / "specs" / "gone.yaml").write_text(
+        "workload: {model: ../nowhere/cnn.py:make}\n" + seeds
+    )
+    assert load_env_spec(tmp_path / "specs" / "gone.yaml").workload.model == "../nowhere/cnn.py:make"
