@@ -111,9 +111,7 @@ def load_factory(ref: str) -> Callable[..., Any]:
         ) from None
     factory = getattr(module, name, None)
     if not callable(factory):
-        found = sorted(
-            k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-        )
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise ConfigError(
             f"workload '{ref}': '{target}' has no callable '{name}'"
             + (f" (it defines {', '.join(found[:8])})" if found else "")
@@ -163,7 +161,10 @@ def build_user_workload(ref: str, seed: int, device: str) -> UserWorkload:
         )
     checks = {
         "model": (isinstance(parts["model"], torch.nn.Module), "a torch.nn.Module"),
-        "optimizer": (isinstance(parts["optimizer"], torch.optim.Optimizer), "a torch.optim.Optimizer"),
+        "optimizer": (
+            isinstance(parts["optimizer"], torch.optim.Optimizer),
+            "a torch.optim.Optimizer",
+        ),
         "batches": (isinstance(parts["batches"], Iterable), "an iterable of batches"),
         "loss": (callable(parts["loss"]), "a callable (model, batch) -> scalar tensor"),
         "eval": (parts["eval"] is None or callable(parts["eval"]), "a callable (model) -> float"),
@@ -216,7 +217,9 @@ class UserStream(BatchStream):
         self._kept: list[Any] = []
         self._fresh = 0  # batches drawn from the source (the rest repeat them)
         self._exhausted = False
-        self._held = [] if workload.eval is not None else [self._draw() for _ in range(eval_batches)]
+        self._held = (
+            [] if workload.eval is not None else [self._draw() for _ in range(eval_batches)]
+        )
         if any(b is None for b in self._held):
             raise ConfigError(
                 f"workload '{workload.ref}': its batches ran out while holding {eval_batches} out "

@@ -230,4 +230,6 @@ def test_a_workload_file_in_a_spec_is_read_from_the_spec_s_folder(tmp_path, monk
     (tmp_path / "specs" / "gone.yaml").write_text(
         "workload: {model: ../nowhere/cnn.py:make}\n" + seeds
     )
-    assert load_env_spec(tmp_path / "specs" / "gone.yaml").workload.model == "../nowhere/cnn.py:make"
+    assert (
+        load_env_spec(tmp_path / "specs" / "gone.yaml").workload.model == "../nowhere/cnn.py:make"
+    )
