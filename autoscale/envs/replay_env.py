@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from autoscale.envs.base import ScaleEnvBase
+from autoscale.envs.base import ScaleEnvBase, step_reward
 from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.errors import ConfigError
@@ -19,6 +19,7 @@ __all__ = ["ReplayEnv", "precision_table"]
 
 LOG2_FP16_MIN_NORMAL = -14.0
 TABLE_LO, TABLE_HI = -24, 64  # integer log2 scales tabulated; others are interpolated
+TABLE_SPAN = TABLE_HI - TABLE_LO
 WARM_EVERY = 128  # keep the features state every this many recorded steps, for late starts
 
 
@@ -181,8 +182,9 @@ class ReplayEnv(ScaleEnvBase):
         self._scales = np.arange(TABLE_LO, TABLE_HI + 1, dtype=np.float64)
         from autoscale.training.run import MIN_NORMAL
 
-        log2_min_normal = math.log2(MIN_NORMAL[self.env_spec.workload.dtype])
-        self._tables: dict[str, tuple[InstanceTrace, list[list[float]], dict[str, list]]] = {}
+        # the workload dtype's normal minimum (the precision loss's threshold)
+        self.log2_min_normal = log2_min_normal = math.log2(MIN_NORMAL[self.env_spec.workload.dtype])
+        self._tables: dict[str, tuple[InstanceTrace, list[tuple], dict[str, list]]] = {}
         for inst in self.instances:
             t = self.trace.instance(inst.name)
             if t.steps < self.episode_steps:
@@ -197,8 +199,20 @@ class ReplayEnv(ScaleEnvBase):
                 k: getattr(t, k).tolist()
                 for k in ("threshold", "nonfinite", "loss", "amax", "rms", "scale")
             }
-            self._tables[inst.name] = (t, table, cols)
-        self._cur: tuple[InstanceTrace, list[list[float]], dict[str, list]] | None = None
+            # what _advance reads of step i, in one tuple: one index a step, not six
+            rows = list(
+                zip(
+                    cols["nonfinite"],
+                    cols["threshold"],
+                    cols["loss"],
+                    cols["amax"],
+                    cols["rms"],
+                    table,
+                    strict=True,
+                )
+            )
+            self._tables[inst.name] = (t, rows, cols)
+        self._cur: tuple[InstanceTrace, list[tuple], dict[str, list]] | None = None
         self._offset = 0
         self._requested_offset: int | None = None
         self.records: list[tuple] = []
@@ -259,24 +273,24 @@ class ReplayEnv(ScaleEnvBase):
 
     def _advance(self, scale: float) -> tuple[StepStats, float, bool]:
         # _stats inlined, with log2(scale) taken once: this runs once a replayed step
-        _, table, cols = self._cur
         i = self._offset + self._t
-        loss = cols["loss"][i]
+        nonfinite, threshold, loss, amax, rms, row = self._cur[1][i]
         guarded = False
         if self.guard_rule is not None:  # the rule's per-step guard, from the step's loss
             step_scale = guarded_scale(scale, loss, self.guard_rule.guard_limit(), self.min_scale)
             scale, guarded = step_scale, step_scale < scale
         log2_scale = math.log2(scale)
-        if cols["nonfinite"][i] or log2_scale > cols["threshold"][i]:
+        if nonfinite or log2_scale > threshold:
             stats = _make_stats(i, scale, True, math.inf, math.inf, loss, True, guarded)
             precision = math.nan
         else:
-            stats = _make_stats(
-                i, scale, False, cols["amax"][i], cols["rms"][i], loss, True, guarded
-            )
-            pos = min(max(log2_scale - TABLE_LO, 0.0), TABLE_HI - TABLE_LO)
+            stats = _make_stats(i, scale, False, amax, rms, loss, True, guarded)
+            pos = log2_scale - TABLE_LO  # clipped to [0, span] (as min(max(pos, 0.0), span))
+            if pos < 0.0:
+                pos = 0.0
+            elif pos > TABLE_SPAN:
+                pos = TABLE_SPAN
             lo = int(pos)
-            row = table[i]
             frac = pos - lo
             precision = (
                 row[lo]
@@ -285,6 +299,42 @@ class ReplayEnv(ScaleEnvBase):
             )
         self.records.append((stats, precision))
         return stats, precision, False
+
+    def step(self, action):
+        """:meth:`ScaleEnvBase.step` in one frame: the same step, books, observation, reward and
+        info (``tests/envs`` holds them equal step by step), without the generic path's calls.
+        With a per-step guard set (a rule's driver, not an agent) the generic path runs."""
+        if self.instance is None or self.guard_rule is not None:
+            return super().step(action)
+        scale = self.bounds.clamp(self.scale * 2.0 ** self.action_map.delta(action))
+        prev_loss = self._prev_loss
+        stats, precision, _ = self._advance(scale)  # replay never diverges by itself
+        # ScaleEnvBase._take's books
+        self.last_stats = stats
+        found_inf = stats.found_inf
+        if found_inf and scale <= self.min_scale:
+            self.hit_min = True
+        self._t = t = self._t + 1
+        loss = stats.loss
+        finite_loss = loss == loss and loss != math.inf and loss != -math.inf
+        self._nonfinite_run = run = 0 if finite_loss else self._nonfinite_run + 1
+        diverged = run >= 3
+        fx = self.features
+        fx.update(stats)
+        if not found_inf and finite_loss:
+            self._prev_loss = loss
+        self.scale = scale
+        # ScaleEnvBase.step_at's returns
+        obs = np.asarray(self.stack.push(fx.features(scale)), dtype=np.float32)
+        reward = step_reward(self.weights, found_inf, precision, loss, prev_loss, diverged)
+        info = {
+            "instance": self.instance.name,
+            "scale": scale,
+            "skipped": found_inf,
+            "precision_loss": precision,
+            "loss": loss,
+        }
+        return obs, float(reward), diverged, t >= self.episode_steps and not diverged, info
 
     def episode_records(self) -> list:
         """The episode's steps as :class:`~autoscale.training.StepRecord` (replayed: no wall time)."""

@@ -61,10 +61,14 @@ class ActionMap:
     def delta(self, action: Any) -> float:
         """The change of log2(scale), in bits, that ``action`` asks for."""
         if self.mode == "discrete":
-            index = int(
-                action.item()
-                if hasattr(action, "item")
-                else (action[0] if isinstance(action, (list, tuple)) else action)
+            index = (
+                action  # an int as it comes (the common case, first: this runs once a step)
+                if type(action) is int
+                else int(
+                    action.item()
+                    if hasattr(action, "item")
+                    else (action[0] if isinstance(action, (list, tuple)) else action)
+                )
             )
             if not 0 <= index < len(self.deltas):
                 raise ConfigError(f"discrete action {index} out of range 0..{len(self.deltas) - 1}")

@@ -112,28 +112,43 @@ class FeatureExtractor:
 
     def features(self, scale: float) -> list[float]:
         """The observation for the current state if the next decision is made at ``scale``."""
+        # Runs once a replayed step: clips as conditional expressions, equal to
+        # max(-b, min(b, x)) for every x, NaN included (-> b), without two calls each.
         log2_scale = math.log2(scale)
         amax, rms, ema, loss = self.last_amax, self.last_rms, self.loss_ema, self.last_loss
+        b = FEATURE_BOUND
+        x = log2_scale / 16.0
+        f_scale = x if -b <= x <= b else (-b if x < -b else b)
         known = math.isfinite(amax)
-        headroom = LOG2_FP16_MAX - (math.log2(amax) + log2_scale) if known else 0.0
-        floor = (math.log2(rms) + log2_scale - LOG2_FP16_MIN_NORMAL) if math.isfinite(rms) else 0.0
+        if known:
+            x = (LOG2_FP16_MAX - (math.log2(amax) + log2_scale)) / 16.0
+            f_headroom = x if -b <= x <= b else (-b if x < -b else b)
+        else:
+            f_headroom = 0.0
+        if math.isfinite(rms):
+            x = (math.log2(rms) + log2_scale - LOG2_FP16_MIN_NORMAL) / 16.0
+            f_floor = x if -b <= x <= b else (-b if x < -b else b)
+        else:
+            f_floor = 0.0
         trend = 0.0
         if math.isfinite(ema) and math.isfinite(loss):
-            trend = max(-1.0, min(1.0, math.log(loss) - math.log(ema)))
-        n = max(1, len(self.overflows))
-        b = FEATURE_BOUND
+            x = math.log(loss) - math.log(ema)
+            trend = x if -1.0 <= x <= 1.0 else (-1.0 if x < -1.0 else 1.0)
+        n = len(self.overflows) or 1
+        since = math.log2(1 + self.since_overflow) / 11.0  # min(1.0, x) is x if x < 1.0 else 1.0
+        progress = math.log2(1 + self.steps) / 16.0
         return [
-            max(-b, min(b, log2_scale / 16.0)),
+            f_scale,
             float(self.last_overflow),
             self._n_overflows / n,
-            min(1.0, math.log2(1 + self.since_overflow) / 11.0),
-            max(-b, min(b, headroom / 16.0)),
-            max(-b, min(b, floor / 16.0)),
+            since if since < 1.0 else 1.0,
+            f_headroom,
+            f_floor,
             float(known),
             float(self.last_nonfinite),
             self._n_nonfinite / n,
             trend,
-            min(1.0, math.log2(1 + self.steps) / 16.0),
+            progress if progress < 1.0 else 1.0,
         ]
 
     def state_dict(self) -> dict[str, Any]:

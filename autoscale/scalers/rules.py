@@ -667,7 +667,7 @@ class AmaxCapRule(AmaxHistoryRule):
             elif (
                 self.clean >= wait
                 and math.isfinite(self.overflowed)  # after a growth nothing overflowed yet
-                and self.overflowed > self.cap * _HALF_BIT
+                and self.overflowed > self.cap * HALF_BIT
             ):
                 self.safe, self.cap = self.cap, math.sqrt(self.cap * self.overflowed)
                 self.clean = 0
@@ -739,7 +739,7 @@ class AmaxCapRule(AmaxHistoryRule):
 
 
 # a gap wider than half a bit; the tolerance covers the float32 rounding of the scale
-_HALF_BIT = math.sqrt(2.0) * (1.0 + 1e-6)
+HALF_BIT = math.sqrt(2.0) * (1.0 + 1e-6)
 
 
 @register_loss_scaler("amax-loss")

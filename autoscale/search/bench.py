@@ -53,6 +53,7 @@ class ReplayBench:
         self.reference = {
             which: self.run(which, lambda: self.scaler(REFERENCE_RULE))[0] for which in self.envs
         }
+        self._windows: dict[str, Any] = {}  # which -> its episodes' ReplayWindows, when needed
 
     def _episodes(self, which: str) -> list[Episode]:
         h = self.suite.episode.steps
@@ -96,6 +97,26 @@ class ReplayBench:
                 cards[member].append(card)
                 records[ep.key] = recs
         return cards, records
+
+    def vector_cards(
+        self, which: str, rule: str, params: dict[str, Any]
+    ) -> dict[str, list[Scorecard]] | None:
+        """:meth:`run`'s scorecards of ``rule(**params)`` on every episode of ``which``, from the
+        vectorised replay (:mod:`autoscale.envs.vector_replay`: equal to the scalar replay's,
+        field by field); None where the rule is not vectorised."""
+        from autoscale.envs.vector_replay import VECTOR_RULES, replay_rule, replay_windows
+
+        if rule not in VECTOR_RULES:
+            return None
+        episodes = self.episodes[which]
+        if which not in self._windows:
+            pairs = [(e.instance, e.offset) for e in episodes]
+            self._windows[which] = replay_windows(self.envs[which], pairs)
+        (row,) = replay_rule(rule, [self.scaler(rule, **params)], self._windows[which])
+        cards: dict[str, list[Scorecard]] = {}
+        for ep, card in zip(episodes, row, strict=True):
+            cards.setdefault(ep.member, []).append(card)
+        return cards
 
     def objective(self, which: str, cards: dict[str, list[Scorecard]]) -> float:
         """The objective of ``cards`` against ``torch`` on the same episodes: a subset of the

@@ -19,7 +19,7 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -271,20 +271,43 @@ class _Objective:
         self.values.append(value)
         return better < DETAILED_TOP
 
-    def score(self, trial: Any, factory: Callable[[], Any], policy: dict, text: str) -> float:
+    def score(
+        self,
+        trial: Any,
+        factory: Callable[[], Any],
+        policy: dict,
+        text: str,
+        cards_of: Callable[[str], dict[str, list[Scorecard]] | None] | None = None,
+    ) -> float:
+        """Score ``factory``'s scalers on the train replay, reporting as it goes; ``cards_of``
+        (which -> member -> scorecards, or None) gives them at once where it can (the vectorised
+        replay): the same cards, reported at the same points, and step records replayed only for
+        the plots of a detailed trial."""
         import optuna
 
         bench = self.bench
         cards: dict[str, list[Scorecard]] = {}
-        records: dict[str, list] = {}
+        records: dict[str, list] | _ReplayedRecords
+        with self.ledger.track("work:replay"):
+            given = cards_of("train") if cards_of is not None else None
+        if given is not None:
+            records = _ReplayedRecords(bench, factory)
+            ahead = {member: iter(c) for member, c in given.items()}
+        else:
+            records = {}
         episodes: list[Episode] = bench.episodes["train"]
         checkpoints = report_points(len(episodes))
         for i, ep in enumerate(episodes, 1):
-            with self.ledger.track("work:replay"):
-                card, recs = bench.episode("train", factory, ep)
+            if given is not None:
+                card = next(ahead[ep.member])
+                if ep.offset == 0:
+                    records.add(ep)
+            else:
+                with self.ledger.track("work:replay"):
+                    card, recs = bench.episode("train", factory, ep)
+                if ep.offset == 0:
+                    records[ep.key] = recs
             cards.setdefault(ep.member, []).append(card)
-            if ep.offset == 0:
-                records[ep.key] = recs
             if i not in checkpoints and not card.diverged:
                 continue
             trial.report(bench.objective("train", cards), i)
@@ -300,7 +323,9 @@ class _Objective:
                 why = f"diverged on {ep.instance}" if card.diverged else "pruned"
                 raise optuna.TrialPruned(f"{why} after {i} of {len(episodes)} episodes")
         with self.ledger.track("work:replay"):
-            test_cards, _ = bench.run("test", factory)
+            test_cards = cards_of("test") if cards_of is not None else None
+            if test_cards is None:
+                test_cards, _ = bench.run("test", factory)
         value = bench.objective("train", cards)
         self.recorder.record(
             trial,
@@ -314,18 +339,54 @@ class _Objective:
         return value
 
 
+class _ReplayedRecords(Mapping):
+    """Episode key -> step records of the episodes added, replayed (scalar) when first read: the
+    vectorised replay gives scorecards only, and only a detailed trial's plot reads records."""
+
+    def __init__(self, bench: ReplayBench, factory: Callable[[], Any]) -> None:
+        self.bench, self.factory = bench, factory
+        self.episodes: dict[str, Episode] = {}
+        self.done: dict[str, list] = {}
+
+    def add(self, ep: Episode) -> None:
+        self.episodes[ep.key] = ep
+
+    def __getitem__(self, key: str) -> list:
+        if key not in self.done:
+            self.done[key] = self.bench.episode("train", self.factory, self.episodes[key])[1]
+        return self.done[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.episodes  # without replaying it
+
+    def __iter__(self):
+        return iter(self.episodes)
+
+    def __len__(self) -> int:
+        return len(self.episodes)
+
+
 class ParametricObjective(_Objective):
     """A rule family and its knobs (:func:`~autoscale.search.space.suggest_parametric`)."""
 
-    def __init__(self, bench, recorder, ledger, families: dict[str, dict[str, Any]]) -> None:
+    def __init__(
+        self, bench, recorder, ledger, families: dict[str, dict[str, Any]], vectorised: bool = True
+    ) -> None:
         super().__init__(bench, recorder, ledger)
         self.families = families
+        self.vectorised = vectorised  # replay vectorised rules in numpy (the same scorecards)
 
     def __call__(self, trial: Any) -> float:
         rule, params = suggest_parametric(trial, self.families)
         policy = {"kind": "parametric", "rule": rule, "params": params}
         return self.score(
-            trial, lambda: self.bench.scaler(rule, **params), policy, describe_params(rule, params)
+            trial,
+            lambda: self.bench.scaler(rule, **params),
+            policy,
+            describe_params(rule, params),
+            (lambda which: self.bench.vector_cards(which, rule, params))
+            if self.vectorised
+            else None,
         )
 
 

@@ -39,6 +39,7 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from autoscale.errors import ConfigError
@@ -139,30 +140,53 @@ class Scorecard:
             wall_s: Wall-clock seconds of the steps.
             params_finite: Whether every parameter is finite at the end (else ``diverged``).
         """
-        if not records:
-            raise ConfigError("a scorecard needs at least one step")
-        steps = len(records)
-        applied = [r for r in records if not r.found_inf]
-        skipped = steps - len(applied)
-        tail = (
-            [r.loss for r in applied[-max(1, steps // 10) :] if math.isfinite(r.loss)]
-            if applied
-            else []
+        return cls.from_steps(
+            [r.scale for r in records],
+            [r.found_inf for r in records],
+            [r.precision_loss for r in records],
+            [r.loss for r in records],
+            eval_loss=eval_loss,
+            hit_min=hit_min,
+            wall_s=wall_s,
+            params_finite=params_finite,
         )
+
+    @classmethod
+    def from_steps(
+        cls,
+        scales: Sequence[float],
+        found_inf: Sequence[bool],
+        precision_loss: Sequence[float],
+        loss: Sequence[float],
+        *,
+        eval_loss: float,
+        hit_min: bool,
+        wall_s: float,
+        params_finite: bool = True,
+    ) -> Scorecard:
+        """Score a run from its steps' columns (:meth:`from_records` of records with these
+        ``scale``, ``found_inf``, ``precision_loss`` and ``loss``; the vectorised replay's path)."""
+        steps = len(scales)
+        if not steps:
+            raise ConfigError("a scorecard needs at least one step")
+        kept = [not f for f in found_inf]  # applied steps
+        applied_loss = list(compress(loss, kept))
+        skipped = steps - len(applied_loss)
+        tail = [x for x in applied_loss[-max(1, steps // 10) :] if math.isfinite(x)]
         eval_loss = float(eval_loss)
         return cls(
             steps=steps,
             skipped=skipped,
             skip_rate=skipped / steps,
-            precision_loss=_mean(r.precision_loss for r in applied),
+            precision_loss=_mean(compress(precision_loss, kept)),
             final_loss=_mean(tail),
             eval_loss=eval_loss,
-            min_scale=min(r.scale for r in records),
-            max_scale=max(r.scale for r in records),
+            min_scale=min(scales),
+            max_scale=max(scales),
             hit_min=bool(hit_min),
             diverged=not params_finite or not math.isfinite(eval_loss),
             wall_s=float(wall_s),
-            useful_steps_per_s=len(applied) / wall_s if wall_s > 0 else math.nan,
+            useful_steps_per_s=len(applied_loss) / wall_s if wall_s > 0 else math.nan,
         )
 
     def to_dict(self) -> dict[str, Any]:
