@@ -89,4 +89,9 @@ def test_the_wheel_lists_every_subpackage():
     actual = {".".join(p.parent.relative_to(ROOT).parts) for p in PACKAGE.rglob("__init__.py")}
     assert listed == actual
     shipped = config["package-dir"]
-    assert shipped == {"autoscale._shipped.envs": "envs", "autoscale._shipped.policies": "policies"}
+    assert shipped == {
+        "autoscale._shipped.envs": "envs",
+        "autoscale._shipped.policies": "policies",
+        # the example workloads, at the path the shipped suite names them from envs/
+        "autoscale._shipped.experiments.workloads": "experiments/workloads",
+    }

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -243,8 +244,14 @@ def record_trace(
     out: str | os.PathLike | None = None,
     instances=("train", "test"),
     progress: bool = False,
+    stop_at: float | None = None,
+    least: int = 1,
 ) -> Trace:
     """Record ``steps`` real steps of each instance of ``spec`` (both sets by default).
+
+    With ``stop_at`` (a ``time.monotonic()`` value), an instance still recording then, once it
+    has ``least`` steps, is cut to the longest of ``steps``, ``steps // 2``, ``steps // 4``, ...
+    that it reached (a trace of that length, as if it had been planned so).
 
     The recording is driven by the ``amax-history`` rule (2 bits of margin): it stays close below
     the overflow threshold, so few steps overflow (their threshold is then only known to lie below
@@ -283,13 +290,20 @@ def record_trace(
             max_scale=ep.max_scale,
         )
         records = []
-        for _ in range(steps):
+        for i in range(steps):
+            if stop_at is not None and i >= least and time.monotonic() > stop_at:
+                break
             run.scaler.set_scale(scale)
             rec = run.step()
             records.append(rec)
             scale = rule.controller.step(rec.stats)
             if bar is not None:
                 bar.update(1)
+        if len(records) < steps:  # cut at the deadline
+            n = steps
+            while n > len(records):
+                n //= 2
+            records = records[:n]
         traced[inst.name] = instance_trace(
             inst.name,
             inst.seed,

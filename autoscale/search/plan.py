@@ -58,6 +58,10 @@ __all__ = [
     "RECORD_SHARE",
     "REAL_SHARE",
     "HORIZON_LADDER",
+    "fit_gate",
+    "fit_validation",
+    "validate_cost",
+    "with_steps",
 ]
 
 RECORD_SHARE = 0.50  # at most this share of the working budget records traces (replay trials cost
@@ -163,6 +167,21 @@ class Timings:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: dataclasses.asdict(t) for k, t in self.by_key.items()}
+
+    def scaled(self, factor: float) -> Timings:
+        """Every cost ``factor`` times as long (steps that run slower than they were measured)."""
+
+        def scale(t: Timing) -> Timing:
+            rec = t.record_step_s * factor if t.record_step_s else None
+            return dataclasses.replace(
+                t,
+                step_s=t.step_s * factor,
+                build_s=t.build_s * factor,
+                eval_s=t.eval_s * factor,
+                record_step_s=rec,
+            )
+
+        return Timings({k: scale(t) for k, t in self.by_key.items()})
 
 
 def _fmt_s(s: float) -> str:
@@ -385,7 +404,7 @@ def _record_cost(suite: SuiteSpec, trace_steps: int, t: Timings) -> float:
     )
 
 
-def _validate_cost(suite: SuiteSpec, t: Timings, scalers: int) -> float:
+def validate_cost(suite: SuiteSpec, t: Timings, scalers: int) -> float:
     """Seconds to run ``scalers`` scalers on every test instance of every member on real steps."""
     n = suite.episode.steps
     total = 0.0
@@ -530,7 +549,7 @@ def make_plan(
     """
     cached_traces = cached_traces or (lambda s, n: 0.0)
     cached_gate = cached_gate or (lambda w, s: False)
-    gate, gate_cuts = _fit_gate(gate, timings, work_s, cached_gate)
+    gate, gate_cuts = fit_gate(gate, timings, work_s, cached_gate)
     gate_s = gate.cost(timings, GATE_CANDIDATES, cached_gate)
     gate_min = gate.cost(timings, 1, cached_gate)
 
@@ -542,7 +561,7 @@ def make_plan(
     if stored is not None:
         shaped, validation, trace_steps = stored
         rec = rec_cost(shaped, trace_steps)
-        val = _validate_cost(validation, timings, len(rules) + 1)
+        val = validate_cost(validation, timings, len(rules) + 1)
         return _finish(
             suite,
             shaped,
@@ -566,7 +585,7 @@ def make_plan(
             if rec > RECORD_SHARE * work_s:
                 continue
             real_left = min(REAL_SHARE * work_s - rec - gate_min, VALIDATE_SHARE * work_s)
-            choice = _validation(shaped, timings, real_left, len(rules))
+            choice = fit_validation(shaped, timings, real_left, len(rules))
             if choice is None:
                 continue
             validation, all_rules, val = choice
@@ -589,7 +608,7 @@ def make_plan(
             )
     smallest = shape_suite(suite, _horizons(suite)[-1], 1, 1)
     rec = rec_cost(smallest, smallest.episode.steps)
-    val = _validate_cost(_with_steps(smallest, VALIDATION_LADDER[-1]), timings, 2)
+    val = validate_cost(with_steps(smallest, VALIDATION_LADDER[-1]), timings, 2)
     need = max(rec / RECORD_SHARE, (rec + val + gate_min) / REAL_SHARE)
     key, slowest = timings.slowest()
     about = "about" if timings.complete else "more than"
@@ -605,7 +624,7 @@ def make_plan(
     )
 
 
-def _fit_gate(
+def fit_gate(
     gate: GatePlan, timings: Timings, work_s: float, cached: Callable[[Any, int], bool]
 ) -> tuple[GatePlan, tuple[str, ...]]:
     """``gate`` with each workload whose runs cost more than :data:`GATE_SHARE` of the budget
@@ -630,13 +649,13 @@ def _fit_gate(
     return dataclasses.replace(gate, workloads=tuple(kept)), tuple(cuts)
 
 
-def _with_steps(suite: SuiteSpec, steps: int) -> SuiteSpec:
+def with_steps(suite: SuiteSpec, steps: int) -> SuiteSpec:
     return suite.replace_members(
         lambda m: dataclasses.replace(m, episode=dataclasses.replace(m.episode, steps=steps))
     )
 
 
-def _validation(
+def fit_validation(
     shaped: SuiteSpec, t: Timings, left_s: float, n_rules: int
 ) -> tuple[SuiteSpec, bool, float] | None:
     """The longest real-step validation (up to the replay horizon) that fits ``left_s``: every
@@ -648,8 +667,8 @@ def _validation(
         for steps in ladder:
             if all_rules and steps < min(MIN_STEPS_ALL_RULES, top):
                 break
-            validation = _with_steps(shaped, steps)
-            cost = _validate_cost(validation, t, scalers)
+            validation = with_steps(shaped, steps)
+            cost = validate_cost(validation, t, scalers)
             if cost <= left_s:
                 return validation, all_rules, cost
     return None

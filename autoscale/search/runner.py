@@ -24,6 +24,7 @@ the study-wide pick when it finishes (under a lock), so the last worker to finis
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import tempfile
 import time
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from autoscale.envs.suite import SuiteSpec, as_suite
+from autoscale.errors import BudgetError
 from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Budget, Ledger, format_duration
 from autoscale.search.choose import choose
@@ -44,6 +46,7 @@ from autoscale.search.export import (
     export_trial,
     policy_label,
     rank,
+    study_suites,
     top_candidates,
 )
 from autoscale.search.gate import GATE_STEPS, NoHarmCheck, gate_proxy, gate_workloads
@@ -56,6 +59,7 @@ from autoscale.search.plan import (
     make_plan,
     measure_all,
 )
+from autoscale.search.replan import MIN_HORIZON, SLOW, least_after_record, pace_of, replan
 from autoscale.search.report import comparison_table, draw_comparison, member_table
 from autoscale.search.space import parametric_families
 from autoscale.search.storage import (
@@ -72,6 +76,7 @@ from autoscale.search.study import (
     describe_new_study,
     describe_spec,
     fail_stale_trials,
+    store_plan,
     study_kwargs,
     study_note,
     wait_for_plan,
@@ -86,7 +91,9 @@ from autoscale.search.trials import (
     worker_id,
     write_note,
 )
+from autoscale.search.validate import PREFIX as VALIDATED_PREFIX
 from autoscale.search.validate import Validated, Validator
+from autoscale.training.threads import fit_threads
 
 __all__ = ["SearchConfig", "SearchResult", "SearchRunner", "PHASES"]
 
@@ -138,6 +145,7 @@ class SearchResult:
     budget_s: float = 0.0
     rounds: int = 0
     stopped_early: str | None = None
+    replanned: list[str] = field(default_factory=list)
     ledger: Ledger = field(default_factory=Ledger)
 
 
@@ -163,6 +171,7 @@ class SearchRunner:
         self.ledger = Ledger()
         self.worker = worker_id()
         self.counts = {"complete": 0, "pruned": 0, "failed": 0}
+        self.min_search_s = max(2.0, 0.02 * budget.seconds)
         self.result = SearchResult(
             cfg.study, None, self.counts, budget_s=budget.seconds, ledger=self.ledger
         )
@@ -205,12 +214,13 @@ class SearchRunner:
         gate_plan = GatePlan(gate_workloads(list(base.members)), GATE_STEPS)
         proxies = [p for p in map(gate_proxy, gate_plan.workloads) if p is not None]
         with self.ledger.track("work:measure"):
+            self.threads = fit_threads()  # measured with the threads it records with
             timings = measure_all(
                 [m.workload for m in base.members] + list(gate_plan.workloads) + proxies,
                 limit_s=max(1.0, min(0.25 * self.budget.seconds, self.budget.left())),
                 step_share_s=max(0.2, 0.01 * self.budget.seconds),
             )
-        self.say("measure", timings.describe())
+        self.say("measure", f"{timings.describe()}; {self.threads.describe()}")
         self.gate = NoHarmCheck(
             gate_plan, self.folder, self.ledger, _scale_kw(base), progress=cfg.progress
         )
@@ -224,21 +234,8 @@ class SearchRunner:
         )
 
         with self.ledger.track("work:record"):
-            traces, stats = load_traces(
-                plan.suite,
-                self.folder,
-                plan.trace_steps,
-                cost=lambda m, n: plan.timings.of(m.workload).run_s(n, record=True),
-                stop_at=self.budget.end - plan.validate_s - plan.gate_s,
-                progress=cfg.progress,
-                warn=self.warn,
-            )
-        n = sum(len(m.instances["train"]) + len(m.instances["test"]) for m in plan.suite.members)
-        self.say(
-            "record",
-            f"{n} instances x {plan.trace_steps} real steps: {stats['recorded']} recorded "
-            f"in {format_duration(stats['wall_s'])}, {stats['cached']} from the cache",
-        )
+            traces, stats = self._record(plan)
+        plan = self._replan(study, plan, traces, stats)
 
         with tempfile.TemporaryDirectory(prefix="autoscale-search-") as tmp:
             workdir = Path(tmp)
@@ -256,6 +253,93 @@ class SearchRunner:
             self._rounds(study, plan, bench, recorder, validator, store, workdir)
         self.result.wall_s = self.budget.elapsed()
         return self.result
+
+    def _record(self, plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Record the plan's traces, bending to the pace the machine keeps (see
+        :mod:`~autoscale.search.replan`): the instances beyond each member's first ones stop
+        where the phases after recording keep their planned time at that pace; the first ones
+        (shortened if need be) where the least of those phases keeps its measured time."""
+        after = plan.validate_s + plan.gate_s
+        least = least_after_record(plan, self.gate.cached) + self.min_search_s
+
+        def retune(pace: float) -> None:
+            before = self.threads.threads
+            self.threads = fit_threads()
+            if self.threads.threads != before:
+                self.say(
+                    "record",
+                    f"steps run {pace:.1f}x slower than measured: now {self.threads.describe()}",
+                )
+
+        traces, stats = load_traces(
+            plan.suite,
+            self.folder,
+            plan.trace_steps,
+            cost=lambda m, n: plan.timings.of(m.workload).run_s(n, record=True),
+            stop_at=lambda pace: self.budget.end - max(1.0, pace) * after,
+            floor_at=self.budget.end - least,
+            shrink_to=MIN_HORIZON,
+            progress=self.cfg.progress,
+            warn=self.warn,
+            on_slow=retune,
+        )
+        n = sum(len(m.instances["train"]) + len(m.instances["test"]) for m in plan.suite.members)
+        pace = pace_of(stats)
+        slower = f" ({pace:.1f}x the measured time)" if pace > SLOW else ""
+        self.say(
+            "record",
+            f"{n} instances x {plan.trace_steps} real steps: {stats['recorded']} recorded "
+            f"in {format_duration(stats['wall_s'])}{slower}, {stats['cached']} from the cache"
+            + (f", {len(stats['dropped'])} left out" if stats["dropped"] else ""),
+        )
+        return traces, stats
+
+    def _replan(self, study: Any, plan: Plan, traces: dict, stats: dict) -> Plan:
+        """Plan what is left after recording again when it ran slower than measured or left
+        instances out; the study keeps the new shape when nothing was scored on the old one."""
+        import optuna
+
+        with self.ledger.track("bk:optuna"):
+            attrs = study.user_attrs
+            scored = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            stored_suite, stored_validation, stored_steps = study_suites(study)
+        if stored_suite != plan.suite:  # another worker re-planned while this one recorded
+            self.say(
+                "plan", "another worker re-planned the study while recording: adopting its plan"
+            )
+            plan = dataclasses.replace(
+                plan, suite=stored_suite, validation=stored_validation, trace_steps=stored_steps
+            )
+            traces.update(_only_planned(traces, stored_suite))
+            stats = {**stats, "dropped": []}
+        new = replan(
+            plan,
+            traces,
+            stats,
+            left_s=self.budget.left(),
+            budget_s=self.budget.seconds,
+            min_search_s=self.min_search_s,
+            cached_gate=self.gate.cached,
+            keep_validation=any(k.startswith(VALIDATED_PREFIX) for k in attrs),
+        )
+        if new is plan:
+            return plan
+        traded = new.cuts[len(plan.cuts) :]
+        changed = new.suite != plan.suite or new.validation != plan.validation
+        if changed and scored:  # trials were scored on the stored shape: keep it
+            if new.suite != stored_suite:
+                raise BudgetError(_ran_out_shared(stats))
+            new = dataclasses.replace(new, validation=stored_validation)
+        self.say("plan", "re-planned: " + ("; ".join(traded) or "steps ran slower than measured"))
+        self.result.plan = new
+        self.result.replanned = list(traded)
+        self.gate = NoHarmCheck(
+            new.gate, self.folder, self.ledger, _scale_kw(new.suite), progress=self.cfg.progress
+        )
+        if changed and not scored:
+            with self.ledger.track("bk:optuna"):
+                store_plan(study, new)
+        return new
 
     def _adopt(self, stored: Any) -> tuple[SuiteSpec, SuiteSpec, int]:
         kept = wait_for_plan(stored)
@@ -338,7 +422,7 @@ class SearchRunner:
             f"rule:{r}": (lambda r=r: bench.scaler(r)) for r in plan.rules
         }
         state = {"exported": None}
-        min_search = max(2.0, 0.02 * self.budget.seconds)
+        min_search = self.min_search_s
         for round_no in range(1, MAX_ROUNDS + 1):
             self.result.rounds = round_no
             first = round_no == 1
@@ -654,6 +738,27 @@ class SearchRunner:
                     store_artifact(store, path, study, "image/png")
                 except Exception as exc:
                     self.warn(f"could not store the comparison plot: {exc}")
+
+
+def _only_planned(traces: dict[str, Any], suite: SuiteSpec) -> dict[str, Any]:
+    """Each member's trace with the instances ``suite`` plans (a worker that adopts a smaller
+    plan may have recorded more)."""
+    out = {}
+    for m in suite.members:
+        trace = traces[m.name]
+        keep = {i.name for i in m.instances["train"] + m.instances["test"]}
+        instances = {k: v for k, v in trace.instances.items() if k in keep}
+        out[m.name] = dataclasses.replace(trace, instances=instances)
+    return out
+
+
+def _ran_out_shared(stats: dict[str, Any]) -> str:
+    return (
+        f"the budget ran out while recording traces ({stats['recorded']} recorded, "
+        f"{len(stats['dropped'])} left out, steps at {pace_of(stats):.1f}x the measured time), "
+        "and trials of this study were scored on all of them; they stay cached: rerun with a "
+        "larger --budget and the same --study to continue"
+    )
 
 
 def search_stop(

@@ -20,6 +20,7 @@ __all__ = [
     "study_kwargs",
     "describe_spec",
     "describe_new_study",
+    "store_plan",
     "study_note",
     "wait_for_plan",
     "check_workload",
@@ -155,6 +156,18 @@ def describe_new_study(study: Any, plan: Plan, *, command: str, budget: dict[str
                 default_trial_params(rule, defaults, plan.suite.episode),
                 user_attrs={"baseline": True},
             )
+    write_note(study, study_note(study.study_name, plan))
+
+
+def store_plan(study: Any, plan: Plan) -> None:
+    """Keep a re-planned shape in the study (before any trial was scored on the old one), so
+    that workers joining or resuming it score trials alike; the note says what was traded."""
+    from autoscale.search.trials import write_note
+
+    study.set_user_attr("plan", plan.to_dict())
+    study.set_user_attr("validation", plan.validation.to_dict())
+    study.set_user_attr("trace_steps", plan.trace_steps)
+    study.set_user_attr("suite", plan.suite.to_dict())
     write_note(study, study_note(study.study_name, plan))
 
 

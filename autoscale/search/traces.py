@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.suite import SuiteSpec
@@ -64,16 +65,36 @@ def cached_share(
     return hit / total if total else 0.0
 
 
+def _essential_first(suite: SuiteSpec) -> list[tuple[EnvSpec, InstanceSpec, bool]]:
+    """Every job, the least a search needs first: each member's first train and first test
+    instance (marked True), then the rest in the plan's order."""
+    jobs = _jobs(suite)
+    first = set()
+    for m in suite.members:
+        for which in ("train", "test"):
+            if m.instances[which]:
+                first.add((m.name, m.instances[which][0].name))
+    head = [(m, i, True) for m, i in jobs if (m.name, i.name) in first]
+    return head + [(m, i, False) for m, i in jobs if (m.name, i.name) not in first]
+
+
+def _deadline(at: float | Callable[[float], float], pace: float) -> float:
+    return at(pace) if callable(at) else at
+
+
 def load_traces(
     suite: SuiteSpec,
     folder: Path,
     steps: int,
     *,
     cost: Callable[[EnvSpec, int], float],
-    stop_at: float,
+    stop_at: float | Callable[[float], float],
     progress: bool = False,
     warn: Callable[[str], None] | None = None,
-) -> tuple[dict[str, Trace], dict[str, float]]:
+    shrink_to: int | None = None,
+    floor_at: float | Callable[[float], float] | None = None,
+    on_slow: Callable[[float], None] | None = None,
+) -> tuple[dict[str, Trace], dict[str, Any]]:
     """Traces of ``steps`` steps of every train and test instance of every member of ``suite``,
     recording those not cached.
 
@@ -81,71 +102,142 @@ def load_traces(
         folder: The artifacts folder (traces go to ``folder/traces``).
         cost: Seconds to record ``n`` steps of a member (build and evaluation included), to check
             that a recording fits before starting it.
-        stop_at: ``time.monotonic()`` value past which no recording may start.
+        stop_at: ``time.monotonic()`` value past which no recording may start, or a function of
+            the pace so far (recorded seconds over planned ones, 1.0 before the first) giving it.
         warn: Told, in one line, of each cached trace that does not read back (truncated,
             overwritten, of another version); it is recorded again.
+        shrink_to: Bend instead of breaking: each member's first train and test instance are
+            recorded first; an instance that does not fit ``stop_at`` after them is left out
+            (``stats["dropped"]``), and a first one that does not fit ``floor_at`` (default
+            ``stop_at``) is recorded shorter, halving down to ``shrink_to`` steps
+            (``stats["shortest"]``). None: every instance, whole, or a BudgetError.
+        on_slow: Called with the pace after a recording that ran over 1.3x its plan (to look at
+            the machine's load again).
 
     Returns:
         (member -> trace, stats): stats holds ``recorded`` and ``cached`` instance counts, real
-        ``steps`` recorded and ``wall_s`` spent recording.
+        ``steps`` recorded, ``wall_s`` spent recording and the ``planned_s`` of those recordings,
+        ``dropped`` (``MEMBER:INSTANCE`` names left out) and ``shortest`` (the shortest trace).
 
     Raises:
-        BudgetError: the budget ran out before every instance was recorded (those recorded stay
-            cached: a rerun continues).
+        BudgetError: the budget ran out before every instance (with ``shrink_to``: every member's
+            first train and test instance, at ``shrink_to`` steps) was recorded (those recorded
+            stay cached: a rerun continues).
     """
     cache = folder / "traces"
     cache.mkdir(parents=True, exist_ok=True)
-    jobs = _jobs(suite)
-    stats = {"recorded": 0, "cached": 0, "steps": 0, "wall_s": 0.0, "planned_s": 0.0}
+    bend = shrink_to is not None
+    jobs = _essential_first(suite) if bend else [(m, i, True) for m, i in _jobs(suite)]
+    floor = stop_at if floor_at is None else floor_at
+    stats: dict[str, Any] = {
+        "recorded": 0,
+        "cached": 0,
+        "steps": 0,
+        "wall_s": 0.0,
+        "planned_s": 0.0,
+        "dropped": [],
+        "shortest": steps,
+    }
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=sum(i.start + steps for _, i in jobs), desc="record", unit="step")
+        bar = tqdm(total=sum(i.start + steps for _, i, _ in jobs), desc="record", unit="step")
     traced: dict[str, dict] = {m.name: {} for m in suite.members}
     edges = version = None
+
+    def pace() -> float:
+        return stats["wall_s"] / stats["planned_s"] if stats["planned_s"] > 0 else 1.0
+
     try:
-        for member, inst in jobs:
-            key = instance_key(member, inst, steps)
-            path = cache / f"{key}.npz"
-            with file_lock(folder / "locks" / f"trace-{key}.lock"):
-                trace = _read(path, warn)
-                if trace is None:
-                    need = cost(member, inst.start + steps)
-                    if time.monotonic() + need > stop_at:
-                        slower = ""
-                        if stats["recorded"] and stats["planned_s"] > 0:
-                            ratio = stats["wall_s"] / stats["planned_s"]
-                            if ratio > 1.2:
-                                slower = (
-                                    f"; steps ran {ratio:.1f}x slower than measured at the start "
-                                    "(other jobs on the cores? OMP_NUM_THREADS=1 helps there)"
-                                )
-                        raise BudgetError(
-                            f"the budget ran out while recording traces ({stats['recorded']} recorded, "
-                            f"'{member.name}' instance '{inst.name}' needs ~{format_duration(need)} more"
-                            f"{slower}); they stay cached: rerun with a larger --budget and the same "
-                            "--study to continue"
+        for member, inst, essential in jobs:
+            n = steps
+            trace = None
+            while trace is None:
+                key = instance_key(member, inst, n)
+                path = cache / f"{key}.npz"
+                with file_lock(folder / "locks" / f"trace-{key}.lock"):
+                    trace = _read(path, warn)
+                    if trace is not None:
+                        stats["cached"] += 1
+                        break
+                    need = cost(member, inst.start + n)
+                    at = _deadline(floor if essential else stop_at, pace())
+                    if time.monotonic() + need <= at:
+                        # bending, a recording slower than planned is cut where the phases after
+                        # it keep their time at this pace (a first instance: once it has
+                        # shrink_to steps); an instance beyond the first ones is then left out
+                        t0 = time.monotonic()
+                        trace = record_trace(
+                            member,
+                            n,
+                            instances=(inst.name,),
+                            stop_at=_deadline(stop_at, pace()) if bend else None,
+                            least=min(shrink_to, n) if bend and essential else 1,
                         )
-                    t0 = time.monotonic()
-                    trace = record_trace(member, steps, instances=(inst.name,))
-                    trace.save(path)
-                    stats["wall_s"] += time.monotonic() - t0
-                    stats["planned_s"] += need
-                    stats["recorded"] += 1
-                    stats["steps"] += inst.start + steps
-                else:
-                    stats["cached"] += 1
-            (only,) = trace.instances.values()
-            traced[member.name][inst.name] = dataclasses.replace(only, name=inst.name)
-            edges, version = trace.hist_edges, trace.feature_version
+                        took = time.monotonic() - t0
+                        stats["wall_s"] += took
+                        stats["planned_s"] += need
+                        if on_slow is not None and took > 1.3 * need:
+                            on_slow(pace())
+                        got = next(iter(trace.instances.values())).steps
+                        if got < n and not essential:
+                            trace = None
+                            break
+                        if got < n:
+                            path = cache / f"{instance_key(member, inst, got)}.npz"
+                        trace.save(path)
+                        stats["recorded"] += 1
+                        stats["steps"] += inst.start + got
+                        break
+                if bend and not essential:
+                    break
+                if bend and n // 2 >= shrink_to:
+                    n //= 2
+                    continue
+                raise BudgetError(_ran_out(stats, member, inst, need))
+            if trace is None:
+                stats["dropped"].append(f"{member.name}:{inst.name}")
+            else:
+                (only,) = trace.instances.values()
+                traced[member.name][inst.name] = dataclasses.replace(only, name=inst.name)
+                stats["shortest"] = min(stats["shortest"], only.steps)
+                edges, version = trace.hist_edges, trace.feature_version
             if bar is not None:
                 bar.update(inst.start + steps)
     finally:
         if bar is not None:
             bar.close()
-    out = {m.name: Trace(m.to_dict(), traced[m.name], edges, version) for m in suite.members}
+    order = {
+        m.name: [i.name for i in m.instances["train"] + m.instances["test"]] for m in suite.members
+    }
+    out = {
+        m.name: Trace(
+            m.to_dict(),
+            {k: traced[m.name][k] for k in order[m.name] if k in traced[m.name]},
+            edges,
+            version,
+        )
+        for m in suite.members
+    }
     return out, stats
+
+
+def _ran_out(stats: dict[str, Any], member: EnvSpec, inst: InstanceSpec, need: float) -> str:
+    slower = ""
+    if stats["recorded"] and stats["planned_s"] > 0:
+        ratio = stats["wall_s"] / stats["planned_s"]
+        if ratio > 1.2:
+            slower = (
+                f"; steps ran {ratio:.1f}x slower than measured at the start "
+                "(other jobs on the cores?)"
+            )
+    return (
+        f"the budget ran out while recording traces ({stats['recorded']} recorded, "
+        f"'{member.name}' instance '{inst.name}' needs ~{format_duration(need)} more"
+        f"{slower}); they stay cached: rerun with a larger --budget and the same "
+        "--study to continue"
+    )
 
 
 def _read(path: Path, warn: Callable[[str], None] | None) -> Trace | None:

@@ -29,8 +29,13 @@ class CliRun:
     wall_s: float
 
 
-def cli_env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def cli_env(threads: str | None = "1") -> dict[str, str]:
+    """The environment of a CLI run: one torch thread (deterministic steps), or with
+    ``threads=None`` none set, as a user's shell has it (autoscale picks its threads)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("OMP_NUM_THREADS", None)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = threads
     env.pop("AUTOSCALE_POLICY_PATH", None)
     return env
 
@@ -51,12 +56,12 @@ def spawn(*args: str, cwd: Path) -> subprocess.Popen:
     )
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 180) -> CliRun:
+def run_cli(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> CliRun:
     t0 = time.monotonic()
     proc = subprocess.run(
         autoscale_cmd(*args),
         cwd=cwd,
-        env=cli_env(),
+        env=env or cli_env(),
         capture_output=True,
         text=True,
         timeout=timeout,

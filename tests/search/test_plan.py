@@ -13,9 +13,9 @@ from autoscale.search.plan import (
     Timing,
     Timings,
     _record_cost,
-    _validate_cost,
     make_plan,
     measure,
+    validate_cost,
     workload_key,
 )
 from autoscale.search.runner import _rules_torch_first
@@ -78,7 +78,7 @@ def test_plan_keeps_recording_and_real_steps_within_their_shares_and_says_what_i
     t = timings_for(as_suite(spec), 0.05)
     rec = _record_cost(plan.suite, plan.trace_steps, t)
     assert rec <= RECORD_SHARE * 300
-    val = _validate_cost(plan.validation, t, 2)
+    val = validate_cost(plan.validation, t, 2)
     assert rec + val + gate.cost(t, 1, lambda w, s: False) <= REAL_SHARE * 300
     assert plan.horizon < 2048
     text = plan.describe()

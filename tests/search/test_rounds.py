@@ -77,3 +77,53 @@ def test_a_slow_models_search_checks_no_harm_on_the_proxy_the_plan_chose(tmp_pat
 def test_search_stop(now, after, first, expected):
     end, least, min_search = 4000.0, 400.0, 60.0
     assert search_stop(now, end, after, least, min_search, first) == pytest.approx(expected)
+
+
+@pytest.mark.slow
+def test_a_machine_that_turns_slower_after_measuring_gets_a_re_planned_search_in_budget(
+    tmp_path, monkeypatch
+):
+    """Steps measured on an idle machine, then twice as slow (another job started): the
+    search records the least first, leaves out what no longer fits, plans the rest again at the
+    pace it saw, says what it traded, and still ends within its budget with a validated export."""
+    import time
+
+    from autoscale.scalers import get_scaler
+    from autoscale.training import run as run_mod
+
+    slow = [False]
+    real_measure, real_step = runner_mod.measure_all, run_mod.TrainingRun.step
+
+    def measured(workloads, **kw):
+        t = real_measure(workloads, **kw)
+        slow[0] = True  # from here on every step takes about twice as long
+        return t
+
+    def step(self, *a, **kw):
+        t0 = time.perf_counter()
+        out = real_step(self, *a, **kw)
+        if slow[0]:
+            time.sleep(time.perf_counter() - t0)
+        return out
+
+    monkeypatch.setattr(runner_mod, "measure_all", measured)
+    monkeypatch.setattr(run_mod.TrainingRun, "step", step)
+    said: list[str] = []
+    cfg = SearchConfig(
+        base_spec(model="mlp"),
+        study="bent",
+        export="bent",
+        storage=f"sqlite:///{tmp_path / 'db.sqlite'}",
+        policy_dir=str(tmp_path / "policies"),
+        progress=False,
+    )
+    budget = Budget.from_process_start(0.0)
+    budget = dataclasses.replace(budget, seconds=60.0, start=time.monotonic(), reserve=3.0)
+    result = SearchRunner(cfg, budget, out=said.append).run()
+    text = "\n".join(said)
+    assert result.replanned, text
+    assert any(line.startswith("[2/6 plan] re-planned: ") for line in said), text
+    assert "x slower than measured" in text
+    assert result.exported is not None, text
+    get_scaler(str(result.exported), device="cpu")
+    assert 0.9 * 60 <= budget.elapsed() <= 1.05 * 60, f"{budget.elapsed():.1f} s\n{text}"

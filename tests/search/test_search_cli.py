@@ -261,3 +261,45 @@ def test_dashboard_command_serves_the_storage_on_localhost(searched):
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
     assert f"http://127.0.0.1:{port}/" in out
+
+
+def _spin(stop) -> None:  # someone else's CPU-bound process
+    while not stop.is_set():
+        sum(range(100_000))
+
+
+def test_a_search_beside_a_busy_process_without_omp_num_threads_ends_in_budget(tmp_path):
+    """The README's main job as a user runs it: no OMP_NUM_THREADS, another CPU-bound process
+    on the machine. The search picks its torch threads from the load it sees, says so, and ends
+    within its budget with an export."""
+    import multiprocessing as mp
+
+    from tests.search.conftest import cli_env
+
+    stop = mp.Event()
+    other = mp.Process(target=_spin, args=(stop,), daemon=True)
+    other.start()
+    try:
+        run = run_cli(
+            "search",
+            "--model",
+            "mlp",
+            "--budget",
+            "60s",
+            "--quiet",
+            cwd=tmp_path,
+            timeout=SEARCH_BUDGET_S + 120,
+            env=cli_env(threads=None),
+        )
+    finally:
+        stop.set()
+        other.join()
+    assert run.rc == 0, run.err[-3000:]
+    assert run.wall_s <= SEARCH_BUDGET_S * 1.05, f"took {run.wall_s:.1f} s\n{run.out[-3000:]}"
+    measured = re.search(
+        r"\[1/6 measure\] .*; (\d+) torch threads? on (\d+) cores \(([\d.]+) busy", run.out
+    )
+    assert measured, run.out[:2000]
+    threads, cores, busy = int(measured[1]), int(measured[2]), float(measured[3])
+    assert busy >= 0.5 and threads <= max(1, cores - 1)  # the busy core is left to its owner
+    get_scaler(str(tmp_path / "policies" / "mlp-bad-batches-parametric"), device="cpu")

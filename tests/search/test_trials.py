@@ -54,7 +54,15 @@ def setup(tmp_path_factory):
     assert stats["recorded"] == 8 and set(traces) == {"bad-batches", "mlp-small"}
     again, stats = load_traces(suite, root / "artifacts", 2 * HORIZON, cost=cost, stop_at=0)
     # all from the cache: nothing recorded, nothing planned
-    assert stats == {"recorded": 0, "cached": 8, "steps": 0, "wall_s": 0.0, "planned_s": 0.0}
+    assert stats == {
+        "recorded": 0,
+        "cached": 8,
+        "steps": 0,
+        "wall_s": 0.0,
+        "planned_s": 0.0,
+        "dropped": [],
+        "shortest": 2 * HORIZON,
+    }
     return root, suite, traces
 
 
@@ -298,3 +306,44 @@ def test_fail_worker_trials_fails_only_that_workers_running_trials(tmp_path):
         TrialState.RUNNING,
         TrialState.COMPLETE,
     ]
+
+
+def test_vectorised_parametric_trials_report_what_scalar_ones_do(setup):
+    """The same parameters of vectorised families give the same trial values, reports and
+    stored scores with and without the vectorised replay."""
+    from autoscale.envs.vector_replay import VECTOR_RULES
+
+    root, suite, traces = setup
+    ledger = Ledger()
+    bench, _, recorder, _ = _parts(root, suite, traces, ledger)
+
+    def knobs(rule, **values):
+        return {"rule": rule, **{f"{rule}.{k}": v for k, v in values.items()}}
+
+    params = [  # every knob given: the sampler draws none
+        knobs("torch", growth_factor=1.7, backoff_factor=0.3, growth_interval=2000),
+        knobs("torch", growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
+        knobs("amax-history", history_len=3, margin=0.5, backoff_factor=0.5),
+        knobs("amax-cap", history_len=16, margin=2.0, backoff_factor=0.7, growth_interval=4),
+    ]
+    assert {p["rule"] for p in params} == set(VECTOR_RULES)
+    seen = {}
+    for vectorised in (False, True):
+        study = _study(root, f"vector-{vectorised}")
+        for p in params:
+            study.enqueue_trial(p, skip_if_exists=False)
+        fn = ParametricObjective(
+            bench, recorder, ledger, parametric_families(), vectorised=vectorised
+        )
+        counts = {"complete": 0, "pruned": 0, "failed": 0}
+        loop = TrialLoop(
+            study, ledger, worker="t:0", warn=print, counts=counts, n_trials=len(params)
+        )
+        loop.run(fn, time.monotonic() + 120)
+        assert counts["failed"] == 0
+        seen[vectorised] = [
+            (t.params, t.value, t.intermediate_values, t.user_attrs.get("scores"))
+            for t in study.trials
+        ]
+    assert repr(seen[True]) == repr(seen[False])
+    assert len({v for _, v, _, _ in seen[True]}) > 1

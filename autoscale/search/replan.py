@@ -1,0 +1,160 @@
+"""A plan that bends: what the search does when its real steps run slower than it measured.
+
+The plan (:mod:`~autoscale.search.plan`) is sized from a few steps timed at the start. A machine
+that is busier later (a browser, a data loader, a second job) runs every real-step phase slower,
+and a plan that only knew its first measurement ran out of budget in the middle of recording.
+Here the search bends instead, and says what it traded:
+
+* **recording** records each member's first train and first test instance before the others
+  (the least a search needs), leaves out the instances that no longer fit, and records a first
+  instance shorter (down to :data:`MIN_HORIZON` steps) when even it does not fit; the deadline it
+  records to moves with the pace it sees, so that the phases after it keep their time;
+* after recording, the measured step times are **scaled by the pace** (recorded seconds over
+  planned ones) and what is left is planned again: the replay suite is the recorded one, the
+  real-step validation episodes are as long as the time left allows (a study that already holds
+  validation results keeps their length: every result of a study is measured alike), and the
+  no-harm check runs a model too slow for what is left on its tiny proxy;
+* the search itself takes what remains, and the rounds (:mod:`~autoscale.search.runner`) fit
+  validation and checks to the time left with the scaled step times.
+
+Only the start refuses: when even the smallest plan does not fit the budget
+(:func:`~autoscale.search.plan.make_plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from autoscale.envs.suite import SuiteSpec
+from autoscale.search.plan import (
+    GATE_CANDIDATES,
+    VALIDATE_SHARE,
+    VALIDATION_LADDER,
+    Plan,
+    fit_gate,
+    fit_validation,
+    validate_cost,
+    with_steps,
+)
+
+__all__ = ["MIN_HORIZON", "SLOW", "least_after_record", "pace_of", "recorded_suite", "replan"]
+
+SLOW = 1.15  # a pace above this re-plans the rest with step times scaled by it
+MIN_HORIZON = 32  # the shortest trace a first instance is recorded at, rather than none
+
+
+def pace_of(stats: dict[str, Any]) -> float:
+    """Recorded seconds over the seconds planned for them (1.0 when nothing was recorded)."""
+    return stats["wall_s"] / stats["planned_s"] if stats.get("planned_s", 0) > 0 else 1.0
+
+
+def _firsts(suite: SuiteSpec) -> SuiteSpec:
+    def first(m):
+        inst = {k: v[:1] for k, v in m.instances.items()}
+        return dataclasses.replace(m, instances=inst)
+
+    return suite.replace_members(first)
+
+
+def least_after_record(plan: Plan, cached_gate: Callable[[Any, int], bool]) -> float:
+    """Seconds the least useful end of a search needs after recording, at the measured step
+    times: ``torch`` and one candidate validated on the shortest episodes of each member's first
+    test instance, and one candidate's no-harm check."""
+    shortest = with_steps(_firsts(plan.validation), VALIDATION_LADDER[-1])
+    return validate_cost(shortest, plan.timings, 2) + plan.gate.cost(plan.timings, 1, cached_gate)
+
+
+def recorded_suite(suite: SuiteSpec, traces: dict[str, Any], shortest: int) -> SuiteSpec:
+    """``suite`` with the instances that were recorded, and replay episodes no longer than the
+    ``shortest`` trace."""
+
+    def shape(m):
+        if m.name not in traces:
+            return m
+        names = set(traces[m.name].instances)
+        inst = {k: tuple(i for i in v if i.name in names) for k, v in m.instances.items()}
+        ep = m.episode
+        if shortest < ep.steps:
+            ep = dataclasses.replace(ep, steps=shortest)
+        return dataclasses.replace(m, instances=inst, episode=ep)
+
+    return suite.replace_members(shape)
+
+
+def _instances(suite: SuiteSpec) -> int:
+    return sum(len(m.instances["train"]) + len(m.instances["test"]) for m in suite.members)
+
+
+def replan(
+    plan: Plan,
+    traces: dict[str, Any],
+    stats: dict[str, Any],
+    *,
+    left_s: float,
+    budget_s: float,
+    min_search_s: float,
+    cached_gate: Callable[[Any, int], bool],
+    keep_validation: bool,
+) -> Plan:
+    """The plan for what is left after recording (see the module docstring); ``plan`` itself
+    when the recording kept to it.
+
+    Args:
+        traces, stats: What :func:`~autoscale.search.traces.load_traces` returned.
+        left_s: Working seconds left in the budget.
+        budget_s: The whole budget (validation's share is a share of it).
+        min_search_s: Seconds the search keeps at least.
+        keep_validation: The study holds validation results: their episode length stays.
+    """
+    pace = pace_of(stats)
+    slow = pace > SLOW
+    suite = recorded_suite(plan.suite, traces, stats["shortest"])
+    if not slow and suite == plan.suite:
+        return plan
+    timings = plan.timings.scaled(pace) if slow else plan.timings
+    cuts = []
+    why = f"steps ran {pace:.1f}x slower than measured" if slow else "the recording ran long"
+    if stats["dropped"]:
+        cuts.append(
+            f"{len(stats['dropped'])} of {_instances(plan.suite)} instances unrecorded ({why})"
+        )
+    if suite.episode.steps < plan.horizon:
+        cuts.append(f"replay horizon {suite.episode.steps} of the planned {plan.horizon} ({why})")
+    gate, gate_cuts = fit_gate(plan.gate, timings, max(left_s, 1.0), cached_gate)
+    cuts += [f"{c} ({why})" for c in gate_cuts if c not in plan.cuts]
+    gate_min = gate.cost(timings, 1, cached_gate)
+    gate_s = gate.cost(timings, GATE_CANDIDATES, cached_gate)
+    steps = min(plan.steps, suite.episode.steps)
+    validation = with_steps(recorded_suite(plan.validation, traces, plan.horizon), steps)
+    all_rules = plan.all_rules_real
+    if not keep_validation:
+        room = min(VALIDATE_SHARE * budget_s, left_s - gate_min - min_search_s)
+        choice = fit_validation(suite, timings, room, len(plan.rules))
+        if choice is None:  # the least: torch and the candidate on the shortest episodes
+            validation = with_steps(suite, min(VALIDATION_LADDER[-1], suite.episode.steps))
+            all_rules = False
+        else:
+            validation, all_rules, _ = choice
+        if validation.episode.steps < plan.steps:
+            cuts.append(
+                f"real-step validation episodes of {validation.episode.steps} of the planned "
+                f"{plan.steps} steps ({why})"
+            )
+        if plan.all_rules_real and not all_rules:
+            cuts.append(f"real-step validation of every rule ({why})")
+    val_s = validate_cost(validation, timings, len(plan.rules) + 1 if all_rules else 2)
+    return dataclasses.replace(
+        plan,
+        suite=suite,
+        validation=validation,
+        trace_steps=min(plan.trace_steps, stats["shortest"]),
+        timings=timings,
+        gate=gate,
+        validate_s=val_s,
+        gate_s=gate_s,
+        search_s=max(0.0, left_s - val_s - gate_s),
+        all_rules_real=all_rules,
+        cuts=plan.cuts + tuple(cuts),
+    )

@@ -1,0 +1,137 @@
+"""The plan after a recording that ran slower than measured: what is left is planned again with
+the step times scaled by the pace, on the instances recorded, and every trade is said."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autoscale.search.replan import least_after_record, pace_of, recorded_suite, replan
+from autoscale.search.workload import base_spec
+from tests.search.test_plan import plan_for
+
+
+def _recorded(plan, keep_per_set: int, steps: int | None = None):
+    """A stand-in for load_traces' output: each member's first ``keep_per_set`` instances per
+    set recorded, of ``steps`` steps (default: the plan's)."""
+    steps = steps or plan.trace_steps
+
+    @dataclasses.dataclass
+    class Inst:
+        steps: int
+
+    @dataclasses.dataclass
+    class Tr:
+        instances: dict
+
+    traces, dropped = {}, []
+    for m in plan.suite.members:
+        kept = {}
+        for which in ("train", "test"):
+            for j, inst in enumerate(m.instances[which]):
+                if j < keep_per_set:
+                    kept[inst.name] = Inst(steps)
+                else:
+                    dropped.append(f"{m.name}:{inst.name}")
+        traces[m.name] = Tr(kept)
+    return traces, dropped
+
+
+def _stats(pace: float, dropped, shortest: int):
+    return {"wall_s": 10.0 * pace, "planned_s": 10.0, "dropped": dropped, "shortest": shortest}
+
+
+def test_a_recording_on_plan_changes_nothing():
+    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
+    traces, dropped = _recorded(plan, 99)
+    same = replan(
+        plan,
+        traces,
+        _stats(1.05, dropped, plan.trace_steps),
+        left_s=300,
+        budget_s=600,
+        min_search_s=12,
+        cached_gate=lambda w, s: False,
+        keep_validation=False,
+    )
+    assert same is plan
+
+
+def test_slow_steps_scale_the_timings_shorten_validation_and_say_what_was_traded():
+    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
+    n_train = len(plan.suite.members[0].instances["train"])
+    assert n_train >= 2
+    traces, dropped = _recorded(plan, 1)
+    new = replan(
+        plan,
+        traces,
+        _stats(2.0, dropped, plan.trace_steps),
+        left_s=0.15 * 600,
+        budget_s=600,
+        min_search_s=12,
+        cached_gate=lambda w, s: False,
+        keep_validation=False,
+    )
+    member = new.suite.members[0]
+    assert len(member.instances["train"]) == 1 and len(member.instances["test"]) == 1
+    assert new.validation.members[0].instances["test"] == member.instances["test"]
+    key = next(iter(plan.timings.by_key))
+    assert new.timings.by_key[key].step_s == 2 * plan.timings.by_key[key].step_s
+    assert new.steps <= plan.steps
+    traded = new.cuts[len(plan.cuts) :]
+    total = sum(len(m.instances["train"]) + len(m.instances["test"]) for m in plan.suite.members)
+    assert traded[0] == (
+        f"{len(dropped)} of {total} instances unrecorded (steps ran 2.0x slower than measured)"
+    )
+    assert all("2.0x slower than measured" in c for c in traded)
+    # what is left fits: validation and the check at the scaled times, and the search keeps time
+    gate_min = new.gate.cost(new.timings, 1, lambda w, s: False)
+    assert new.validate_s + gate_min + 12 <= 0.15 * 600
+    assert "traded: " in new.describe()
+
+
+def test_a_shorter_first_trace_shortens_the_replay_horizon():
+    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
+    short = plan.horizon // 4
+    traces, dropped = _recorded(plan, 1, steps=short)
+    new = replan(
+        plan,
+        traces,
+        _stats(3.0, dropped, short),
+        left_s=200,
+        budget_s=600,
+        min_search_s=12,
+        cached_gate=lambda w, s: False,
+        keep_validation=False,
+    )
+    assert new.horizon == short and new.trace_steps == short
+    assert new.steps <= short
+    assert any(
+        c.startswith(f"replay horizon {short} of the planned {plan.horizon}") for c in new.cuts
+    )
+
+
+def test_a_study_with_validation_results_keeps_their_episode_length():
+    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
+    traces, dropped = _recorded(plan, 99)
+    new = replan(
+        plan,
+        traces,
+        _stats(2.5, dropped, plan.trace_steps),
+        left_s=60,
+        budget_s=600,
+        min_search_s=12,
+        cached_gate=lambda w, s: False,
+        keep_validation=True,
+    )
+    assert new.steps == plan.steps and new.timings != plan.timings
+
+
+def test_helpers():
+    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
+    assert pace_of({"wall_s": 3.0, "planned_s": 2.0}) == 1.5
+    assert pace_of({"wall_s": 0.0, "planned_s": 0.0}) == 1.0
+    least = least_after_record(plan, lambda w, s: False)
+    assert 0 < least < plan.validate_s + plan.gate_s
+    traces, _ = _recorded(plan, 1)
+    suite = recorded_suite(plan.suite, traces, plan.horizon)
+    assert all(len(m.instances["train"]) == 1 for m in suite.members)
