@@ -489,7 +489,7 @@ def main(argv=None) -> int:
     from autoscale.scalers.policies import read_manifest, write_manifest
     from autoscale.search.budget import Ledger
     from autoscale.search.gate import NoHarmCheck, gate_workloads
-    from autoscale.search.plan import GatePlan
+    from autoscale.search.timing import GatePlan
     from autoscale.search.traces import load_traces
 
     t_all = time.monotonic()

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     from autoscale.scalers import get_scaler
     from autoscale.search.budget import Ledger
     from autoscale.search.gate import NoHarmCheck, gate_workloads
-    from autoscale.search.plan import GatePlan
+    from autoscale.search.timing import GatePlan
     from autoscale.search.workload import base_spec
 
     members = [base_spec(model=m) for m in args.models.split(",")]

@@ -21,9 +21,10 @@ from autoscale.search.objective import (
     objective_terms,
     regrets,
 )
-from autoscale.search.plan import Plan, Timing, Timings, make_plan, measure, measure_all
+from autoscale.search.plan import Plan, make_plan
 from autoscale.search.runner import SearchConfig, SearchResult, SearchRunner
 from autoscale.search.storage import DEFAULT_STORAGE, artifact_store, artifacts_dir, open_storage
+from autoscale.search.timing import Timing, Timings, measure, measure_all
 from autoscale.search.workload import base_spec, default_study_name
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Any
 
 from autoscale.search.budget import Ledger, format_duration
 from autoscale.search.gate import NoHarmCheck, Verdict
-from autoscale.search.plan import Timings
+from autoscale.search.timing import Timings
 from autoscale.search.validate import Validated
 from autoscale.training.scorecard import json_safe
 

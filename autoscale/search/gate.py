@@ -34,7 +34,7 @@ from typing import Any
 
 from autoscale.errors import ConfigError
 from autoscale.search.budget import Ledger
-from autoscale.search.plan import GatePlan, Timings
+from autoscale.search.timing import GatePlan, Timings
 from autoscale.training.scorecard import Scorecard
 
 __all__ = [

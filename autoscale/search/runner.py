@@ -51,14 +51,7 @@ from autoscale.search.export import (
 )
 from autoscale.search.gate import GATE_STEPS, NoHarmCheck, gate_proxy, gate_workloads
 from autoscale.search.loop import TrialLoop
-from autoscale.search.plan import (
-    GATE_CANDIDATES,
-    GatePlan,
-    Plan,
-    Timings,
-    make_plan,
-    measure_all,
-)
+from autoscale.search.plan import GATE_CANDIDATES, Plan, make_plan
 from autoscale.search.replan import MIN_HORIZON, SLOW, least_after_record, pace_of, replan
 from autoscale.search.report import comparison_table, draw_comparison, member_table
 from autoscale.search.space import parametric_families
@@ -81,6 +74,7 @@ from autoscale.search.study import (
     study_note,
     wait_for_plan,
 )
+from autoscale.search.timing import GatePlan, Timings, measure_all
 from autoscale.search.traces import cached_share, load_traces
 from autoscale.search.trials import (
     REFERENCE_RULE,
@@ -587,6 +581,9 @@ class SearchRunner:
             ),
         )
         validated.update(results)
+        if not results and not first:  # a later round that fitted nothing says nothing new
+            validator.skipped.clear()
+            return False
         n_cand = sum(1 for k in results if k.startswith("trial:"))
         n_rules = sum(1 for k in validated if k.startswith("rule:"))
         msg = (

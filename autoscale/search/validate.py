@@ -20,7 +20,7 @@ from typing import Any
 from autoscale.envs.suite import SuiteSpec
 from autoscale.search.budget import Ledger
 from autoscale.search.objective import objective
-from autoscale.search.plan import Timings
+from autoscale.search.timing import Timings
 from autoscale.training.scorecard import Scorecard, json_safe
 
 __all__ = ["Validated", "Validator", "real_cards", "validated_trials", "by_member", "PREFIX"]

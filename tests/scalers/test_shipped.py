@@ -91,7 +91,7 @@ def test_passes_the_no_harm_check_on_a_short_clean_run(name, tmp_path):
     from autoscale.envs.suite import load_spec
     from autoscale.search.budget import Ledger
     from autoscale.search.gate import NoHarmCheck, gate_workloads
-    from autoscale.search.plan import GatePlan
+    from autoscale.search.timing import GatePlan
 
     torch.set_num_threads(1)
     member = load_spec("suite").members[0]

@@ -89,7 +89,7 @@ def _fill_gate_cache(folder: Path) -> None:
     from autoscale.envs.suite import as_suite, load_spec
     from autoscale.search.budget import Ledger
     from autoscale.search.gate import GATE_STEPS, NoHarmCheck, gate_workloads
-    from autoscale.search.plan import GatePlan
+    from autoscale.search.timing import GatePlan
 
     base = as_suite(load_spec(str(SPEC)))
     ep = base.episode

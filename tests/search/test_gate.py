@@ -12,7 +12,7 @@ from autoscale.search.budget import Ledger
 from autoscale.search.choose import GATE_PREFIX, choose
 from autoscale.search.export import rank
 from autoscale.search.gate import NoHarmCheck, gate_proxy, gate_workloads
-from autoscale.search.plan import GatePlan, Timing, Timings, workload_key
+from autoscale.search.timing import GatePlan, Timing, Timings, workload_key
 from autoscale.search.validate import Validated
 from autoscale.search.workload import base_spec
 from autoscale.training.scorecard import Scorecard

@@ -9,16 +9,12 @@ from autoscale.search.plan import (
     HORIZON_LADDER,
     REAL_SHARE,
     RECORD_SHARE,
-    GatePlan,
-    Timing,
-    Timings,
-    _record_cost,
     make_plan,
-    measure,
+    record_cost,
     validate_cost,
-    workload_key,
 )
 from autoscale.search.runner import _rules_torch_first
+from autoscale.search.timing import GatePlan, Timing, Timings, measure, workload_key
 from autoscale.search.workload import base_spec
 
 RULES = _rules_torch_first()
@@ -76,7 +72,7 @@ def test_plan_keeps_recording_and_real_steps_within_their_shares_and_says_what_i
     spec = base_spec()
     plan, gate = plan_for(spec, 0.05, 300)
     t = timings_for(as_suite(spec), 0.05)
-    rec = _record_cost(plan.suite, plan.trace_steps, t)
+    rec = record_cost(plan.suite, plan.trace_steps, t)
     assert rec <= RECORD_SHARE * 300
     val = validate_cost(plan.validation, t, 2)
     assert rec + val + gate.cost(t, 1, lambda w, s: False) <= REAL_SHARE * 300
@@ -175,7 +171,7 @@ def test_a_time_limit_swallowed_where_python_ignores_exceptions_fires_again(capf
     interrupted, and the swallowed one prints nothing."""
     import time
 
-    from autoscale.search.plan import _time_limit
+    from autoscale.search.timing import time_limit
 
     class SlowToDelete:
         def __del__(self):  # longer than the limit: the first alarm lands here
@@ -184,7 +180,7 @@ def test_a_time_limit_swallowed_where_python_ignores_exceptions_fires_again(capf
                 pass
 
     finished = False
-    with _time_limit(0.05) as fired:
+    with time_limit(0.05) as fired:
         obj = SlowToDelete()
         del obj  # runs __del__: the first alarm is raised inside it and swallowed
         t_end = time.monotonic() + 60
@@ -203,7 +199,7 @@ def test_a_time_limit_waits_for_an_import_to_end(tmp_path, monkeypatch):
     import sys
     import time
 
-    from autoscale.search.plan import _time_limit
+    from autoscale.search.timing import time_limit
 
     (tmp_path / "slow_to_import_mod.py").write_text(
         "import time\n"
@@ -214,7 +210,7 @@ def test_a_time_limit_waits_for_an_import_to_end(tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     finished = False
-    with _time_limit(0.05) as fired:
+    with time_limit(0.05) as fired:
         importlib.import_module("slow_to_import_mod")  # the alarm lands in here and waits
 
         t_end = time.monotonic() + 60
