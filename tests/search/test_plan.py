@@ -13,11 +13,11 @@ from autoscale.search.plan import (
     record_cost,
     validate_cost,
 )
-from autoscale.search.runner import _rules_torch_first
+from autoscale.search.runner import rules_torch_first
 from autoscale.search.timing import GatePlan, Timing, Timings, measure, workload_key
 from autoscale.search.workload import base_spec
 
-RULES = _rules_torch_first()
+RULES = rules_torch_first()
 
 
 def timings_for(

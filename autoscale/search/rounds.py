@@ -1,0 +1,442 @@
+"""The rounds of a search: search on replay, validate on real steps, pick, check and export;
+again while a round fits in the time left (see :mod:`~autoscale.search.runner`).
+
+:class:`Rounds` holds what the rounds share (the study, the plan, the replay bench, the
+validator, the artifact store) and their typed :class:`RoundState`; candidates and built-in rules
+are keyed ``rule:NAME`` and ``trial:NUMBER`` in :attr:`Rounds.validated`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autoscale.search.budget import format_duration
+from autoscale.search.choose import choose
+from autoscale.search.export import (
+    card_summary,
+    export_rule,
+    export_trial,
+    policy_label,
+    rank,
+    top_candidates,
+)
+from autoscale.search.loop import TrialLoop
+from autoscale.search.plan import GATE_CANDIDATES, Plan
+from autoscale.search.report import comparison_table, draw_comparison, member_table
+from autoscale.search.space import parametric_families
+from autoscale.search.storage import file_lock, mask_url
+from autoscale.search.study import study_note
+from autoscale.search.trials import (
+    ParametricObjective,
+    RLObjective,
+    store_artifact,
+    write_note,
+)
+from autoscale.search.validate import Validated
+
+if TYPE_CHECKING:
+    from autoscale.search.runner import SearchRunner
+
+__all__ = ["RoundState", "Rounds", "search_stop", "CANDIDATES_PER_ROUND", "MAX_ROUNDS"]
+
+CANDIDATES_PER_ROUND = 3  # candidates validated per round (the best first)
+MAX_ROUNDS = 12
+MIN_ROUND_SHARE = 0.05  # a round needs at least this share of the budget to start
+RL_SHARE_OF_BOTH = 0.7  # with --space both, RL gets this share of the search time
+
+
+@dataclass
+class RoundState:
+    """What the rounds said and exported so far (each is said once).
+
+    Attributes:
+        exported: Key of the candidate or rule exported last (None: nothing yet).
+        said_first: The built-in rule said to rank first.
+        said_unchecked: Lines said about candidates the no-harm check could not run.
+        said_none: "nothing exported" was said.
+    """
+
+    exported: str | None = None
+    said_first: str | None = None
+    said_unchecked: set[str] = field(default_factory=set)
+    said_none: bool = False
+
+
+class Rounds:
+    """One worker's rounds after recording (see the module docstring)."""
+
+    def __init__(
+        self,
+        runner: SearchRunner,
+        study: Any,
+        plan: Plan,
+        bench: Any,
+        recorder: Any,
+        validator: Any,
+        store: Any,
+        workdir: Path,
+    ) -> None:
+        self.runner = runner
+        self.cfg, self.budget, self.ledger = runner.cfg, runner.budget, runner.ledger
+        self.result, self.counts, self.gate = runner.result, runner.counts, runner.gate
+        self.folder, self.worker, self.min_search_s = (
+            runner.folder,
+            runner.worker,
+            runner.min_search_s,
+        )
+        self.study, self.plan, self.bench, self.recorder = study, plan, bench, recorder
+        self.validator, self.store, self.workdir = validator, store, workdir
+        self.validated: dict[str, Validated] = {}
+        self.factories: dict[str, Callable[[], Any]] = {
+            f"rule:{r}": (lambda r=r: bench.scaler(r)) for r in plan.rules
+        }
+        self.state = RoundState()
+
+    def say(self, phase: str, text: str) -> None:
+        self.runner.say(phase, text)
+
+    def warn(self, text: str) -> None:
+        self.runner.warn(text)
+
+    @property
+    def out(self) -> Callable[[str], None]:
+        return self.runner.out
+
+    def run(self) -> None:
+        """Search, validate, pick and export; then again while a round fits in the time left,
+        and the last slack goes to validating more candidates (see the module docstring)."""
+        plan, validator = self.plan, self.validator
+        min_search = self.min_search_s
+        for round_no in range(1, MAX_ROUNDS + 1):
+            self.result.rounds = round_no
+            first = round_no == 1
+            # what this round leaves time for after its search: validating candidates (the best
+            # few and the rules in the first round, the new best in later ones) and checking
+            # its pick
+            rules_left = [r for r in plan.rules if f"rule:{r}" not in self.validated]
+            n_rules = len(rules_left) if plan.all_rules_real else min(1, len(rules_left))
+            k = CANDIDATES_PER_ROUND if first else 1
+            after = validator.cost(k + (n_rules if first else 0)) + 1.2 * self.gate.cost(
+                plan.timings, GATE_CANDIDATES if first else 1
+            )
+            if not first and self.budget.left() < after + min_search:
+                self._tail()
+                break
+            least = validator.cost(2) + 1.2 * self.gate.cost(plan.timings, 1)
+            stop = search_stop(time.monotonic(), self.budget.end, after, least, min_search, first)
+            self._search(stop, first)
+            new = self._validate(first, k)
+            if not self._pick():
+                return
+            if not new and self._exhausted():
+                self.result.stopped_early = (
+                    "every candidate of the study is validated and checked: nothing left to learn"
+                )
+                self.say(
+                    "export",
+                    f"stopping with {format_duration(self.budget.left())} left: "
+                    f"{self.result.stopped_early}",
+                )
+                return
+
+    def _tail(self) -> None:
+        """Less than a round is left: validate more of the best candidates in it, pick again, and
+        say what is left unused."""
+        if self._validate(False, CANDIDATES_PER_ROUND):
+            self._pick()
+        left = self.budget.left()
+        if left > MIN_ROUND_SHARE * self.budget.seconds:
+            self.result.stopped_early = (
+                "less than a round is left (searching, then validating and checking candidates)"
+            )
+            self.say(
+                "export", f"stopping with {format_duration(left)} left: {self.result.stopped_early}"
+            )
+
+    def _pick(self) -> bool:
+        """Rank, check, export what changed, report; False when torch has no validation."""
+        validated, state = self.validated, self.state
+        if "rule:torch" not in validated:
+            self.say(
+                "export",
+                "nothing exported: torch could not be validated on real steps in the budget",
+            )
+            return False
+        reference = validated["rule:torch"]
+        ranked = rank(validated, reference, self.plan.suite.reward)
+        chosen = self._choose(ranked)
+        if chosen is not None and chosen.key != state.exported:
+            self._export(chosen, reference)
+            state.exported = chosen.key
+        self._report(ranked, reference, state.exported)
+        return True
+
+    def _exhausted(self) -> bool:
+        """No trial to run (``--n-trials`` reached) and none left to validate."""
+        return self.cfg.n_trials is not None and sum(self.counts.values()) >= self.cfg.n_trials
+
+    # ------------------------------------------------------------------ search
+    def _search(self, stop: float, first: bool) -> None:
+        study, plan, bench, recorder = self.study, self.plan, self.bench, self.recorder
+        now = time.monotonic()
+        if stop - now < 1.0:
+            if first:
+                self.say(
+                    "search",
+                    "no time left to search after validation's share; validating what the study has",
+                )
+            return
+        t0 = time.monotonic()
+        before = dict(self.counts)
+        if plan.space in ("parametric", "both"):
+            objective_fn = ParametricObjective(bench, recorder, self.ledger, parametric_families())
+            until = (
+                stop if plan.space == "parametric" else t0 + (1 - RL_SHARE_OF_BOTH) * (stop - t0)
+            )
+            self._trials(objective_fn, until)
+        if plan.space in ("rl", "both"):
+            objective_fn = RLObjective(
+                bench, recorder, self.ledger, stop_at=stop, seed=self.cfg.seed, workdir=self.workdir
+            )
+            self._trials(objective_fn, stop - RLObjective.MIN_TRIAL_S / 2)
+        c = {k: self.counts[k] - before[k] for k in self.counts}
+        self.say(
+            "search",
+            f"{sum(c.values())} trials in {format_duration(time.monotonic() - t0)} ({c['complete']} complete, "
+            f"{c['pruned']} pruned, {c['failed']} failed); {_best_line(study)}",
+        )
+
+    def _trials(self, objective_fn, stop_at: float) -> None:
+        TrialLoop(
+            self.study,
+            self.ledger,
+            worker=self.worker,
+            warn=self.warn,
+            counts=self.counts,
+            n_trials=self.cfg.n_trials,
+            progress=self.cfg.progress,
+        ).run(objective_fn, stop_at)
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, first: bool, k: int) -> bool:
+        """Validate torch, the ``k`` best candidates not validated yet and the rules (first
+        round); True if anything new was."""
+        import optuna
+
+        study, plan, bench, validator = self.study, self.plan, self.bench, self.validator
+        validated, factories = self.validated, self.factories
+
+        with self.ledger.track("bk:optuna"):
+            complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        done = {int(k.split(":")[1]) for k in validated if k.startswith("trial:")}
+        candidates = top_candidates(
+            complete, plan.suite, self.store, self.workdir, k, self.warn, skip=done
+        )
+        trials = {t.number: t for t, _ in candidates}
+        order = []
+        for t, factory in candidates:
+            factories[f"trial:{t.number}"] = factory
+            order.append((f"trial:{t.number}", policy_label(t), factory))
+        rules = [
+            (f"rule:{r}", r, factories[f"rule:{r}"])
+            for r in plan.rules
+            if f"rule:{r}" not in validated
+        ]
+        # torch first (every objective is measured against it), then the best candidate, the
+        # other rules, the other candidates
+        order = rules[:1] + order[:1] + rules[1:] + order[1:]
+        if not order:
+            return False
+        t0 = time.monotonic()
+        results = validator.run(
+            order,
+            self.budget.end - 1.2 * self.gate.cost(plan.timings, 1),
+            on_done=lambda v: self._note_validated(
+                trials.get(int(v.key[6:])) if v.key.startswith("trial:") else None, v
+            ),
+        )
+        validated.update(results)
+        if not results and not first:  # a later round that fitted nothing says nothing new
+            validator.skipped.clear()
+            return False
+        n_cand = sum(1 for k in results if k.startswith("trial:"))
+        n_rules = sum(1 for k in validated if k.startswith("rule:"))
+        msg = (
+            f"{n_cand} candidate(s); {n_rules} of {len(plan.rules)} built-in rules so far; on "
+            f"{len(validator.names)} test episodes x {plan.steps} real steps in {format_duration(time.monotonic() - t0)}"
+        )
+        if validator.skipped:
+            msg += f"; no time left for: {' | '.join(validator.skipped)}"
+            validator.skipped.clear()
+        self.say("validate", msg)
+        if first:  # rules without real steps: replay of the test instances, marked so
+            for key, label, factory in rules:
+                if key not in validated:
+                    cards: dict[str, list] = {}
+                    with self.ledger.track("work:replay"):
+                        for m in bench.members:
+                            cards[m] = [
+                                bench.episode("test", factory, ep)[0]
+                                for ep in bench.member_episodes("test", m)
+                                if ep.offset == 0
+                            ]
+                    validated[key] = Validated(key, label, cards, False, None)
+        return bool(results)
+
+    def _note_validated(self, trial, v: Validated) -> None:
+        if trial is None:
+            return
+        study, plan = self.study, self.plan
+        import optuna
+        from optuna_dashboard import get_note
+
+        with self.ledger.track("bk:notes"):
+            try:
+                handle = optuna.trial.Trial(study, trial._trial_id)
+                body = get_note(handle)
+                body += (
+                    f"\n**Validated on real steps** of {sum(len(c) for c in v.cards.values())} test "
+                    f"episodes x {plan.steps} steps.\n"
+                )
+                write_note(handle, body)
+            except Exception as exc:
+                self.warn(f"could not update trial {trial.number}'s note: {exc}")
+
+    # ------------------------------------------------------------------ pick and export
+    def _choose(self, ranked: list[Validated]) -> Validated | None:
+        study, plan, factories, state = self.study, self.plan, self.factories, self.state
+        best = ranked[0]
+        if best.key.startswith("rule:") and state.said_first != best.key:
+            state.said_first = best.key
+            self.say(
+                "export",
+                f"the built-in rule '{best.label}' ranks first on the validation episodes: "
+                + (
+                    "it is the reference"
+                    if best.key == "rule:torch"
+                    else "exporting it (its defaults) if it does no harm"
+                ),
+            )
+        choice = choose(
+            study,
+            [v for v in ranked if v.real],
+            factories,
+            self.gate,
+            plan.timings,
+            self.ledger,
+            stop_at=self.budget.end,
+            say=lambda text: self.say("export", text),
+        )
+        for text in choice.unchecked:
+            if text not in state.said_unchecked:
+                state.said_unchecked.add(text)
+                self.say("export", f"not checked: {text}")
+        if choice.winner is None and not state.said_none:
+            state.said_none = True
+            self.say(
+                "export",
+                "nothing exported: no validated candidate or rule passed the no-harm check",
+            )
+        return choice.winner
+
+    def _export(self, chosen: Validated, reference: Validated) -> None:
+        study, plan, store = self.study, self.plan, self.store
+        from autoscale.scalers import get_scaler
+
+        cfg = self.cfg
+        where = f"real steps: {sum(len(c) for c in chosen.cards.values())} test episodes of {plan.steps} steps"
+        summary = card_summary(chosen.cards, reference.cards, plan.suite.reward, where)
+        provenance = {
+            "storage": mask_url(cfg.storage),
+            "searched_on": "replay of recorded real steps",
+        }
+        with (
+            self.ledger.track("work:export"),
+            file_lock(self.folder / "locks" / f"export-{cfg.export}.lock"),
+        ):
+            kw = {
+                "out_dir": cfg.policy_dir,
+                "force": cfg.force,
+                "scorecard": summary,
+                "provenance": provenance,
+            }
+            if chosen.key.startswith("rule:"):
+                rule = chosen.key.split(":", 1)[1]
+                path = export_rule(study, rule, cfg.export, suite=plan.suite, **kw)
+                how = f"the built-in rule {rule} with its defaults"
+            else:
+                trial = study.trials[int(chosen.key.split(":", 1)[1])]
+                path = export_trial(study, trial, cfg.export, suite=plan.suite, store=store, **kw)
+                how = policy_label(trial)
+            get_scaler(str(path), device="cpu")  # it loads
+        self.result.exported, self.result.winner = path, f"{cfg.export} ({how})"
+        self.result.builtin = chosen.key.startswith("rule:")
+        self.say("export", f"{path} ({how}); use it with autoscale.get_scaler('{cfg.export}')")
+
+    def _report(self, ranked, reference, winner) -> None:
+        study, plan = self.study, self.plan
+        real = [v for v in ranked if v.real] + [v for v in ranked if not v.real]
+        table = comparison_table(real, reference, plan.validation, winner)
+        if not plan.suite.is_single:
+            table += "\n" + member_table(real, reference, plan.validation)
+        if table == self.result.table:
+            return
+        self.result.table = table
+        self.out(table)
+        with self.ledger.track("bk:notes"):
+            try:
+                write_note(study, study_note(self.cfg.study, plan, table))
+            except Exception as exc:
+                self.warn(f"could not update the study note: {exc}")
+        self._comparison_plot(real[:4])
+
+    def _comparison_plot(self, rows: list[Validated]) -> None:
+        """A PNG of the real-step trajectories, kept as a study artifact, where time and the
+        bookkeeping share (about 0.3 s a figure) allow."""
+        if self.budget.left() + 0.5 * self.budget.reserve < 1.0:
+            return
+        from matplotlib.figure import Figure  # noqa: F401  (import outside the timed drawing)
+
+        path = self.workdir / "comparison.png"
+        first = self.result.plan.validation.members[0]
+        title = f"{self.cfg.study}: {first.name} {first.instances['test'][0].name}, real steps"
+        with self.ledger.track("bk:plots"):
+            try:
+                drawn = draw_comparison(rows, path, title)
+            except Exception as exc:
+                self.warn(f"could not draw the comparison: {exc}")
+                return
+        if drawn:
+            with self.ledger.track("bk:artifacts"):
+                try:
+                    store_artifact(self.store, path, self.study, "image/png")
+                except Exception as exc:
+                    self.warn(f"could not store the comparison plot: {exc}")
+
+
+def search_stop(
+    now: float, end: float, after: float, least: float, min_search: float, first: bool
+) -> float:
+    """When a round's search stops: early enough to leave ``after`` seconds for the round's
+    validation and check. When phases before it overran (recording a slow model under load), the
+    first round still searches ``min_search`` seconds (replay trials are cheap) as long as the
+    ``least`` a round can do after it still fits (torch and one candidate validated, one check);
+    what it validates then is cut to the time left, as the validator does."""
+    stop = end - after
+    if first and stop - now < min_search:
+        stop = max(stop, min(now + min_search, end - least))
+    return stop
+
+
+def _best_line(study: Any) -> str:
+    try:
+        best = study.best_trial
+    except ValueError:
+        return "no completed trial yet"
+    p = best.user_attrs.get("policy", {})
+    what = p.get("rule") or f"{p.get('algo')} agent"
+    return f"best: trial {best.number} ({what}), objective {best.value:+.4f} on the train replay"
