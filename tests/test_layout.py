@@ -4,10 +4,10 @@ the wheel's package list covers every subpackage."""
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "autoscale"
@@ -95,3 +95,49 @@ def test_the_wheel_lists_every_subpackage():
         # the example workloads, at the path the shipped suite names them from envs/
         "autoscale._shipped.experiments.workloads": "experiments/workloads",
     }
+
+
+def test_the_tests_run_on_the_python_the_package_claims():
+    """``requires-python`` is what the tests run on (they read pyproject with tomllib: 3.11+), and
+    ruff checks the same version's syntax."""
+    import sys
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    claimed = project["project"]["requires-python"]
+    assert claimed.startswith(">=")
+    least = tuple(int(x) for x in claimed[2:].split("."))
+    assert sys.version_info[:2] >= least
+    assert project["tool"]["ruff"]["target-version"] == "py" + "".join(map(str, least))
+
+
+OPTIONAL = {"accelerate", "lightning", "transformers", "wandb", "tensorboard", "deepspeed"}
+
+
+def _skip_first(path: Path) -> list[str]:
+    """Optional frameworks ``path`` imports at module level before skipping on their absence."""
+    tree = ast.parse(path.read_text())
+    skipped, bad = set(), []
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            f = node.value.func
+            if isinstance(f, ast.Attribute) and f.attr == "importorskip" and node.value.args:
+                skipped.add(str(node.value.args[0].value).split(".")[0])
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        bad += [n for n in names if n.split(".")[0] in OPTIONAL - skipped]
+    return bad
+
+
+def test_tests_skip_with_a_reason_when_an_optional_framework_is_absent():
+    """A test module that imports an optional framework at its top skips first (with
+    ``pytest.importorskip(NAME, reason=...)``), so a venv without it skips those tests instead
+    of failing to collect them."""
+    offenders = {
+        str(p.relative_to(ROOT)): bad
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if (bad := _skip_first(p))
+    }
+    assert offenders == {}

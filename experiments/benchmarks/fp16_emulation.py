@@ -28,7 +28,7 @@ import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     ]
     start = time.perf_counter()
     result: dict[str, Any] = {
-        "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "when": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -22,7 +22,7 @@ import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
             f"step (target <= {TARGET}x: {'met' if ok else 'NOT met'}).",
         ]
     header = (
-        f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; {platform.machine()}, "
+        f"{datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; {platform.machine()}, "
         f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}{load}; "
         f"batch {args.batch_size} x {args.seq_len} tokens (mlp: {args.batch_size} examples)."
     )

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("accelerate", reason="needs accelerate: pip install -e '.[dev]'")
+
+
 import torch
 from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs

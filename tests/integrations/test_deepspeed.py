@@ -8,9 +8,13 @@ config reader.
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("accelerate", reason="needs accelerate: pip install -e '.[dev]'")
+
+
 import json
 
-import pytest
 from accelerate.utils.deepspeed import HfDeepSpeedConfig
 
 import autoscale

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as L
 import pytest
+
+pytest.importorskip("lightning", reason="needs lightning: pip install -e '.[dev]'")
+
+
+import lightning.pytorch as L
 import torch
 from lightning.pytorch.plugins import FSDPPrecision, MixedPrecision
 

@@ -4,11 +4,17 @@ Lightning) and carries its state through each framework's checkpoint."""
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("lightning", reason="needs lightning: pip install -e '.[dev]'")
+pytest.importorskip("accelerate", reason="needs accelerate: pip install -e '.[dev]'")
+pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[dev]'")
+
+
 import math
 from pathlib import Path
 
 import lightning.pytorch as L
-import pytest
 import torch
 
 import autoscale

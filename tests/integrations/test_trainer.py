@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[dev]'")
+
+
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
