@@ -483,7 +483,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     import suite_eval as se
 
-    from autoscale.agents.evaluate import scaler_for
+    from autoscale.envs.episodes import scaler_for
     from autoscale.envs.suite import load_spec
     from autoscale.scalers import get_scaler
     from autoscale.scalers.policies import read_manifest, write_manifest

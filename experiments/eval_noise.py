@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     import suite_eval as se
 
-    from autoscale.agents.evaluate import evaluate_scalers, scaler_for
+    from autoscale.agents.evaluate import evaluate_scalers
+    from autoscale.envs.episodes import scaler_for
     from autoscale.envs.spec import InstanceSpec
     from autoscale.envs.suite import load_spec
     from autoscale.errors import ConfigError

@@ -47,7 +47,7 @@ def search(budget: str) -> None:
 
 
 def factories(suite) -> dict:
-    from autoscale.agents.evaluate import scaler_for
+    from autoscale.envs.episodes import scaler_for
     from autoscale.scalers.policies import find_policy, read_manifest
 
     member = suite.members[0]

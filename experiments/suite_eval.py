@@ -42,7 +42,7 @@ def held_out(
     suite, factories: dict[str, Callable[[], Any]], steps: int, progress: bool = True
 ) -> dict[str, dict[str, list]]:
     """Scaler -> member -> scorecards of the member's test instances (real steps)."""
-    from autoscale.agents.evaluate import drive_episode
+    from autoscale.envs.episodes import drive_episode
     from autoscale.envs.suite_env import SuiteEnv
 
     shaped = with_steps(suite, steps)

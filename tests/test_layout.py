@@ -141,3 +141,22 @@ def test_tests_skip_with_a_reason_when_an_optional_framework_is_absent():
         if (bad := _skip_first(p))
     }
     assert offenders == {}
+
+
+def test_the_parametric_search_does_not_import_the_agents():
+    """``search/`` reaches ``autoscale.agents`` (SB3 and its kin) only from its RL code: the
+    sampling of an agent's hyperparameters and the RL objective."""
+    allowed = {("space.py", "suggest_rl"), ("trials.py", "RLObjective")}
+    found = set()
+    for path in (PACKAGE / "search").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for top in tree.body:
+            for node in ast.walk(top):
+                module = None
+                if isinstance(node, ast.ImportFrom) and node.level == 0:
+                    module = node.module
+                elif isinstance(node, ast.Import):
+                    module = node.names[0].name
+                if module and module.startswith("autoscale.agents"):
+                    found.add((path.name, getattr(top, "name", "<module>")))
+    assert found <= allowed, found - allowed

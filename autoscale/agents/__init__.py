@@ -1,5 +1,5 @@
 """Stable-Baselines3 agents over the loss-scale environments, evaluation, and policy export."""
 
-from autoscale.agents.export import export_neural, export_parametric, sb3_actor
+from autoscale.agents.export import export_neural, sb3_actor
 
-__all__ = ["export_neural", "export_parametric", "sb3_actor"]
+__all__ = ["export_neural", "sb3_actor"]

@@ -8,7 +8,6 @@ nothing is overwritten without ``force``, and an interrupted export leaves no ha
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,11 @@ import torch
 from torch import nn
 
 import autoscale
-from autoscale.errors import ConfigError, PolicyError, unknown_name
+from autoscale.errors import PolicyError
 from autoscale.scalers.features import FEATURE_VERSION
 from autoscale.scalers.policies import PolicyManifest, sha256_file, staged_policy, write_manifest
-from autoscale.scalers.registry import build_scaler, rule_class, rule_names
 
-__all__ = ["sb3_actor", "export_neural", "export_parametric"]
+__all__ = ["sb3_actor", "export_neural"]
 
 _ACT_NAMES = {
     nn.Tanh: "tanh",
@@ -119,41 +117,4 @@ def export_neural(
             weights_sha256=sha256_file(tmp / "weights.pt"),
         )
         write_manifest(tmp, manifest)
-    return Path(tmp.parent) / name
-
-
-def export_parametric(
-    rule: str,
-    parameters: dict[str, Any],
-    name: str,
-    *,
-    workload: dict[str, Any] | None = None,
-    scorecard: dict[str, Any] | None = None,
-    out_dir: str | os.PathLike | None = None,
-    force: bool = False,
-) -> Path:
-    """Export a rule with tuned parameters as ``out_dir/NAME`` (manifest only; + deepspeed.json
-    when DeepSpeed can express the rule)."""
-    cls = rule_class(rule)
-    if cls is None:
-        raise ConfigError(str(unknown_name("rule", rule, rule_names(), "autoscale list")))
-    scaler = build_scaler(cls, "cpu", parameters)  # validates the parameters
-    with staged_policy(name, out_dir, force=force) as tmp:
-        manifest = PolicyManifest(
-            name=name,
-            kind="parametric",
-            family=rule,
-            parameters=dict(parameters),
-            autoscale_version=autoscale.__version__,
-            torch_version=torch.__version__,
-            workload=workload or {},
-            scorecard=scorecard or {},
-        )
-        write_manifest(tmp, manifest)
-        try:
-            block = scaler.rule.deepspeed_config(scaler.init_scale, scaler.min_scale)
-        except ConfigError:
-            block = None  # DeepSpeed cannot express this rule: no deepspeed.json
-        if block is not None:
-            (tmp / "deepspeed.json").write_text(json.dumps({"fp16": block}, indent=2) + "\n")
     return Path(tmp.parent) / name

@@ -139,7 +139,7 @@ def train_agent(
     from stable_baselines3.common.callbacks import CallbackList, EvalCallback
     from stable_baselines3.common.monitor import Monitor
 
-    from autoscale.agents.evaluate import make_env
+    from autoscale.envs.episodes import make_env
 
     algo = algo.lower()
     if algo not in ALGOS:
@@ -178,7 +178,7 @@ def train_agent(
                 "--tensorboard needs the 'tensorboard' package: pip install tensorboard"
             ) from exc
 
-    from autoscale.agents.evaluate import instance_names
+    from autoscale.envs.episodes import instance_names
 
     train_env = Monitor(make_env(spec, "train", replay))
     if replay is not None:  # episodes start anywhere in longer traces: the whole life of a run
@@ -263,7 +263,8 @@ def export_agent(
         force=force,
     )
     try:
-        from autoscale.agents.evaluate import evaluate_scalers, scaler_for
+        from autoscale.agents.evaluate import evaluate_scalers
+        from autoscale.envs.episodes import scaler_for
         from autoscale.scalers.policies import read_manifest, write_manifest
         from autoscale.training import summarize
 

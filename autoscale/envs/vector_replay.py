@@ -1,6 +1,6 @@
 """Replay of parametric rules vectorised over candidates and episodes: K x E lanes in numpy.
 
-The scalar replay (:func:`~autoscale.agents.evaluate.drive_episode` with a fresh scaler, through
+The scalar replay (:func:`~autoscale.envs.episodes.drive_episode` with a fresh scaler, through
 :class:`~autoscale.envs.ReplayEnv`) takes one step of one episode per Python call of the rule. For
 the rules in :data:`VECTOR_RULES` this module steps every lane (a candidate's parameters on one
 episode) together, and returns the scorecards the scalar replay returns, equal field by field
@@ -12,11 +12,14 @@ episode) together, and returns the scorecards the scalar replay returns, equal f
 - ``log2`` is exact where the scalar path's ``math.log2`` is: exponents of powers of two, and
   ``math.log2`` itself for any other scale (numpy's may differ in the last bit), cached;
 - the rules' updates are the scalar rules' float operations, float32 rounding and clamps
-  (:meth:`~autoscale.scalers.rule.ScaleBounds.clamp`) included, element by element;
+  (:meth:`~autoscale.scalers.rule.ScaleBounds.clamp`) included, element by element
+  (:mod:`autoscale.envs.vector_rules`: the counter rules; :mod:`autoscale.envs.vector_amax`: the
+  amax rules); a rule's per-step guard (``amax-loss``) lowers a step's scale as
+  :class:`~autoscale.envs.ReplayEnv` does, and ``raise_at_min`` raises where the controller does;
 - an episode ends where the scalar one does (three non-finite losses in a row: diverged), and the
   scorecard is :meth:`~autoscale.training.Scorecard.from_steps` of the same columns.
 
-Rules with a per-step guard, or not listed, are not vectorised: callers replay them one by one.
+Rules not listed (plugins, exported policies) are not vectorised: callers replay them one by one.
 What differs: a rule whose target scale overflows a double (an amax below about 1e-304, where
 ``2.0 ** k`` raises in the scalar rule) gets infinity, clamped to the maximum, here.
 """
@@ -25,106 +28,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from autoscale.envs.replay_env import TABLE_HI, TABLE_LO, TABLE_SPAN, precision_table
-from autoscale.scalers.rule import FP16_MAX
-from autoscale.scalers.rules import HALF_BIT
+from autoscale.envs.replay_env import TABLE_LO, TABLE_SPAN
+from autoscale.envs.vector_amax import AMAX_RULES
+from autoscale.envs.vector_rules import COUNTER_RULES, LaneRule, f32_lanes
+from autoscale.envs.vector_windows import ReplayWindows, replay_windows
 
 __all__ = ["VECTOR_RULES", "ReplayWindows", "replay_windows", "replay_rule"]
 
-NONFINITE_RUN = 3  # non-finite losses in a row that end an episode (ScaleEnvBase._take)
-
-
-@dataclass(frozen=True)
-class ReplayWindows:
-    """E episodes' trace columns, stacked: what the replay reads of each step.
-
-    Attributes:
-        nonfinite, threshold, loss, amax: ``(E, h)`` trace columns of the episodes' steps.
-        table: ``(E, h, TABLE_SPAN + 1)`` precision loss at integer log2 scales.
-        start_scale: ``(E,)`` the scale each episode starts from (as ``reset`` reports it).
-        eval_loss: ``(E,)`` the recording's eval loss of each episode's instance.
-        steps: ``(E,)`` each episode's length (shorter than h where it diverged).
-        min_scale, max_scale: the env's bounds (its clamp of each step's scale, and ``hit_min``).
-    """
-
-    nonfinite: np.ndarray
-    threshold: np.ndarray
-    loss: np.ndarray
-    amax: np.ndarray
-    table: np.ndarray
-    start_scale: np.ndarray
-    eval_loss: np.ndarray
-    steps: np.ndarray
-    min_scale: float
-    max_scale: float
-
-    @property
-    def horizon(self) -> int:
-        return int(self.threshold.shape[1])
-
-    def __len__(self) -> int:
-        return int(self.threshold.shape[0])
-
-
-def replay_windows(env: Any, episodes: Sequence[tuple[str, int]]) -> ReplayWindows:
-    """The windows of ``episodes`` (``(instance, offset)`` pairs, as ``drive_episode`` takes
-    them) of ``env``: a :class:`~autoscale.envs.ReplayEnv`, or a
-    :class:`~autoscale.envs.suite_env.SuiteEnv` over traces (``MEMBER:INSTANCE`` names).
-    Resets ``env`` once per episode, to read its start scale."""
-    h = env.episode_steps
-    cols: dict[str, list] = {k: [] for k in ("nonfinite", "threshold", "loss", "amax", "table")}
-    starts, evals, lengths = [], [], []
-    tables: dict[tuple[int, str], np.ndarray] = {}
-    kept: set[tuple[float, float]] = set()
-    bounds = (math.nan, math.nan)
-    for instance, offset in episodes:
-        _, info = env.reset(options={"instance": instance, "offset": offset})
-        replay = getattr(env, "current", env)  # a SuiteEnv's member env
-        name = replay.instance.name
-        t = replay.trace.instance(name)
-        key = (id(replay), name)
-        if key not in tables:
-            scales = np.arange(TABLE_LO, TABLE_HI + 1, dtype=np.float64)
-            tables[key] = precision_table(
-                t.hist, replay.trace.hist_edges, scales, replay.log2_min_normal
-            )
-        window = slice(info["offset"], info["offset"] + h)
-        nonfinite = t.nonfinite[window].astype(bool)
-        cols["nonfinite"].append(nonfinite)
-        cols["threshold"].append(t.threshold[window].astype(np.float64))
-        cols["loss"].append(t.loss[window].astype(np.float64))
-        cols["amax"].append(t.amax[window].astype(np.float64))
-        cols["table"].append(tables[key][window])
-        starts.append(float(info["scale"]))
-        bounds = (replay.min_scale, replay.max_scale)
-        if any(b != bounds for b in kept):
-            raise ValueError("replay_windows: the episodes' envs have different scale bounds")
-        kept.add(bounds)
-        evals.append(float(t.eval_loss))
-        lengths.append(_length(cols["loss"][-1]))
-    return ReplayWindows(
-        **{k: np.stack(v) for k, v in cols.items()},
-        start_scale=np.asarray(starts, dtype=np.float64),
-        eval_loss=np.asarray(evals, dtype=np.float64),
-        steps=np.asarray(lengths, dtype=np.int64),
-        min_scale=bounds[0],
-        max_scale=bounds[1],
-    )
-
-
-def _length(loss: np.ndarray) -> int:
-    """Steps until the episode ends: all, or through the third non-finite loss in a row."""
-    run = 0
-    for t, bad in enumerate((~np.isfinite(loss)).tolist()):
-        run = run + 1 if bad else 0
-        if run >= NONFINITE_RUN:
-            return t + 1
-    return len(loss)
+# rule -> make(params (K dicts), lanes shape (K, E), windows) -> LaneRule; ``params`` are the built
+# rules' own ``params()``
+VECTOR_RULES: dict[str, Callable[..., LaneRule]] = {**COUNTER_RULES, **AMAX_RULES}
 
 
 class _Log2:
@@ -155,12 +72,6 @@ class _Log2:
         return y
 
 
-def _f32(x: np.ndarray) -> np.ndarray:
-    """:func:`~autoscale.scalers.rule.f32` elementwise (round to float32; too large -> inf)."""
-    with np.errstate(over="ignore"):
-        return x.astype(np.float32).astype(np.float64)
-
-
 class _Clamp:
     """:meth:`ScaleBounds.clamp` elementwise: NaN or below the minimum -> the minimum, above the
     maximum -> the maximum, then float32."""
@@ -170,139 +81,7 @@ class _Clamp:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = np.where((x != x) | (x < self.lo), self.lo, np.where(x > self.hi, self.hi, x))
-        return _f32(x)
-
-
-# ---------------------------------------------------------------------------- the rules
-# Each rule: make(params (K dicts), lanes shape (K, E), windows) -> step(t, scale, over) -> next
-# scale (before the controller's clamp). ``params`` are the built rule's own ``params()``.
-
-
-def _column(params: Sequence[dict], key: str, dtype: Any = np.float64) -> np.ndarray:
-    return np.asarray([p[key] for p in params], dtype=dtype)[:, None]
-
-
-def _torch(params: Sequence[dict], shape: tuple[int, int], w: ReplayWindows) -> Callable:
-    growth, backoff = _column(params, "growth_factor"), _column(params, "backoff_factor")
-    interval = _column(params, "growth_interval", np.int64)
-    tracker = np.zeros(shape, dtype=np.int64)
-
-    def step(t: int, scale: np.ndarray, over: np.ndarray) -> np.ndarray:
-        tracker[over] = 0
-        tracker[~over] += 1
-        grow = tracker == interval
-        tracker[grow] = 0
-        grown = _f32(scale * growth)
-        grown = np.where(np.isfinite(grown), grown, scale)
-        return np.where(over, _f32(scale * backoff), np.where(grow, grown, scale))
-
-    return step
-
-
-class _History:
-    """Per lane, the gradient amax of the last ``history_len`` clean steps (the amax rules'
-    ``history`` deque), and ``2.0 ** floor(log2(FP16_MAX / max(history)) - margin)``."""
-
-    def __init__(self, length: np.ndarray, shape: tuple[int, int], w: ReplayWindows) -> None:
-        self.length = length
-        self.ring = np.full((*shape, int(length.max())), -np.inf)  # columns >= length stay -inf
-        self.count = np.zeros(shape, dtype=np.int64)  # amax appended so far
-        self.lanes = np.indices(shape)
-        # log2(FP16_MAX / amax) of every traced amax by math.log2: floor() sees the exact value
-        self.values = np.unique(w.amax[np.isfinite(w.amax) & (w.amax > 0)])
-        self.logs = np.asarray(
-            [math.log2(FP16_MAX / a) for a in self.values.tolist()], dtype=np.float64
-        )
-
-    def push(self, mask: np.ndarray, amax: np.ndarray) -> None:
-        """Append ``amax`` where ``mask`` (and it is positive)."""
-        mask = mask & (amax > 0)
-        if mask.any():
-            k, e = self.lanes[0][mask], self.lanes[1][mask]
-            self.ring[k, e, self.count[mask] % self.length[k, 0]] = amax[mask]
-            self.count[mask] += 1
-
-    def wanted(self, margin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(whether the history is non-empty, the scale it asks for there; 0 elsewhere)."""
-        known = self.count > 0
-        out = np.zeros(known.shape)
-        if known.any():
-            log = self.logs[np.searchsorted(self.values, self.ring.max(axis=2)[known])]
-            with np.errstate(over="ignore"):
-                out[known] = np.ldexp(1.0, np.floor(log - margin[known]).astype(np.int64))
-        return known, out
-
-
-def _amax_history(params: Sequence[dict], shape: tuple[int, int], w: ReplayWindows) -> Callable:
-    backoff = _column(params, "backoff_factor")
-    margin = np.broadcast_to(_column(params, "margin"), shape)
-    history = _History(_column(params, "history_len", np.int64), shape, w)
-
-    def step(t: int, scale: np.ndarray, over: np.ndarray) -> np.ndarray:
-        amax = np.broadcast_to(w.amax[:, t], shape)
-        bad = over | ~np.isfinite(amax)
-        history.push(~bad, amax)
-        known, wanted = history.wanted(margin)
-        return np.where(bad, scale * backoff, np.where(known, wanted, scale))
-
-    return step
-
-
-def _amax_cap(params: Sequence[dict], shape: tuple[int, int], w: ReplayWindows) -> Callable:
-    backoff = _column(params, "backoff_factor")
-    margin, capped_margin = _column(params, "margin"), _column(params, "capped_margin")
-    interval = _column(params, "growth_interval", np.int64)
-    wait = _column(params, "probe_after", np.int64)
-    history = _History(_column(params, "history_len", np.int64), shape, w)
-    cap = np.full(shape, np.inf)
-    clean = np.zeros(shape, dtype=np.int64)
-    overflowed = np.full(shape, np.inf)
-    safe = np.zeros(shape)
-
-    def step(t: int, scale: np.ndarray, over: np.ndarray) -> np.ndarray:
-        nonlocal cap, overflowed, safe, clean
-        amax = np.broadcast_to(w.amax[:, t], shape)
-        loss_bad = np.broadcast_to(~np.isfinite(w.loss[:, t]), shape)  # fails at any scale
-        bad = ~loss_bad & (over | ~np.isfinite(amax))
-        good = ~loss_bad & ~bad
-        # an overflow: back to the clean level after a probe or growth, else cap below it
-        back = bad & (safe > 0.0) & (safe < scale)
-        cap = np.where(bad, np.where(back, safe, scale * backoff), cap)
-        overflowed = np.where(bad, scale, overflowed)
-        safe = np.where(bad, 0.0, safe)
-        clean = np.where(bad, 0, clean)
-        # a clean step under a cap: growth, or a probe towards the overflow half a bit away
-        under = good & np.isfinite(cap)
-        clean = np.where(under, clean + 1, clean)
-        grow = under & (clean >= interval)
-        with np.errstate(invalid="ignore", over="ignore"):
-            probe = (
-                under
-                & ~grow
-                & (clean >= wait)
-                & np.isfinite(overflowed)
-                & (overflowed > cap * HALF_BIT)
-            )
-            moved = grow | probe
-            safe = np.where(moved, cap, safe)
-            cap = np.where(grow, cap * 2.0, np.where(probe, np.sqrt(cap * overflowed), cap))
-        overflowed = np.where(grow, np.inf, overflowed)
-        clean = np.where(moved, 0, clean)
-        history.push(good, amax)
-        known, wanted = history.wanted(np.where(np.isinf(cap), margin, capped_margin))
-        out = np.where(
-            known, np.where(cap < wanted, cap, wanted), np.where(cap < scale, cap, scale)
-        )
-        return np.where(loss_bad, scale, np.where(bad, cap, out))
-
-    return step
-
-
-VECTOR_RULES: dict[str, Callable] = {
-    "torch": _torch,
-    "amax-history": _amax_history,
-    "amax-cap": _amax_cap,
-}
+        return f32_lanes(x)
 
 
 # ---------------------------------------------------------------------------- the replay
@@ -327,7 +106,7 @@ def replay_rule(
 
     controllers = [s.controller for s in scalers]
     for c in controllers:
-        if c.rule.name != rule or c.rule.has_guard:
+        if c.rule.name != rule:
             raise ValueError(f"replay_rule('{rule}') got a scaler of rule '{c.rule.name}'")
     k_n, e_n, h = len(controllers), len(windows), windows.horizon
     shape = (k_n, e_n)
@@ -335,7 +114,8 @@ def replay_rule(
     hi = np.asarray([c.bounds.max_scale for c in controllers])[:, None]
     clamp, log2 = _Clamp(lo, hi), _Log2()
     env_clamp = _Clamp(np.float64(windows.min_scale), np.float64(windows.max_scale))
-    step = VECTOR_RULES[rule]([c.rule.params() for c in controllers], shape, windows)
+    lanes = VECTOR_RULES[rule]([c.rule.params() for c in controllers], shape, windows)
+    aborts = np.asarray([c.raise_at_min for c in controllers])[:, None]
     scale = np.asarray(
         [[c.start(s) for s in windows.start_scale.tolist()] for c in controllers], dtype=np.float64
     )
@@ -345,6 +125,8 @@ def replay_rule(
     rows = np.arange(e_n)
     for t in range(h):
         scale = env_clamp(scale)  # the env's clamp of the scale a step is taken at
+        if lanes.guard is not None:  # the rule's per-step guard, as ReplayEnv applies it
+            scale = lanes.guard(t, scale)
         log2_scale = log2(scale)
         over = windows.nonfinite[:, t] | (log2_scale > windows.threshold[:, t])
         pos = np.clip(log2_scale - TABLE_LO, 0.0, TABLE_SPAN)
@@ -357,7 +139,9 @@ def replay_rule(
         prec = np.where(exact, at, at * (1 - frac) + up * frac)
         scales[t], overs[t] = scale, over
         precs[t] = np.where(over, np.nan, prec)
-        scale = clamp(step(t, scale, over))
+        if aborts.any():
+            _abort_at_min(rule, lanes, t, over & aborts & (scale <= lo), lo)
+        scale = clamp(lanes.step(t, scale, over))
     cards = []
     for k in range(k_n):
         row = []
@@ -377,3 +161,21 @@ def replay_rule(
             )
         cards.append(row)
     return cards
+
+
+def _abort_at_min(rule: str, lanes: LaneRule, t: int, at_min: np.ndarray, lo: np.ndarray) -> None:
+    """:meth:`ScaleController.step <autoscale.scalers.rule.ScaleController.step>`'s abort: an
+    overflow at the minimum, with ``raise_at_min``, that the rule would answer by lowering the
+    scale raises as it does in the scalar replay."""
+    from autoscale.errors import MinimumLossScaleError
+
+    if not at_min.any():
+        return
+    if lanes.backs_off is not None:
+        at_min = at_min & lanes.backs_off(t)
+    if at_min.any():
+        k = int(np.argwhere(at_min)[0][0])
+        raise MinimumLossScaleError(
+            f"Current loss scale already at minimum ({lo[k, 0]:g}) and the step "
+            f"overflowed again (rule '{rule}'); lower min_scale or set raise_at_min=False"
+        )

@@ -71,13 +71,13 @@ class ReplayBench:
 
     def scaler(self, name: str, **overrides: Any):
         """The scaler ``name`` with the episodes' initial scale and bounds."""
-        from autoscale.agents.evaluate import scaler_for
+        from autoscale.envs.episodes import scaler_for
 
         return scaler_for(name, self.suite.members[0], **overrides)
 
     def episode(self, which: str, factory: Callable[[], Any], ep: Episode):
         """(scorecard, records) of one replayed episode with a fresh scaler."""
-        from autoscale.agents.evaluate import drive_episode
+        from autoscale.envs.episodes import drive_episode
 
         return drive_episode(self.envs[which], factory(), ep.instance, ep.offset)
 

@@ -13,13 +13,18 @@ machine that sees the storage and the artifact store.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import autoscale
 from autoscale.envs.suite import SuiteSpec
-from autoscale.errors import ConfigError
+from autoscale.errors import ConfigError, unknown_name
+from autoscale.scalers.policies import PolicyManifest, staged_policy, write_manifest
+from autoscale.scalers.registry import build_scaler, rule_class, rule_names
 from autoscale.search.validate import Validated, validated_trials
 from autoscale.training.scorecard import Scorecard, json_safe
 
@@ -36,6 +41,7 @@ __all__ = [
     "top_candidates",
     "study_suites",
     "rank",
+    "export_parametric",
 ]
 
 
@@ -96,7 +102,7 @@ def extract_policy(trial: Any, store: Any, dest: Path) -> Path:
 
 def trial_factory(trial: Any, suite: SuiteSpec, store: Any, workdir: Path) -> Callable[[], Any]:
     """A factory of fresh scalers running the trial's policy with the suite's scale bounds."""
-    from autoscale.agents.evaluate import scaler_for
+    from autoscale.envs.episodes import scaler_for
 
     policy = trial_policy(trial)
     if policy["kind"] == "parametric":
@@ -246,8 +252,6 @@ def export_rule(
 ) -> Path:
     """Export the built-in ``rule`` with its defaults and the episode's scale bounds (what was
     validated) as the parametric policy ``NAME``."""
-    from autoscale.agents.export import export_parametric
-
     replace = check_export_target(name, out_dir, study.study_name, force, own_study_ok=own_study_ok)
     ep = suite.episode
     params = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
@@ -281,7 +285,6 @@ def export_trial(
     summary (validation on real steps where there is one). Replacing an existing folder follows
     :func:`check_export_target`.
     """
-    from autoscale.agents.export import export_parametric
     from autoscale.scalers.policies import read_manifest, staged_policy, write_manifest
 
     replace = check_export_target(name, out_dir, study.study_name, force, own_study_ok=own_study_ok)
@@ -351,3 +354,42 @@ def best_trial(
         return complete[n], validated[n], "best on real steps of the test instances"
     best = min(complete.values(), key=lambda t: t.value)
     return best, None, "best on the train replay (not validated on real steps)"
+
+
+def export_parametric(
+    rule: str,
+    parameters: dict[str, Any],
+    name: str,
+    *,
+    workload: dict[str, Any] | None = None,
+    scorecard: dict[str, Any] | None = None,
+    out_dir: str | os.PathLike | None = None,
+    force: bool = False,
+) -> Path:
+    """Export a rule with tuned parameters as ``out_dir/NAME`` (manifest only; + deepspeed.json
+    when DeepSpeed can express the rule)."""
+    import torch
+
+    cls = rule_class(rule)
+    if cls is None:
+        raise ConfigError(str(unknown_name("rule", rule, rule_names(), "autoscale list")))
+    scaler = build_scaler(cls, "cpu", parameters)  # validates the parameters
+    with staged_policy(name, out_dir, force=force) as tmp:
+        manifest = PolicyManifest(
+            name=name,
+            kind="parametric",
+            family=rule,
+            parameters=dict(parameters),
+            autoscale_version=autoscale.__version__,
+            torch_version=torch.__version__,
+            workload=workload or {},
+            scorecard=scorecard or {},
+        )
+        write_manifest(tmp, manifest)
+        try:
+            block = scaler.rule.deepspeed_config(scaler.init_scale, scaler.min_scale)
+        except ConfigError:
+            block = None  # DeepSpeed cannot express this rule: no deepspeed.json
+        if block is not None:
+            (tmp / "deepspeed.json").write_text(json.dumps({"fp16": block}, indent=2) + "\n")
+    return Path(tmp.parent) / name

@@ -248,7 +248,7 @@ class NoHarmCheck:
     # ------------------------------------------------------------------ the check
     def screen(self, factory: Callable[[], Any], label: str) -> Verdict:
         """The check's skip rule on replay of torch's recorded clean runs (no real steps)."""
-        from autoscale.agents.evaluate import drive_episode
+        from autoscale.envs.episodes import drive_episode
         from autoscale.envs.replay_env import ReplayEnv
 
         reasons = []

@@ -77,7 +77,7 @@ def _cheapest(group: tuple[InstanceSpec, ...], n: int) -> tuple[InstanceSpec, ..
 def shape_suite(suite: SuiteSpec, steps: int, n: int, seeds: int) -> SuiteSpec:
     """``suite`` with ``steps``-step episodes, each member's ``n`` cheapest instances per set
     (those with the fewest warm-up steps), each with ``seeds`` seeds."""
-    from autoscale.agents.evaluate import expand_seeds
+    from autoscale.envs.episodes import expand_seeds
 
     def shape(member: EnvSpec) -> EnvSpec:
         spec = dataclasses.replace(

@@ -181,7 +181,7 @@ class Validator:
         return out
 
     def _episode(self, factory: Callable[[], Any], name: str):
-        from autoscale.agents.evaluate import drive_episode
+        from autoscale.envs.episodes import drive_episode
 
         with self.ledger.track("work:validate"):
             if name not in self.prepared:

@@ -80,7 +80,7 @@ def long_replay_speed(spec, trace, rules: list[str], episodes: int) -> list[tupl
     (:func:`drive_episode` through a SuiteEnv, a fresh scaler per episode, scorecard and records
     included), at offset 0 and one horizon in: (rule, offset, CPU steps/s, wall steps/s), each
     the median over ``episodes`` timed episodes."""
-    from autoscale.agents.evaluate import drive_episode, scaler_for
+    from autoscale.envs.episodes import drive_episode, scaler_for
     from autoscale.envs.suite_env import SuiteEnv
 
     inst = f"{spec.name}:{spec.instances['train'][0].name}"

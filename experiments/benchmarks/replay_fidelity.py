@@ -114,7 +114,7 @@ def suite_dict(workloads: list[str], scenarios: list[str], steps: int, instances
 
 
 def factories(spec) -> dict:
-    from autoscale.agents.evaluate import scaler_for
+    from autoscale.envs.episodes import scaler_for
     from autoscale.scalers import list_scalers
 
     out = {

@@ -1,8 +1,8 @@
 """Replay of parametric rules, scalar and vectorised, measured side by side in one run.
 
-For each vectorised family (``autoscale.envs.vector_replay.VECTOR_RULES``): K candidates (random
-parameters over the search's ranges, the family's defaults first) on E episodes of
-``--horizon`` steps (windows of one recorded instance at E offsets), replayed
+For each vectorised family (``autoscale.envs.vector_replay.VECTOR_RULES``: every built-in rule):
+K candidates (random parameters over the search's ranges, the family's defaults first) on E
+episodes of ``--horizon`` steps (windows of one recorded instance at E offsets), replayed
 
   * scalar: ``drive_episode`` with a fresh scaler per episode, as the search's bench does, for
     the first ``--scalar-candidates`` candidates (it is slow; its rate does not depend on K);
@@ -68,19 +68,26 @@ def long_trace(spec, horizon: int, path: str | None):
 
 def draws(rule: str, n: int, rng: np.random.Generator) -> list[dict]:
     """The defaults, then n - 1 random draws of the rule's searched knobs."""
-    from autoscale.search.space import KNOBS, parametric_families
+    from autoscale.search.space import KNOBS, RULE_KNOBS, parametric_families
 
+    knobs = {**KNOBS, **RULE_KNOBS.get(rule, {})}
     out: list[dict] = [{}]
     for _ in range(n - 1):
-        params = {}
+        params: dict = {}
         for knob in parametric_families()[rule]:
-            k = KNOBS.get(knob)
-            if k is None or k.kind == "bool":
+            k = knobs.get(knob)
+            if k is None:
+                continue
+            if k.kind == "bool":
+                params[knob] = bool(rng.random() < 0.5)
                 continue
             lo, hi = (math.log(k.low), math.log(k.high)) if k.log else (k.low, k.high)
             x = float(rng.uniform(lo, hi))
             x = math.exp(x) if k.log else x
-            params[knob] = int(round(x)) if k.kind == "int" else x
+            if k.kind == "log2":  # an exponent: the value is 2**k
+                params[knob] = 2.0 ** int(round(x))
+            else:
+                params[knob] = int(round(x)) if k.kind == "int" else x
         out.append(params)
     return out
 
@@ -103,8 +110,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
-    from autoscale.agents.evaluate import drive_episode, scaler_for
     from autoscale.envs import ReplayEnv
+    from autoscale.envs.episodes import drive_episode, scaler_for
     from autoscale.envs.vector_replay import VECTOR_RULES, replay_rule, replay_windows
 
     h = args.horizon

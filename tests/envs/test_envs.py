@@ -7,8 +7,8 @@ from gymnasium.utils.env_checker import check_env
 from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 import autoscale.envs  # noqa: F401  (registers the env ids)
-from autoscale.agents.evaluate import drive_episode, scaler_for
 from autoscale.envs import LossScaleEnv, ReplayEnv, Trace, load_env_spec
+from autoscale.envs.episodes import drive_episode, scaler_for
 from autoscale.errors import ConfigError, UnknownNameError
 from autoscale.scalers.features import N_FEATURES
 

@@ -129,7 +129,7 @@ def _digest(values) -> str:
 
 
 def factories(spec):
-    from autoscale.agents.evaluate import scaler_for
+    from autoscale.envs.episodes import scaler_for
     from autoscale.scalers import list_scalers
 
     out = {
@@ -175,7 +175,7 @@ def episode_digest(env, card, records) -> dict:
 
 
 def compute() -> dict:
-    from autoscale.agents.evaluate import drive_episode
+    from autoscale.envs.episodes import drive_episode
 
     spec = pin_spec()
     trace = pin_trace(spec)
@@ -215,7 +215,7 @@ def test_replayed_episodes_are_pinned(part):
 
 def test_pin_covers_overflows_nonfinite_losses_and_moving_scales():
     """The pinned episodes are not trivial: they skip, hit non-finite losses and move the scale."""
-    from autoscale.agents.evaluate import drive_episode, scaler_for
+    from autoscale.envs.episodes import drive_episode, scaler_for
 
     spec = pin_spec()
     env = ReplayEnv(spec, pin_trace(spec), instances="test")
@@ -232,7 +232,7 @@ def test_replayed_records_are_plain_step_records():
     """Records and stats made on replay's fast path are the objects their constructors make."""
     import dataclasses
 
-    from autoscale.agents.evaluate import drive_episode, scaler_for
+    from autoscale.envs.episodes import drive_episode, scaler_for
     from autoscale.training import StepRecord
 
     spec = pin_spec()

@@ -119,8 +119,8 @@ def test_the_env_and_a_search_step_on_gpt2_124m(tmp_path):
 
     import optuna
 
-    from autoscale.agents.evaluate import drive_episode, scaler_for
     from autoscale.envs import LossScaleEnv
+    from autoscale.envs.episodes import drive_episode, scaler_for
     from autoscale.envs.suite import as_suite
     from autoscale.search.bench import ReplayBench
     from autoscale.search.budget import Ledger

@@ -18,10 +18,10 @@ import json
 from accelerate.utils.deepspeed import HfDeepSpeedConfig
 
 import autoscale
-from autoscale.agents.export import export_parametric
 from autoscale.errors import ConfigError, UnknownNameError
 from autoscale.integrations.deepspeed import HF_AUTO_BATCH, deepspeed_config, write_deepspeed_config
 from autoscale.scalers.policies import PolicyManifest, write_manifest
+from autoscale.search.export import export_parametric
 
 # DeepSpeedFP16Config's fields and types; int fields take no fraction, so 2^-24 is refused there.
 DEEPSPEED_FP16_FIELDS = {

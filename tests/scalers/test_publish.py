@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 import autoscale
-from autoscale.agents.export import export_parametric
 from autoscale.errors import ConfigError, PolicyError
 from autoscale.processes import host_name
 from autoscale.scalers import policies
+from autoscale.search.export import export_parametric
 
 
 def _dead_pid() -> int:
@@ -211,7 +211,7 @@ def _export_script(kill: str) -> str:
     return (
         "import os, signal, sys\n"
         + _KILL_AT[kill]
-        + "from autoscale.agents.export import export_parametric\n"
+        + "from autoscale.search.export import export_parametric\n"
         "export_parametric('torch', {'growth_interval': 2}, 'p', out_dir=sys.argv[1], force=True)\n"
     )
 
@@ -263,7 +263,7 @@ def test_an_export_killed_half_way_publishes_nothing_half(
 _RACER = """
 import json, os, sys, time
 from pathlib import Path
-from autoscale.agents.export import export_parametric
+from autoscale.search.export import export_parametric
 from autoscale.errors import AutoscaleError
 root, k, rounds, force = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 for r in range(rounds):

@@ -106,8 +106,8 @@ def test_controller_clamps_rounds_and_counts():
 def test_the_env_and_the_scaler_share_the_controller(tiny_spec):
     """A scaler driving the env, and the same rule in a scaler's own update(), take the same
     scales: both go through ScaleController.step."""
-    from autoscale.agents.evaluate import drive_episode, scaler_for
     from autoscale.envs import LossScaleEnv
+    from autoscale.envs.episodes import drive_episode, scaler_for
     from autoscale.training import TrainingRun
 
     env = LossScaleEnv(tiny_spec, instances="test")

@@ -1,7 +1,7 @@
 import optuna
 import pytest
 
-from autoscale.agents.evaluate import scaler_for
+from autoscale.envs.episodes import scaler_for
 from autoscale.search.space import (
     KNOBS,
     default_trial_params,

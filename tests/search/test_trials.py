@@ -325,6 +325,19 @@ def test_vectorised_parametric_trials_report_what_scalar_ones_do(setup):
         knobs("torch", growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
         knobs("amax-history", history_len=3, margin=0.5, backoff_factor=0.5),
         knobs("amax-cap", history_len=16, margin=2.0, backoff_factor=0.7, growth_interval=4),
+        knobs("amax-loss", history_len=4, margin=1.0, backoff_factor=0.6, growth_interval=9),
+        knobs("static", log2_init_scale=12),
+        knobs(
+            "deepspeed",
+            scale_factor=2.0,
+            loss_scale_window=5,
+            hysteresis=2,
+            consecutive_hysteresis=True,
+        ),
+        knobs("megatron", growth_factor=1.5, backoff_factor=0.4, growth_interval=7, hysteresis=3),
+        knobs("jmp", period=6, factor=3.0),
+        knobs("fairseq", scale_factor=2.0, scale_window=8, tolerance=0.2),
+        knobs("metaseq", scale_factor=2.5, scale_window=4, tolerance=0.0),
     ]
     assert {p["rule"] for p in params} == set(VECTOR_RULES)
     seen = {}
