@@ -20,7 +20,7 @@ EPILOG = """examples:
 
 def workload_help() -> str:
     """The models and scenarios (with their parameters), for the epilog of --help."""
-    from autoscale.training.models import PRESETS
+    from autoscale.training.presets import PRESETS
     from autoscale.training.scenarios import list_scenarios, scenario_class
 
     lines = [

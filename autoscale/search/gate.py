@@ -87,8 +87,7 @@ def gate_proxy(workload: Any) -> Any | None:
     tiny model of its family (``gpt2-tiny`` for a language model, same dtype and device); None for
     the small presets, which are cheap anyway, and for a user's workload (``module:factory``),
     which nothing stands in for: its own runs are checked, or the plan says what budget fits."""
-    from autoscale.training.models import PRESETS
-    from autoscale.training.user import is_user_workload
+    from autoscale.training.presets import PRESETS, is_user_workload
 
     if is_user_workload(workload.model):
         return None

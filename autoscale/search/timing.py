@@ -82,7 +82,7 @@ def _model_label(key: str) -> str:
     """The model of a :func:`workload_key` (a path may hold slashes: cut at the dtype), short."""
     import re
 
-    from autoscale.training.user import is_user_workload, workload_label
+    from autoscale.training.presets import is_user_workload, workload_label
 
     model = re.split(r"/(?:fp16|bf16|fp32)(?:/|$)", key)[0]
     return workload_label(model) if is_user_workload(model) else model

@@ -106,7 +106,7 @@ def default_study_name(spec: EnvSpec | SuiteSpec, space: str) -> str:
     if isinstance(spec, SuiteSpec):
         name = f"{spec.name}-{space}"
         return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "search"
-    from autoscale.training.user import is_user_workload, workload_label
+    from autoscale.training.presets import is_user_workload, workload_label
 
     wl = spec.workload
     model = workload_label(wl.model) if is_user_workload(wl.model) else wl.model
@@ -117,7 +117,8 @@ def default_study_name(spec: EnvSpec | SuiteSpec, space: str) -> str:
 def check_user_workloads(spec: EnvSpec | SuiteSpec) -> None:
     """One real step of every user workload (``module:factory``) the spec names, so that a
     broken one is refused in one line before a study, trace or policy is written."""
-    from autoscale.training.user import check_workload, is_user_workload
+    from autoscale.training.presets import is_user_workload
+    from autoscale.training.user import check_workload
 
     members = spec.members + spec.left_out if isinstance(spec, SuiteSpec) else [spec]
     seen = set()

@@ -14,7 +14,7 @@ Example::
 """
 
 from autoscale.training.instruments import HIST_EDGES
-from autoscale.training.models import list_models
+from autoscale.training.presets import list_models
 from autoscale.training.records import Snapshot, StepRecord
 from autoscale.training.run import TrainingRun
 from autoscale.training.scenarios import Scenario, list_scenarios, register_scenario

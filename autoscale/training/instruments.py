@@ -17,7 +17,8 @@ import torch
 from autoscale.observe.record import HIST_EDGES, HIST_HI, HIST_LO
 from autoscale.observe.watch import BackwardAmaxMode
 from autoscale.observe.watch import log2_histogram as histogram_of
-from autoscale.scalers.base import FP16_MIN_NORMAL, FlatAbs
+from autoscale.scalers.base import FP16_MIN_NORMAL
+from autoscale.scalers.grad_stats import FlatAbs
 
 __all__ = [
     "HIST_EDGES",

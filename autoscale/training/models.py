@@ -12,91 +12,25 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from autoscale.errors import ConfigError, UnknownNameError, unknown_name
+from autoscale.errors import ConfigError
+from autoscale.training.presets import PRESETS, ModelPreset
 
 if TYPE_CHECKING:
     from autoscale.training.spec import WorkloadSpec
 
 __all__ = [
-    "ModelPreset",
-    "PRESETS",
     "BuiltModel",
     "MLPClassifier",
     "AutoEncoder",
-    "list_models",
-    "check_model_name",
     "build_model",
 ]
 
 logger = logging.getLogger("autoscale")
-
-
-@dataclass(frozen=True)
-class ModelPreset:
-    """A named model: its architecture config and the Hub ids whose local weights it can use."""
-
-    name: str
-    description: str
-    kind: str  # "lm" or "classifier"
-    config: dict[str, Any] = field(default_factory=dict)
-    hub_ids: tuple[str, ...] = ()
-
-
-PRESETS: dict[str, ModelPreset] = {
-    p.name: p
-    for p in (
-        ModelPreset(
-            "gpt2",
-            "GPT-2 124M (12 layers, width 768); pretrained when cached locally",
-            "lm",
-            {},
-            ("openai-community/gpt2", "gpt2"),
-        ),
-        ModelPreset(
-            "gpt2-medium",
-            "GPT-2 355M (24 layers, width 1024); pretrained when cached locally",
-            "lm",
-            {"n_layer": 24, "n_embd": 1024, "n_head": 16},
-            ("openai-community/gpt2-medium", "gpt2-medium"),
-        ),
-        ModelPreset(
-            "gpt2-tiny",
-            "GPT-2 architecture, 2 layers, width 64, 2 heads, byte vocabulary (the CPU default)",
-            "lm",
-            {
-                "n_layer": 2,
-                "n_embd": 64,
-                "n_head": 2,
-                "vocab_size": 256,
-                "bos_token_id": 0,
-                "eos_token_id": 0,
-            },
-        ),
-        ModelPreset(
-            "mlp",
-            "2-hidden-layer MLP classifier (width 256) on a fixed Gaussian mixture",
-            "classifier",
-            {"features": 32, "hidden": 256, "classes": 10},
-        ),
-        ModelPreset(
-            "autoencoder",
-            "MLP autoencoder (64 -> 128 -> 8 -> 128 -> 64) on fixed low-rank synthetic vectors",
-            "autoencoder",
-            {"features": 64, "hidden": 128, "code": 8},
-        ),
-    )
-}
-
-
-def list_models() -> list[str]:
-    """Names of the model presets (Hugging Face ids and local folders work too)."""
-    return list(PRESETS)
 
 
 class MLPClassifier(nn.Module):
@@ -147,30 +81,6 @@ class BuiltModel:
     vocab_size: int = 0
     max_positions: int | None = None
     config: dict[str, Any] = field(default_factory=dict)
-
-
-def check_model_name(name: str) -> None:
-    """Refuse a name that is no preset, no local path, no Hub id and no ``module:factory``
-    workload (with did-you-mean). A workload's module is imported when a run is built."""
-    from autoscale.training.user import is_user_workload
-
-    if is_user_workload(name):
-        return
-    if name in PRESETS or "/" in name or Path(name).expanduser().exists() or _cached_on_hub(name):
-        return
-    err = unknown_name("model", name, PRESETS, "autoscale run --help")
-    raise UnknownNameError(
-        f"{err}; a Hugging Face model id or local model folder also works when its files are on this machine"
-    )
-
-
-def _cached_on_hub(name: str) -> bool:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        return isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except Exception:  # a malformed id is simply not cached
-        return False
 
 
 def build_model(spec: WorkloadSpec) -> BuiltModel:

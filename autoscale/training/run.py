@@ -25,16 +25,12 @@ from autoscale.training.data import (
 from autoscale.training.fp16 import Fp16EmulationMode, matmul_macs, resolve_fp16_path
 from autoscale.training.instruments import BackwardAmaxMode, GradientCensus
 from autoscale.training.models import BuiltModel, build_model
+from autoscale.training.presets import is_user_workload
 from autoscale.training.records import Snapshot, StepRecord
 from autoscale.training.scenarios import make_scenario
 from autoscale.training.scorecard import Scorecard, precision_loss_from_counts
 from autoscale.training.spec import WorkloadSpec
-from autoscale.training.user import (
-    UserStream,
-    UserWorkload,
-    build_user_workload,
-    is_user_workload,
-)
+from autoscale.training.user import UserStream, UserWorkload, build_user_workload
 
 __all__ = ["TrainingRun", "AMP_DTYPES", "resolve_device"]
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from autoscale.errors import ConfigError, check_keys, unknown_name
 from autoscale.scalers.rule import positive_finite
+from autoscale.training.presets import check_model_name
 
 __all__ = ["WorkloadSpec", "DTYPES", "FP16_PATHS", "INITS"]
 
@@ -78,7 +79,6 @@ class WorkloadSpec:
     eval_batches: int = 4
 
     def __post_init__(self) -> None:
-        from autoscale.training.models import check_model_name
         from autoscale.training.scenarios import scenario_class
 
         if not isinstance(self.model, str) or not self.model:

@@ -37,36 +37,18 @@ import torch
 
 from autoscale.errors import ConfigError
 from autoscale.training.data import BatchStream
+from autoscale.training.presets import REFERENCE
 
 __all__ = [
     "check_workload",
     "UserStream",
     "UserWorkload",
     "build_user_workload",
-    "is_user_workload",
     "load_factory",
-    "workload_label",
 ]
 
-_REF = re.compile(r"^(?P<target>[^:]+):(?P<factory>[A-Za-z_][A-Za-z0-9_]*)$")
 REQUIRED = ("model", "optimizer", "batches", "loss")
 OPTIONAL = ("eval", "lr_scheduler")
-
-
-def is_user_workload(name: str) -> bool:
-    """Whether ``name`` is a ``module:factory`` or ``file.py:factory`` reference."""
-    return isinstance(name, str) and _REF.match(name) is not None
-
-
-def workload_label(name: str) -> str:
-    """A short name for a reference: the module's last part or the file's stem (plus the factory
-    unless it is ``make``)."""
-    m = _REF.match(name)
-    if m is None:
-        return name
-    target, factory = m["target"], m["factory"]
-    stem = Path(target).stem if target.endswith(".py") else target.rsplit(".", 1)[-1]
-    return stem if factory == "make" else f"{stem}-{factory}"
 
 
 def load_factory(ref: str) -> Callable[..., Any]:
@@ -76,7 +58,7 @@ def load_factory(ref: str) -> Callable[..., Any]:
         ConfigError: a malformed reference, a module or file that does not import (its own error
             named), or no callable of that name in it.
     """
-    m = _REF.match(ref)
+    m = REFERENCE.match(ref)
     if m is None:
         raise ConfigError(
             f"workload '{ref}' is not MODULE:FACTORY or path/to/file.py:FACTORY (e.g. mypkg.train:make)"
