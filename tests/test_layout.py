@@ -160,3 +160,57 @@ def test_the_parametric_search_does_not_import_the_agents():
                 if module and module.startswith("autoscale.agents"):
                     found.add((path.name, getattr(top, "name", "<module>")))
     assert found <= allowed, found - allowed
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the autoscale modules it imports (lazy ones too; not those under TYPE_CHECKING)."""
+    modules = {name for name, _ in _modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in _modules():
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        deps = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            deps |= {t for t in targets if t in modules and t != name}
+        graph[name] = {d for d in deps if not d.endswith("__init__")}
+    return graph
+
+
+def test_no_import_circle():
+    """No module reaches itself through autoscale's imports, lazy ones included (a package's
+    ``__init__`` re-exports are not edges back)."""
+    graph = _graph()
+    graph = {
+        k.removesuffix(".__init__"): {d.removesuffix(".__init__") for d in v}
+        for k, v in graph.items()
+    }
+    packages = {k for k in graph if (PACKAGE / Path(*k.split(".")[1:]) / "__init__.py").is_file()}
+    graph = {k: v - packages for k, v in graph.items() if k not in packages}
+    state: dict[str, int] = {}
+    circles = []
+
+    def visit(node, trail):
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                circles.append(trail[trail.index(dep) :] + [dep] if dep in trail else [node, dep])
+            elif dep not in state:
+                visit(dep, trail + [dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert circles == []

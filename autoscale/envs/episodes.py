@@ -11,7 +11,7 @@ from autoscale.envs.base import ScaleEnvBase
 from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.suite import SuiteSpec
 from autoscale.scalers.base import LossScaler
-from autoscale.scalers.registry import get_scaler
+from autoscale.scalers.catalog import get_scaler
 
 __all__ = [
     "SEED_STRIDE",

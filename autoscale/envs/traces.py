@@ -258,8 +258,8 @@ def record_trace(
     the scale used: it is stored as that scale minus one bit) and few gradients underflow.
     """
     from autoscale.envs.loss_scale_env import LossScaleEnv
+    from autoscale.scalers.catalog import get_scaler
     from autoscale.scalers.features import FEATURE_VERSION
-    from autoscale.scalers.registry import get_scaler
     from autoscale.training import HIST_EDGES
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:

@@ -6,7 +6,7 @@ from typing import Any
 
 from autoscale.errors import ConfigError
 from autoscale.scalers.base import LossScaler
-from autoscale.scalers.registry import get_scaler
+from autoscale.scalers.catalog import get_scaler
 
 __all__ = ["resolve_scaler"]
 

@@ -4,8 +4,8 @@ A scaler (:class:`LossScaler`, a GradScaler) hosts a rule (:class:`ScaleRule`) t
 next scale. Imports torch and PyYAML only (never stable-baselines3, optuna or gymnasium).
 """
 
-from autoscale.scalers import neural, policy  # noqa: E402,F401,I001  (register the policy kinds)
 from autoscale.scalers.base import LossScaler, default_device
+from autoscale.scalers.catalog import ScalerInfo, get_scaler, list_scalers
 from autoscale.scalers.policies import (
     PolicyManifest,
     find_policy,
@@ -13,13 +13,7 @@ from autoscale.scalers.policies import (
     read_manifest,
     register_policy_kind,
 )
-from autoscale.scalers.registry import (
-    ScalerInfo,
-    get_scaler,
-    list_scalers,
-    register_loss_scaler,
-    rule_class,
-)
+from autoscale.scalers.registry import register_loss_scaler, rule_class
 from autoscale.scalers.rule import (
     FP16_MAX,
     FP16_MIN_NORMAL,
@@ -29,7 +23,9 @@ from autoscale.scalers.rule import (
     StepStats,
 )
 from autoscale.scalers.rules import (
+    AmaxCapRule,
     AmaxHistoryRule,
+    AmaxLossRule,
     DeepSpeedRule,
     FairseqRule,
     JmpRule,
@@ -58,7 +54,9 @@ __all__ = [
     "register_loss_scaler",
     "register_policy_kind",
     "rule_class",
+    "AmaxCapRule",
     "AmaxHistoryRule",
+    "AmaxLossRule",
     "DeepSpeedRule",
     "FairseqRule",
     "JmpRule",

@@ -29,11 +29,11 @@ import yaml
 
 from autoscale.errors import ConfigError, PolicyError
 from autoscale.processes import host_name, pid_alive
+from autoscale.scalers.registry import rule_class
 from autoscale.yamlio import load_yaml, yaml_problem
 
 if TYPE_CHECKING:
     from autoscale.scalers.base import LossScaler
-    from autoscale.scalers.registry import ScalerInfo
 
 __all__ = [
     "PolicyManifest",
@@ -48,7 +48,7 @@ __all__ = [
     "find_policy",
     "folder_without_manifest",
     "policy_names",
-    "policy_infos",
+    "policy_rows",
     "load_policy",
     "staged_policy",
     "existing_policy_error",
@@ -228,8 +228,6 @@ def check_policy_name(name: str) -> str:
     Raises:
         ConfigError: naming the value and the rule it breaks.
     """
-    from autoscale.scalers.registry import rule_class
-
     if (
         not isinstance(name, str)
         or not name
@@ -306,19 +304,17 @@ def policy_names() -> list[str]:
     return names
 
 
-def policy_infos() -> list[ScalerInfo]:
-    """``autoscale list`` lines of every policy found; a corrupt one is marked UNUSABLE."""
-    from autoscale.scalers.registry import ScalerInfo
-
-    infos = []
+def policy_rows() -> list[tuple[str, PolicyManifest | None, Path, PolicyError | None]]:
+    """(name, manifest, folder, error) of every policy found; a corrupt one has no manifest and
+    the error that says why (``autoscale list`` marks it UNUSABLE)."""
+    rows: list[tuple[str, PolicyManifest | None, Path, PolicyError | None]] = []
     for name in policy_names():
         path = find_policy(name)
         try:
-            m = read_manifest(path)
-            infos.append(ScalerInfo(name, "policy", m.describe(), dict(m.parameters), str(path)))
+            rows.append((name, read_manifest(path), path, None))
         except PolicyError as exc:
-            infos.append(ScalerInfo(name, "policy", f"UNUSABLE: {exc}", {}, str(path)))
-    return infos
+            rows.append((name, None, path, exc))
+    return rows
 
 
 def load_policy(path: str | os.PathLike, device: str | None = None, **overrides: Any) -> LossScaler:

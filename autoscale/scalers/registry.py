@@ -1,10 +1,9 @@
-"""Scaler registry: built-in rules, third-party rules (entry points) and exported policies on disk.
-
-Lookup order for ``get_scaler(name)``: registered rules (built-in and ``register_loss_scaler``),
-then rules published by installed packages under the ``autoscale.scalers`` entry-point group,
-then exported policies (:mod:`autoscale.scalers.policies`). A plugin that fails to load is
-reported (a warning, a line in ``autoscale list``, the error of ``get_scaler`` for its name) and the
-other plugins still load.
+"""The registry of rules: the built-in ones (:data:`~autoscale.scalers.rules.BUILTIN_RULES`),
+those registered with :func:`register_loss_scaler`, and those installed packages publish under
+the ``autoscale.scalers`` entry-point group. A plugin that fails to load is reported (a warning,
+a line in ``autoscale list``, the error of ``get_scaler`` for its name) and the other plugins
+still load. Names across rules and exported policies are resolved by
+:mod:`~autoscale.scalers.catalog`.
 """
 
 from __future__ import annotations
@@ -13,26 +12,23 @@ import difflib
 import inspect
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from autoscale.errors import ConfigError, PolicyError, unknown_name
+from autoscale.errors import ConfigError
+from autoscale.scalers.base import LossScaler
 from autoscale.scalers.rule import ScaleRule
-
-if TYPE_CHECKING:
-    from autoscale.scalers.base import LossScaler
+from autoscale.scalers.rules import BUILTIN_RULES
 
 __all__ = [
     "register_loss_scaler",
-    "get_scaler",
     "build_scaler",
-    "list_scalers",
     "rule_class",
     "rule_names",
     "rule_defaults",
+    "rule_params",
+    "is_plugin",
     "plugin_errors",
-    "ScalerInfo",
     "SCALER_OPTIONS",
     "ENTRY_POINT_GROUP",
 ]
@@ -50,25 +46,10 @@ SCALER_OPTIONS = (
     "identical_grads",
 )
 
-_RULES: dict[str, type[ScaleRule]] = {}
+_RULES: dict[str, type[ScaleRule]] = dict(BUILTIN_RULES)
 _PLUGINS: set[str] = set()
 _PLUGIN_ERRORS: dict[str, str] = {}
 _ENTRY_POINTS_LOADED = False
-
-
-@dataclass(frozen=True)
-class ScalerInfo:
-    """One line of ``autoscale list``."""
-
-    name: str
-    kind: str  # "rule", "plugin" or "policy"
-    description: str
-    defaults: dict[str, Any] = field(default_factory=dict)
-    source: str = ""
-
-    @property
-    def usable(self) -> bool:
-        return not self.description.startswith("UNUSABLE")
 
 
 def register_loss_scaler(
@@ -101,10 +82,6 @@ def register_loss_scaler(
     return decorator
 
 
-def _builtin() -> None:
-    import autoscale.scalers.rules  # noqa: F401  (registers the built-in rules)
-
-
 def _load_entry_points() -> None:
     """Load every plugin once per process; one that fails is recorded and warned about, alone."""
     global _ENTRY_POINTS_LOADED
@@ -129,6 +106,11 @@ def _load_entry_points() -> None:
         _PLUGINS.add(ep.name)
 
 
+def is_plugin(name: str) -> bool:
+    """Whether the rule ``name`` came from an installed package's entry point."""
+    return name in _PLUGINS
+
+
 def plugin_errors() -> dict[str, str]:
     """Entry-point name -> why that plugin failed to load."""
     _load_entry_points()
@@ -137,7 +119,6 @@ def plugin_errors() -> dict[str, str]:
 
 def rule_class(name: str) -> type[ScaleRule] | None:
     """The rule registered (or published by a plugin) as ``name``, or None."""
-    _builtin()
     if name not in _RULES:
         _load_entry_points()
     return _RULES.get(name)
@@ -145,7 +126,6 @@ def rule_class(name: str) -> type[ScaleRule] | None:
 
 def rule_names() -> list[str]:
     """Every registered rule's name (built-in and plugins that loaded)."""
-    _builtin()
     _load_entry_points()
     return list(_RULES)
 
@@ -168,11 +148,9 @@ def build_scaler(
     Raises:
         ConfigError: a keyword neither takes (nearest valid one suggested), or an invalid value.
     """
-    from autoscale.scalers.base import LossScaler
-
     overrides = dict(overrides or {})
     what = what or name or cls.name
-    params = _rule_params(cls)
+    params = rule_params(cls)
     for key in overrides:
         if key not in params and key not in SCALER_OPTIONS:
             accepted = params + list(SCALER_OPTIONS)
@@ -189,44 +167,7 @@ def build_scaler(
     return LossScaler(rule, device, name=name, **options)
 
 
-def get_scaler(name: str, device: str | None = None, **overrides: Any) -> LossScaler:
-    """Build the scaler registered (or exported) as ``name``.
-
-    Args:
-        name: A rule id (``torch``, ``deepspeed``, ...), a plugin's id, an exported policy's name, or
-            the path of an exported policy folder.
-        device: Device type of the scale tensor; CUDA when present, else CPU.
-        **overrides: The rule's keyword arguments, and the scaler's (``init_scale``, ``min_scale``,
-            ``max_scale``, ``raise_at_min``, ``collect_stats``, ``enabled``).
-
-    Raises:
-        UnknownNameError: ``name`` is nothing known; the message lists what is.
-        ConfigError: an override the rule does not take, an invalid value, or a plugin that failed
-            to load.
-        PolicyError: an exported policy that is corrupt or incompatible.
-    """
-    from autoscale.scalers import policies
-
-    cls = rule_class(name)
-    if cls is not None:
-        return build_scaler(cls, device, overrides)
-    if name in _PLUGIN_ERRORS:
-        raise ConfigError(
-            f"scaler plugin '{name}' ({_PLUGIN_ERRORS[name]}); fix or reinstall the package that publishes it"
-        )
-    path = policies.find_policy(name)
-    if path is not None:
-        return policies.load_policy(path, device=device, **overrides)
-    broken = policies.folder_without_manifest(name)
-    if broken is not None:
-        raise PolicyError(
-            f"policy folder '{broken}' has no {policies.MANIFEST} (a copy or an export that did "
-            "not finish); export the policy again, or remove the folder"
-        )
-    raise unknown_name("scaler", name, list(_RULES) + policies.policy_names(), "autoscale list")
-
-
-def _rule_params(cls: type) -> list[str]:
+def rule_params(cls: type) -> list[str]:
     """The keyword parameters of a rule class's ``__init__`` (its own and its bases')."""
     names: list[str] = []
     for klass in cls.__mro__:
@@ -254,27 +195,3 @@ def rule_defaults(cls: type[ScaleRule]) -> dict[str, Any]:
         raise_at_min=False,
     )
     return out
-
-
-def list_scalers() -> list[ScalerInfo]:
-    """Every scaler ``get_scaler`` can build: rules, plugins (broken ones marked UNUSABLE), then
-    exported policies (corrupt ones marked UNUSABLE)."""
-    from autoscale.scalers import policies
-
-    names = rule_names()
-    infos = [
-        ScalerInfo(
-            name,
-            "plugin" if name in _PLUGINS else "rule",
-            cls.description,
-            rule_defaults(cls),
-            cls.source,
-        )
-        for name in names
-        for cls in (_RULES[name],)
-    ]
-    infos += [
-        ScalerInfo(name, "plugin", f"UNUSABLE: {error}", {}, "")
-        for name, error in _PLUGIN_ERRORS.items()
-    ]
-    return infos + policies.policy_infos()

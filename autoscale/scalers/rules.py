@@ -14,7 +14,6 @@ from collections import deque
 from typing import Any, ClassVar
 
 from autoscale.errors import ConfigError
-from autoscale.scalers.registry import register_loss_scaler
 from autoscale.scalers.rule import FP16_MAX, ScaleRule, StepStats, f32
 
 __all__ = [
@@ -27,6 +26,9 @@ __all__ = [
     "MetaseqRule",
     "AmaxHistoryRule",
     "AmaxCapRule",
+    "AmaxLossRule",
+    "BUILTIN_RULES",
+    "HALF_BIT",
 ]
 
 
@@ -132,7 +134,6 @@ def _window_block(
     }
 
 
-@register_loss_scaler("static")
 class StaticRule(ScaleRule):
     """A fixed scale: overflowing steps are skipped, the scale never moves.
 
@@ -153,7 +154,6 @@ class StaticRule(ScaleRule):
         return {"enabled": True, "loss_scale": init_scale}  # any value: DeepSpeed's is a float
 
 
-@register_loss_scaler("torch")
 class TorchRule(ScaleRule):
     """Exactly ``torch.amp.GradScaler``: x0.5 on overflow, x2 after 2000 clean steps in a row.
 
@@ -215,7 +215,6 @@ class TorchRule(ScaleRule):
         )
 
 
-@register_loss_scaler("deepspeed")
 class DeepSpeedRule(ScaleRule):
     """DeepSpeed's ``DynamicLossScaler`` with the defaults of its ``fp16`` config block.
 
@@ -304,7 +303,6 @@ class DeepSpeedRule(ScaleRule):
         }
 
 
-@register_loss_scaler("megatron")
 class MegatronRule(ScaleRule):
     """Megatron-LM's ``DynamicGradScaler``.
 
@@ -385,7 +383,6 @@ class MegatronRule(ScaleRule):
         )
 
 
-@register_loss_scaler("jmp")
 class JmpRule(ScaleRule):
     """DeepMind jmp's ``DynamicLossScale``: /factor on overflow (not below min), x factor every
     ``period`` finite steps in a row.
@@ -427,7 +424,6 @@ class JmpRule(ScaleRule):
         )
 
 
-@register_loss_scaler("fairseq")
 class FairseqRule(ScaleRule):
     """fairseq's ``DynamicLossScaler``: overflow tolerance and a fixed growth window.
 
@@ -514,7 +510,6 @@ class FairseqRule(ScaleRule):
         vars(self).update(_ints(self, state, defaults))
 
 
-@register_loss_scaler("metaseq")
 class MetaseqRule(FairseqRule):
     """metaseq's ``DynamicLossScaler``: fairseq's rule whose window doubles on every growth and
     halves (not below 1) on every backoff.
@@ -535,7 +530,6 @@ class MetaseqRule(FairseqRule):
         super().__init__(scale_factor=scale_factor, scale_window=scale_window, tolerance=tolerance)
 
 
-@register_loss_scaler("amax-history")
 class AmaxHistoryRule(ScaleRule):
     """Delayed scaling from gradient amax history, Transformer Engine's FP8 recipe applied to fp16.
 
@@ -594,7 +588,6 @@ class AmaxHistoryRule(ScaleRule):
         self.history = deque((float(a) for a in history), maxlen=self.history_len)
 
 
-@register_loss_scaler("amax-cap")
 class AmaxCapRule(AmaxHistoryRule):
     """``amax-history`` under a cap that remembers gradient overflows, blind to failed batches.
 
@@ -742,7 +735,6 @@ class AmaxCapRule(AmaxHistoryRule):
 HALF_BIT = math.sqrt(2.0) * (1.0 + 1e-6)
 
 
-@register_loss_scaler("amax-loss")
 class AmaxLossRule(AmaxCapRule):
     """``amax-cap`` that reads each step's loss before its backward pass, and regrows its cap.
 
@@ -876,3 +868,20 @@ class AmaxLossRule(AmaxCapRule):
         self.wait = min(
             max(_ints(self, state, {"wait": self.probe_after})["wait"], 1), self.growth_interval
         )
+
+
+# the built-in rules by the name each is registered under (autoscale/scalers/registry.py)
+BUILTIN_RULES: dict[str, type[ScaleRule]] = {
+    "static": StaticRule,
+    "torch": TorchRule,
+    "deepspeed": DeepSpeedRule,
+    "megatron": MegatronRule,
+    "jmp": JmpRule,
+    "fairseq": FairseqRule,
+    "metaseq": MetaseqRule,
+    "amax-history": AmaxHistoryRule,
+    "amax-cap": AmaxCapRule,
+    "amax-loss": AmaxLossRule,
+}
+for _name, _cls in BUILTIN_RULES.items():  # the name get_scaler knows each by
+    _cls.name = _name

@@ -116,9 +116,10 @@ def default_study_name(spec: EnvSpec | SuiteSpec, space: str) -> str:
 
 def check_user_workloads(spec: EnvSpec | SuiteSpec) -> None:
     """One real step of every user workload (``module:factory``) the spec names, so that a
-    broken one is refused in one line before a study, trace or policy is written."""
+    broken one (import, factory, parts, a loss that is not a scalar, no op in fp16) is refused in
+    one line before a study, trace or policy is written."""
+    from autoscale.training import TrainingRun
     from autoscale.training.presets import is_user_workload
-    from autoscale.training.user import check_workload
 
     members = spec.members + spec.left_out if isinstance(spec, SuiteSpec) else [spec]
     seen = set()
@@ -126,4 +127,4 @@ def check_user_workloads(spec: EnvSpec | SuiteSpec) -> None:
         wl = m.workload
         if is_user_workload(wl.model) and wl.model not in seen:
             seen.add(wl.model)
-            check_workload(wl)
+            TrainingRun(wl, "torch").step()

@@ -40,7 +40,6 @@ from autoscale.training.data import BatchStream
 from autoscale.training.presets import REFERENCE
 
 __all__ = [
-    "check_workload",
     "UserStream",
     "UserWorkload",
     "build_user_workload",
@@ -252,17 +251,3 @@ class UserStream(BatchStream):
             f"workload '{self.workload.ref}': the preference scenario needs a language-model "
             "preset or mlp; a user workload takes clean, bad-batches, small-grads or moving"
         )
-
-
-def check_workload(spec: Any) -> None:
-    """Build a run of ``spec`` (a :class:`~autoscale.training.WorkloadSpec` naming a user's
-    workload) and take one step, so that every error of the protocol (import, factory, parts,
-    a loss that is not a scalar, no op in fp16) is one line before anything else runs.
-
-    Raises:
-        ConfigError: what is wrong, in one line.
-    """
-    from autoscale.training.run import TrainingRun
-
-    run = TrainingRun(spec.replace(device=spec.device), "torch")
-    run.step()

@@ -36,7 +36,7 @@ def test_fused_step_equals_the_generic_step():
 
 def test_a_guarded_step_is_the_generic_one():
     """With a rule's per-step guard set, step lowers scales as the generic path does."""
-    from autoscale.scalers.registry import get_scaler
+    from autoscale.scalers.catalog import get_scaler
 
     spec = pin_spec()
     trace = pin_trace(spec)

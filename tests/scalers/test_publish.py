@@ -132,7 +132,7 @@ def test_hidden_staging_folders_are_not_policies(tmp_path, monkeypatch):
     (staging / "policy.yaml").write_text((tmp_path / "kept" / "policy.yaml").read_text())
     names = policies.policy_names()
     assert "kept" in names and not [n for n in names if n.startswith(".")]
-    assert not [i.name for i in policies.policy_infos() if i.name.startswith(".")]
+    assert not [name for name, *_ in policies.policy_rows() if name.startswith(".")]
 
 
 @pytest.mark.parametrize("kind", ["staging", "old"])

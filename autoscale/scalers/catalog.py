@@ -1,0 +1,106 @@
+"""Every scaler by name: ``get_scaler(name)`` looks among the rules (built-in, registered, and
+installed plugins: :mod:`~autoscale.scalers.registry`), then the exported policies
+(:mod:`~autoscale.scalers.policies`, loaded by the policy kinds of
+:mod:`~autoscale.scalers.policy` and :mod:`~autoscale.scalers.neural`); ``list_scalers()`` lists
+them all. The one place that knows both, so that neither knows the other's listing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from autoscale.errors import ConfigError, PolicyError, unknown_name
+from autoscale.scalers import neural, policies, policy  # noqa: F401  (the policy kinds)
+from autoscale.scalers.base import LossScaler
+from autoscale.scalers.registry import (
+    build_scaler,
+    is_plugin,
+    plugin_errors,
+    rule_class,
+    rule_defaults,
+    rule_names,
+)
+
+__all__ = ["ScalerInfo", "get_scaler", "list_scalers"]
+
+
+@dataclass(frozen=True)
+class ScalerInfo:
+    """One line of ``autoscale list``."""
+
+    name: str
+    kind: str  # "rule", "plugin" or "policy"
+    description: str
+    defaults: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def usable(self) -> bool:
+        return not self.description.startswith("UNUSABLE")
+
+
+def get_scaler(name: str, device: str | None = None, **overrides: Any) -> LossScaler:
+    """Build the scaler registered (or exported) as ``name``.
+
+    Args:
+        name: A rule id (``torch``, ``deepspeed``, ...), a plugin's id, an exported policy's name, or
+            the path of an exported policy folder.
+        device: Device type of the scale tensor; CUDA when present, else CPU.
+        **overrides: The rule's keyword arguments, and the scaler's (``init_scale``, ``min_scale``,
+            ``max_scale``, ``raise_at_min``, ``collect_stats``, ``enabled``).
+
+    Raises:
+        UnknownNameError: ``name`` is nothing known; the message lists what is.
+        ConfigError: an override the rule does not take, an invalid value, or a plugin that failed
+            to load.
+        PolicyError: an exported policy that is corrupt or incompatible.
+    """
+    cls = rule_class(name)
+    if cls is not None:
+        return build_scaler(cls, device, overrides)
+    if name in plugin_errors():
+        raise ConfigError(
+            f"scaler plugin '{name}' ({plugin_errors()[name]}); fix or reinstall the package that publishes it"
+        )
+    path = policies.find_policy(name)
+    if path is not None:
+        return policies.load_policy(path, device=device, **overrides)
+    broken = policies.folder_without_manifest(name)
+    if broken is not None:
+        raise PolicyError(
+            f"policy folder '{broken}' has no {policies.MANIFEST} (a copy or an export that did "
+            "not finish); export the policy again, or remove the folder"
+        )
+    raise unknown_name("scaler", name, rule_names() + policies.policy_names(), "autoscale list")
+
+
+def list_scalers() -> list[ScalerInfo]:
+    """Every scaler ``get_scaler`` can build: rules, plugins (broken ones marked UNUSABLE), then
+    exported policies (corrupt ones marked UNUSABLE)."""
+    names = rule_names()
+    infos = [
+        ScalerInfo(
+            name,
+            "plugin" if is_plugin(name) else "rule",
+            cls.description,
+            rule_defaults(cls),
+            cls.source,
+        )
+        for name in names
+        for cls in (rule_class(name),)
+    ]
+    infos += [
+        ScalerInfo(name, "plugin", f"UNUSABLE: {error}", {}, "")
+        for name, error in plugin_errors().items()
+    ]
+    for name, manifest, path, error in policies.policy_rows():
+        if error is None:
+            infos.append(
+                ScalerInfo(
+                    name, "policy", manifest.describe(), dict(manifest.parameters), str(path)
+                )
+            )
+        else:
+            infos.append(ScalerInfo(name, "policy", f"UNUSABLE: {error}", {}, str(path)))
+    return infos
