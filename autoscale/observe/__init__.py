@@ -3,7 +3,7 @@ program so that its own GradScaler is autoscale's (``autoscale wrap``).
 
 Sits just above :mod:`autoscale.scalers` and imports torch only, so it can run inside any user's
 program. The record format is :mod:`autoscale.observe.record`; the replay environments read it
-through :func:`autoscale.envs.traces.trace_from_record`.
+through :func:`autoscale.envs.from_records.trace_from_record`.
 
 Example::
 

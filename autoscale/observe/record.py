@@ -9,7 +9,7 @@ A record is a folder::
 Chunks are written whole and renamed into place, so a run killed at any moment leaves only whole
 chunks (it loses the steps of the chunk it was filling), and a record can be read while the run
 goes on. Standard library only: the recorder runs inside the user's program. The replay
-environments and the search read a record through :func:`autoscale.envs.traces.trace_from_record`.
+environments and the search read a record through :func:`autoscale.envs.from_records.trace_from_record`.
 
 A step's fields (``None`` where not known):
 

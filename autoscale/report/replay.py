@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autoscale.envs.traces import InstanceTrace, Trace, trace_from_record
+from autoscale.envs.from_records import trace_from_record
+from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.observe import RunRecord
 from autoscale.scalers import StepStats, get_scaler
 from autoscale.scalers.rule import guarded_scale

@@ -2,7 +2,7 @@
 
 The records (``autoscale wrap --record DIR``) become the instances: windows of each run, the
 first two thirds train and the rest test, disjoint in time
-(:func:`~autoscale.envs.traces.suite_from_records`). With no way to take real steps, every phase
+(:func:`~autoscale.envs.from_records.suite_from_records`). With no way to take real steps, every phase
 is replay, and says so (terminal, study note, manifest):
 
 1. **search**: parametric rule families with their knobs, scored on the train windows' replay
@@ -85,7 +85,7 @@ class TraceSearch:
     def run(self) -> dict[str, Any]:
         import optuna
 
-        from autoscale.envs.traces import suite_from_records
+        from autoscale.envs.from_records import suite_from_records
         from autoscale.observe import read_record
         from autoscale.search.bench import ReplayBench
         from autoscale.search.budget import Ledger, format_duration

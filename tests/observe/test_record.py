@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import autoscale
-from autoscale.envs.traces import trace_from_record
+from autoscale.envs.from_records import trace_from_record
 from autoscale.errors import AutoscaleError, ConfigError
 from autoscale.observe import read_record, watch_scaler
 from autoscale.observe.record import underflow_share

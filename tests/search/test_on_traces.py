@@ -8,7 +8,7 @@ import pytest
 
 import autoscale
 from autoscale.cli import main
-from autoscale.envs.traces import suite_from_records
+from autoscale.envs.from_records import suite_from_records
 from autoscale.errors import ConfigError
 from autoscale.observe import read_record, watch_scaler
 from autoscale.scalers import read_manifest

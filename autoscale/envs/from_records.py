@@ -1,0 +1,188 @@
+"""A user's record (``autoscale wrap --record``, ``get_scaler(..., record=DIR)``) as traces: the
+format the replay env and the search read, so that ``autoscale search --traces`` searches on a
+run autoscale never saw."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from autoscale.envs.traces import InstanceTrace, Trace
+from autoscale.errors import ConfigError
+
+__all__ = ["suite_from_records", "trace_from_record"]
+
+
+def trace_from_record(record, name: str = "run") -> Trace:
+    """A user's recorded run (:class:`~autoscale.observe.RunRecord`, or its folder) as a
+    :class:`Trace` of one instance, the replay environments' and the search's format.
+
+    Steps without a gradient histogram (``hist_every`` > 1) take the nearest earlier one (the
+    first steps, the first one); the eval loss is unknown (NaN). The spec records the folder and
+    what ran instead of a workload.
+    """
+    from autoscale.observe import RunRecord, read_record
+    from autoscale.observe.record import HIST_EDGES
+    from autoscale.scalers.features import FEATURE_VERSION
+
+    if not isinstance(record, RunRecord):
+        record = read_record(record)
+    steps = record.steps
+    if not steps:
+        raise ConfigError(
+            f"record '{record.path}' holds no whole chunk of steps yet; let the run go on longer"
+        )
+    bins = len(HIST_EDGES) - 1
+    hist = np.zeros((len(steps), bins), dtype=np.float32)
+    last = next((s["hist"] for s in steps if s.get("hist") is not None), None)
+    if last is None:
+        raise ConfigError(
+            f"record '{record.path}' has no gradient histogram (recorded with --hist-every 0); "
+            "record the run again with histograms"
+        )
+    for i, s in enumerate(steps):
+        if s.get("hist") is not None:
+            last = s["hist"]
+        hist[i] = last
+    nan = math.nan
+    col = record.column
+    inst = InstanceTrace(
+        name,
+        int(record.meta.get("rank", 0)),
+        0,
+        threshold=np.asarray(col("threshold"), dtype=np.float64),
+        nonfinite=np.asarray(col("loss_nonfinite", False), dtype=bool),
+        loss=np.asarray(col("loss"), dtype=np.float64),
+        amax=np.asarray([nan if s["found_inf"] else s["amax"] for s in steps], dtype=np.float64),
+        rms=np.asarray([nan if s["found_inf"] else s["rms"] for s in steps], dtype=np.float64),
+        scale=np.asarray(col("scale"), dtype=np.float64),
+        hist=hist,
+        eval_loss=nan,
+        start_scale=float(steps[0]["scale"]),
+        start_features=None,
+    )
+    spec = {
+        "record": str(record.path),
+        "argv": record.meta.get("argv"),
+        "scaler": record.meta.get("scaler"),
+    }
+    return Trace(spec, {name: inst}, np.asarray(HIST_EDGES, dtype=np.float64), FEATURE_VERSION)
+
+
+def suite_from_records(records: list, horizon: int | None = None) -> tuple[Any, dict[str, Trace]]:
+    """Recorded runs as the instances of a search: windows of each run, train and test disjoint.
+
+    Each record is one member. Its steps are cut into consecutive windows of ``horizon`` steps
+    (default: the largest power of two up to 2048 that gives at least three windows, at least
+    64); the first two thirds of the windows (in time) are train instances, the rest test ones.
+    Each window starts at the scale the run had there, and the features' state the run had
+    there. A record has no held-out loss: a window's eval loss is the mean of its finite recorded
+    training losses, the same for every policy (replay does not change the loss), so that no
+    scorecard reads as diverged for want of one. A record whose gradient histograms are missing, or that is shorter than three windows
+    of 64 steps, is refused.
+
+    Returns:
+        ``(suite, traces)``: a :class:`~autoscale.envs.suite.SuiteSpec` and member -> trace.
+
+    Raises:
+        ConfigError: as above, or two records of the same folder.
+    """
+    from autoscale.envs.spec import EnvSpec, EpisodeSpec, InstanceSpec
+    from autoscale.envs.suite import SuiteSpec
+    from autoscale.observe import RunRecord, read_record
+    from autoscale.scalers.features import FeatureExtractor
+    from autoscale.scalers.rule import StepStats
+    from autoscale.training import WorkloadSpec
+
+    loaded = [r if isinstance(r, RunRecord) else read_record(r) for r in records]
+    shortest = min(len(r.steps) for r in loaded)
+    if horizon is None:
+        horizon = 64
+        while horizon * 2 <= 2048 and 3 * horizon * 2 <= shortest:
+            horizon *= 2
+    members, traces = [], {}
+    names: set[str] = set()
+    for rec in loaded:
+        n = len(rec.steps)
+        windows = n // horizon
+        if windows < 3:
+            raise ConfigError(
+                f"record '{rec.path}' has {n} whole steps, fewer than three windows of {horizon} "
+                f"(train and test need {3 * horizon}); record a longer run"
+            )
+        whole = trace_from_record(rec)
+        inst = next(iter(whole.instances.values()))
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(rec.path).name).strip("-.") or "run"
+        while name in names:
+            name += "-2"
+        names.add(name)
+        workload = WorkloadSpec(model=str(Path(rec.path).resolve()), scenario="clean")
+        # the features' state at each window's start, carried through the run's steps
+        fx = FeatureExtractor()
+        states = {}
+        for i, s in enumerate(rec.steps):
+            if i % horizon == 0:
+                states[i] = fx.state_dict()
+            loss = s.get("loss")
+            fx.update(
+                StepStats(
+                    i,
+                    float(s["scale"]),
+                    bool(s["found_inf"]),
+                    float(s["amax"]),
+                    float(s["rms"]),
+                    math.nan if loss is None else float(loss),
+                    loss is not None,
+                    bool(s.get("guarded", False)),
+                )
+            )
+        n_train = max(1, (2 * windows) // 3)
+        sets: dict[str, list] = {"train": [], "test": []}
+        instances: dict[str, InstanceTrace] = {}
+        for w in range(windows):
+            lo, hi = w * horizon, (w + 1) * horizon
+            which = "train" if w < n_train else "test"
+            iname = f"{which}-w{w}"
+            sets[which].append(InstanceSpec(iname, w, lo))
+            instances[iname] = InstanceTrace(
+                iname,
+                w,
+                lo,
+                threshold=inst.threshold[lo:hi],
+                nonfinite=inst.nonfinite[lo:hi],
+                loss=inst.loss[lo:hi],
+                amax=inst.amax[lo:hi],
+                rms=inst.rms[lo:hi],
+                scale=inst.scale[lo:hi],
+                hist=inst.hist[lo:hi],
+                eval_loss=_window_loss(inst.loss[lo:hi]),
+                start_scale=float(inst.scale[lo]),
+                start_features=states[lo],
+            )
+        episode = EpisodeSpec(
+            steps=horizon,
+            init_scale=float(inst.scale[0]),
+            min_scale=float(rec.meta.get("min_scale") or 2.0**-24),
+            max_scale=float(rec.meta.get("max_scale") or 2.0**48),
+            horizon=horizon,
+        )
+        spec = EnvSpec(
+            name,
+            workload,
+            episode=episode,
+            instances={k: tuple(v) for k, v in sets.items()},
+            source=str(rec.path),
+        )
+        members.append(spec)
+        traces[name] = Trace(spec.to_dict(), instances, whole.hist_edges, whole.feature_version)
+    suite = SuiteSpec("traces", tuple(members), (), None)
+    return suite, traces
+
+
+def _window_loss(loss: np.ndarray) -> float:
+    finite = loss[np.isfinite(loss)]
+    return float(finite.mean()) if finite.size else 0.0
