@@ -25,6 +25,14 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from autoscale.errors import ConfigError
+from autoscale.scalers.grad_stats import (
+    AbsMax,
+    FlatAbs,
+    grad_amax,
+    nonfinite_flag,
+    one_pass_grads,
+    stack_on,
+)
 from autoscale.scalers.rule import (
     FP16_MAX,
     FP16_MIN_NORMAL,
@@ -142,6 +150,10 @@ class LossScaler(torch.amp.GradScaler):
         # drives a static scaler by another rule's decisions sets that rule here)
         self.guard_rule: ScaleRule | None = None
         self._guarded = False  # this step's guard ran: _scale holds the step's scale
+        self._guard_scale: torch.Tensor | None = None  # that scale, float64, for 1/scale
+        self._inv_cache: tuple[float, torch.Tensor] | None = None  # (host scale, 1/scale)
+        self._inv_buf: torch.Tensor | None = None  # 1/scale of a guarded step
+        self._abs_max = AbsMax()
         # keep_grad_abs: CPU statistics from |g| of each optimizer's gradients copied into a flat
         # buffer kept between steps, for an instrument that reads them too (grad_abs)
         self.keep_grad_abs = False
@@ -290,27 +302,31 @@ class LossScaler(torch.amp.GradScaler):
             self._lazy_init_scale_growth_tracker(loss.device)
         dev = self._scale.device
         exact = torch.float32 if dev.type == "mps" else torch.float64  # MPS has no float64
-        mag = loss.to(dev, exact).abs()
+        g = loss.to(dev, exact, copy=True).abs_()  # a copy: every op below works in place
         group = self._group()
         if group is not None:  # a NaN on any rank: every rank keeps the set scale
-            mag = torch.nan_to_num(mag, nan=math.inf)
-            dist.all_reduce(mag, op=dist.ReduceOp.MAX, group=group)
+            g = torch.nan_to_num(g, nan=math.inf)
+            dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
         # few ops, in place: this runs every step. A non-finite |loss| becomes 0, so the quotient
         # is inf and the clamp keeps the set scale; a zero loss gives inf too
-        g = torch.div(limit, mag.nan_to_num_(nan=0.0, posinf=0.0))
+        torch.div(limit, g.nan_to_num_(nan=0.0, posinf=0.0), out=g)
         g.log2_().floor_().exp2_().clamp_(min=self.min_scale, max=self._host_scale)
         self._scale.copy_(g)
+        self._guard_scale = g  # the same value (a power of two or a bound: float32 holds it)
         self._guarded = True
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        super().unscale_(optimizer)
-        if self._enabled:
-            if self.collect_stats:
+        grads = self._one_pass_grads(optimizer) if self._enabled else None
+        if grads is not None:
+            self._unscale_with_amax(optimizer, grads)
+        else:
+            super().unscale_(optimizer)
+            if self._enabled and self.collect_stats:
                 self._collect_grad_stats(optimizer, inv_scale=None)
-            if getattr(optimizer, "_step_supports_amp_scaling", False):
-                # a fused optimizer skips inside its kernel from the found-inf flag: agree on it
-                # before that kernel runs (on the device: no host sync)
-                self._agree(self._per_optimizer_states[id(optimizer)])
+        if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
+            # a fused optimizer skips inside its kernel from the found-inf flag: agree on it
+            # before that kernel runs (on the device: no host sync)
+            self._agree(self._per_optimizer_states[id(optimizer)])
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # The fused-optimizer path checks for infs without unscaling: statistics need 1/scale.
@@ -329,15 +345,75 @@ class LossScaler(torch.amp.GradScaler):
         through it), so GradScaler's separate found-inf pass over every gradient is skipped. The
         flag lives on the scale's device, where GradScaler's fused path gathers it anyway.
         """
-        inv = (  # a guarded step's scale is on the device only
-            self._scale.double().reciprocal().float() if self._guarded else 1.0 / self._host_scale
-        )
-        self._collect_grad_stats(optimizer, inv_scale=inv)
+        # a guarded step's scale is on the device only
+        inv = self._inv_scale() if self._guarded else 1.0 / self._host_scale
         state = self._per_optimizer_states[id(optimizer)]
-        amax = state["autoscale_stats"][0]
-        state["found_inf_per_device"] = {
-            self._scale.device: (~torch.isfinite(amax)).to(torch.float32)
-        }
+        grads = self._one_pass_grads(optimizer)
+        if grads is None:
+            self._collect_grad_stats(optimizer, inv_scale=inv)
+            amax = state["autoscale_stats"][0]
+        else:  # the amax alone: no statistics vector to build
+            dev = self._scale.device
+            with torch.no_grad():
+                amax = self._abs_max(grads, dev) * inv
+            for obs in self._observers:
+                obs.on_grads(self, optimizer, grads, inv)
+            state["autoscale_stats"] = amax
+        state["found_inf_per_device"] = {self._scale.device: nonfinite_flag(amax)}
+
+    def _one_pass_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
+        """The gradients when this step's statistics are the amax alone and they allow reading it
+        in the one pass that also finds infs (see :func:`one_pass_grads`); else None."""
+        if not self._collect_stats or self._collect_rms or self.keep_grad_abs:
+            return None
+        self._check_scale_growth_tracker("unscale_")
+        if self._group() is not None:  # statistics agreed across ranks: the general layout
+            return None
+        return one_pass_grads(optimizer, self._scale.device)
+
+    def _unscale_with_amax(
+        self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]
+    ) -> None:
+        """GradScaler's ``unscale_`` with the amax read in the same place: one read of the scaled
+        gradients gives the amax, whose finiteness is the found-inf flag, then one multiply by
+        1/scale unscales them (GradScaler's kernel multiplies while it checks, and the amax was a
+        second read of every gradient). Same gradients, flag and amax, bit for bit."""
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        inv = self._inv_scale()
+        with torch.no_grad():
+            amax = self._abs_max(grads, self._scale.device)  # of the scaled gradients
+            state["found_inf_per_device"] = {self._scale.device: nonfinite_flag(amax)}
+            torch._foreach_mul_(grads, inv)
+            state["autoscale_stats"] = amax * inv  # monotonic rounding: the unscaled amax
+        for obs in self._observers:
+            obs.on_grads(self, optimizer, grads, None)
+        state["stage"] = OptState.UNSCALED
+
+    def _inv_scale(self) -> torch.Tensor:
+        """1/scale of this step as GradScaler's ``unscale_`` computes it (the reciprocal in
+        float64, rounded to float32; in float32 on MPS), in fewer ops: one from the guard's
+        scale where it ran, else none while the host scale stays (a tensor kept for it). Valid
+        until the next step's: read it within the step."""
+        dev = self._scale.device
+        if self._guarded or dev.type == "mps":
+            g = self._guard_scale if self._guarded else None
+            if g is None:
+                g = self._scale if dev.type == "mps" else self._scale.double()
+            buf = self._inv_buf
+            if buf is None or buf.device != dev:
+                buf = self._inv_buf = torch.empty((), device=dev)
+            return torch.reciprocal(g, out=buf)  # computed in g's dtype, rounded on the way out
+        cached = self._inv_cache
+        if cached is None or cached[0] != self._host_scale or cached[1].device != dev:
+            inv = torch.full((), f32(1.0 / self._host_scale), device=dev)
+            cached = self._inv_cache = (self._host_scale, inv)
+        return cached[1]
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
         self._agree(optimizer_state)
@@ -396,6 +472,8 @@ class LossScaler(torch.amp.GradScaler):
             used is not None and used < self._host_scale,
         )
         self.last_stats = stats
+        if used == self._host_scale:  # the guard kept the set scale: no fill if the rule does too
+            self._guarded = False
         try:
             self._set_scale(self.controller.step(stats))
         finally:
@@ -581,6 +659,8 @@ class LossScaler(torch.amp.GradScaler):
         state["_last_stepped"] = []
         state["_flat"] = {}  # gradient-sized buffers keyed by optimizers of this process
         state["_observers"] = []  # recorders and loggers hold files of this process
+        state["_guard_scale"] = state["_inv_cache"] = state["_inv_buf"] = None
+        state["_abs_max"] = AbsMax()
         return state
 
     def __repr__(self) -> str:
@@ -594,6 +674,7 @@ class LossScaler(torch.amp.GradScaler):
         elif value != self._host_scale or self._guarded:  # most steps keep it: no op then
             self._scale.fill_(value)
         self._host_scale = value
+        self._guard_scale = None  # no longer this step's scale
 
     def _end_step(self) -> None:
         # step_was_skipped answers for these until the next step()
@@ -604,6 +685,7 @@ class LossScaler(torch.amp.GradScaler):
         self._loss_sum = None
         self._loss_count = 0
         self._guarded = False
+        self._guard_scale = None
         for buf in self._flat.values():  # grad_abs answers for the step that filled it only
             buf.forget()
 
@@ -641,11 +723,11 @@ class LossScaler(torch.amp.GradScaler):
                 amax = flat.max()
                 sumsq = torch.dot(flat, flat) if self._collect_rms else None
             else:
-                amax = _grad_amax(grads, dev)
+                amax = grad_amax(grads, dev)
                 sumsq = None
                 if self._collect_rms:
                     norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-                    sumsq = _stack_on(norms, dev).square().sum()
+                    sumsq = stack_on(norms, dev).square().sum()
             if sumsq is None:
                 sumsq = torch.full((), math.nan, device=dev)
             if inv_scale is not None:
@@ -758,17 +840,20 @@ class LossScaler(torch.amp.GradScaler):
         group = self._group()
         guarded = self._guarded  # the step's own scale travels with the flag (last element)
         if group is None:  # as few ops as possible: this runs every step
-            parts = [flag] + ([] if loss is None else [loss.to(dev).float()])
+            parts = [flag] + ([] if stats is None else [stats])
+            if loss is not None:
+                parts.append(loss.to(dev).float())
             if guarded:
                 parts.append(self._scale)
+            # statistics: none, the amax alone (0-dim, one stack) or [amax, sumsq, count]
             vec = (
                 torch.stack(parts)
-                if stats is None
-                else torch.cat([flag.reshape(1), stats] + [p.reshape(1) for p in parts[1:]])
+                if stats is None or stats.dim() == 0
+                else torch.cat([p.reshape(-1) for p in parts])
             )
             state["autoscale_vec"] = vec
             state["autoscale_layout"] = (
-                stats is not None,
+                0 if stats is None else stats.numel(),
                 n_loss if loss is not None else 0,
                 False,
                 guarded,
@@ -794,7 +879,7 @@ class LossScaler(torch.amp.GradScaler):
             + ([table[:, 6:].amax(0)] if guarded else [])
         )
         state["autoscale_vec"] = vec
-        state["autoscale_layout"] = (True, -1, True, guarded)
+        state["autoscale_layout"] = (3, -1, True, guarded)
         if state["found_inf_per_device"]:  # what GradScaler and fused kernels read: the agreed flag
             state["found_inf_per_device"] = {dev: vec[0].clone()}
 
@@ -810,7 +895,7 @@ class LossScaler(torch.amp.GradScaler):
         for s, v in zip(todo, vecs):
             n = v.numel()
             row, i = flat[i : i + n], i + n
-            with_stats, n_loss, distributed, guarded = s["autoscale_layout"]
+            with_stats, n_loss, distributed, guarded = s["autoscale_layout"]  # with_stats: 0, 1, 3
             if guarded:
                 s["autoscale_used"], row = row[-1], row[:-1]
             if distributed:  # [found, amax, sumsq, count, loss_sum, loss_count], all ranks
@@ -818,65 +903,9 @@ class LossScaler(torch.amp.GradScaler):
                 continue
             found = row[0] > 0
             amax, sumsq, count = (
-                (row[1], row[2], row[3]) if with_stats else (math.nan, math.nan, 0.0)
+                (row[1], row[2], row[3])
+                if with_stats == 3
+                else (row[1] if with_stats else math.nan, math.nan, 0.0)
             )
             loss_sum = row[-1] if n_loss else 0.0
             s["autoscale_host"] = (found, amax, sumsq, count, loss_sum, float(n_loss))
-
-
-class FlatAbs:
-    """``|g|`` of a list of gradients in one float32 buffer reused from step to step.
-
-    One batched ``cat`` and an in-place ``abs``: no Python loop over tensors beyond gathering them
-    and no allocation per step (on CPU a fresh gradient-sized allocation costs page faults every
-    step).
-    """
-
-    def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
-        self._step: int | None = None  # the step whose unscaled gradients the buffer holds
-
-    def load(
-        self, grads: list[torch.Tensor], *, unscaled: bool = True, step: int | None = None
-    ) -> torch.Tensor:
-        """Copy ``|g|`` of every gradient into the buffer (on ``grads[0]``'s device); return it."""
-        device = grads[0].device
-        n = sum(g.numel() for g in grads)
-        if self.buffer is None or self.buffer.numel() != n or self.buffer.device != device:
-            self.buffer = torch.empty(n, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            try:
-                torch.cat([g.reshape(-1) for g in grads], out=self.buffer)
-            except RuntimeError:  # gradients on several devices, or of several dtypes
-                torch.cat([g.reshape(-1).to(device, torch.float32) for g in grads], out=self.buffer)
-            self.buffer.abs_()
-        self._step = step if unscaled else None
-        return self.buffer
-
-    def forget(self) -> None:
-        """The buffer no longer holds the current step's gradients (the step ended)."""
-        self._step = None
-
-    def current(self, step: int) -> torch.Tensor | None:
-        """The buffer if it holds the unscaled gradients of ``step``, else None."""
-        return self.buffer if self._step is not None and self._step == step else None
-
-
-def _grad_amax(grads: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
-    """max |g| over all gradients, a float32 0-dim tensor on ``dev`` (NaN if any element is NaN)."""
-    if grads[0].device.type != "cpu":
-        return _stack_on(torch._foreach_norm(grads, math.inf), dev).max()
-    # On CPU, _foreach_norm(inf) is an unvectorized loop (2.7 ms for 1M fp32 elements), and
-    # abs + max allocates a copy of every gradient (page faults: ~1.5 ms per step measured);
-    # aminmax reads each gradient once without allocating.
-    lo, hi = zip(*(torch.aminmax(g) for g in grads))
-    return torch.maximum(_stack_on(hi, dev).max(), -_stack_on(lo, dev).min())
-
-
-def _stack_on(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
-    """Stack 0-dim tensors as float32 on ``dev`` (one op unless they live on several devices)."""
-    try:
-        out = torch.stack(tensors)
-    except RuntimeError:  # model split across devices
-        out = torch.stack([t.to(dev) for t in tensors])
-    return out.to(dev, torch.float32)

@@ -1,0 +1,132 @@
+"""The one-pass unscale of rules that read the gradient amax (``scalers/grad_stats.py``) gives what
+the general path gives: GradScaler's gradients and found-inf flag, the exact amax, bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import autoscale
+from autoscale.scalers.grad_stats import AbsMax, grad_amax, one_pass_grads
+from tests.scalers.helpers import adamw, assert_same_params, batches, forward_loss, tiny_model
+
+CPU = torch.device("cpu")
+
+
+def _grads(seed: int, bad: float | None) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randn(33, 17, generator=g) * 1e3, torch.randn(7, generator=g) * 1e-3]
+    out.append(torch.randn(5, 5, generator=g) - 10.0)  # all negative: |min| is the amax
+    if bad is not None:
+        out[1][3] = bad
+    return out
+
+
+@pytest.mark.parametrize("bad", [None, math.inf, -math.inf, math.nan], ids=str)
+def test_abs_max_reads_what_grad_amax_reads(bad):
+    grads = _grads(0, bad)
+    ours = AbsMax()(grads, CPU)
+    ref = torch.stack([g.abs().max() for g in grads]).max()
+    assert torch.equal(ours, ref) or (math.isnan(bad or 0.0) and ours.isnan())
+    assert torch.equal(grad_amax(grads, CPU), ours) or ours.isnan()
+    assert AbsMax()(grads, CPU).item() == ours.item() or ours.isnan()  # a fresh buffer: same
+
+
+def test_one_pass_grads_only_for_dense_float32_on_one_device():
+    w, v, e = (
+        torch.zeros(3, 2, requires_grad=True),
+        torch.zeros(4, requires_grad=True),
+        torch.zeros(0, requires_grad=True),
+    )
+    opt = torch.optim.AdamW([w, v, e])
+    assert one_pass_grads(opt, CPU) is None  # no gradient yet
+    w.grad, e.grad = torch.ones(3, 2), torch.ones(0)
+    assert [g.shape for g in one_pass_grads(opt, CPU)] == [(3, 2)]  # no empty tensor
+    v.grad = torch.ones(4)
+    assert len(one_pass_grads(opt, CPU)) == 2
+    d = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    d.grad = torch.ones(2, dtype=torch.float64)
+    opt.add_param_group({"params": [d]})
+    assert one_pass_grads(opt, CPU) is None  # GradScaler's per-dtype path
+    opt.param_groups.pop()
+    v.grad = torch.ones(4).to_sparse()
+    assert one_pass_grads(opt, CPU) is None  # sparse: GradScaler coalesces
+
+
+@pytest.mark.parametrize("scale", [2.0**10, 3000.7, 0.37], ids=["2^10", "3000.7", "0.37"])
+@pytest.mark.parametrize("bad", [None, math.inf, math.nan], ids=str)
+def test_unscale_matches_gradscaler_and_the_amax_of_the_unscaled_gradients(scale, bad):
+    x, y = batches(1)[0]
+    runs = []
+    for scaler in (
+        torch.amp.GradScaler("cpu", init_scale=scale),
+        autoscale.get_scaler("amax-history", device="cpu", init_scale=scale, min_scale=0.01),
+    ):
+        model = tiny_model()
+        opt = adamw(model)
+        scaler.scale(forward_loss(model, x, y)).backward()
+        if bad is not None:
+            model[2].weight.grad[1, 2] = bad
+        scaler.unscale_(opt)
+        runs.append((model, opt, scaler))
+    (m_ref, o_ref, ref), (m_ours, o_ours, ours) = runs
+    assert ours._per_optimizer_states[id(o_ours)]["autoscale_stats"].dim() == 0  # the one pass
+    for a, b in zip(m_ours.parameters(), m_ref.parameters()):
+        assert torch.equal(a.grad, b.grad) or (bad is not None and a.grad.isnan().any())
+    flag = list(ours._found_inf_per_device(o_ours).values())
+    assert [f.item() for f in flag] == [f.item() for f in ref._found_inf_per_device(o_ref).values()]
+    ours.step(o_ours)
+    ours.update()
+    amax = torch.stack([p.grad.abs().max() for p in m_ours.parameters()]).max().item()
+    assert ours.last_stats.grad_amax == amax or (math.isnan(amax) and bad is not None)
+    assert ours.last_stats.found_inf == (bad is not None)
+
+
+def test_a_flag_reduced_by_the_caller_after_unscale_is_the_one_obeyed():
+    # the pattern of loops that all_reduce scaler._found_inf_per_device(opt) in place
+    model = tiny_model()
+    opt = adamw(model)
+    scaler = autoscale.get_scaler("auto", device="cpu")
+    scaler.scale(forward_loss(model, *batches(1)[0])).backward()
+    scaler.unscale_(opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    for flag in scaler._found_inf_per_device(opt).values():
+        flag.fill_(1.0)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.step_was_skipped and scaler.last_stats.found_inf
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+@pytest.mark.parametrize("rule", ["amax-history", "auto"])
+def test_one_pass_and_general_path_train_alike(rule, fused):
+    # keep_grad_abs sends the statistics through the general path (a flat copy of |g|)
+    data = batches(40)
+    bad, spikes = {3, 11, 12, 29}, {6, 17, 18, 33}
+    runs = []
+    for keep in (False, True):
+        model = tiny_model()
+        opt = adamw(model, fused=fused)
+        scaler = autoscale.get_scaler(rule, device="cpu")
+        scaler.keep_grad_abs = keep
+        seen = []
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad(set_to_none=True)
+            loss = forward_loss(model, x, y) * (1e3 if i in spikes else 1.0)
+            scaler.scale(loss).backward()
+            if i in bad:
+                model[0].weight.grad[0, 0] = math.inf
+            if i % 4 == 1:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            s = scaler.last_stats
+            seen.append((s.scale, s.found_inf, s.grad_amax, s.loss, s.guarded, scaler.get_scale()))
+        runs.append((model, seen))
+    (m_one, one), (m_gen, gen) = runs
+    assert repr(one) == repr(gen)  # repr: NaN amaxes compare too, and the sign of zeros
+    assert sum(s[1] for s in one) >= len(bad)
+    assert_same_params(m_one, m_gen)
