@@ -301,9 +301,17 @@ class LossScaler(torch.amp.GradScaler):
         if self._scale is None:
             self._lazy_init_scale_growth_tracker(loss.device)
         dev = self._scale.device
+        group = self._group()
+        if dev.type == "cpu" and loss.device.type == "cpu" and group is None:
+            # on the CPU, reading the loss is no sync: the same float64 arithmetic on the host
+            # (IEEE division, the C library's log2 as torch's scalar kernel calls it, an exact
+            # power of two, the clamp) and one fill, instead of nine tensor ops
+            self._scale.fill_(_guarded_scale(limit, float(loss), self.min_scale, self._host_scale))
+            self._guard_scale = None
+            self._guarded = True
+            return
         exact = torch.float32 if dev.type == "mps" else torch.float64  # MPS has no float64
         g = loss.to(dev, exact, copy=True).abs_()  # a copy: every op below works in place
-        group = self._group()
         if group is not None:  # a NaN on any rank: every rank keeps the set scale
             g = torch.nan_to_num(g, nan=math.inf)
             dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
@@ -401,7 +409,10 @@ class LossScaler(torch.amp.GradScaler):
         scale where it ran, else none while the host scale stays (a tensor kept for it). Valid
         until the next step's: read it within the step."""
         dev = self._scale.device
-        if self._guarded or dev.type == "mps":
+        host = self._host_scale
+        if self._guarded and self._guard_scale is None and dev.type == "cpu":
+            host = float(self._scale)  # the guard's scale, set on the host (no sync on a CPU)
+        elif self._guarded or dev.type == "mps":
             g = self._guard_scale if self._guarded else None
             if g is None:
                 g = self._scale if dev.type == "mps" else self._scale.double()
@@ -410,9 +421,9 @@ class LossScaler(torch.amp.GradScaler):
                 buf = self._inv_buf = torch.empty((), device=dev)
             return torch.reciprocal(g, out=buf)  # computed in g's dtype, rounded on the way out
         cached = self._inv_cache
-        if cached is None or cached[0] != self._host_scale or cached[1].device != dev:
-            inv = torch.full((), f32(1.0 / self._host_scale), device=dev)
-            cached = self._inv_cache = (self._host_scale, inv)
+        if cached is None or cached[0] != host or cached[1].device != dev:
+            inv = torch.full((), f32(1.0 / host), device=dev)
+            cached = self._inv_cache = (host, inv)
         return cached[1]
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
@@ -909,3 +920,14 @@ class LossScaler(torch.amp.GradScaler):
             )
             loss_sum = row[-1] if n_loss else 0.0
             s["autoscale_host"] = (found, amax, sumsq, count, loss_sum, float(n_loss))
+
+
+def _guarded_scale(limit: float, loss: float, min_scale: float, max_scale: float) -> float:
+    """The guard's scale from a host loss, as the device ops compute it: a non-finite or zero
+    |loss| keeps ``max_scale`` (the set scale); else the largest power of two S with
+    S * |loss| <= limit, clamped to [min_scale, max_scale]."""
+    m = abs(loss)
+    q = limit / m if (0.0 < m < math.inf) else math.inf
+    if q < math.inf:
+        q = 2.0 ** math.floor(math.log2(q)) if q > 0.0 else 0.0
+    return min(max(q, min_scale), max_scale)
