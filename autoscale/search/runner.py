@@ -62,6 +62,7 @@ from autoscale.search.study import (
     fail_stale_trials,
     store_plan,
     study_kwargs,
+    study_note,
     wait_for_plan,
 )
 from autoscale.search.timing import GatePlan, Timings, measure_all
@@ -70,6 +71,7 @@ from autoscale.search.trials import (
     REFERENCE_RULE,
     TrialRecorder,
     worker_id,
+    write_note,
 )
 from autoscale.search.validate import PREFIX as VALIDATED_PREFIX
 from autoscale.search.validate import Validator
@@ -312,9 +314,11 @@ class SearchRunner:
         self.gate = NoHarmCheck(
             new.gate, self.folder, self.ledger, _scale_kw(new.suite), progress=self.cfg.progress
         )
-        if changed and not scored:
-            with self.ledger.track("bk:optuna"):
-                store_plan(study, new)
+        with self.ledger.track("bk:optuna"):
+            if changed and not scored:
+                store_plan(study, new)  # the shape, and the note with what was traded
+            else:
+                write_note(study, study_note(self.cfg.study, new))
         return new
 
     def _adopt(self, stored: Any) -> tuple[SuiteSpec, SuiteSpec, int]:

@@ -127,4 +127,10 @@ def test_a_machine_that_turns_slower_after_measuring_gets_a_re_planned_search_in
     assert "x slower than measured" in text
     assert result.exported is not None, text
     get_scaler(str(result.exported), device="cpu")
+    import optuna
+    from optuna_dashboard import get_note
+
+    study = optuna.load_study(study_name="bent", storage=cfg.storage)
+    note = get_note(study)
+    assert "slower than measured" in note and "traded: " in note  # the study says so too
     assert 0.9 * 60 <= budget.elapsed() <= 1.05 * 60, f"{budget.elapsed():.1f} s\n{text}"
