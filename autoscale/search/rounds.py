@@ -254,7 +254,9 @@ class Rounds:
         t0 = time.monotonic()
         results = validator.run(
             order,
-            self.budget.end - 1.2 * self.gate.cost(plan.timings, 1),
+            # a margin more than the check's own 1.2: steps that run slower than the timings
+            # (a machine busier now) would otherwise leave the check a few seconds short
+            self.budget.end - 1.4 * self.gate.cost(plan.timings, 1),
             on_done=lambda v: self._note_validated(
                 trials.get(int(v.key[6:])) if v.key.startswith("trial:") else None, v
             ),
@@ -328,7 +330,9 @@ class Rounds:
             self.gate,
             plan.timings,
             self.ledger,
-            stop_at=self.budget.end,
+            # a check may take half the reserve (kept for the export and exit, which take less):
+            # a round whose check misses by seconds exports nothing
+            stop_at=self.budget.end + 0.5 * self.budget.reserve,
             say=lambda text: self.say("export", text),
         )
         for text in choice.unchecked:

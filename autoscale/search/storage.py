@@ -196,15 +196,29 @@ def _postgres_driver(url: str) -> str:
 
 
 def _sqlite_wal(engine: Any) -> None:
+    """WAL mode, and every transaction begun with ``BEGIN IMMEDIATE``.
+
+    Python's sqlite3 begins a transaction only at the first write, so Optuna's read-then-write
+    of a trial's state (``set_trial_state_values``: a WAITING trial becomes RUNNING) is two steps
+    with another worker's commit possibly between them: two workers then pop the same enqueued
+    trial, and the second to finish it dies on "Cannot tell a COMPLETE trial". Taking the write
+    lock when a transaction begins makes each one atomic (SQLAlchemy's documented recipe for
+    pysqlite); other workers wait for it (``busy_timeout``), as they do for any write."""
     from sqlalchemy import event
 
     def on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # no implicit BEGIN: on_begin says which
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA busy_timeout=60000")
         cur.close()
 
+    def on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
     event.listen(engine, "connect", on_connect)
+    event.listen(engine, "begin", on_begin)
     engine.dispose()  # connections made so far lack the pragmas
 
 

@@ -188,7 +188,7 @@ def test_a_policy_folder_written_half_way_is_refused_in_one_line(tmp_path, monke
 _KILL_AT = {
     # the policy staged and its manifest written, not published yet
     "staged": """
-import autoscale.agents.export as export
+import autoscale.search.export as export
 real = export.write_manifest
 def write_then_die(path, manifest):
     real(path, manifest)

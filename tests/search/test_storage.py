@@ -80,3 +80,39 @@ def test_a_trial_no_worker_tagged_is_failed_once_it_is_old(tmp_path):
         untagged.number: optuna.trial.TrialState.FAIL,
         tagged_live.number: optuna.trial.TrialState.RUNNING,
     }
+
+
+def _ask_many(url: str, n: int, out) -> None:
+    import optuna
+
+    from autoscale.search.storage import open_storage
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study = optuna.load_study(study_name="queue", storage=open_storage(url))
+    out.put([study.ask().number for _ in range(n)])
+
+
+def test_two_workers_never_run_the_same_enqueued_trial(tmp_path):
+    """Workers asking at once on one SQLite file each get their own trial: an enqueued (WAITING)
+    trial becomes RUNNING for one of them only (a worker that got one another had already run
+    died on "Cannot tell a COMPLETE trial")."""
+    import multiprocessing as mp
+
+    import optuna
+
+    from autoscale.search.storage import open_storage
+
+    url = f"sqlite:///{tmp_path / 'queue.db'}"
+    study = optuna.create_study(study_name="queue", storage=open_storage(url))
+    for i in range(80):
+        study.enqueue_trial({"x": i})
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_ask_many, args=(url, 40, out)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    numbers = [n for g in got for n in g]
+    assert len(numbers) == len(set(numbers)) == 120
