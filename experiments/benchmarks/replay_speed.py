@@ -149,12 +149,12 @@ class Clocks:
 def make_trace(spec, path: str | None):
     from autoscale.envs import Trace, record_trace
 
-    inst = spec.instances["train"][0].name
+    names = {i.name for i in spec.instances["train"]}  # the env replays every train instance
     if path and os.path.exists(path):
         trace = Trace.load(path)
-        if trace.spec.get("workload") == spec.workload.to_dict() and inst in trace.instances:
+        if trace.spec.get("workload") == spec.workload.to_dict() and names <= set(trace.instances):
             return trace
-    return record_trace(spec, spec.episode.steps, path, instances=[inst])
+    return record_trace(spec, spec.episode.steps, path, instances=("train",))
 
 
 def block(env, actions: np.ndarray, keep: list | None) -> Clocks:
