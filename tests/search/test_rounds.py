@@ -133,4 +133,7 @@ def test_a_machine_that_turns_slower_after_measuring_gets_a_re_planned_search_in
     study = optuna.load_study(study_name="bent", storage=cfg.storage)
     note = get_note(study)
     assert "slower than measured" in note and "traded: " in note  # the study says so too
-    assert 0.9 * 60 <= budget.elapsed() <= 1.05 * 60, f"{budget.elapsed():.1f} s\n{text}"
+    elapsed = budget.elapsed()
+    assert elapsed <= 1.05 * 60, f"{elapsed:.1f} s\n{text}"
+    if "stopping with" not in text:  # the budget is spent, or the search says why not (as the
+        assert elapsed >= 0.9 * 60, f"{elapsed:.1f} s\n{text}"  # 60 s CLI search's test holds)
