@@ -114,8 +114,8 @@ def replan(
     if not slow and suite == plan.suite:
         return plan
     timings = plan.timings.scaled(pace) if slow else plan.timings
-    cuts = []
     why = f"steps ran {pace:.1f}x slower than measured" if slow else "the recording ran long"
+    cuts = [f"the phases after recording planned at the pace seen ({why})"] if slow else []
     if stats["dropped"]:
         cuts.append(
             f"{len(stats['dropped'])} of {_instances(plan.suite)} instances unrecorded ({why})"

@@ -330,9 +330,7 @@ class Rounds:
             self.gate,
             plan.timings,
             self.ledger,
-            # a check may take half the reserve (kept for the export and exit, which take less):
-            # a round whose check misses by seconds exports nothing
-            stop_at=self.budget.end + 0.5 * self.budget.reserve,
+            stop_at=self.budget.end,
             say=lambda text: self.say("export", text),
         )
         for text in choice.unchecked:
