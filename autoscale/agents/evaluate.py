@@ -19,7 +19,7 @@ from autoscale.envs.episodes import (
 )
 from autoscale.envs.spec import EnvSpec
 from autoscale.envs.suite import load_spec
-from autoscale.scalers.base import LossScaler
+from autoscale.scalers.scaler import LossScaler
 
 __all__ = ["evaluate_scalers"]
 

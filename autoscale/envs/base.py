@@ -10,8 +10,8 @@ import numpy as np
 from gymnasium import spaces
 
 from autoscale.envs.spec import EnvSpec, InstanceSpec, RewardWeights, load_env_spec
+from autoscale.scalers.controller import ScaleBounds, ScaleRule, StepStats
 from autoscale.scalers.features import FEATURE_BOUND, N_FEATURES, FeatureExtractor, FrameStack
-from autoscale.scalers.rule import ScaleBounds, ScaleRule, StepStats
 
 __all__ = ["ScaleEnvBase", "step_reward"]
 

@@ -10,8 +10,8 @@ from typing import Any
 from autoscale.envs.base import ScaleEnvBase
 from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.suite import SuiteSpec
-from autoscale.scalers.base import LossScaler
 from autoscale.scalers.catalog import get_scaler
+from autoscale.scalers.scaler import LossScaler
 
 __all__ = [
     "SEED_STRIDE",

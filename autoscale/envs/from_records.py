@@ -94,8 +94,8 @@ def suite_from_records(records: list, horizon: int | None = None) -> tuple[Any, 
     from autoscale.envs.spec import EnvSpec, EpisodeSpec, InstanceSpec
     from autoscale.envs.suite import SuiteSpec
     from autoscale.observe import RunRecord, read_record
+    from autoscale.scalers.controller import StepStats
     from autoscale.scalers.features import FeatureExtractor
-    from autoscale.scalers.rule import StepStats
     from autoscale.training import WorkloadSpec
 
     loaded = [r if isinstance(r, RunRecord) else read_record(r) for r in records]

@@ -8,8 +8,8 @@ from typing import Any
 from autoscale.envs.base import ScaleEnvBase
 from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.scalers.catalog import get_scaler
+from autoscale.scalers.controller import StepStats
 from autoscale.scalers.features import FeatureExtractor
-from autoscale.scalers.rule import StepStats
 
 __all__ = ["LossScaleEnv"]
 

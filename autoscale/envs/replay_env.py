@@ -13,7 +13,8 @@ from autoscale.envs.base import ScaleEnvBase, step_reward
 from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.errors import ConfigError
-from autoscale.scalers.rule import StepStats, guarded_scale
+from autoscale.scalers.controller import StepStats
+from autoscale.scalers.loss_guard import guarded_scale
 
 __all__ = ["ReplayEnv", "precision_table"]
 

@@ -3,7 +3,7 @@
 As :mod:`autoscale.envs.vector_rules`: each maker returns a
 :class:`~autoscale.envs.vector_rules.LaneRule` whose ``step`` is the scalar rule's ``next_scale``
 element by element, and, for ``amax-loss``, whose ``guard`` is the per-step guard the replay env
-applies (:func:`~autoscale.scalers.rule.guarded_scale` of the rule's
+applies (:func:`~autoscale.scalers.loss_guard.guarded_scale` of the rule's
 :meth:`~autoscale.scalers.rules.AmaxLossRule.guard_limit`). ``floor(log2(...))`` is taken where
 ``math.log2`` would give it: from a table of ``math.log2`` of every traced amax, or from the binary
 exponent away from the float just below a power of two (where ``math.log2`` may round up).
@@ -18,7 +18,7 @@ import numpy as np
 
 from autoscale.envs.vector_rules import LaneRule, column
 from autoscale.envs.vector_windows import ReplayWindows
-from autoscale.scalers.rule import FP16_MAX
+from autoscale.scalers.controller import FP16_MAX
 from autoscale.scalers.rules import HALF_BIT
 
 __all__ = ["AMAX_RULES", "floor_log2"]

@@ -12,7 +12,7 @@ episode) together, and returns the scorecards the scalar replay returns, equal f
 - ``log2`` is exact where the scalar path's ``math.log2`` is: exponents of powers of two, and
   ``math.log2`` itself for any other scale (numpy's may differ in the last bit), cached;
 - the rules' updates are the scalar rules' float operations, float32 rounding and clamps
-  (:meth:`~autoscale.scalers.rule.ScaleBounds.clamp`) included, element by element
+  (:meth:`~autoscale.scalers.controller.ScaleBounds.clamp`) included, element by element
   (:mod:`autoscale.envs.vector_rules`: the counter rules; :mod:`autoscale.envs.vector_amax`: the
   amax rules); a rule's per-step guard (``amax-loss``) lowers a step's scale as
   :class:`~autoscale.envs.ReplayEnv` does, and ``raise_at_min`` raises where the controller does;
@@ -164,7 +164,7 @@ def replay_rule(
 
 
 def _abort_at_min(rule: str, lanes: LaneRule, t: int, at_min: np.ndarray, lo: np.ndarray) -> None:
-    """:meth:`ScaleController.step <autoscale.scalers.rule.ScaleController.step>`'s abort: an
+    """:meth:`ScaleController.step <autoscale.scalers.controller.ScaleController.step>`'s abort: an
     overflow at the minimum, with ``raise_at_min``, that the rule would answer by lowering the
     scale raises as it does in the scalar replay."""
     from autoscale.errors import MinimumLossScaleError

@@ -28,13 +28,13 @@ class LaneRule:
     Attributes:
         step: ``step(t, scale, over)``: the scale each lane wants after step ``t`` taken at
             ``scale`` (``over``: it overflowed), before the controller's clamp
-            (:meth:`~autoscale.scalers.rule.ScaleRule.next_scale`).
+            (:meth:`~autoscale.scalers.controller.ScaleRule.next_scale`).
         guard: ``guard(t, scale)``: the scale each lane's step ``t`` takes under the rule's
             per-step guard, given the scale the rule set (None: no guard;
-            :func:`~autoscale.scalers.rule.guarded_scale`).
+            :func:`~autoscale.scalers.loss_guard.guarded_scale`).
         backs_off: ``backs_off(t)``: where an overflow at step ``t`` would lower the scale, read
             before ``step`` (None: everywhere;
-            :meth:`~autoscale.scalers.rule.ScaleRule.backs_off_on_overflow`).
+            :meth:`~autoscale.scalers.controller.ScaleRule.backs_off_on_overflow`).
     """
 
     step: Step
@@ -43,7 +43,7 @@ class LaneRule:
 
 
 def f32_lanes(x: np.ndarray) -> np.ndarray:
-    """:func:`~autoscale.scalers.rule.f32` elementwise (round to float32; too large -> inf)."""
+    """:func:`~autoscale.scalers.controller.f32` elementwise (round to float32; too large -> inf)."""
     with np.errstate(over="ignore"):
         return np.asarray(x).astype(np.float32).astype(np.float64)
 

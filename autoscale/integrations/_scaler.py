@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from autoscale.errors import ConfigError
-from autoscale.scalers.base import LossScaler
 from autoscale.scalers.catalog import get_scaler
+from autoscale.scalers.scaler import LossScaler
 
 __all__ = ["resolve_scaler"]
 

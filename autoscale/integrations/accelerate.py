@@ -30,7 +30,7 @@ from autoscale.integrations._scaler import resolve_scaler
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from autoscale.scalers.base import LossScaler
+    from autoscale.scalers.scaler import LossScaler
 
 __all__ = ["install_scaler", "make_accelerator"]
 
@@ -44,7 +44,7 @@ def install_scaler(
         accelerator: An ``accelerate.Accelerator`` built with ``mixed_precision="fp16"``, on which
             ``prepare`` has not been called yet.
         scaler: A registered scaler name (``"torch"``, ``"deepspeed"``, an exported policy, ...) or a
-            built :class:`~autoscale.scalers.base.LossScaler`.
+            built :class:`~autoscale.scalers.scaler.LossScaler`.
         **overrides: Keyword arguments of the rule when ``scaler`` is a name (``init_scale``, ...).
 
     Returns:

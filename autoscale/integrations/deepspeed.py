@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from autoscale.errors import ConfigError
-from autoscale.scalers.base import LossScaler
 from autoscale.scalers.catalog import get_scaler
 from autoscale.scalers.neural import deepspeed_refusal
 from autoscale.scalers.policies import find_policy, read_manifest
 from autoscale.scalers.registry import build_scaler, rule_class
+from autoscale.scalers.scaler import LossScaler
 
 __all__ = ["deepspeed_config", "write_deepspeed_config", "HF_AUTO_BATCH"]
 

@@ -22,12 +22,12 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from autoscale.integrations._scaler import resolve_scaler
-from autoscale.scalers.base import default_device
+from autoscale.scalers.scaler import default_device
 
 if TYPE_CHECKING:
     from lightning.pytorch.plugins import FSDPPrecision, MixedPrecision
 
-    from autoscale.scalers.base import LossScaler
+    from autoscale.scalers.scaler import LossScaler
 
 __all__ = ["ScaleMonitor", "mixed_precision_plugin", "fsdp_precision_plugin"]
 
@@ -61,7 +61,7 @@ class ScaleMonitor(_callback_base()):
     def on_train_start(self, trainer, pl_module) -> None:
         from autoscale.observe import watch_scaler
         from autoscale.observe.live import LatestSink
-        from autoscale.scalers.base import LossScaler
+        from autoscale.scalers.scaler import LossScaler
 
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if isinstance(scaler, LossScaler) and self.watch is None:
@@ -97,7 +97,7 @@ def mixed_precision_plugin(
     """``MixedPrecision("16-mixed", device, scaler=...)`` with an autoscale scaler.
 
     Args:
-        scaler: A registered scaler name or a built :class:`~autoscale.scalers.base.LossScaler`.
+        scaler: A registered scaler name or a built :class:`~autoscale.scalers.scaler.LossScaler`.
         device: The autocast device, ``"cuda"`` or ``"cpu"``; CUDA when present, else CPU.
         **overrides: Rule keyword arguments when ``scaler`` is a name.
 
@@ -117,7 +117,7 @@ def fsdp_precision_plugin(
     """``FSDPPrecision("16-mixed")`` whose scaler is an autoscale scaler, for ``strategy="fsdp"``.
 
     Args:
-        scaler: A registered scaler name or a built :class:`~autoscale.scalers.base.LossScaler`.
+        scaler: A registered scaler name or a built :class:`~autoscale.scalers.scaler.LossScaler`.
         device: Device of the scale; FSDPPrecision autocasts on ``"cuda"`` only.
         **overrides: Rule keyword arguments when ``scaler`` is a name.
 

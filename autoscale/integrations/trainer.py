@@ -20,7 +20,7 @@ from autoscale.errors import ConfigError
 from autoscale.integrations.accelerate import install_scaler
 
 if TYPE_CHECKING:
-    from autoscale.scalers.base import LossScaler
+    from autoscale.scalers.scaler import LossScaler
 
 __all__ = ["AutoscaleTrainer", "AutoscaleTrainerMixin", "ScaleLogCallback", "log_scale"]
 
@@ -45,7 +45,7 @@ class ScaleLogCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         from autoscale.observe import watch_scaler
         from autoscale.observe.live import LatestSink
-        from autoscale.scalers.base import LossScaler
+        from autoscale.scalers.scaler import LossScaler
 
         scaler = getattr(optimizer, "scaler", None)
         if isinstance(scaler, LossScaler) and self.watch is None:
@@ -79,7 +79,7 @@ class AutoscaleTrainerMixin:
     """Mix into any ``Trainer`` subclass (``class MyTrainer(AutoscaleTrainerMixin, SFTTrainer)``).
 
     Args:
-        scaler: A registered scaler name or a built :class:`~autoscale.scalers.base.LossScaler`.
+        scaler: A registered scaler name or a built :class:`~autoscale.scalers.scaler.LossScaler`.
         scaler_overrides: Rule keyword arguments when ``scaler`` is a name.
         *args, **kwargs: Passed on to the Trainer; ``TrainingArguments(fp16=True)`` is required.
     """

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autoscale.observe.record import HIST_HI, HIST_LO, RecordWriter, underflow_share
-from autoscale.scalers.base import FP16_MAX
+from autoscale.scalers.controller import FP16_MAX
 from autoscale.scalers.grad_stats import FlatAbs
 
 __all__ = [

@@ -24,7 +24,7 @@ from autoscale.envs.from_records import trace_from_record
 from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.observe import RunRecord
 from autoscale.scalers import StepStats, get_scaler
-from autoscale.scalers.rule import guarded_scale
+from autoscale.scalers.loss_guard import guarded_scale
 
 __all__ = ["LIMITS", "Outcome", "RecordReplay"]
 

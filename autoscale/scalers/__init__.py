@@ -4,8 +4,15 @@ A scaler (:class:`LossScaler`, a GradScaler) hosts a rule (:class:`ScaleRule`) t
 next scale. Imports torch and PyYAML only (never stable-baselines3, optuna or gymnasium).
 """
 
-from autoscale.scalers.base import LossScaler, default_device
 from autoscale.scalers.catalog import ScalerInfo, get_scaler, list_scalers
+from autoscale.scalers.controller import (
+    FP16_MAX,
+    FP16_MIN_NORMAL,
+    ScaleBounds,
+    ScaleController,
+    ScaleRule,
+    StepStats,
+)
 from autoscale.scalers.policies import (
     PolicyManifest,
     find_policy,
@@ -14,14 +21,6 @@ from autoscale.scalers.policies import (
     register_policy_kind,
 )
 from autoscale.scalers.registry import register_loss_scaler, rule_class
-from autoscale.scalers.rule import (
-    FP16_MAX,
-    FP16_MIN_NORMAL,
-    ScaleBounds,
-    ScaleController,
-    ScaleRule,
-    StepStats,
-)
 from autoscale.scalers.rules import (
     AmaxCapRule,
     AmaxHistoryRule,
@@ -34,6 +33,7 @@ from autoscale.scalers.rules import (
     StaticRule,
     TorchRule,
 )
+from autoscale.scalers.scaler import LossScaler, default_device
 
 __all__ = [
     "FP16_MAX",

@@ -1,7 +1,7 @@
 """Every scaler by name: ``get_scaler(name)`` looks among the rules (built-in, registered, and
 installed plugins: :mod:`~autoscale.scalers.registry`), then the exported policies
 (:mod:`~autoscale.scalers.policies`, loaded by the policy kinds of
-:mod:`~autoscale.scalers.policy` and :mod:`~autoscale.scalers.neural`); ``list_scalers()`` lists
+:mod:`~autoscale.scalers.parametric` and :mod:`~autoscale.scalers.neural`); ``list_scalers()`` lists
 them all. The one place that knows both, so that neither knows the other's listing.
 """
 
@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoscale.errors import ConfigError, PolicyError, unknown_name
-from autoscale.scalers import neural, policies, policy  # noqa: F401  (the policy kinds)
-from autoscale.scalers.base import LossScaler
+from autoscale.scalers import neural, parametric, policies  # noqa: F401  (the policy kinds)
 from autoscale.scalers.registry import (
     build_scaler,
     is_plugin,
@@ -21,6 +20,7 @@ from autoscale.scalers.registry import (
     rule_defaults,
     rule_names,
 )
+from autoscale.scalers.scaler import LossScaler
 
 __all__ = ["ScalerInfo", "get_scaler", "list_scalers"]
 

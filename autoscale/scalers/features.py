@@ -2,7 +2,7 @@
 
 Observation parity is an invariant: a policy must see in deployment exactly what it saw in
 training. Both the Gymnasium environments and :class:`~autoscale.scalers.neural.NeuralPolicyRule`
-turn the same :class:`~autoscale.scalers.base.StepStats` records into features with this class.
+turn the same :class:`~autoscale.scalers.scaler.StepStats` records into features with this class.
 The spec is versioned; a policy trained on another ``FEATURE_VERSION`` is refused.
 
 Pure Python on host floats: the statistics were already read in the scaler's one sync per step.
@@ -14,7 +14,7 @@ import math
 from collections import deque
 from typing import Any
 
-from autoscale.scalers.base import FP16_MAX, StepStats
+from autoscale.scalers.controller import FP16_MAX, StepStats
 
 __all__ = [
     "FeatureExtractor",

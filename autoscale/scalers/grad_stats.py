@@ -1,6 +1,6 @@
 """Gradient statistics on the scaler's hot path: the amax of a list of gradients, read in one pass.
 
-:class:`~autoscale.scalers.base.LossScaler` calls these once per optimizer step, so they are
+:class:`~autoscale.scalers.scaler.LossScaler` calls these once per optimizer step, so they are
 written for few tensor ops (each costs some microseconds on a CPU, more right after a backward
 pass has evicted the caches) and few passes over the gradients:
 
@@ -9,7 +9,9 @@ pass has evicted the caches) and few passes over the gradients:
   (dense float32 tensors on one device), where ``max |g|`` is read from the scaled gradients and
   gives both the found-inf flag (:func:`nonfinite_flag`) and, times ``1/scale``, the unscaled
   amax: rounding is monotonic, so ``max_i fl(|g_i| * inv) == fl(max_i |g_i| * inv)`` exactly;
-- :class:`FlatAbs`: ``|g|`` copied into one reused buffer, for instruments that read it too.
+- :class:`FlatAbs`: ``|g|`` copied into one reused buffer, for instruments that read it too;
+- :func:`grad_stats`: ``[amax, sum of squares, count]`` of the gradients, from that buffer or
+  read in place.
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ import math
 
 import torch
 
-__all__ = ["AbsMax", "FlatAbs", "grad_amax", "nonfinite_flag", "one_pass_grads", "stack_on"]
+__all__ = [
+    "AbsMax",
+    "FlatAbs",
+    "grad_amax",
+    "grad_stats",
+    "grads_of",
+    "nonfinite_flag",
+    "one_pass_grads",
+    "stack_on",
+]
 
 
 def grad_amax(grads: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
@@ -33,6 +44,58 @@ def grad_amax(grads: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
     return torch.linalg.vector_norm(
         stack_on([t for g in grads for t in torch.aminmax(g)], dev), math.inf
     )
+
+
+def grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The gradients of ``optimizer`` that hold elements (a sparse one's values)."""
+    return [
+        p.grad._values() if p.grad.is_sparse else p.grad
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None and p.grad.numel()
+    ]
+
+
+def grad_stats(
+    grads: list[torch.Tensor],
+    dev: torch.device,
+    inv_scale: torch.Tensor | float | None,
+    rms: bool,
+    flat: FlatAbs | None = None,
+    step: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[amax, sumsq, count]`` of ``grads`` (float32 on ``dev``; sumsq NaN unless ``rms``),
+    times ``inv_scale`` (and its square) where the gradients are still scaled; and the sum of
+    squares of the unscaled gradients where it came from ``flat`` (for a caller that clips),
+    else None. No host sync.
+
+    With ``flat`` (CPU gradients), ``|g|`` is copied into it first, for an instrument that reads
+    it too, and the statistics come from that copy (one max, one dot); without, each gradient is
+    read in place, which is cheaper when nothing else reads the copy (on an MLP of 1M parameters
+    the copy, abs and max cost amax-history 1.09x GradScaler's step, aminmax 1.04x)."""
+    if not grads:
+        return torch.zeros(3, device=dev), None
+    with torch.no_grad():
+        norm = None
+        if flat is not None and dev.type == "cpu" and all(g.device.type == "cpu" for g in grads):
+            buf = flat.load(grads, unscaled=inv_scale is None, step=step)
+            amax = buf.max()
+            sumsq = torch.dot(buf, buf) if rms else None
+            if inv_scale is None and sumsq is not None:
+                norm = sumsq
+        else:
+            amax = grad_amax(grads, dev)
+            sumsq = None
+            if rms:
+                norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+                sumsq = stack_on(norms, dev).square().sum()
+        if sumsq is None:
+            sumsq = torch.full((), math.nan, device=dev)
+        if inv_scale is not None:
+            amax, sumsq = amax * inv_scale, sumsq * (inv_scale * inv_scale)
+        # torch.full, not torch.tensor: no host-to-device copy (a stream sync on CUDA)
+        count = torch.full((), float(sum(g.numel() for g in grads)), device=dev)
+        return torch.stack([amax, sumsq, count]), norm
 
 
 class AbsMax:

@@ -16,11 +16,11 @@ from torch import nn
 
 from autoscale.errors import ConfigError, PolicyError
 from autoscale.scalers.actions import ActionMap
-from autoscale.scalers.base import LossScaler
+from autoscale.scalers.controller import ScaleRule, StepStats
 from autoscale.scalers.features import FEATURE_VERSION, N_FEATURES, FeatureExtractor, FrameStack
 from autoscale.scalers.policies import PolicyManifest, register_policy_kind, sha256_file
 from autoscale.scalers.registry import SCALER_OPTIONS
-from autoscale.scalers.rule import ScaleRule, StepStats
+from autoscale.scalers.scaler import LossScaler
 
 __all__ = [
     "NeuralPolicyRule",

@@ -33,7 +33,7 @@ from autoscale.scalers.registry import rule_class
 from autoscale.yamlio import load_yaml, yaml_problem
 
 if TYPE_CHECKING:
-    from autoscale.scalers.base import LossScaler
+    from autoscale.scalers.scaler import LossScaler
 
 __all__ = [
     "PolicyManifest",

@@ -16,9 +16,9 @@ from importlib import metadata
 from typing import Any
 
 from autoscale.errors import ConfigError
-from autoscale.scalers.base import LossScaler
-from autoscale.scalers.rule import ScaleRule
+from autoscale.scalers.controller import ScaleRule
 from autoscale.scalers.rules import BUILTIN_RULES
+from autoscale.scalers.scaler import LossScaler
 
 __all__ = [
     "register_loss_scaler",
@@ -55,7 +55,7 @@ _ENTRY_POINTS_LOADED = False
 def register_loss_scaler(
     name: str, *, override: bool = False
 ) -> Callable[[type[ScaleRule]], type[ScaleRule]]:
-    """Class decorator that registers a :class:`~autoscale.scalers.rule.ScaleRule` as ``name``.
+    """Class decorator that registers a :class:`~autoscale.scalers.controller.ScaleRule` as ``name``.
 
     ``get_scaler(name)`` then hosts the rule in a GradScaler. Example::
 

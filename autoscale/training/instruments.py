@@ -17,7 +17,7 @@ import torch
 from autoscale.observe.record import HIST_EDGES, HIST_HI, HIST_LO
 from autoscale.observe.watch import BackwardAmaxMode
 from autoscale.observe.watch import log2_histogram as histogram_of
-from autoscale.scalers.base import FP16_MIN_NORMAL
+from autoscale.scalers.controller import FP16_MIN_NORMAL
 from autoscale.scalers.grad_stats import FlatAbs
 
 __all__ = [
@@ -52,7 +52,7 @@ class GradientCensus:
 
     def adopt(self, flat: torch.Tensor) -> torch.Tensor:
         """Count over ``flat`` (``|g|``, float32, one dimension) instead of a copy of its own: the
-        buffer a :class:`~autoscale.scalers.base.LossScaler` filled for its statistics."""
+        buffer a :class:`~autoscale.scalers.scaler.LossScaler` filled for its statistics."""
         self._abs = flat
         if (
             self._scratch is None

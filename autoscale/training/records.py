@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from autoscale.scalers.base import FP16_MAX, StepStats
+from autoscale.scalers.controller import FP16_MAX, StepStats
 
 __all__ = ["StepRecord", "Snapshot"]
 

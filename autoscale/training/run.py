@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from autoscale.errors import ConfigError
-from autoscale.scalers.base import FP16_MIN_NORMAL, LossScaler
+from autoscale.scalers.controller import FP16_MIN_NORMAL
+from autoscale.scalers.scaler import LossScaler
 from autoscale.training.data import (
     BatchStream,
     LowRankStream,
@@ -132,7 +133,7 @@ class TrainingRun:
         ]
         self._checked_fp16 = spec.dtype != "fp16" or self.user is None
         self.scaler = self._make_scaler(scaler, scaler_overrides)
-        self.scaler.keep_grad_abs = True  # its statistics' copy of |g| is the census's input
+        self.scaler.grads.keep_abs = True  # its statistics' copy of |g| is the census's input
         self.scaler_spec = self.scaler.spec()  # as configured, before training moves the scale
         self._census = GradientCensus()
         self.step_index = 0
@@ -155,9 +156,9 @@ class TrainingRun:
             raise ConfigError(
                 "TrainingRun needs an enabled scaler; for no scaling use get_scaler('static', init_scale=1)"
             )
-        if scaler._device != self.device.type:
+        if scaler.device != self.device.type:
             raise ConfigError(
-                f"scaler is for device '{scaler._device}' but the run is on '{self.device.type}'"
+                f"scaler is for device '{scaler.device}' but the run is on '{self.device.type}'"
             )
         scaler.collect_stats = True
         return scaler
@@ -200,7 +201,9 @@ class TrainingRun:
                 value = objective.detach().float().reshape(1)
                 objective_sum = value if objective_sum is None else objective_sum + value
         self.scaler.unscale_(self.optimizer)
-        flat = self.scaler.grad_abs(self.optimizer)  # the scaler's copy, when it made one
+        flat = self.scaler.grads.grad_abs(
+            self.optimizer, self.scaler.steps
+        )  # the scaler's copy, when it made one
         if flat is not None:
             self._census.adopt(flat)
         else:
@@ -214,7 +217,9 @@ class TrainingRun:
             if watch is not None and watch.amax is not None:
                 extras.append(watch.amax.reshape(1))
         if spec.clip is not None:
-            norm = self.scaler.grad_norm(self.optimizer)  # from the statistics' pass, if it ran
+            norm = self.scaler.grads.grad_norm(
+                self.optimizer, self.scaler.steps
+            )  # from the statistics' pass, if it ran
             if norm is None:
                 torch.nn.utils.clip_grad_norm_(self._params, spec.clip)
             else:  # clip_grad_norm_'s own arithmetic, on that norm
@@ -406,7 +411,7 @@ class TrainingRun:
 
 def resolve_device(name: str | None) -> torch.device:
     """``name`` as a torch.device (None: CUDA when present); ConfigError for CUDA without CUDA."""
-    from autoscale.scalers.base import default_device
+    from autoscale.scalers.scaler import default_device
 
     device = torch.device(name or default_device())
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoscale.errors import ConfigError, check_keys, unknown_name
-from autoscale.scalers.rule import positive_finite
+from autoscale.scalers.controller import positive_finite
 from autoscale.training.presets import check_model_name
 
 __all__ = ["WorkloadSpec", "DTYPES", "FP16_PATHS", "INITS"]

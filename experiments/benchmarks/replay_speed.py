@@ -41,7 +41,7 @@ from autoscale.scalers.features import (
     LOG2_FP16_MIN_NORMAL,
     FeatureExtractor,
 )
-from autoscale.scalers.rule import guarded_scale
+from autoscale.scalers.loss_guard import guarded_scale
 
 REFERENCE_ID = "autoscale-bench/ReplayBefore-v0"
 

@@ -20,8 +20,8 @@ import pytest
 from autoscale.envs import ReplayEnv, load_env_spec
 from autoscale.envs.suite_env import SuiteEnv
 from autoscale.envs.traces import Trace, instance_trace
+from autoscale.scalers.controller import StepStats
 from autoscale.scalers.features import FEATURE_VERSION, FeatureExtractor
-from autoscale.scalers.rule import StepStats
 
 FIXTURE = Path(__file__).parent / "fixtures" / "replay_pin.json"
 NEURAL = Path(__file__).parents[1] / "scalers" / "fixtures" / "policies" / "fixture-neural"

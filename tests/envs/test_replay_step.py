@@ -57,6 +57,6 @@ def test_a_guarded_step_is_the_generic_one():
 
 
 def _clean(t: int):
-    from autoscale.scalers.rule import StepStats
+    from autoscale.scalers.controller import StepStats
 
     return StepStats(t, 2.0**10, False, 1.0, 1e-3, 1.0, True)

@@ -30,10 +30,20 @@ def fresh_framework_state():
 
 @pytest.fixture
 def clip_spy(monkeypatch):
-    """Records the pre-clip total norm of every ``torch.nn.utils.clip_grad_norm_`` call, which is
-    where Accelerate, Trainer and Lightning clip."""
+    """Records the pre-clip total norm of every clip: ``torch.nn.utils.clip_grad_norm_`` (where
+    Trainer and Lightning clip, and Accelerate before 1.16) and ``clip_grads_with_norm_`` called
+    directly (Accelerate 1.16 measures the norm itself, then clips with it). torch's own
+    clip_grad_norm_ calls the latter through its module's name, which this does not patch: no
+    clip counts twice."""
     from tests.integrations.helpers import ClipSpy
 
     spy = ClipSpy(torch.nn.utils.clip_grad_norm_)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    real = torch.nn.utils.clip_grads_with_norm_
+
+    def with_norm(parameters, max_norm, total_norm, *args, **kwargs):
+        spy.norms.append(float(total_norm))
+        return real(parameters, max_norm, total_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", with_norm)
     return spy

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from autoscale.scalers.base import LossScaler, StepStats
+from autoscale.scalers import LossScaler, StepStats
 
 SCALE = 2.0**12
 # the "torch" rule made to grow once in 3 clean steps, with the statistics the clip check reads

@@ -14,7 +14,7 @@ from accelerate.utils import GradScalerKwargs
 import autoscale
 from autoscale.errors import ConfigError
 from autoscale.integrations import install_scaler, make_accelerator
-from autoscale.scalers.base import LossScaler
+from autoscale.scalers.scaler import LossScaler
 from tests.integrations.helpers import (
     FAST_TORCH,
     SCALE,

@@ -13,7 +13,7 @@ from lightning.pytorch.plugins import FSDPPrecision, MixedPrecision
 
 import autoscale
 from autoscale.integrations.lightning import fsdp_precision_plugin, mixed_precision_plugin
-from autoscale.scalers.base import LossScaler
+from autoscale.scalers.scaler import LossScaler
 from tests.integrations.helpers import (
     FAST_TORCH,
     SCALE,

@@ -12,7 +12,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from autoscale.errors import ConfigError
 from autoscale.integrations.trainer import AutoscaleTrainer
-from autoscale.scalers.base import LossScaler
+from autoscale.scalers.scaler import LossScaler
 from tests.integrations.helpers import (
     SCALE,
     ByteDataset,

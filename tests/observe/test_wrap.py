@@ -37,7 +37,7 @@ def test_the_observer_changes_nothing_and_records(tmp_path):
     # bit for bit: every loss and the final weights
     assert _lines(wrapped.stdout, "LOSS") == _lines(plain.stdout, "LOSS")
     assert _lines(wrapped.stdout, "WEIGHTS") == _lines(plain.stdout, "WEIGHTS")
-    assert _lines(wrapped.stdout, "SCALER") == ["SCALER autoscale.scalers.base LossScaler torch"]
+    assert _lines(wrapped.stdout, "SCALER") == ["SCALER autoscale.scalers.scaler LossScaler torch"]
     assert _lines(wrapped.stdout, "ISINSTANCE") == ["ISINSTANCE True"]
     summary = [line for line in wrapped.stderr.splitlines() if line.startswith("autoscale wrap:")]
     assert len(summary) == 1
@@ -66,7 +66,7 @@ def test_scaler_auto_replaces_gradscaler_keeping_what_it_has(tmp_path):
         "--scaler", "auto", "--", sys.executable, str(SCRIPTS / "plain.py"), "12", cwd=tmp_path
     )
     assert out.returncode == 0, out.stderr
-    assert _lines(out.stdout, "SCALER") == ["SCALER autoscale.scalers.base LossScaler auto"]
+    assert _lines(out.stdout, "SCALER") == ["SCALER autoscale.scalers.scaler LossScaler auto"]
     # auto's rule has a growth_interval (kept) and no growth_factor (ignored): said once
     assert (
         "'auto' keeps growth_interval=50 and ignores the program's GradScaler arguments "
@@ -125,7 +125,7 @@ def test_lightning_under_the_observer_and_auto(tmp_path):
     assert _lines(observed.stdout, "WEIGHTS") == _lines(plain.stdout, "WEIGHTS")
     assert _lines(plain.stdout, "SCALER") == ["SCALER torch.amp.grad_scaler GradScaler -"]
     auto = _wrap("--scaler", "auto", "--", *script, cwd=tmp_path)
-    assert _lines(auto.stdout, "SCALER") == ["SCALER autoscale.scalers.base LossScaler auto"]
+    assert _lines(auto.stdout, "SCALER") == ["SCALER autoscale.scalers.scaler LossScaler auto"]
     assert "auto (rank 0): 8 steps, 1 skipped" in auto.stderr
 
 

@@ -103,7 +103,7 @@ def test_a_flag_reduced_by_the_caller_after_unscale_is_the_one_obeyed():
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
 @pytest.mark.parametrize("rule", ["amax-history", "auto"])
 def test_one_pass_and_general_path_train_alike(rule, fused):
-    # keep_grad_abs sends the statistics through the general path (a flat copy of |g|)
+    # keep_abs sends the statistics through the general path (a flat copy of |g|)
     data = batches(40)
     bad, spikes = {3, 11, 12, 29}, {6, 17, 18, 33}
     runs = []
@@ -111,7 +111,7 @@ def test_one_pass_and_general_path_train_alike(rule, fused):
         model = tiny_model()
         opt = adamw(model, fused=fused)
         scaler = autoscale.get_scaler(rule, device="cpu")
-        scaler.keep_grad_abs = keep
+        scaler.grads.keep_abs = keep
         seen = []
         for i, (x, y) in enumerate(data):
             opt.zero_grad(set_to_none=True)

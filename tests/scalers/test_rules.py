@@ -241,7 +241,7 @@ def test_amax_history_on_real_steps(fused):
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
 def test_collected_amax_and_rms_are_those_of_the_unscaled_gradients(fused, keep):
     scaler = autoscale.get_scaler("torch", device="cpu", init_scale=2.0**10, collect_stats=True)
-    scaler.keep_grad_abs = keep
+    scaler.grads.keep_abs = keep
     model = tiny_model()
     opt = adamw(model, fused=fused)
     (x, y), (x2, y2) = batches(2)
@@ -284,24 +284,30 @@ def test_grad_abs_is_the_unscaled_gradients_of_this_step_only(fused):
     model = tiny_model()
     opt = adamw(model, fused=fused)
     run(model, opt, scaler, batches(1))
-    assert scaler.grad_abs(opt) is None  # not kept unless asked for: the per-tensor path is cheaper
-    scaler.keep_grad_abs = True
+    assert (
+        scaler.grads.grad_abs(opt, scaler.steps) is None
+    )  # not kept unless asked for: the per-tensor path is cheaper
+    scaler.grads.keep_abs = True
     for x, y in batches(2):
         opt.zero_grad()
         scaler.scale(forward_loss(model, x, y)).backward()
-        assert scaler.grad_abs(opt) is None  # nothing collected for this step yet
+        assert (
+            scaler.grads.grad_abs(opt, scaler.steps) is None
+        )  # nothing collected for this step yet
         scaler.unscale_(opt)
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).abs()
-        assert torch.equal(scaler.grad_abs(opt), grads)
+        assert torch.equal(scaler.grads.grad_abs(opt, scaler.steps), grads)
         scaler.step(opt)
         scaler.update()
-        assert scaler.grad_abs(opt) is None  # the next step's gradients are not these
-        assert scaler.grad_norm(opt) is None
+        assert (
+            scaler.grads.grad_abs(opt, scaler.steps) is None
+        )  # the next step's gradients are not these
+        assert scaler.grads.grad_norm(opt, scaler.steps) is None
     if fused:  # without unscale_, the fused kernel unscales: the statistics' copy is scaled
         opt.zero_grad()
         scaler.scale(forward_loss(model, x, y)).backward()
         scaler.step(opt)
-        assert scaler.last_stats is not None and scaler.grad_abs(opt) is None
+        assert scaler.last_stats is not None and scaler.grads.grad_abs(opt, scaler.steps) is None
         scaler.update()
 
 
@@ -418,7 +424,7 @@ def test_amax_loss_hand_computed():
 
 def test_guarded_scale_is_the_host_twin_of_the_device_guard():
     """The environments' guarded_scale and the scaler's device computation agree."""
-    from autoscale.scalers.rule import guarded_scale
+    from autoscale.scalers.loss_guard import guarded_scale
 
     scaler = autoscale.get_scaler("amax-loss", device="cpu", init_scale=2.0**12, min_scale=1.0)
     scaler.rule.ratios.append(3.0)  # gradient amax 3x the loss

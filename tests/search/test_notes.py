@@ -2,7 +2,7 @@ import math
 import xml.etree.ElementTree as ET
 
 from autoscale.envs.spec import RewardWeights
-from autoscale.scalers.base import StepStats
+from autoscale.scalers.controller import StepStats
 from autoscale.search.plots import trajectory_svg
 from autoscale.search.trials import report_points, trial_note
 from autoscale.training.records import StepRecord

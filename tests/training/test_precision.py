@@ -151,5 +151,7 @@ def test_run_counts_on_the_scalers_copy_of_the_gradients():
     rec = run.step()
     run.step()
     assert len(seen) == 2 and seen[0] is seen[1]  # one buffer, reused
-    assert run.scaler.grad_abs(run.optimizer) is None  # after update(): a past step's gradients
+    assert (
+        run.scaler.grads.grad_abs(run.optimizer, run.scaler.steps) is None
+    )  # after update(): a past step's gradients
     assert 0 < rec.precision_loss < 1

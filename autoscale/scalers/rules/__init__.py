@@ -1,7 +1,7 @@
 """The built-in loss-scale rules, each with its published defaults and where it comes from: the
 counter rules (:mod:`.counter`) and the amax rules (:mod:`.amax`).
 
-Every rule is a pure :class:`~autoscale.scalers.rule.ScaleRule`: hyperparameters in ``__init__``,
+Every rule is a pure :class:`~autoscale.scalers.controller.ScaleRule`: hyperparameters in ``__init__``,
 the decision in ``next_scale``, counters in ``state``. The counters reproduce the original code
 paths step for step (tests hold them to hand-computed sequences and to the upstream code itself),
 including their quirks, since learned policies are measured against them.
@@ -9,7 +9,7 @@ including their quirks, since learned policies are measured against them.
 
 from __future__ import annotations
 
-from autoscale.scalers.rule import ScaleRule
+from autoscale.scalers.controller import ScaleRule
 from autoscale.scalers.rules.amax import HALF_BIT, AmaxCapRule, AmaxHistoryRule, AmaxLossRule
 from autoscale.scalers.rules.counter import (
     DeepSpeedRule,

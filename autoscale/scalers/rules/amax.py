@@ -9,7 +9,7 @@ from collections import deque
 from typing import Any, ClassVar
 
 from autoscale.errors import ConfigError
-from autoscale.scalers.rule import FP16_MAX, ScaleRule, StepStats
+from autoscale.scalers.controller import FP16_MAX, ScaleRule, StepStats
 from autoscale.scalers.rules.checks import (
     check_backoff,
     check_bits,

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from autoscale.errors import ConfigError
-from autoscale.scalers.rule import ScaleRule
+from autoscale.scalers.controller import ScaleRule
 
 __all__ = [
     "check_growth",

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from autoscale.errors import ConfigError
-from autoscale.scalers.rule import ScaleRule, StepStats, f32
+from autoscale.scalers.controller import ScaleRule, StepStats, f32
 from autoscale.scalers.rules.checks import (
     check_backoff,
     check_growth,

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from autoscale.errors import PolicyError
-from autoscale.scalers.base import LossScaler
 from autoscale.scalers.policies import PolicyManifest, register_policy_kind
 from autoscale.scalers.registry import build_scaler, rule_class
+from autoscale.scalers.scaler import LossScaler
 
 __all__ = ["load_parametric"]
 

@@ -5,11 +5,12 @@ step used and that step's :class:`StepStats`, and returns the scale it wants nex
 state (counters, histories) as primitives, and it may say how DeepSpeed's ``fp16`` config block
 expresses it.
 
-A :class:`ScaleController` hosts one rule between explicit bounds. It is the one place where a
+A :class:`ScaleController` hosts one rule between explicit bounds. It is where, in a scaler, a
 rule's wish becomes the next scale (clamped into ``[min_scale, max_scale]``, rounded to float32)
-and where overflows at the minimum are counted. :class:`~autoscale.scalers.base.LossScaler` (the
-GradScaler that trains) and the environments (which evaluate rules, policies and agents) both drive
-rules through it, so a rule behaves the same in deployment, in search and in evaluation.
+and where overflows at the minimum are counted. :class:`~autoscale.scalers.scaler.LossScaler` (the
+GradScaler that trains) drives its rule through it. The environments (which evaluate rules,
+policies and agents) call the same rule methods on their own host state
+(:class:`~autoscale.envs.base.ScaleEnvBase`), clamping into the same :class:`ScaleBounds`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from autoscale.errors import ConfigError, MinimumLossScaleError
 __all__ = [
     "ScaleRule",
     "ScaleBounds",
-    "guarded_scale",
     "ScaleController",
     "StepStats",
     "FP16_MAX",
@@ -73,23 +73,6 @@ def positive_finite(name: str, value: Any) -> float:
     if isinstance(value, bool) or not (out > 0 and math.isfinite(out)):
         raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
     return out
-
-
-def guarded_scale(scale: float, loss: float, limit: float | None, min_scale: float) -> float:
-    """The scale a step with ``loss`` takes under a rule's guard ``limit`` (see
-    :meth:`ScaleRule.guard_limit`): ``scale``, or the largest power of two ``S`` with
-    ``S * |loss| <= limit`` where that is lower (never below ``min_scale``). The host twin of
-    what :class:`~autoscale.scalers.base.LossScaler` computes on the device; the environments
-    use it."""
-    if limit is None or loss != loss or loss == 0:
-        return scale
-    ratio = limit / abs(loss)
-    if not ratio < math.inf:  # an infinite loss gives 0 here; a tiny one, inf
-        return scale
-    if ratio <= 0:
-        return scale
-    g = 2.0 ** math.floor(math.log2(ratio))
-    return max(g, min_scale) if g < scale else scale
 
 
 @dataclass(frozen=True)
@@ -274,8 +257,8 @@ class ScaleBounds:
 class ScaleController:
     """A rule between bounds, with the counters of the run it drives.
 
-    Every scaler and every environment episode turns a rule's wish into the next scale here
-    (:meth:`step`), so clamping and the minimum are handled in one place.
+    Every scaler turns its rule's wish into the next scale here (:meth:`step`), so clamping and
+    the minimum are handled in one place.
 
     Args:
         rule: The rule.
@@ -318,6 +301,22 @@ class ScaleController:
                         f"overflowed again (rule '{self.rule.name}'); lower min_scale or set raise_at_min=False"
                     )
         return self.bounds.clamp(float(self.rule.next_scale(stats.scale, stats)))
+
+    def knob(self, key: str, default: Any) -> Any:
+        """The rule's parameter ``key`` (GradScaler's growth_factor, ...), else ``default``."""
+        return self.rule.params().get(key, default)
+
+    def set_knob(self, key: str, value: Any) -> Any:
+        """Set the rule's parameter ``key`` through the rule's own validation; return the value
+        set. ConfigError when the rule has no such parameter or refuses the value."""
+        params = self.rule.params()
+        if key not in params:
+            raise ConfigError(
+                f"rule '{self.rule.name}' has no {key} (its parameters: {', '.join(params) or 'none'})"
+            )
+        checked = getattr(type(self.rule)(**{**params, key: value}), key)
+        setattr(self.rule, key, checked)
+        return checked
 
     def counters(self) -> dict[str, int]:
         return {"steps": self.steps, "skipped": self.skipped, "min_hits": self.min_hits}

@@ -1,0 +1,123 @@
+"""How a scaler reads an optimizer's gradients each step: the rule's statistics, the found-inf
+flag from the amax where that saves a pass, and the ``|g|`` copy kept for an instrument.
+
+:class:`GradReader` is :class:`~autoscale.scalers.scaler.LossScaler`'s delegate for this; it
+works on one optimizer's GradScaler state (a dict) and writes the statistics tensor under
+:data:`~autoscale.scalers.step_vector.STATS`, never a GradScaler member.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autoscale.scalers import step_vector as sv
+from autoscale.scalers.grad_stats import (
+    AbsMax,
+    FlatAbs,
+    grad_stats,
+    grads_of,
+    nonfinite_flag,
+    one_pass_grads,
+)
+from autoscale.scalers.unscale import unscale_reading_amax
+
+__all__ = ["GradReader"]
+
+
+class GradReader:
+    """Reads gradients for a scaler: ``rms`` says whether the sum of squares is wanted,
+    ``keep_abs`` whether ``|g|`` is copied into a buffer kept for :meth:`grad_abs`."""
+
+    def __init__(self) -> None:
+        self.rms = False
+        self.keep_abs = False
+        self._abs_max = AbsMax()
+        self._flat: dict[int, FlatAbs] = {}  # per optimizer, for keep_abs
+        self._norm: dict[int, tuple[int, torch.Tensor]] = {}  # per optimizer: (step, sumsq)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # gradient-sized buffers keyed by optimizers of this process: not carried
+        return {"rms": self.rms, "keep_abs": self.keep_abs}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+        self.rms, self.keep_abs = state["rms"], state["keep_abs"]
+
+    def one_pass(self, optimizer: torch.optim.Optimizer, dev: torch.device) -> list | None:
+        """The gradients, where the statistics are the amax alone and they allow reading it in
+        the pass that also finds infs (:func:`~autoscale.scalers.grad_stats.one_pass_grads`)."""
+        if self.rms or self.keep_abs:
+            return None
+        return one_pass_grads(optimizer, dev)
+
+    def unscale(
+        self, state: dict[str, Any], grads: list[torch.Tensor], inv: torch.Tensor, dev: torch.device
+    ) -> None:
+        """Unscale ``grads`` reading their amax: the flag and statistics into ``state``."""
+        flag, state[sv.STATS] = unscale_reading_amax(grads, inv, self._abs_max, dev)
+        state["found_inf_per_device"] = {dev: flag}
+
+    def amax(
+        self, state: dict[str, Any], grads: list[torch.Tensor], inv: Any, dev: torch.device
+    ) -> None:
+        """The amax alone of still-scaled ``grads``, times ``inv``, as the statistics."""
+        with torch.no_grad():
+            state[sv.STATS] = self._abs_max(grads, dev) * inv
+
+    def collect(
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: dict[str, Any],
+        dev: torch.device,
+        inv_scale: Any,
+        step: int,
+        observe: Any,
+    ) -> None:
+        """The statistics of every gradient of ``optimizer`` (scaled by ``1/inv_scale`` when
+        that is given), after ``observe(grads)``."""
+        grads = grads_of(optimizer)
+        observe(grads)
+        flat = None
+        if self.keep_abs and dev.type == "cpu":
+            flat = self._flat.get(id(optimizer))
+            if flat is None:
+                flat = self._flat[id(optimizer)] = FlatAbs()
+        state[sv.STATS], norm = grad_stats(grads, dev, inv_scale, self.rms, flat, step)
+        if norm is not None and not any(
+            p.grad.is_sparse
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ):  # (an uncoalesced sparse gradient's values repeat indices: no norm of it here)
+            self._norm[id(optimizer)] = (step, norm)
+
+    @staticmethod
+    def found_inf(state: dict[str, Any], dev: torch.device) -> None:
+        """The found-inf flag from the statistics' amax (non-finite exactly when a gradient
+        element is: NaN and inf propagate through it)."""
+        stats = state[sv.STATS]
+        state["found_inf_per_device"] = {
+            dev: nonfinite_flag(stats if stats.dim() == 0 else stats[0])
+        }
+
+    def grad_norm(self, optimizer: torch.optim.Optimizer, step: int) -> torch.Tensor | None:
+        """The 2-norm of ``optimizer``'s unscaled gradients at ``step`` (a float32 device tensor,
+        no host sync) where the statistics computed it from the ``|g|`` copy; else None. For a
+        caller that clips, instead of a second pass over every gradient."""
+        entry = self._norm.get(id(optimizer))
+        return entry[1].sqrt() if entry is not None and entry[0] == step else None
+
+    def grad_abs(self, optimizer: torch.optim.Optimizer, step: int) -> torch.Tensor | None:
+        """``|g|`` of ``optimizer``'s unscaled gradients at ``step``, flat (float32), if the
+        statistics put them in the buffer (on CPU, after ``unscale_``, with ``keep_abs``); else
+        None. Valid until the next step's ``unscale_``."""
+        buf = self._flat.get(id(optimizer))
+        return buf.current(step) if buf is not None else None
+
+    def forget(self) -> None:
+        """The kept ``|g|`` and norm no longer hold the current step's gradients."""
+        for buf in self._flat.values():
+            buf.forget()
+        self._norm.clear()

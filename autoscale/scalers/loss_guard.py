@@ -1,0 +1,84 @@
+"""The per-step loss guard: a step's scale lowered from its own loss, before backward.
+
+A rule with a guard (:attr:`~autoscale.scalers.controller.ScaleRule.has_guard`) gives a limit
+(:meth:`~autoscale.scalers.controller.ScaleRule.guard_limit`); a step whose ``|loss|`` times the
+scale the rule set would pass it takes the largest power of two ``S`` with ``S * |loss| <= limit``
+instead, never below the minimum. Three forms of the same arithmetic:
+
+- :func:`apply_guard`: on the scaler's device, no host sync (the scaler's form);
+- :func:`guard_scale_host`: the same float64 arithmetic on the host, for a CPU scaler;
+- :func:`guarded_scale`: the environments' host twin (a scale kept unless the guard lowers it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from autoscale.scalers.ranks import RankAgreement
+
+__all__ = ["apply_guard", "guard_scale_host", "guarded_scale"]
+
+
+def apply_guard(
+    scale: torch.Tensor,
+    loss: torch.Tensor,
+    limit: float,
+    min_scale: float,
+    set_scale: float,
+    group: Any,
+) -> torch.Tensor | None:
+    """Write this step's guarded scale into ``scale`` (the scaler's scale tensor).
+
+    Returns the guarded scale as a float64 tensor on the device (float32 on MPS), or None where
+    it was computed on the host (a CPU scaler outside torch.distributed: reading the loss is no
+    sync there). Under torch.distributed the ranks agree on the largest ``|loss|`` first, so that
+    they scale alike; a NaN on any rank keeps the set scale everywhere."""
+    dev = scale.device
+    if dev.type == "cpu" and loss.device.type == "cpu" and group is None:
+        # the same float64 arithmetic on the host (IEEE division, the C library's log2 as
+        # torch's scalar kernel calls it, an exact power of two, the clamp) and one fill,
+        # instead of nine tensor ops
+        scale.fill_(guard_scale_host(limit, float(loss), min_scale, set_scale))
+        return None
+    exact = torch.float32 if dev.type == "mps" else torch.float64  # MPS has no float64
+    g = loss.to(dev, exact, copy=True).abs_()  # a copy: every op below works in place
+    if group is not None:
+        g = RankAgreement.max_loss(g, group)
+    # few ops, in place: this runs every step. A non-finite |loss| becomes 0, so the quotient
+    # is inf and the clamp keeps the set scale; a zero loss gives inf too
+    torch.div(limit, g.nan_to_num_(nan=0.0, posinf=0.0), out=g)
+    g.log2_().floor_().exp2_().clamp_(min=min_scale, max=set_scale)
+    scale.copy_(g)
+    return g  # the same value (a power of two or a bound: float32 holds it)
+
+
+def guard_scale_host(limit: float, loss: float, min_scale: float, max_scale: float) -> float:
+    """The guard's scale from a host loss, as :func:`apply_guard`'s device ops compute it: a
+    non-finite or zero ``|loss|`` keeps ``max_scale`` (the set scale); else the largest power of
+    two S with S * |loss| <= limit, clamped to [min_scale, max_scale]."""
+    m = abs(loss)
+    q = limit / m if (0.0 < m < math.inf) else math.inf
+    if q < math.inf:
+        q = 2.0 ** math.floor(math.log2(q)) if q > 0.0 else 0.0
+    return min(max(q, min_scale), max_scale)
+
+
+def guarded_scale(scale: float, loss: float, limit: float | None, min_scale: float) -> float:
+    """The scale a step with ``loss`` takes under a rule's guard ``limit``: ``scale``, or the
+    largest power of two ``S`` with ``S * |loss| <= limit`` where that is lower (never below
+    ``min_scale``). The environments' host twin of :func:`apply_guard`.
+
+    The two agree wherever a rule's limit is positive; for a limit <= 0 (which no rule gives)
+    this keeps ``scale`` and :func:`guard_scale_host` gives ``min_scale``."""
+    if limit is None or loss != loss or loss == 0:
+        return scale
+    ratio = limit / abs(loss)
+    if not ratio < math.inf:  # an infinite loss gives 0 here; a tiny one, inf
+        return scale
+    if ratio <= 0:
+        return scale
+    g = 2.0 ** math.floor(math.log2(ratio))
+    return max(g, min_scale) if g < scale else scale

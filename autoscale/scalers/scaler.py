@@ -1,0 +1,533 @@
+"""`LossScaler`: a `torch.amp.GradScaler` that hosts a :class:`~autoscale.scalers.controller.ScaleRule`.
+
+The parent's ``scale``/``unscale_``/``step`` are kept as they are, so fused optimizers, gradient
+clipping after ``unscale_`` and every framework that drives a GradScaler keep working. What a
+GradScaler cannot do is added by delegation, each in its own module: gradient statistics
+(:mod:`~autoscale.scalers.grad_stats`), the per-step loss guard (:mod:`~autoscale.scalers.loss_guard`),
+agreement across ranks (:mod:`~autoscale.scalers.ranks`), the packed step read in one sync
+(:mod:`~autoscale.scalers.step_vector`) and checkpoints of the rule's state
+(:mod:`~autoscale.scalers.checkpoint`). The decision itself is the rule's, made through a
+:class:`~autoscale.scalers.controller.ScaleController` (bounds, minimum). This is the one module
+that touches GradScaler's private members.
+
+Host syncs: GradScaler reads the found-inf flag once per step in ``step()`` (non-fused optimizers).
+LossScaler packs the flag, the gradient statistics and the loss into one small tensor and reads it
+in that same place, so the rule costs no extra sync there. Optimizers that unscale inside their own
+kernel (``AdamW(fused=True)``) never sync in GradScaler; LossScaler then reads the packed tensor once
+in ``update()``: one sync per step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+
+from autoscale.errors import ConfigError
+from autoscale.scalers import step_vector as sv
+from autoscale.scalers.checkpoint import read_state, write_state
+from autoscale.scalers.controller import (
+    ScaleBounds,
+    ScaleController,
+    ScaleRule,
+    StepStats,
+    positive_finite,
+)
+from autoscale.scalers.grad_reader import GradReader
+from autoscale.scalers.loss_guard import apply_guard
+from autoscale.scalers.ranks import RankAgreement
+from autoscale.scalers.unscale import InverseScale
+
+__all__ = ["LossScaler", "default_device"]
+
+
+def _of_controller(name: str, doc: str, bounds: bool = False) -> property:
+    """A read-only property of the scaler answered by its controller (or its bounds)."""
+    if bounds:
+        return property(lambda self: getattr(self.controller.bounds, name), doc=doc)
+    return property(lambda self: getattr(self.controller, name), doc=doc)
+
+
+def default_device() -> str:
+    """``"cuda"`` when a CUDA device is usable, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LossScaler(torch.amp.GradScaler):
+    """Every autoscale scaler: a GradScaler whose scale update is a rule's.
+
+    Build one with :func:`autoscale.get_scaler`, which also finds exported policies; or directly
+    from a rule object.
+
+    Args:
+        rule: The :class:`ScaleRule` deciding the scale (this scaler keeps and checkpoints it).
+        device: ``"cuda"``, ``"cpu"``, ... Defaults to CUDA when present, else CPU. As with
+            GradScaler, ``"cuda"`` without CUDA disables scaling with a warning.
+        init_scale: Scale of the first step (clamped into ``[min_scale, max_scale]``); default:
+            the rule's ``default_init_scale``.
+        min_scale: Smallest scale the rule may set; never 0. Default: the rule's.
+        max_scale: Largest scale the rule may set; never inf. Default: the rule's.
+        raise_at_min: Raise :class:`~autoscale.errors.MinimumLossScaleError` on an overflow at the
+            minimum scale that the rule would answer by lowering the scale, as DeepSpeed does
+            ("Current loss scale already at minimum"; an overflow that hysteresis or a tolerance
+            absorbs does not raise). Off by default: the event is counted in ``min_hits`` and
+            training goes on with the step skipped.
+        collect_stats: Compute gradient amax/RMS each step (two fused foreach reductions). Defaults
+            to what the rule needs (``needs_stats``; a rule with ``needs_rms = False`` then skips
+            the RMS pass). Passing or setting it True collects both.
+        enabled: As in GradScaler.
+        name: The name checkpoints and ``spec()`` carry (an exported policy's); default the rule's.
+        process_group: Under ``torch.distributed``, the ranks that take one decision (default:
+            the world group). Every rank of the group skips the same steps and keeps the same
+            scale; the found-inf flag, the statistics the rule reads and the loss are agreed with
+            one collective per optimizer step.
+        identical_grads: The gradients are already identical on every rank (plain DDP averages
+            them in backward): no collective at all, unless the rule reads the loss
+            (``needs_loss``), which each rank computes on its own batch.
+
+    Attributes:
+        rule: The rule. controller: Its :class:`ScaleController` (bounds and counters).
+        name: Registry name. last_stats: The last step's :class:`StepStats`.
+        grads: Its :class:`~autoscale.scalers.grad_reader.GradReader` (how it reads gradients;
+            an instrument that reads every gradient too may have it keep a copy of ``|g|``).
+    """
+
+    def __init__(
+        self,
+        rule: ScaleRule,
+        device: str | None = None,
+        *,
+        init_scale: float | None = None,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        raise_at_min: bool = False,
+        collect_stats: bool | None = None,
+        enabled: bool = True,
+        name: str | None = None,
+        process_group: Any = None,
+        identical_grads: bool = False,
+    ) -> None:
+        if not isinstance(rule, ScaleRule):
+            raise ConfigError(
+                f"LossScaler hosts a ScaleRule, got {type(rule).__name__}; build scalers with "
+                "autoscale.get_scaler(NAME)"
+            )
+        device = device or default_device()
+        bounds = ScaleBounds.of(
+            rule.default_min_scale if min_scale is None else min_scale,
+            rule.default_max_scale if max_scale is None else max_scale,
+        )
+        first = bounds.clamp(
+            positive_finite(
+                "init_scale", rule.default_init_scale if init_scale is None else init_scale
+            )
+        )
+        knobs = rule.params()
+        super().__init__(
+            device,
+            init_scale=first,
+            growth_factor=float(knobs.get("growth_factor", 2.0)),
+            backoff_factor=float(knobs.get("backoff_factor", 0.5)),
+            growth_interval=int(knobs.get("growth_interval", 2000)),
+            enabled=enabled,
+        )
+        self.rule = rule
+        self.controller = ScaleController(rule, bounds, raise_at_min)
+        self.name = name or rule.name
+        self.init_scale = first  # as configured, for spec(): the rule moves the scale from here
+        self.grads = GradReader()
+        self.collect_stats = rule.needs_stats if collect_stats is None else bool(collect_stats)
+        # a rule that reads only the amax skips the sum-of-squares pass unless asked for it
+        self.grads.rms = self.collect_stats and (rule.needs_rms or collect_stats is True)
+        self._host_scale = first if self._enabled else 1.0
+        self.last_stats: StepStats | None = None
+        self._last_stepped: list[dict[str, Any]] = []
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
+        # the rule whose per-step guard this scaler applies (None: its own; an environment that
+        # drives a static scaler by another rule's decisions sets that rule here)
+        self.guard_rule: ScaleRule | None = None
+        self._guarded = False  # this step's guard ran: _scale holds the step's scale
+        self._guard_scale: torch.Tensor | None = None  # that scale, float64, for 1/scale
+        self._inverse = InverseScale()
+        self._ranks = RankAgreement(process_group, identical_grads)
+        self._observers: list[Any] = []
+        if self._enabled:  # a policy takes its first decision now, as the env does at reset
+            self._set_scale(self.controller.start(first))
+
+    @property
+    def collect_stats(self) -> bool:
+        """Whether gradient statistics are computed each step; switching it on collects all."""
+        return self._collect_stats
+
+    @collect_stats.setter
+    def collect_stats(self, value: bool) -> None:
+        self._collect_stats = self.grads.rms = bool(value)
+
+    # ------------------------------------------------------------------ what the controller keeps
+    @property
+    def device(self) -> str:
+        """The device type of the scale tensor (``"cuda"``, ``"cpu"``, ...)."""
+        return self._device
+
+    min_scale = _of_controller("min_scale", "Smallest scale the rule may set.", bounds=True)
+    max_scale = _of_controller("max_scale", "Largest scale the rule may set.", bounds=True)
+    steps = _of_controller("steps", "Optimizer steps seen (``update()`` calls that ran the rule).")
+    skipped = _of_controller("skipped", "Steps skipped because a gradient was inf/NaN.")
+    min_hits = _of_controller("min_hits", "Overflows that happened at the minimum scale.")
+    hit_min = _of_controller("hit_min", "Whether an overflow ever happened at the minimum scale.")
+
+    @property
+    def raise_at_min(self) -> bool:
+        """Raise on an overflow at the minimum that the rule answers by lowering the scale."""
+        return self.controller.raise_at_min
+
+    @raise_at_min.setter
+    def raise_at_min(self, value: bool) -> None:
+        self.controller.raise_at_min = bool(value)
+
+    # GradScaler's getters and setters of growth_factor / backoff_factor / growth_interval act on
+    # the rule's parameter of that name (the torch rule has all three, megatron's the factors
+    # and interval); a rule without it has nothing to set.
+    def get_growth_factor(self) -> float:
+        return float(self.controller.knob("growth_factor", self._growth_factor))
+
+    def get_backoff_factor(self) -> float:
+        return float(self.controller.knob("backoff_factor", self._backoff_factor))
+
+    def get_growth_interval(self) -> int:
+        return int(self.controller.knob("growth_interval", self._growth_interval))
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = self.controller.set_knob("growth_factor", float(new_factor))
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = self.controller.set_knob("backoff_factor", float(new_factor))
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = self.controller.set_knob("growth_interval", new_interval)
+
+    def spec(self) -> dict[str, Any]:
+        """A dict that rebuilds this scaler: ``get_scaler(**spec)``."""
+        return {
+            "name": self.name,
+            "init_scale": self.init_scale,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+            **self.rule.params(),
+        }
+
+    # ------------------------------------------------------------------ GradScaler overrides
+    def scale(self, outputs):  # noqa: D401 - same contract as GradScaler.scale
+        """Multiply a loss (or tensors) by the current scale; also remembers the loss.
+
+        With a rule that guards each step (``has_guard``), the first loss of a step may lower
+        that step's scale (on the device, no host sync; the losses of later micro-batches take
+        the same scale)."""
+        if self._enabled and isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+            # as few ops as possible on the hot path: float32 only when losses accumulate
+            loss = outputs.detach()
+            if loss.dim():
+                loss = loss.reshape(())
+            if self._loss_sum is None:
+                self._loss_sum = loss
+            else:
+                self._loss_sum = self._loss_sum.float() + loss.float()
+            self._loss_count += 1
+            if not self._guarded:
+                self._guard(loss)
+            for obs in self._observers:
+                obs.on_scale(self, loss)
+        return super().scale(outputs)
+
+    def _guard(self, loss: torch.Tensor) -> None:
+        """Lower this step's scale to the rule's guard (see ScaleRule.guard_limit), on the device:
+        :func:`~autoscale.scalers.loss_guard.apply_guard`."""
+        rule = self.guard_rule if self.guard_rule is not None else self.rule
+        if not rule.has_guard:
+            return
+        limit = rule.guard_limit()
+        if limit is None:
+            return
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(loss.device)
+        self._guard_scale = apply_guard(
+            self._scale, loss, limit, self.min_scale, self._host_scale, self._group()
+        )
+        self._guarded = True
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = self._one_pass_grads(optimizer) if self._enabled else None
+        if grads is not None:
+            self._unscale_with_amax(optimizer, grads)
+        else:
+            super().unscale_(optimizer)
+            if self._enabled and self.collect_stats:
+                self._collect_grad_stats(optimizer, inv_scale=None)
+        if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
+            # a fused optimizer skips inside its kernel from the found-inf flag: agree on it
+            # before that kernel runs (on the device: no host sync)
+            self._agree(self._per_optimizer_states[id(optimizer)])
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # The fused-optimizer path checks for infs without unscaling: statistics need 1/scale.
+        state = self._per_optimizer_states[id(optimizer)]
+        if self.collect_stats:
+            self._found_inf_from_amax(optimizer)
+        else:
+            super()._check_inf_per_device(optimizer)
+        self._agree(state)
+        return state["found_inf_per_device"]
+
+    def _found_inf_from_amax(self, optimizer: torch.optim.Optimizer) -> None:
+        """Derive found-inf from the gradient amax the rule reads anyway (fused-optimizer path):
+        GradScaler's separate found-inf pass over every gradient is skipped. The flag lives on
+        the scale's device, where GradScaler's fused path gathers it anyway."""
+        # a guarded step's scale is on the device only
+        inv = self._inv_scale() if self._guarded else 1.0 / self._host_scale
+        state = self._per_optimizer_states[id(optimizer)]
+        dev = self._scale.device
+        grads = self._one_pass_grads(optimizer)
+        if grads is None:
+            self._collect_grad_stats(optimizer, inv_scale=inv)
+        else:  # the amax alone: no statistics vector to build
+            self.grads.amax(state, grads, inv, dev)
+            for obs in self._observers:
+                obs.on_grads(self, optimizer, grads, inv)
+        self.grads.found_inf(state, dev)
+
+    def _one_pass_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
+        """The gradients when this step's statistics are the amax alone and they allow reading it
+        in the one pass that also finds infs; else None."""
+        if not self._collect_stats or self.grads.rms or self.grads.keep_abs:
+            return None
+        self._check_scale_growth_tracker("unscale_")
+        if self._group() is not None:  # statistics agreed across ranks: the general layout
+            return None
+        return self.grads.one_pass(optimizer, self._scale.device)
+
+    def _unscale_with_amax(
+        self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]
+    ) -> None:
+        """GradScaler's ``unscale_`` with the amax read in the same place
+        (:func:`~autoscale.scalers.unscale.unscale_reading_amax`)."""
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        self.grads.unscale(state, grads, self._inv_scale(), self._scale.device)
+        for obs in self._observers:
+            obs.on_grads(self, optimizer, grads, None)
+        state["stage"] = OptState.UNSCALED
+
+    def _inv_scale(self) -> torch.Tensor:
+        return self._inverse(self._scale, self._host_scale, self._guarded, self._guard_scale)
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        self._agree(optimizer_state)
+        sv.read([optimizer_state])
+        if not optimizer_state[sv.HOST].found:
+            return optimizer.step(*args, **kwargs)
+        return None
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Set the next scale: from ``new_scale`` if given, else from the rule."""
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("update")
+        bounds = self.controller.bounds
+        if new_scale is not None:
+            value = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
+            self._set_scale(bounds.clamp(value))
+            self._end_step()
+            return
+        states = list(self._per_optimizer_states.values())
+        states = [s for s in states if s["found_inf_per_device"]]
+        if not states:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        if self._loss_sum is not None and all(sv.VEC in s for s in states):
+            # a loss scaled after the last optimizer step agreed its flags: one more agreement
+            states.append(_refresh_per_optimizer_state())
+        for state in states:
+            self._agree(state)
+        stats, used = sv.step_stats(
+            states, self.steps, self._host_scale, self.collect_stats, self.grads.rms
+        )
+        self.last_stats = stats
+        if used == self._host_scale:  # the guard kept the set scale: no fill if the rule does too
+            self._guarded = False
+        try:
+            self._set_scale(self.controller.step(stats))
+        finally:
+            self._end_step()
+        for obs in self._observers:
+            obs.on_update(self, stats)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``step()`` skipped the optimizer update (a gradient was inf/NaN).
+
+        GradScaler has no such question (torch issue 67590); keep a learning-rate scheduler
+        from advancing on a skipped step with it::
+
+            scaler.step(optimizer)
+            scaler.update()
+            if not scaler.step_was_skipped:
+                scheduler.step()
+
+        Valid after ``step()`` (before or after ``update()``, also ``update(new_scale)``), for
+        plain optimizers, which ``step()`` does not call on such a step, and fused ones
+        (``AdamW(fused=True)``), whose kernel skips it from the same found-inf flag; with several
+        optimizers, True when any of them skipped. On a fused optimizer read before
+        ``update()``, it brings forward the one host sync ``update()`` makes. False before the
+        first step and when scaling is disabled.
+        """
+        if not self._enabled:
+            return False
+        states = [
+            s for s in self._per_optimizer_states.values() if s["stage"] is OptState.STEPPED
+        ] or self._last_stepped
+        if not states:
+            return False
+        sv.read(states)  # no-op when step() or update() read the flags already
+        return any(s[sv.HOST].found for s in states)
+
+    def add_observer(self, observer: Any) -> None:
+        """Call ``observer`` at each step, as :class:`autoscale.observe.StepObserver` describes:
+        ``on_scale(scaler, loss)`` when a loss is scaled, ``on_grads(scaler, optimizer, grads,
+        inv_scale)`` when the gradients are read for the statistics (unscaled when ``inv_scale``
+        is None, else scaled by ``1 / inv_scale``), ``on_update(scaler, stats)`` after the rule
+        set the next scale. Observers read; they never change the step. Switches the gradient
+        amax on (an observer reads it); the RMS pass stays as the rule wants it."""
+        self._collect_stats = True
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: Any) -> None:
+        """Stop calling ``observer`` (see :meth:`add_observer`)."""
+        self._observers = [o for o in self._observers if o is not observer]
+
+    def set_scale(self, value: float) -> None:
+        """Set the scale of the next step (clamped to ``[min_scale, max_scale]``), between steps.
+
+        Used by controllers outside the rule, such as the environment that lets an agent choose.
+        """
+        if self._enabled:
+            self._set_scale(self.controller.bounds.clamp(float(value)))
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (no device sync: autoscale keeps a host copy)."""
+        return self._host_scale if self._enabled else 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Primitive-only state (loads under ``torch.load(weights_only=True)``).
+
+        Keeps GradScaler's keys, so tools that read ``state["scale"]`` (and a plain GradScaler)
+        still work, and adds an ``"autoscale"`` entry with the rule's name, bounds, counters and
+        state (see :mod:`~autoscale.scalers.checkpoint`).
+        """
+        if not self._enabled:
+            return {}
+        knobs = {
+            "growth_factor": self.get_growth_factor(),
+            "backoff_factor": self.get_backoff_factor(),
+            "growth_interval": self.get_growth_interval(),
+        }
+        return write_state(self.name, self._host_scale, knobs, self.controller)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a plain GradScaler state restores the scale and tracker.
+
+        The loaded scale is clamped into this scaler's bounds (its own ``min_scale`` and
+        ``max_scale`` are kept: they are configuration, not state); bounds that differ from the
+        checkpoint's, or a scale that had to be clamped, are warned about.
+
+        Raises:
+            ConfigError: a state of another rule, of a newer autoscale, or with a missing or
+                malformed entry (named in the message).
+        """
+        if not self._enabled:
+            return
+        loaded = read_state(state_dict, self.name, self.controller.bounds)
+        self.rule.load_state(loaded.rule_state)
+        if loaded.counters is not None:
+            self.controller.load_counters(loaded.counters)
+            self.grads.forget()  # its step number may come back: not these gradients
+        self._set_scale(loaded.scale)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_loss_sum"] = None
+        state["_last_stepped"] = []
+        state["_observers"] = []  # recorders and loggers hold files of this process
+        state["_guard_scale"] = None
+        state["_inverse"] = InverseScale()
+        return state
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.rule.params().items())
+        return f"{type(self).__name__}(name={self.name!r}, scale={self._host_scale:g}{', ' if params else ''}{params})"
+
+    # ------------------------------------------------------------------ internals
+    def _set_scale(self, value: float) -> None:
+        if self._scale is None:
+            self._init_scale = value
+        elif value != self._host_scale or self._guarded:  # most steps keep it: no op then
+            self._scale.fill_(value)
+        self._host_scale = value
+        self._guard_scale = None  # no longer this step's scale
+
+    def _end_step(self) -> None:
+        # step_was_skipped answers for these until the next step()
+        self._last_stepped = [
+            s for s in self._per_optimizer_states.values() if s["stage"] is OptState.STEPPED
+        ]
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._loss_sum = None
+        self._loss_count = 0
+        self._guarded = False
+        self._guard_scale = None
+        self.grads.forget()  # grad_abs answers for the step that filled it only
+
+    def _collect_grad_stats(self, optimizer: torch.optim.Optimizer, inv_scale: Any) -> None:
+        def observe(grads: list[torch.Tensor]) -> None:
+            for obs in self._observers:
+                obs.on_grads(self, optimizer, grads, inv_scale)
+
+        state = self._per_optimizer_states[id(optimizer)]
+        self.grads.collect(optimizer, state, self._scale.device, inv_scale, self.steps, observe)
+
+    # ------------------------------------------------------------------ agreement across ranks
+    @property
+    def identical_grads(self) -> bool:
+        """The gradients are identical on every rank already (no collective unless the rule
+        reads the loss)."""
+        return self._ranks.identical_grads
+
+    def _group(self) -> Any:
+        """The process group decisions are agreed over, or None when there is nothing to agree
+        (not distributed, one rank)."""
+        return self._ranks.group(self._scale.device, self.rule.needs_loss)
+
+    def _agree(self, state: dict[str, Any]) -> None:
+        """Pack this optimizer's found-inf flag, gradient statistics and the losses scaled since
+        the last agreement into one vector on the scale's device, agreed across ranks with one
+        collective where there is anything to agree; no host sync."""
+        if sv.VEC in state:
+            return
+        group = self._group()
+        loss, n_loss = self._loss_sum, self._loss_count
+        self._loss_sum, self._loss_count = None, 0
+        sv.pack_into(
+            state,
+            stats=state.get(sv.STATS) if self.collect_stats else None,
+            loss=loss,
+            n_loss=n_loss,
+            guard=self._scale if self._guarded else None,  # the step's own scale travels along
+            dev=self._scale.device,
+            gather=None if group is None else (lambda local: self._ranks.gather(local, group)),
+        )

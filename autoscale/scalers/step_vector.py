@@ -1,0 +1,218 @@
+"""One step's outcome in one small tensor: packed on the device, read on the host in one sync.
+
+:class:`~autoscale.scalers.scaler.LossScaler` packs, per optimizer, the found-inf flag, the
+gradient statistics the rule reads, the losses scaled since the last packing and (on a guarded
+step) the step's own scale into one vector (:func:`pack`, or :func:`pack_agreed` across ranks),
+and brings every optimizer's vector to the host with one ``tolist`` (:func:`read`). The vector
+and its :class:`Layout` travel in the optimizer's GradScaler state under :data:`VEC` and
+:data:`LAYOUT`; the host values under :data:`HOST` (a :class:`HostStep`) and :data:`USED`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from autoscale.scalers.controller import StepStats
+
+__all__ = [
+    "HOST",
+    "LAYOUT",
+    "STATS",
+    "USED",
+    "VEC",
+    "HostStep",
+    "Layout",
+    "pack",
+    "pack_agreed",
+    "merged_flag",
+    "pack_into",
+    "read",
+    "step_stats",
+]
+
+# keys of the packed step in an optimizer's GradScaler state
+STATS = "autoscale_stats"  # the statistics tensor: 0-dim amax, or [amax, sumsq, count]
+VEC = "autoscale_vec"  # the packed vector on the device
+LAYOUT = "autoscale_layout"  # its Layout
+HOST = "autoscale_host"  # the HostStep read from it
+USED = "autoscale_used"  # a guarded step's scale, read from it
+
+
+class Layout(NamedTuple):
+    """What a packed vector holds, in order: ``[flag, stats..., loss_sum?, scale?]`` on one rank;
+    ``[flag, amax, sumsq, count, loss_sum, loss_count, scale?]`` when agreed across ranks."""
+
+    stats: int  # 0 (none), 1 (the amax alone) or 3 (amax, sumsq, count)
+    n_loss: int  # losses summed in it on one rank (0: no loss element); -1 when agreed
+    agreed: bool  # reduced across ranks: the second form
+    guarded: bool  # the step's own scale is the last element
+
+
+class HostStep(NamedTuple):
+    """The host values of one optimizer's packed step."""
+
+    found: bool
+    amax: float
+    sumsq: float
+    count: float
+    loss_sum: float
+    loss_count: float
+
+
+def pack(
+    flag: torch.Tensor,
+    stats: torch.Tensor | None,
+    loss: torch.Tensor | None,
+    n_loss: int,
+    guard_scale: torch.Tensor | None,
+    dev: torch.device,
+) -> tuple[torch.Tensor, Layout]:
+    """One rank's vector: as few ops as possible, this runs every step."""
+    parts = [flag] + ([] if stats is None else [stats])
+    if loss is not None:
+        parts.append(loss.to(dev).float())
+    if guard_scale is not None:
+        parts.append(guard_scale)
+    # statistics: none, the amax alone (0-dim, one stack) or [amax, sumsq, count]
+    vec = (
+        torch.stack(parts)
+        if stats is None or stats.dim() == 0
+        else torch.cat([p.reshape(-1) for p in parts])
+    )
+    layout = Layout(
+        0 if stats is None else stats.numel(),
+        n_loss if loss is not None else 0,
+        False,
+        guard_scale is not None,
+    )
+    return vec, layout
+
+
+def pack_agreed(
+    flag: torch.Tensor,
+    stats: torch.Tensor | None,
+    loss: torch.Tensor | None,
+    n_loss: int,
+    guard_scale: torch.Tensor | None,
+    dev: torch.device,
+    gather: Any,
+) -> tuple[torch.Tensor, Layout]:
+    """The vector every rank of a group agrees on: found-inf and amax by MAX (a NaN amax, from
+    the gradients of an overflowing rank, counts as inf), the rest by SUM. ``gather(local)``
+    returns every rank's ``local`` (one all_gather); the reduction is done here."""
+    if stats is None:
+        stats = torch.full((3,), math.nan, device=dev)
+    total = torch.zeros((), device=dev) if loss is None else loss.to(dev).float()
+    local = torch.cat(
+        [flag.reshape(1), stats, total.reshape(1), torch.full((1,), float(n_loss), device=dev)]
+        + ([guard_scale.reshape(1)] if guard_scale is not None else [])
+    )
+    local[1] = torch.where(torch.isnan(local[1]), math.inf, local[1])
+    table = torch.stack(gather(local))
+    # (a guarded step's scale, last, is the same on every rank: the loss was agreed)
+    vec = torch.cat(
+        [table[:, :2].amax(0), table[:, 2:6].sum(0)]
+        + ([table[:, 6:].amax(0)] if guard_scale is not None else [])
+    )
+    return vec, Layout(3, -1, True, guard_scale is not None)
+
+
+def read(states: list[dict[str, Any]]) -> None:
+    """Bring the packed vectors of these states to the host in one sync: each state gets its
+    :class:`HostStep` (and a guarded step's scale); states read before are left as they are."""
+    todo = [s for s in states if HOST not in s]
+    if not todo:
+        return
+    vecs = [s[VEC] for s in todo]
+    flat = (vecs[0] if len(vecs) == 1 else torch.cat([v.reshape(-1) for v in vecs])).tolist()
+    i = 0
+    for s, v in zip(todo, vecs):
+        n = v.numel()
+        row, i = flat[i : i + n], i + n
+        layout: Layout = s[LAYOUT]
+        if layout.guarded:
+            s[USED], row = row[-1], row[:-1]
+        if layout.agreed:
+            s[HOST] = HostStep(row[0] > 0, row[1], row[2], row[3], row[4], row[5])
+            continue
+        found = row[0] > 0
+        amax, sumsq, count = (
+            (row[1], row[2], row[3])
+            if layout.stats == 3
+            else (row[1] if layout.stats else math.nan, math.nan, 0.0)
+        )
+        loss_sum = row[-1] if layout.n_loss else 0.0
+        s[HOST] = HostStep(found, amax, sumsq, count, loss_sum, float(layout.n_loss))
+
+
+def merged_flag(per_device: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """GradScaler's found-inf flags of one optimizer (one per device) as one flag on ``dev``."""
+    if len(per_device) == 1 and per_device[0].device == dev:
+        return per_device[0]
+    if per_device:
+        # a copy to the host must block: a non-blocking one would be read (tolist) before it
+        # lands; device-bound copies may overlap
+        return sum(t.to(dev, non_blocking=dev.type != "cpu") for t in per_device)
+    return torch.zeros((), device=dev)  # a loss scaled after every optimizer's agreement
+
+
+def step_stats(
+    states: list[dict[str, Any]], step: int, set_scale: float, with_stats: bool, with_rms: bool
+) -> tuple[StepStats, float | None]:
+    """The :class:`StepStats` of one step from its optimizers' packed states (read here, one
+    sync), and the scale a guarded step used (None when the guard did not run)."""
+    read(states)
+    host: list[HostStep] = [s[HOST] for s in states]
+    used = next((s[USED] for s in states if USED in s), None)
+    amax = max((h.amax for h in host), default=math.nan)
+    sumsq = sum(h.sumsq for h in host)
+    count = sum(h.count for h in host)
+    loss_count = sum(h.loss_count for h in host)
+    loss = sum(h.loss_sum for h in host) / loss_count if loss_count else None
+    if not with_stats:
+        amax = rms = math.nan
+    elif not with_rms:
+        rms = math.nan
+    else:
+        rms = (
+            math.sqrt(sumsq / count)
+            if count > 0 and math.isfinite(sumsq)
+            else (math.inf if count else math.nan)
+        )
+    stats = StepStats(
+        step,
+        set_scale if used is None else used,
+        any(h.found for h in host),
+        amax,
+        rms,
+        math.nan if loss is None else loss,
+        loss is not None,
+        used is not None and used < set_scale,
+    )
+    return stats, used
+
+
+def pack_into(
+    state: dict[str, Any],
+    *,
+    stats: torch.Tensor | None,
+    loss: torch.Tensor | None,
+    n_loss: int,
+    guard: torch.Tensor | None,
+    dev: torch.device,
+    gather: Any,
+) -> None:
+    """Pack one optimizer's step into its GradScaler ``state``: the found-inf flag GradScaler
+    recorded, ``stats``, the losses scaled since the last packing and a guarded step's scale;
+    agreed across ranks where ``gather`` is given (then the flag GradScaler and fused kernels
+    read is replaced by the agreed one). No host sync."""
+    flag = merged_flag(list(state["found_inf_per_device"].values()), dev)
+    if gather is None:
+        state[VEC], state[LAYOUT] = pack(flag, stats, loss, n_loss, guard, dev)
+        return
+    state[VEC], state[LAYOUT] = pack_agreed(flag, stats, loss, n_loss, guard, dev, gather)
+    if state["found_inf_per_device"]:
+        state["found_inf_per_device"] = {dev: state[VEC][0].clone()}

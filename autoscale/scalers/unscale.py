@@ -1,0 +1,64 @@
+"""Unscaling on the scaler's hot path: 1/scale as GradScaler computes it, in fewer ops, and the
+one-pass unscale that reads the amax where GradScaler reads the found-inf flag."""
+
+from __future__ import annotations
+
+import torch
+
+from autoscale.scalers.controller import f32
+from autoscale.scalers.grad_stats import AbsMax, nonfinite_flag
+
+__all__ = ["InverseScale", "unscale_reading_amax"]
+
+
+class InverseScale:
+    """1/scale of a step as GradScaler's ``unscale_`` computes it (the reciprocal in float64,
+    rounded to float32; in float32 on MPS): one op from the guard's scale where the guard ran,
+    else none while the host scale stays (a tensor kept for it). Valid until the next step's:
+    read it within the step."""
+
+    def __init__(self) -> None:
+        self._cache: tuple[float, torch.Tensor] | None = None  # (host scale, 1/scale)
+        self._buf: torch.Tensor | None = None  # 1/scale of a guarded step
+
+    def __call__(
+        self,
+        scale: torch.Tensor,
+        host_scale: float,
+        guarded: bool,
+        guard_scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``scale``: the scaler's scale tensor; ``host_scale``: the scale the rule set;
+        ``guarded``: the guard ran this step, its scale in ``guard_scale`` (None where it was
+        computed on the host of a CPU scaler: then ``scale`` holds it)."""
+        dev = scale.device
+        host = host_scale
+        if guarded and guard_scale is None and dev.type == "cpu":
+            host = float(scale)  # the guard's scale, set on the host (no sync on a CPU)
+        elif guarded or dev.type == "mps":
+            g = guard_scale if guarded else None
+            if g is None:
+                g = scale if dev.type == "mps" else scale.double()
+            buf = self._buf
+            if buf is None or buf.device != dev:
+                buf = self._buf = torch.empty((), device=dev)
+            return torch.reciprocal(g, out=buf)  # computed in g's dtype, rounded on the way out
+        cached = self._cache
+        if cached is None or cached[0] != host or cached[1].device != dev:
+            cached = self._cache = (host, torch.full((), f32(1.0 / host), device=dev))
+        return cached[1]
+
+
+def unscale_reading_amax(
+    grads: list[torch.Tensor], inv: torch.Tensor, abs_max: AbsMax, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unscale ``grads`` in place, reading their amax first: one read of the scaled gradients
+    gives the amax, whose finiteness is the found-inf flag, then one multiply by ``inv``
+    (GradScaler's kernel multiplies while it checks, and the amax was a second read of every
+    gradient). Returns ``(found_inf flag, unscaled amax)``: the same gradients, flag and amax as
+    GradScaler's unscale followed by a read of the amax, bit for bit (rounding is monotonic)."""
+    with torch.no_grad():
+        amax = abs_max(grads, dev)  # of the scaled gradients
+        flag = nonfinite_flag(amax)
+        torch._foreach_mul_(grads, inv)
+        return flag, amax * inv
