@@ -214,3 +214,13 @@ def test_no_import_circle():
         if node not in state:
             visit(node, [node])
     assert circles == []
+
+
+def test_no_module_is_over_500_lines():
+    """A module that grows past 500 lines is doing more than one job: split it by responsibility."""
+    long = {
+        str(path.relative_to(ROOT)): n
+        for _, path in _modules()
+        if (n := len(path.read_text().splitlines())) > 500
+    }
+    assert not long, long

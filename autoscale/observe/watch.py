@@ -38,7 +38,10 @@ __all__ = [
 
 
 class StepObserver(Protocol):
-    """What :meth:`LossScaler.add_observer` calls (each may do nothing)."""
+    """What :meth:`LossScaler.add_observer` calls (each may do nothing): ``on_scale(scaler,
+    loss)`` when a loss is scaled; ``on_grads(scaler, optimizer, grads, inv_scale)`` when the
+    gradients are read for the statistics (unscaled when ``inv_scale`` is None, else scaled by
+    ``1 / inv_scale``); ``on_update(scaler, stats)`` after the rule set the next scale."""
 
     def on_scale(self, scaler: Any, loss: torch.Tensor) -> None: ...
 

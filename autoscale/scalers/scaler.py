@@ -1,20 +1,17 @@
 """`LossScaler`: a `torch.amp.GradScaler` that hosts a :class:`~autoscale.scalers.controller.ScaleRule`.
 
-The parent's ``scale``/``unscale_``/``step`` are kept as they are, so fused optimizers, gradient
-clipping after ``unscale_`` and every framework that drives a GradScaler keep working. What a
-GradScaler cannot do is added by delegation, each in its own module: gradient statistics
-(:mod:`~autoscale.scalers.grad_stats`), the per-step loss guard (:mod:`~autoscale.scalers.loss_guard`),
-agreement across ranks (:mod:`~autoscale.scalers.ranks`), the packed step read in one sync
-(:mod:`~autoscale.scalers.step_vector`) and checkpoints of the rule's state
-(:mod:`~autoscale.scalers.checkpoint`). The decision itself is the rule's, made through a
-:class:`~autoscale.scalers.controller.ScaleController` (bounds, minimum). This is the one module
-that touches GradScaler's private members.
+The parent's ``scale``/``unscale_``/``step`` are kept, so fused optimizers, clipping after
+``unscale_`` and every framework that drives a GradScaler keep working. The rest is delegated:
+reading gradients (:mod:`~autoscale.scalers.grad_reader`), the loss guard
+(:mod:`~autoscale.scalers.loss_guard`), agreement across ranks (:mod:`~autoscale.scalers.ranks`),
+the packed step (:mod:`~autoscale.scalers.step_vector`), checkpoints
+(:mod:`~autoscale.scalers.checkpoint`) and the decision (the rule, through a
+:class:`~autoscale.scalers.controller.ScaleController`). Only this module touches GradScaler's
+private members.
 
-Host syncs: GradScaler reads the found-inf flag once per step in ``step()`` (non-fused optimizers).
-LossScaler packs the flag, the gradient statistics and the loss into one small tensor and reads it
-in that same place, so the rule costs no extra sync there. Optimizers that unscale inside their own
-kernel (``AdamW(fused=True)``) never sync in GradScaler; LossScaler then reads the packed tensor once
-in ``update()``: one sync per step.
+Host syncs: one per step, where GradScaler has its own (the found-inf flag in ``step()``), which
+also carries the statistics and the loss; with a fused optimizer (no sync in GradScaler), one in
+``update()``.
 """
 
 from __future__ import annotations
@@ -70,22 +67,17 @@ class LossScaler(torch.amp.GradScaler):
         min_scale: Smallest scale the rule may set; never 0. Default: the rule's.
         max_scale: Largest scale the rule may set; never inf. Default: the rule's.
         raise_at_min: Raise :class:`~autoscale.errors.MinimumLossScaleError` on an overflow at the
-            minimum scale that the rule would answer by lowering the scale, as DeepSpeed does
-            ("Current loss scale already at minimum"; an overflow that hysteresis or a tolerance
-            absorbs does not raise). Off by default: the event is counted in ``min_hits`` and
-            training goes on with the step skipped.
-        collect_stats: Compute gradient amax/RMS each step (two fused foreach reductions). Defaults
-            to what the rule needs (``needs_stats``; a rule with ``needs_rms = False`` then skips
-            the RMS pass). Passing or setting it True collects both.
+            minimum that the rule answers by lowering the scale, as DeepSpeed does. Off by
+            default: counted in ``min_hits``, the step skipped, training goes on.
+        collect_stats: Compute gradient amax/RMS each step. Default: what the rule needs
+            (``needs_stats``, ``needs_rms``). Passing or setting it True collects both.
         enabled: As in GradScaler.
         name: The name checkpoints and ``spec()`` carry (an exported policy's); default the rule's.
         process_group: Under ``torch.distributed``, the ranks that take one decision (default:
-            the world group). Every rank of the group skips the same steps and keeps the same
-            scale; the found-inf flag, the statistics the rule reads and the loss are agreed with
-            one collective per optimizer step.
-        identical_grads: The gradients are already identical on every rank (plain DDP averages
-            them in backward): no collective at all, unless the rule reads the loss
-            (``needs_loss``), which each rank computes on its own batch.
+            the world group): they skip the same steps and keep the same scale, agreed with one
+            collective per optimizer step.
+        identical_grads: The gradients are already identical on every rank (DDP averaged them):
+            no collective, unless the rule reads the loss (``needs_loss``).
 
     Attributes:
         rule: The rule. controller: Its :class:`ScaleController` (bounds and counters).
@@ -282,9 +274,8 @@ class LossScaler(torch.amp.GradScaler):
         return state["found_inf_per_device"]
 
     def _found_inf_from_amax(self, optimizer: torch.optim.Optimizer) -> None:
-        """Derive found-inf from the gradient amax the rule reads anyway (fused-optimizer path):
-        GradScaler's separate found-inf pass over every gradient is skipped. The flag lives on
-        the scale's device, where GradScaler's fused path gathers it anyway."""
+        """Found-inf from the gradient amax the rule reads anyway (fused-optimizer path): no
+        separate found-inf pass; the flag on the scale's device, as GradScaler's fused path."""
         # a guarded step's scale is on the device only
         inv = self._inv_scale() if self._guarded else 1.0 / self._host_scale
         state = self._per_optimizer_states[id(optimizer)]
@@ -299,8 +290,7 @@ class LossScaler(torch.amp.GradScaler):
         self.grads.found_inf(state, dev)
 
     def _one_pass_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
-        """The gradients when this step's statistics are the amax alone and they allow reading it
-        in the one pass that also finds infs; else None."""
+        """The gradients, where the amax alone is read, in the pass that finds infs; or None."""
         if not self._collect_stats or self.grads.rms or self.grads.keep_abs:
             return None
         self._check_scale_growth_tracker("unscale_")
@@ -380,12 +370,8 @@ class LossScaler(torch.amp.GradScaler):
             if not scaler.step_was_skipped:
                 scheduler.step()
 
-        Valid after ``step()`` (before or after ``update()``, also ``update(new_scale)``), for
-        plain optimizers, which ``step()`` does not call on such a step, and fused ones
-        (``AdamW(fused=True)``), whose kernel skips it from the same found-inf flag; with several
-        optimizers, True when any of them skipped. On a fused optimizer read before
-        ``update()``, it brings forward the one host sync ``update()`` makes. False before the
-        first step and when scaling is disabled.
+        Valid after ``step()`` (before or after ``update()``), for plain and fused optimizers;
+        with several, True when any skipped. False before the first step and when disabled.
         """
         if not self._enabled:
             return False
@@ -398,12 +384,9 @@ class LossScaler(torch.amp.GradScaler):
         return any(s[sv.HOST].found for s in states)
 
     def add_observer(self, observer: Any) -> None:
-        """Call ``observer`` at each step, as :class:`autoscale.observe.StepObserver` describes:
-        ``on_scale(scaler, loss)`` when a loss is scaled, ``on_grads(scaler, optimizer, grads,
-        inv_scale)`` when the gradients are read for the statistics (unscaled when ``inv_scale``
-        is None, else scaled by ``1 / inv_scale``), ``on_update(scaler, stats)`` after the rule
-        set the next scale. Observers read; they never change the step. Switches the gradient
-        amax on (an observer reads it); the RMS pass stays as the rule wants it."""
+        """Call ``observer`` at each step as :class:`autoscale.observe.StepObserver` describes
+        (``on_scale``, ``on_grads``, ``on_update``); observers read, never change, the step.
+        Switches the gradient amax on (an observer reads it)."""
         self._collect_stats = True
         self._observers.append(observer)
 
@@ -440,16 +423,10 @@ class LossScaler(torch.amp.GradScaler):
         return write_state(self.name, self._host_scale, knobs, self.controller)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a plain GradScaler state restores the scale and tracker.
-
-        The loaded scale is clamped into this scaler's bounds (its own ``min_scale`` and
-        ``max_scale`` are kept: they are configuration, not state); bounds that differ from the
-        checkpoint's, or a scale that had to be clamped, are warned about.
-
-        Raises:
-            ConfigError: a state of another rule, of a newer autoscale, or with a missing or
-                malformed entry (named in the message).
-        """
+        """Restore :meth:`state_dict` (or a plain GradScaler's: the scale and tracker), the scale
+        clamped into this scaler's own bounds, with a warning where bounds differ or the scale
+        was clamped. ConfigError for a state of another rule, of a newer autoscale, or with a
+        missing or malformed entry (see :func:`~autoscale.scalers.checkpoint.read_state`)."""
         if not self._enabled:
             return
         loaded = read_state(state_dict, self.name, self.controller.bounds)
@@ -504,30 +481,20 @@ class LossScaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------ agreement across ranks
     @property
     def identical_grads(self) -> bool:
-        """The gradients are identical on every rank already (no collective unless the rule
-        reads the loss)."""
+        """The gradients are identical on every rank (no collective unless the rule reads loss)."""
         return self._ranks.identical_grads
 
     def _group(self) -> Any:
-        """The process group decisions are agreed over, or None when there is nothing to agree
-        (not distributed, one rank)."""
+        """The process group decisions are agreed over, or None (nothing to agree)."""
         return self._ranks.group(self._scale.device, self.rule.needs_loss)
 
     def _agree(self, state: dict[str, Any]) -> None:
-        """Pack this optimizer's found-inf flag, gradient statistics and the losses scaled since
-        the last agreement into one vector on the scale's device, agreed across ranks with one
-        collective where there is anything to agree; no host sync."""
+        """Pack this optimizer's step into one vector, agreed across ranks (no host sync)."""
         if sv.VEC in state:
             return
         group = self._group()
-        loss, n_loss = self._loss_sum, self._loss_count
-        self._loss_sum, self._loss_count = None, 0
-        sv.pack_into(
-            state,
-            stats=state.get(sv.STATS) if self.collect_stats else None,
-            loss=loss,
-            n_loss=n_loss,
-            guard=self._scale if self._guarded else None,  # the step's own scale travels along
-            dev=self._scale.device,
-            gather=None if group is None else (lambda local: self._ranks.gather(local, group)),
-        )
+        gather = None if group is None else (lambda local: self._ranks.gather(local, group))
+        loss, n_loss, self._loss_sum, self._loss_count = self._loss_sum, self._loss_count, None, 0
+        stats = state.get(sv.STATS) if self.collect_stats else None
+        guard = self._scale if self._guarded else None  # the step's own scale travels along
+        sv.pack_into(state, stats, loss, n_loss, guard, self._scale.device, gather)

@@ -197,7 +197,6 @@ def step_stats(
 
 def pack_into(
     state: dict[str, Any],
-    *,
     stats: torch.Tensor | None,
     loss: torch.Tensor | None,
     n_loss: int,

@@ -323,7 +323,7 @@ def _on_device(scaler: Any, workload: Any) -> Any:
     from autoscale.scalers import LossScaler
 
     device = _device(workload)
-    if scaler._device == device:
+    if scaler.device == device:
         return scaler
     return LossScaler(
         scaler.rule,
