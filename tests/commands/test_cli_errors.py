@@ -98,6 +98,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert message in err
 
 
+@pytest.mark.slow  # a subprocess or a 124M model: seconds
 def test_bad_input_in_a_real_process():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
@@ -112,6 +113,7 @@ def test_bad_input_in_a_real_process():
     ]
 
 
+@pytest.mark.slow  # a subprocess or a 124M model: seconds
 def test_a_reader_that_leaves_ends_the_command_quietly():
     """``autoscale list --json | head -1``: the pipe closes under the writer; no traceback."""
     import os

@@ -125,6 +125,7 @@ def test_bad_suites_say_which_member_and_what_to_fix(change, error, match):
         load_spec(tiny_suite(**change))
 
 
+@pytest.mark.slow  # a subprocess or a 124M model: seconds
 def test_a_bad_suite_file_is_one_line_exit_2_and_writes_nothing(tmp_path):
     from tests.search.conftest import run_cli
 

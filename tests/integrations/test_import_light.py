@@ -19,6 +19,7 @@ def _loaded(code: str) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a subprocess or a 124M model: seconds
 def test_integrations_load_their_framework_only_when_used():
     # the DeepSpeed config needs no DeepSpeed, nor any other framework
     code = "import autoscale.integrations\nautoscale.integrations.deepspeed_config('torch')"

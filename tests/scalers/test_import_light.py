@@ -32,6 +32,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess or a 124M model: seconds
 def test_scaler_use_stays_light():
     code = f"HEAVY = {HEAVY!r}\n{SCRIPT}"
     out = subprocess.run(

@@ -215,6 +215,7 @@ def test_hub_model_without_local_files():
         build_model(WorkloadSpec(model="someorg/no-such-model", init="random"))
 
 
+@pytest.mark.slow  # a subprocess or a 124M model: seconds
 def test_presets_init_rules(caplog):
     with pytest.raises(
         ConfigError, match="'gpt2-tiny' has no pretrained weights; use --init random"
