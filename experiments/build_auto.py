@@ -491,6 +491,7 @@ def main(argv=None) -> int:
     from autoscale.search.gate import NoHarmCheck, gate_workloads
     from autoscale.search.timing import GatePlan
     from autoscale.search.traces import load_traces
+    from autoscale.training.bar import first_passing
 
     t_all = time.monotonic()
     timings: dict[str, float] = {}
@@ -564,44 +565,45 @@ def main(argv=None) -> int:
     # harm in long runs (a harm gate, not a contest: a candidate that harms is passed over)
     members = searched + left
     noise = se.seed_noise(cards, members)
-    verdicts, pick = {}, None
     long_lines: list[str] = []
     long_summary: dict[str, dict] = {}  # the pick's long runs, for its manifest
     timings["no-harm"] = timings["long runs"] = 0.0
     confirmed: dict[str, dict[str, dict[str, list]]] = {}  # scaler -> member -> more episodes
-    for s in ranked:
+
+    def meets_the_bar(s: str) -> list[str]:
         accept[s], confirmed[s] = confirm_loss(
             suite, cards, s, factories, args, CONFIRM_SEEDS["selection"], se
         )
         misses = [m for m, r in accept[s].items() if not r["met"]]
         if misses:
-            verdicts[s] = {"passed": False, "reasons": [f"misses the bar on {', '.join(misses)}"]}
             print(f"{s}: misses the bar on {', '.join(misses)}", flush=True)
-            continue
+            return [f"misses the bar on {', '.join(misses)}"]
+        return []
+
+    def passes_the_check(s: str) -> list[str]:
         t0 = time.monotonic()
         verdict = check.check(factories[s], s)
         timings["no-harm"] += time.monotonic() - t0
-        verdicts[s] = {"passed": verdict.passed, "reasons": verdict.reasons}
         print(verdict.summary(), flush=True)
-        if not verdict.passed:
-            continue
+        return list(verdict.reasons)
+
+    def no_harm_in_long_runs(s: str) -> list[str]:
         if args.long_steps <= 0:
-            pick = s
-            break
+            return []
         t0 = time.monotonic()
         runs = se.long_runs(
             suite, members, {s: factories[s], "torch": factories["torch"]}, args.long_steps
         )
         timings["long runs"] += time.monotonic() - t0
         harm = se.long_harm(runs, s, noise)
-        long_lines += long_table(runs, harm, s, members, args.long_steps, se)
+        long_lines.extend(long_table(runs, harm, s, members, args.long_steps, se))
         harmed = [m for m in members if harm[m]]
         if harmed:
             reason = f"long runs: worse than torch on {', '.join(harmed)}"
-            verdicts[s] = {"passed": False, "reasons": [*verdicts[s]["reasons"], reason]}
             print(f"{s}: {reason}", flush=True)
-            continue
-        long_summary = {
+            return [reason]
+        long_summary.clear()
+        long_summary.update({
             m: {
                 who: {
                     "skip_rate": runs[m][who]["card"].skip_rate,
@@ -613,9 +615,11 @@ def main(argv=None) -> int:
                 for who in (s, "torch")
             }
             for m in members
-        }
-        pick = s
-        break
+        })  # fmt: skip
+        return []
+
+    pick, why = first_passing(ranked, [meets_the_bar, passes_the_check, no_harm_in_long_runs])
+    verdicts = {s: {"passed": not r, "reasons": r} for s, r in why.items()}
 
     # the evidence, on fresh seeds: the pick ships only if it meets the bar there too (three
     # episodes a member are few; a pick that met the bar on them by chance is not shipped)

@@ -3,13 +3,12 @@
 * :func:`held_out`: real-step episodes of every member's *test* instances (never searched or
   trained on), searched and left-out members alike, for each scaler; the scorecards, the regret
   against ``torch`` on the same episodes, and the suite objective;
-* :func:`acceptance`: the bar a general policy must clear against ``torch`` on those episodes
-  (skip rate at most torch's + 0.5 points, eval loss within seed noise, precision loss lower where
-  torch underflows), and :func:`confirm`: more paired episodes of a member where three could not
-  tell a difference in eval loss from seed noise;
+* :func:`acceptance`: the bar (:mod:`autoscale.training.bar`, the one definition the search's
+  no-harm check uses too) on every member's held-out episodes, and :func:`confirm`: more paired
+  episodes of a member where three could not tell a difference in eval loss from seed noise;
 * :func:`long_runs`: long real runs of a few members (scale trajectories over a whole run, and the
   share of gradient elements kept at fp16 precision), and :func:`long_harm`: where one scaler's
-  long run is worse than torch's;
+  long run is worse than torch's (the bar's :func:`~autoscale.training.bar.harm`);
 * markdown tables and plots.
 """
 
@@ -18,14 +17,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SKIP_POINTS = 0.005  # skip rate may exceed torch's by this much (half a percentage point)
-UNDERFLOW = 0.01  # torch "underflows" on a member where it loses precision on > 1% of elements
-CONFIRM_Z = 2.0  # a paired mean difference beyond 2 standard errors is more than seed noise
+from autoscale.training import bar
+from autoscale.training.bar import mean, missed_on_loss_alone  # noqa: F401  (used as se.NAME)
 
 
 def with_steps(suite, steps: int):
@@ -80,22 +77,6 @@ def objective_of(
     return {name: objective({m: c[m] for m in members}, ref, weights) for name, c in cards.items()}
 
 
-def mean(cards: list, field: str) -> float:
-    values = [getattr(c, field) for c in cards]
-    values = (
-        [v if math.isfinite(v) else 1.0 for v in values] if field == "precision_loss" else values
-    )
-    return math.fsum(values) / len(values)
-
-
-def paired_difference(mine: list, ref: list, field: str = "eval_loss") -> tuple[float, float]:
-    """Mean and standard error of ``mine - ref`` over paired episodes (same instance and seed)."""
-    diffs = [getattr(a, field) - getattr(b, field) for a, b in zip(mine, ref, strict=True)]
-    if len(diffs) < 2:
-        return math.fsum(diffs) / max(len(diffs), 1), math.inf
-    return statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
-
-
 def acceptance(
     cards: dict[str, dict[str, list]], scaler: str, more: dict[str, dict[str, list]] | None = None
 ) -> dict[str, dict[str, Any]]:
@@ -119,39 +100,8 @@ def acceptance(
         extra = (more or {}).get(member)
         if extra is not None:
             mine, ref = [*mine, *extra[scaler]], [*ref, *extra["torch"]]
-        evals = [c.eval_loss for c in ref]
-        floor = 0.002 * abs(statistics.mean(evals))
-        skip, skip_ref = mean(mine, "skip_rate"), mean(ref, "skip_rate")
-        loss, loss_ref = mean(mine, "eval_loss"), mean(ref, "eval_loss")
-        prec, prec_ref = mean(mine, "precision_loss"), mean(ref, "precision_loss")
-        if extra is None:
-            noise = max(max(evals) - min(evals), floor)
-            loss_ok = loss <= loss_ref + noise
-            paired = None
-        else:
-            diff, err = paired_difference(mine, ref)
-            noise = max(CONFIRM_Z * err, floor)
-            loss_ok = math.isfinite(diff) and diff <= noise
-            paired = {"mean_difference": diff, "standard_error": err, "episodes": len(mine)}
-        row = {
-            "skip": skip <= skip_ref + SKIP_POINTS,
-            "loss": loss_ok,
-            "precision": prec < prec_ref if prec_ref > UNDERFLOW else True,
-            "values": {
-                "skip_rate": skip, "torch_skip_rate": skip_ref, "eval_loss": loss,
-                "torch_eval_loss": loss_ref, "noise": noise, "precision_loss": prec,
-                "torch_precision_loss": prec_ref, "episodes": len(mine), "paired": paired,
-            },
-        }  # fmt: skip
-        row["met"] = row["skip"] and row["loss"] and row["precision"]
-        out[member] = row
+        out[member] = bar.acceptance(mine, ref, paired=extra is not None)
     return out
-
-
-def missed_on_loss_alone(row: dict[str, Any]) -> bool:
-    """Whether an :func:`acceptance` row of three episodes misses the bar by eval loss alone (the
-    case :func:`confirm` settles)."""
-    return row["skip"] and row["precision"] and not row["loss"] and row["values"]["paired"] is None
 
 
 def confirm(
@@ -247,35 +197,21 @@ def long_harm(
     elements kept at fp16 normal precision (:func:`kept_share`) more than 0.5 points below
     torch's. The last stands for precision: the scorecard's precision loss cannot rank two
     scalers whose fp16 backward zeroes different numbers of elements (see :func:`long_runs`)."""
-    out = {}
-    for member, by in runs.items():
-        mine, ref = by[scaler]["card"], by["torch"]["card"]
-        why = []
-        if mine.diverged and not ref.diverged:
-            why.append("diverged")
-        if mine.skip_rate > ref.skip_rate + SKIP_POINTS:
-            why.append(f"skips {100 * mine.skip_rate:.2f}% vs torch {100 * ref.skip_rate:.2f}%")
-        tol = max((noise or {}).get(member, 0.0), 0.002 * abs(ref.eval_loss))
-        if not math.isfinite(mine.eval_loss) or mine.eval_loss > ref.eval_loss + tol:
-            why.append(
-                f"eval loss {mine.eval_loss:.4g} vs torch {ref.eval_loss:.4g} (noise {tol:.2g})"
-            )
-        kept, kept_ref = kept_share(by[scaler]), kept_share(by["torch"])
-        if not math.isfinite(kept) or (math.isfinite(kept_ref) and kept < kept_ref - SKIP_POINTS):
-            why.append(
-                f"keeps {100 * kept:.2f}% of gradient elements at fp16 precision vs torch "
-                f"{100 * kept_ref:.2f}%"
-            )
-        out[member] = why
-    return out
+    return {
+        member: bar.harm(
+            by[scaler]["card"],
+            by["torch"]["card"],
+            (noise or {}).get(member, 0.0),
+            kept=kept_share(by[scaler]),
+            kept_ref=kept_share(by["torch"]),
+        )
+        for member, by in runs.items()
+    }
 
 
 def seed_noise(cards: dict[str, dict[str, list]], members: list[str]) -> dict[str, float]:
-    """Per member: the spread of torch's eval loss over its held-out episodes (its seed noise)."""
-    return {
-        m: max(c.eval_loss for c in cards["torch"][m]) - min(c.eval_loss for c in cards["torch"][m])
-        for m in members
-    }
+    """Per member: torch's seed noise over its held-out episodes (:func:`bar.seed_noise`)."""
+    return {m: bar.seed_noise([c.eval_loss for c in cards["torch"][m]]) for m in members}
 
 
 def plot_long_runs(runs: dict[str, dict[str, list]], path: Path, title: str) -> None:

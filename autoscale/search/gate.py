@@ -3,13 +3,14 @@
 A policy is used for whole runs of 10^4 to 10^6 steps. Before anything is exported it trains long
 *clean* runs (nothing wrong with the data; a warm-up and a cosine learning-rate decay, as real runs
 have) of ``mlp`` and of every model the search ran, next to the ``torch`` rule on the same seeds,
-and it fails when, on any workload:
+and it fails when, on any workload and seed, the run does harm as :func:`autoscale.training.bar.harm`
+defines it, the one definition the ``auto`` build uses too:
 
-* it skips more than ``torch`` + :data:`SKIP_TOLERANCE` of the steps (0.5%), or
+* it skips more than ``torch`` + 0.5 points of the steps, or
 * its final held-out loss is worse than ``torch``'s on the same seed by more than the seed noise:
-  the spread of ``torch``'s final held-out loss over its seeds (at least :data:`NOISE_FLOOR` of
-  it, so that two identical seeds do not make the check demand bit-identical losses), or
-* training diverges.
+  the spread of ``torch``'s final held-out loss over its seeds (at least 0.2% of it, so that two
+  identical seeds do not make the check demand bit-identical losses), or
+* training diverges where torch's does not.
 
 ``torch``'s runs are deterministic for a workload and seed, so they are cached next to the storage
 and paid once. While running them the check records their traces, and a candidate is first
@@ -35,13 +36,12 @@ from typing import Any
 from autoscale.errors import ConfigError
 from autoscale.search.budget import Ledger
 from autoscale.search.timing import GatePlan, Timings
+from autoscale.training.bar import SKIP_POINTS, harm, seed_noise
 from autoscale.training.scorecard import Scorecard
 
 __all__ = [
     "GATE_STEPS",
-    "SKIP_TOLERANCE",
     "SCREEN_MARGIN",
-    "NOISE_FLOOR",
     "gate_workloads",
     "gate_proxy",
     "Verdict",
@@ -49,9 +49,7 @@ __all__ = [
 ]
 
 GATE_STEPS = 1000
-SKIP_TOLERANCE = 0.005
 SCREEN_MARGIN = 0.02  # replay refuses only what skips this much more than torch
-NOISE_FLOOR = 0.002
 GATE_VERSION = 1
 
 
@@ -261,7 +259,7 @@ class NoHarmCheck:
                 if card.skip_rate > ref.skip_rate + SCREEN_MARGIN:
                     reasons.append(
                         f"{w.model} seed {seed}: replay predicts {100 * card.skip_rate:.2f}% skipped "
-                        f"steps, torch {100 * ref.skip_rate:.2f}% (+{100 * SKIP_TOLERANCE:.1f}% "
+                        f"steps, torch {100 * ref.skip_rate:.2f}% (+{100 * SKIP_POINTS:.1f}% "
                         "allowed)"
                     )
         return Verdict(label, not reasons, reasons, screened=True)
@@ -274,10 +272,7 @@ class NoHarmCheck:
         runs: dict[str, dict[str, list[dict]]] = {}
         for w in self.gate.workloads:
             refs = {s: self.reference(w, s)[0] for s in self.gate.seeds}
-            noise = max(
-                max(c.eval_loss for c in refs.values()) - min(c.eval_loss for c in refs.values()),
-                NOISE_FLOOR * abs(refs[self.gate.seeds[0]].eval_loss),
-            )
+            noise = seed_noise([c.eval_loss for c in refs.values()])
             mine = []
             for seed in self.gate.candidate_seeds:
                 scaler = factory()
@@ -285,20 +280,8 @@ class NoHarmCheck:
                 with self.ledger.track("work:gate"):
                     card = run.run(self.gate.steps, progress=self.progress)
                 mine.append(card)
-                ref = refs[seed]
-                if card.diverged:
-                    reasons.append(f"{w.model} seed {seed}: training diverged")
-                if card.skip_rate > ref.skip_rate + SKIP_TOLERANCE:
-                    reasons.append(
-                        f"{w.model} seed {seed}: skipped {100 * card.skip_rate:.2f}% of "
-                        f"{self.gate.steps} steps, torch {100 * ref.skip_rate:.2f}% "
-                        f"(+{100 * SKIP_TOLERANCE:.1f}% allowed)"
-                    )
-                if not card.eval_loss <= ref.eval_loss + noise:
-                    reasons.append(
-                        f"{w.model} seed {seed}: final eval loss {card.eval_loss:.5g}, torch "
-                        f"{ref.eval_loss:.5g} (seed noise {noise:.2g})"
-                    )
+                for why in harm(card, refs[seed], noise, steps=self.gate.steps):
+                    reasons.append(f"{w.model} seed {seed}: {why}")
             runs[w.model] = {
                 "candidate": [c.to_dict() for c in mine],
                 "torch": [refs[s].to_dict() for s in self.gate.candidate_seeds],
