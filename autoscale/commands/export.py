@@ -6,6 +6,7 @@ import argparse
 
 from autoscale.commands.base import Command
 from autoscale.errors import ConfigError
+from autoscale.search.candidates import TORCH
 
 
 class ExportCommand(Command):
@@ -68,7 +69,7 @@ worker), else the best on the train replay.
             cards = validated_trials(study, validation).get(trial.number)
             how = "validated on real steps" if cards else "not validated on real steps"
         names = suite_instances(validation, "test")
-        torch_cards = real_cards(study.user_attrs, "rule:torch", names)
+        torch_cards = real_cards(study.user_attrs, TORCH, names)
         summary: dict = {}
         if cards is not None and len(torch_cards) == len(names):
             where = f"real steps: {len(names)} test episodes of {validation.episode.steps} steps"

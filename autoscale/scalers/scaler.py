@@ -203,13 +203,8 @@ class LossScaler(torch.amp.GradScaler):
 
     def spec(self) -> dict[str, Any]:
         """A dict that rebuilds this scaler: ``get_scaler(**spec)``."""
-        return {
-            "name": self.name,
-            "init_scale": self.init_scale,
-            "min_scale": self.min_scale,
-            "max_scale": self.max_scale,
-            **self.rule.params(),
-        }
+        bounds = {"min_scale": self.min_scale, "max_scale": self.max_scale}
+        return {"name": self.name, "init_scale": self.init_scale, **bounds, **self.rule.params()}
 
     # ------------------------------------------------------------------ GradScaler overrides
     def scale(self, outputs):  # noqa: D401 - same contract as GradScaler.scale
@@ -394,6 +389,11 @@ class LossScaler(torch.amp.GradScaler):
         """Stop calling ``observer`` (see :meth:`add_observer`)."""
         self._observers = [o for o in self._observers if o is not observer]
 
+    @property
+    def observers(self) -> tuple[Any, ...]:
+        """The observers :meth:`add_observer` added, in order."""
+        return tuple(self._observers)
+
     def set_scale(self, value: float) -> None:
         """Set the scale of the next step (clamped to ``[min_scale, max_scale]``), between steps.
 
@@ -438,10 +438,8 @@ class LossScaler(torch.amp.GradScaler):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_loss_sum"] = None
-        state["_last_stepped"] = []
-        state["_observers"] = []  # recorders and loggers hold files of this process
-        state["_guard_scale"] = None
+        # (observers: recorders and loggers hold files of this process)
+        state.update(_loss_sum=None, _last_stepped=[], _observers=[], _guard_scale=None)
         state["_inverse"] = InverseScale()
         return state
 

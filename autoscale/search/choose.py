@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoscale.search.budget import Ledger, format_duration
+from autoscale.search.candidates import TORCH
 from autoscale.search.gate import NoHarmCheck, Verdict
 from autoscale.search.timing import Timings
 from autoscale.search.validate import Validated
@@ -73,7 +74,7 @@ def choose(
         if not v.real:
             choice.unchecked.append(f"{v.label} (validated on replay only)")
             continue
-        if v.key == "rule:torch":
+        if v.key == TORCH:
             choice.winner = v
             return choice
         verdict = _stored(study, v.key)

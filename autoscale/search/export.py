@@ -25,6 +25,7 @@ from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import ConfigError, unknown_name
 from autoscale.scalers.policies import PolicyManifest, staged_policy, write_manifest
 from autoscale.scalers.registry import build_scaler, rule_class, rule_names
+from autoscale.search.candidates import TORCH, Candidate
 from autoscale.search.validate import Validated, validated_trials
 from autoscale.training.scorecard import Scorecard, json_safe
 
@@ -142,13 +143,15 @@ def top_candidates(
     return out
 
 
-def rank(validated: dict[str, Validated], reference: Validated, weights: Any) -> list[Validated]:
+def rank(
+    validated: dict[Candidate, Validated], reference: Validated, weights: Any
+) -> list[Validated]:
     """Every validated candidate and rule, best first, by the objective against ``reference``
     (``torch``) on the same episodes; real-step validations before replayed ones, and rules before
     candidates on a tie."""
     return sorted(
         validated.values(),
-        key=lambda v: (not v.real, v.objective(reference, weights), not v.key.startswith("rule:")),
+        key=lambda v: (not v.real, v.objective(reference, weights), not v.key.is_rule),
     )
 
 
@@ -347,7 +350,7 @@ def best_trial(
         raise ConfigError(f"study '{study.study_name}' has no completed trial to export")
     validated = {n: c for n, c in validated_trials(study, validation).items() if n in complete}
     names = suite_instances(validation, "test")
-    ref = real_cards(study.user_attrs, "rule:torch", names)
+    ref = real_cards(study.user_attrs, TORCH, names)
     if validated and len(ref) == len(names):
         torch_cards = by_member(ref, names)
         n = min(validated, key=lambda k: objective(validated[k], torch_cards, validation.reward))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autoscale.search.budget import format_duration
+from autoscale.search.candidates import TORCH, Candidate
 from autoscale.search.choose import choose
 from autoscale.search.export import (
     card_summary,
@@ -92,7 +93,7 @@ class Rounds:
         self.validator, self.store, self.workdir = validator, store, workdir
         self.validated: dict[str, Validated] = {}
         self.factories: dict[str, Callable[[], Any]] = {
-            f"rule:{r}": (lambda r=r: bench.scaler(r)) for r in plan.rules
+            Candidate.rule(r): (lambda r=r: bench.scaler(r)) for r in plan.rules
         }
         self.state = RoundState()
 
@@ -117,7 +118,7 @@ class Rounds:
             # what this round leaves time for after its search: validating candidates (the best
             # few and the rules in the first round, the new best in later ones) and checking
             # its pick
-            rules_left = [r for r in plan.rules if f"rule:{r}" not in self.validated]
+            rules_left = [r for r in plan.rules if Candidate.rule(r) not in self.validated]
             n_rules = len(rules_left) if plan.all_rules_real else min(1, len(rules_left))
             k = CANDIDATES_PER_ROUND if first else 1
             after = validator.cost(k + (n_rules if first else 0)) + 1.2 * self.gate.cost(
@@ -160,13 +161,13 @@ class Rounds:
     def _pick(self) -> bool:
         """Rank, check, export what changed, report; False when torch has no validation."""
         validated, state = self.validated, self.state
-        if "rule:torch" not in validated:
+        if TORCH not in validated:
             self.say(
                 "export",
                 "nothing exported: torch could not be validated on real steps in the budget",
             )
             return False
-        reference = validated["rule:torch"]
+        reference = validated[TORCH]
         ranked = rank(validated, reference, self.plan.suite.reward)
         chosen = self._choose(ranked)
         if chosen is not None and chosen.key != state.exported:
@@ -232,19 +233,19 @@ class Rounds:
 
         with self.ledger.track("bk:optuna"):
             complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        done = {int(k.split(":")[1]) for k in validated if k.startswith("trial:")}
+        done = {c.number for c in map(Candidate.parse, validated) if c.is_trial}
         candidates = top_candidates(
             complete, plan.suite, self.store, self.workdir, k, self.warn, skip=done
         )
         trials = {t.number: t for t, _ in candidates}
         order = []
         for t, factory in candidates:
-            factories[f"trial:{t.number}"] = factory
-            order.append((f"trial:{t.number}", policy_label(t), factory))
+            factories[Candidate.trial(t.number)] = factory
+            order.append((Candidate.trial(t.number), policy_label(t), factory))
         rules = [
-            (f"rule:{r}", r, factories[f"rule:{r}"])
+            (Candidate.rule(r), r, factories[Candidate.rule(r)])
             for r in plan.rules
-            if f"rule:{r}" not in validated
+            if Candidate.rule(r) not in validated
         ]
         # torch first (every objective is measured against it), then the best candidate, the
         # other rules, the other candidates
@@ -258,15 +259,15 @@ class Rounds:
             # (a machine busier now) would otherwise leave the check a few seconds short
             self.budget.end - 1.4 * self.gate.cost(plan.timings, 1),
             on_done=lambda v: self._note_validated(
-                trials.get(int(v.key[6:])) if v.key.startswith("trial:") else None, v
+                trials.get(v.key.number) if v.key.is_trial else None, v
             ),
         )
         validated.update(results)
         if not results and not first:  # a later round that fitted nothing says nothing new
             validator.skipped.clear()
             return False
-        n_cand = sum(1 for k in results if k.startswith("trial:"))
-        n_rules = sum(1 for k in validated if k.startswith("rule:"))
+        n_cand = sum(1 for k in results if Candidate.parse(k).is_trial)
+        n_rules = sum(1 for k in validated if Candidate.parse(k).is_rule)
         msg = (
             f"{n_cand} candidate(s); {n_rules} of {len(plan.rules)} built-in rules so far; on "
             f"{len(validator.names)} test episodes x {plan.steps} real steps in {format_duration(time.monotonic() - t0)}"
@@ -312,14 +313,14 @@ class Rounds:
     def _choose(self, ranked: list[Validated]) -> Validated | None:
         study, plan, factories, state = self.study, self.plan, self.factories, self.state
         best = ranked[0]
-        if best.key.startswith("rule:") and state.said_first != best.key:
+        if best.key.is_rule and state.said_first != best.key:
             state.said_first = best.key
             self.say(
                 "export",
                 f"the built-in rule '{best.label}' ranks first on the validation episodes: "
                 + (
                     "it is the reference"
-                    if best.key == "rule:torch"
+                    if best.key == TORCH
                     else "exporting it (its defaults) if it does no harm"
                 ),
             )
@@ -366,17 +367,17 @@ class Rounds:
                 "scorecard": summary,
                 "provenance": provenance,
             }
-            if chosen.key.startswith("rule:"):
-                rule = chosen.key.split(":", 1)[1]
+            if chosen.key.is_rule:
+                rule = chosen.key.name
                 path = export_rule(study, rule, cfg.export, suite=plan.suite, **kw)
                 how = f"the built-in rule {rule} with its defaults"
             else:
-                trial = study.trials[int(chosen.key.split(":", 1)[1])]
+                trial = study.trials[chosen.key.number]
                 path = export_trial(study, trial, cfg.export, suite=plan.suite, store=store, **kw)
                 how = policy_label(trial)
             get_scaler(str(path), device="cpu")  # it loads
         self.result.exported, self.result.winner = path, f"{cfg.export} ({how})"
-        self.result.builtin = chosen.key.startswith("rule:")
+        self.result.builtin = chosen.key.is_rule
         self.say("export", f"{path} ({how}); use it with autoscale.get_scaler('{cfg.export}')")
 
     def _report(self, ranked, reference, winner) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from autoscale.envs.suite import SuiteSpec
 from autoscale.search.budget import Ledger
+from autoscale.search.candidates import Candidate
 from autoscale.search.objective import objective
 from autoscale.search.timing import Timings
 from autoscale.training.scorecard import Scorecard, json_safe
@@ -57,7 +58,7 @@ class Validated:
         records: Step records of this worker's episode on the first test instance, if it ran it.
     """
 
-    key: str
+    key: Candidate
     label: str
     cards: dict[str, list[Scorecard]]
     real: bool = True
@@ -80,11 +81,14 @@ def validated_trials(study: Any, validation: SuiteSpec) -> dict[int, dict[str, l
     names = suite_instances(validation, "test")
     out = {}
     for key in attrs:
-        number = key[len(PREFIX + "trial:") :]
-        if key.startswith(PREFIX + "trial:") and number.isdigit():
-            cards = real_cards(attrs, f"trial:{number}", names)
+        try:
+            cand = Candidate.parse(key[len(PREFIX) :]) if key.startswith(PREFIX) else None
+        except ValueError:
+            cand = None
+        if cand is not None and cand.is_trial:
+            cards = real_cards(attrs, cand, names)
             if len(cards) == len(names):
-                out[int(number)] = by_member(cards, names)
+                out[cand.number] = by_member(cards, names)
     return dict(sorted(out.items()))
 
 

@@ -28,7 +28,7 @@ def _train(scaler, steps: int, bad: int | None = None, weight: float = 1.0) -> l
 
 def test_get_scaler_records_every_step_in_chunks(tmp_path):
     scaler = autoscale.get_scaler("torch", device="cpu", record=str(tmp_path / "r"))
-    watch = scaler._observers[0]
+    watch = scaler.observers[0]
     watch.sinks[0].chunk_steps = 8  # small chunks: three files for 20 steps
     _train(scaler, 20, bad=4)
     watch.close()
@@ -84,8 +84,8 @@ def test_measured_threshold_sees_the_backward(tmp_path):
 KILLED = """
 import sys, time, torch, autoscale
 scaler = autoscale.get_scaler("torch", device="cpu", record=sys.argv[1])
-scaler._observers[0].sinks[0].chunk_steps = 5
-scaler._observers[0].flush_every = 5
+scaler.observers[0].sinks[0].chunk_steps = 5
+scaler.observers[0].flush_every = 5
 model = torch.nn.Linear(4, 4)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(10_000):
@@ -129,7 +129,7 @@ def test_bad_records_get_one_clear_line(tmp_path):
         read_record(tmp_path / "empty")
     scaler = autoscale.get_scaler("torch", device="cpu", record=str(tmp_path / "r"))
     _train(scaler, 2)
-    scaler._observers[0].close()
+    scaler.observers[0].close()
     meta = json.loads((tmp_path / "r" / "meta.json").read_text())
     (tmp_path / "r" / "meta.json").write_text(json.dumps({**meta, "version": 99}))
     with pytest.raises(ConfigError, match="format version 99, this autoscale reads version 1"):
@@ -141,7 +141,7 @@ def test_bad_records_get_one_clear_line(tmp_path):
 def test_a_record_is_a_trace_the_replay_reads(tmp_path):
     scaler = autoscale.get_scaler("torch", device="cpu", record=str(tmp_path / "r"))
     _train(scaler, 10, bad=2)
-    scaler._observers[0].close()
+    scaler.observers[0].close()
     trace = trace_from_record(tmp_path / "r")
     inst = trace.instances["run"]
     assert inst.steps == 10 and bool(inst.nonfinite[2]) and not inst.nonfinite[3]
@@ -160,7 +160,7 @@ def test_live_csv_and_tensorboard(tmp_path):
         log=[f"csv:{tmp_path / 'log.csv'}", f"tensorboard:{tmp_path / 'tb'}"],
     )
     _train(scaler, 6, bad=1)
-    scaler._observers[0].close()
+    scaler.observers[0].close()
     rows = list(csv.DictReader((tmp_path / "log.csv").read_text().splitlines()))
     assert [r["skipped"] for r in rows] == ["0", "1", "0", "0", "0", "0"]
     assert rows[-1]["skipped_total"] == "1" and float(rows[2]["scale"]) == 2.0**15
@@ -180,10 +180,10 @@ def test_live_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     scaler = autoscale.get_scaler("torch", device="cpu", log="wandb:autoscale-test")
     _train(scaler, 4, bad=2)
-    sink = scaler._observers[0].sinks[0]
-    scaler._observers[0].flush()
+    sink = scaler.observers[0].sinks[0]
+    scaler.observers[0].flush()
     summary = dict(sink.run.summary)
-    scaler._observers[0].close()
+    scaler.observers[0].close()
     assert summary["autoscale/skipped_total"] == 1 and summary["autoscale/step"] == 3
     assert wandb.run is None  # the run it opened is finished
 

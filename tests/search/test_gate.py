@@ -9,6 +9,7 @@ import pytest
 
 from autoscale.scalers import get_scaler
 from autoscale.search.budget import Ledger
+from autoscale.search.candidates import Candidate
 from autoscale.search.choose import GATE_PREFIX, choose
 from autoscale.search.export import rank
 from autoscale.search.gate import NoHarmCheck, gate_proxy, gate_workloads
@@ -82,7 +83,8 @@ def card(skip_rate, precision, steps=64):
 
 
 def validated(key, skip, precision):
-    return Validated(key, key.split(":")[1], {"mlp/bad-batches": [card(skip, precision)] * 2})
+    key = Candidate.parse(key)
+    return Validated(key, key.name, {"mlp/bad-batches": [card(skip, precision)] * 2})
 
 
 def test_a_built_in_rule_that_beats_every_candidate_ranks_first():
@@ -92,7 +94,7 @@ def test_a_built_in_rule_that_beats_every_candidate_ranks_first():
         "trial:7": validated("trial:7", 0.125, 0.02),
         "rule:static": validated("rule:static", 0.125, 0.01),
         "trial:9": validated("trial:9", 0.3, 0.0),
-        "rule:jmp": Validated("rule:jmp", "jmp", torch.cards, real=False),
+        "rule:jmp": Validated(Candidate.rule("jmp"), "jmp", torch.cards, real=False),
     }
     order = [v.key for v in rank(rows, torch, base_spec(model="mlp").reward)]
     assert order == ["rule:static", "trial:7", "trial:9", "rule:torch", "rule:jmp"]

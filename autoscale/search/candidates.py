@@ -1,0 +1,62 @@
+"""What a search compares: a built-in rule or a trial of the study, as one type.
+
+A :class:`Candidate` is the string the study stores it under (``"rule:torch"``,
+``"trial:12"``: the keys of validated episodes in the study's user attributes, kept as they
+are), with its parts read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TORCH", "Candidate"]
+
+_KINDS = ("rule", "trial")
+
+
+class Candidate(str):
+    """``"rule:NAME"`` or ``"trial:NUMBER"``; build one with :meth:`rule`, :meth:`trial` or
+    :meth:`parse` (which refuses anything else)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def rule(cls, name: str) -> Candidate:
+        return cls(f"rule:{name}")
+
+    @classmethod
+    def trial(cls, number: int) -> Candidate:
+        return cls(f"trial:{int(number)}")
+
+    @classmethod
+    def parse(cls, key: str) -> Candidate:
+        """``key`` as a candidate; ValueError unless it is ``rule:NAME`` or ``trial:NUMBER``."""
+        kind, sep, rest = str(key).partition(":")
+        if not sep or kind not in _KINDS or not rest or (kind == "trial" and not rest.isdigit()):
+            raise ValueError(f"not a candidate: {key!r} (rule:NAME or trial:NUMBER)")
+        return cls(key)
+
+    @property
+    def kind(self) -> str:
+        return self.partition(":")[0]
+
+    @property
+    def is_rule(self) -> bool:
+        return self.startswith("rule:")
+
+    @property
+    def is_trial(self) -> bool:
+        return self.startswith("trial:")
+
+    @property
+    def name(self) -> str:
+        """The rule's name, or the trial's number as text."""
+        return self.partition(":")[2]
+
+    @property
+    def number(self) -> int:
+        """The trial's number (ValueError for a rule)."""
+        if not self.is_trial:
+            raise ValueError(f"{self} is not a trial")
+        return int(self.name)
+
+
+TORCH = Candidate.rule("torch")
