@@ -258,6 +258,7 @@ def export_agent(
             "min_scale": ep.min_scale,
             "max_scale": ep.max_scale,
             "history": ep.history,
+            **({"guard": ep.guard.to_dict()} if ep.guard else {}),
         },
         out_dir=export_dir,
         force=force,

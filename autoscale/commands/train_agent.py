@@ -15,6 +15,8 @@ class TrainAgentCommand(Command):
   autoscale train-agent --env envs/bad-batches.yaml --algo ppo --replay traces/bad-batches.npz \\
       --timesteps 50000 --out ppo-bad-batches
   autoscale eval --policy ppo-bad-batches --env envs/bad-batches.yaml --seeds 3
+  autoscale train-agent --env envs/bad-batches.yaml --replay traces/bad-batches.npz --guard \
+      --out ppo-guarded    # the agent sets the base scale, amax-loss's guard takes the spikes
 
 algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (continuous)
 """
@@ -35,6 +37,13 @@ algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (cont
         )
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument(
+            "--guard",
+            action="store_true",
+            help="act under amax-loss's per-step loss guard (episode.guard with its defaults, "
+            "unless the spec sets one): the agent sets the base scale, the guard takes each "
+            "spike, and the exported policy keeps the guard",
+        )
+        parser.add_argument(
             "--eval-freq",
             type=int,
             default=None,
@@ -52,10 +61,19 @@ algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (cont
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
     def run(self, args: argparse.Namespace) -> int:
-        from autoscale.agents.train import train_agent
+        import dataclasses
 
+        from autoscale.agents.train import train_agent
+        from autoscale.envs.spec import GuardSpec, load_env_spec
+
+        env = args.env
+        if args.guard:
+            env = load_env_spec(args.env)
+            if env.episode.guard is None:
+                episode = dataclasses.replace(env.episode, guard=GuardSpec())
+                env = dataclasses.replace(env, episode=episode)
         result = train_agent(
-            args.env,
+            env,
             args.algo,
             args.timesteps,
             replay=args.replay,

@@ -12,6 +12,7 @@ from gymnasium import spaces
 from autoscale.envs.spec import EnvSpec, InstanceSpec, RewardWeights, load_env_spec
 from autoscale.scalers.controller import ScaleBounds, ScaleRule, StepStats
 from autoscale.scalers.features import FEATURE_BOUND, N_FEATURES, FeatureExtractor, FrameStack
+from autoscale.scalers.rules.guard import LossGuard
 
 __all__ = ["ScaleEnvBase", "step_reward"]
 
@@ -77,13 +78,17 @@ class ScaleEnvBase(gym.Env):
         self._nonfinite_run = 0
         self.last_stats: StepStats | None = None
         self.hit_min = False  # an overflow at the minimum scale this episode
-        self.guard_rule: ScaleRule | None = None  # whose per-step guard the steps apply
+        # the agent's own guard (episode.guard): applied to its scales, learnt from every step
+        self.agent_guard: LossGuard | None = None
+        self.guard_rule: Any = None  # whose per-step guard the steps apply
 
     def set_guard(self, rule: ScaleRule | None) -> None:
         """Apply ``rule``'s per-step guard (:meth:`ScaleRule.guard_limit`) to the steps taken from
-        now on, as a scaler hosting that rule does (None: no guard). Drivers that step the env
-        with a rule's decisions set it; agents choose the scale alone."""
+        now on, as a scaler hosting that rule does (None: no guard); the rule learns its guard
+        from the steps its driver hands it. Drivers that step the env with a rule's decisions
+        set it; an agent acts under the episode's guard (``episode.guard``), if it has one."""
         self.guard_rule = rule if getattr(rule, "has_guard", False) else None
+        self.agent_guard = None  # a driven rule brings its own guard, or none
 
     # ------------------------------------------------------------------ gymnasium API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -93,6 +98,10 @@ class ScaleEnvBase(gym.Env):
             (self.instance,) = self.env_spec.instance_set([options["instance"]])
         else:
             self.instance = self.instances[int(self.np_random.integers(len(self.instances)))]
+        guard = self.env_spec.episode.guard
+        if guard is not None and (self.guard_rule is None or self.agent_guard is not None):
+            self.agent_guard = LossGuard(guard.guard_history, guard.guard_margin)
+            self.guard_rule = self.agent_guard  # an agent starts each episode with a fresh guard
         self.scale, fx_state = self._start(self.instance)
         self.features.load_state_dict(fx_state)
         self._t = 0
@@ -155,6 +164,8 @@ class ScaleEnvBase(gym.Env):
         self._nonfinite_run = self._nonfinite_run + 1 if stats.loss_nonfinite else 0
         diverged = diverged or self._nonfinite_run >= 3
         self.features.update(stats)
+        if self.agent_guard is not None:
+            self.agent_guard.observe(stats.scale, stats)
         loss = stats.loss
         if not found_inf and loss == loss and loss != math.inf and loss != -math.inf:
             self._prev_loss = loss

@@ -22,6 +22,7 @@ from autoscale.yamlio import load_yaml, yaml_problem
 __all__ = [
     "EnvSpec",
     "EpisodeSpec",
+    "GuardSpec",
     "InstanceSpec",
     "RewardWeights",
     "load_env_spec",
@@ -74,6 +75,9 @@ class EpisodeSpec:
     max_scale: float = 2.0**48
     horizon: int | None = None  # default: max(2048, steps)
     history: int = 1  # feature vectors stacked into one observation (oldest first)
+    # an agent's per-step loss guard (autoscale.scalers.rules.guard.LossGuard's parameters):
+    # the environment lowers a spike's scale as amax-loss does, and the exported policy keeps it
+    guard: GuardSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps <= 0:
@@ -101,6 +105,38 @@ class EpisodeSpec:
             raise ConfigError(
                 f"episode min_scale ({self.min_scale:g}) exceeds max_scale ({self.max_scale:g})"
             )
+
+
+@dataclass(frozen=True)
+class GuardSpec:
+    """The per-step loss guard an agent acts under (see :mod:`autoscale.scalers.rules.guard`)."""
+
+    guard_history: int = 16
+    guard_margin: float = 1.0
+
+    def __post_init__(self) -> None:
+        from autoscale.scalers.rules.guard import LossGuard
+
+        LossGuard(self.guard_history, self.guard_margin)  # its own checks, one message each
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"guard_history": self.guard_history, "guard_margin": self.guard_margin}
+
+    @classmethod
+    def parse(cls, value: Any, where: str) -> GuardSpec | None:
+        """``episode.guard`` of a spec: absent, false or null for none; true for the defaults; or a
+        mapping of ``guard_history`` and ``guard_margin``."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"{where}: episode.guard must be true, false or a mapping of guard_history and "
+                f"guard_margin, got {value!r}"
+            )
+        check_keys(f"{where}: episode.guard", value, ["guard_history", "guard_margin"])
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -185,6 +221,7 @@ class EnvSpec:
                 "max_scale": self.episode.max_scale,
                 "horizon": self.episode.horizon,
                 "history": self.episode.history,
+                **({"guard": self.episode.guard.to_dict()} if self.episode.guard else {}),
             },
             "instances": {k: [asdict(i) for i in v] for k, v in self.instances.items()},
             "reward": asdict(self.reward),
@@ -219,8 +256,18 @@ class EnvSpec:
         check_keys(
             f"{where}: episode",
             ep,
-            ["steps", "action", "init_scale", "min_scale", "max_scale", "horizon", "history"],
+            [
+                "steps",
+                "action",
+                "init_scale",
+                "min_scale",
+                "max_scale",
+                "horizon",
+                "history",
+                "guard",
+            ],
         )
+        guard = GuardSpec.parse(ep.pop("guard", None), where)
         action = ep.pop("action", None) or {}
         if isinstance(action, str):
             action = {"mode": action}
@@ -233,7 +280,9 @@ class EnvSpec:
             f"{where}: episode.action", action, ["mode", "deltas", "max_delta", "resolution"]
         )
         episode = EpisodeSpec(
-            action=ActionMap.from_dict(action), **{k: _num(k, v) for k, v in ep.items()}
+            action=ActionMap.from_dict(action),
+            guard=guard,
+            **{k: _num(k, v) for k, v in ep.items()},
         )
         inst_data = data.get("instances") or {}
         if not isinstance(inst_data, dict):

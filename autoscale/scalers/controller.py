@@ -178,6 +178,11 @@ class ScaleRule:
         their first decision, as an agent does at an environment's reset."""
         return scale
 
+    def adopt(self, scale: float) -> None:
+        """The scale the controller set from this rule's wish (clamped into the bounds). A rule
+        whose guard may lower a step's scale, and that must continue from the scale it set
+        rather than the one the step used, keeps it here."""
+
     def params(self) -> dict[str, Any]:
         """The hyperparameters as primitives: ``type(self)(**rule.params())`` rebuilds the rule."""
         return {}
@@ -281,7 +286,9 @@ class ScaleController:
 
     def start(self, scale: float, features_state: dict[str, Any] | None = None) -> float:
         """The first scale of a run continuing from ``scale`` (see :meth:`ScaleRule.start`)."""
-        return self.bounds.clamp(self.rule.start(self.bounds.clamp(scale), features_state))
+        out = self.bounds.clamp(self.rule.start(self.bounds.clamp(scale), features_state))
+        self.rule.adopt(out)
+        return out
 
     def step(self, stats: StepStats) -> float:
         """Count ``stats`` and return the next scale (clamped).
@@ -300,7 +307,9 @@ class ScaleController:
                         f"Current loss scale already at minimum ({self.bounds.min_scale:g}) and the step "
                         f"overflowed again (rule '{self.rule.name}'); lower min_scale or set raise_at_min=False"
                     )
-        return self.bounds.clamp(float(self.rule.next_scale(stats.scale, stats)))
+        out = self.bounds.clamp(float(self.rule.next_scale(stats.scale, stats)))
+        self.rule.adopt(out)
+        return out
 
     def knob(self, key: str, default: Any) -> Any:
         """The rule's parameter ``key`` (GradScaler's growth_factor, ...), else ``default``."""

@@ -3,11 +3,15 @@
 The policy reads the shared features (:mod:`autoscale.scalers.features`) after every step and
 picks the change of log2(scale) deterministically, exactly as it did in the environment: the
 first decision is taken when the scaler is built, from the features of a fresh run at
-``init_scale``, as the environment takes it at reset.
+``init_scale``, as the environment takes it at reset. A policy trained under a per-step loss
+guard (``episode.guard``) carries it (``parameters.guard``): the scaler lowers each spike's
+scale on the device, as for ``amax-loss``, and the policy's next decision starts from the scale
+it set, as the agent's did in the environment.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ from autoscale.scalers.controller import ScaleRule, StepStats
 from autoscale.scalers.features import FEATURE_VERSION, N_FEATURES, FeatureExtractor, FrameStack
 from autoscale.scalers.policies import PolicyManifest, register_policy_kind, sha256_file
 from autoscale.scalers.registry import SCALER_OPTIONS
+from autoscale.scalers.rules.guard import LossGuard
 from autoscale.scalers.scaler import LossScaler
 
 __all__ = [
@@ -84,6 +89,10 @@ class NeuralPolicyRule(ScaleRule):
         self.action_map = ActionMap.from_dict(p["action"])
         self.features = FeatureExtractor()
         self.stack = FrameStack(int(p.get("history", 1)))
+        guard = p.get("guard")
+        self.guard = LossGuard(**guard) if guard else None
+        self.has_guard = self.guard is not None
+        self.base = math.nan  # the scale the controller set last from this policy's wish
         self._norm = None
         if obs_norm:
             mean = torch.tensor(obs_norm["mean"], dtype=torch.float32)
@@ -119,17 +128,34 @@ class NeuralPolicyRule(ScaleRule):
         """Bits to add to log2(scale) for a feature vector."""
         return self.action_map.delta(self.act(features))
 
+    def guard_limit(self) -> float | None:
+        return self.guard.guard_limit() if self.guard is not None else None
+
+    def adopt(self, scale: float) -> None:
+        self.base = scale
+
     def next_scale(self, scale: float, stats: StepStats) -> float:
+        if self.guard is not None:
+            self.guard.observe(scale, stats)
+            if stats.guarded and self.base == self.base:  # from the scale it set, not the spike's
+                scale = self.base
         return scale * 2.0 ** self.decide(self.stack.push(self.features.observe(stats)))
 
     def state(self) -> dict[str, Any]:
-        return {"features": self.features.state_dict(), "stack": self.stack.state_dict()}
+        out = {"features": self.features.state_dict(), "stack": self.stack.state_dict()}
+        if self.guard is not None:
+            out.update(self.guard.state(), base=None if self.base != self.base else self.base)
+        return out
 
     def load_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict):
             raise ConfigError(
                 f"policy '{self.manifest.name}': state must be a mapping, got {type(state).__name__}"
             )
+        if self.guard is not None:
+            self.guard.load_state(state, f"policy '{self.manifest.name}'")
+            base = state.get("base")
+            self.base = float(base) if isinstance(base, (int, float)) and base > 0 else math.nan
         if "features" in state:
             try:
                 self.features.load_state_dict(state["features"])
@@ -180,6 +206,15 @@ def load_neural(
         raise PolicyError(
             f"policy '{manifest.name}' has history {history!r}, not an integer >= 1; re-export it"
         )
+    guard = p.get("guard")
+    if guard is not None:
+        try:
+            LossGuard(**guard)
+        except (TypeError, ConfigError) as exc:
+            raise PolicyError(
+                f"policy '{manifest.name}' has guard {guard!r}, not a mapping of guard_history "
+                f"and guard_margin ({exc}); re-export it"
+            ) from None
     inputs = N_FEATURES * history
     if not isinstance(p["layers"], list) or not p["layers"] or p["layers"][0] != inputs:
         raise PolicyError(

@@ -16,6 +16,7 @@ from autoscale.scalers.rules.checks import (
     check_interval,
     int_state,
 )
+from autoscale.scalers.rules.guard import LEARNED, SHORT, LossGuard
 
 __all__ = ["AmaxHistoryRule", "AmaxCapRule", "AmaxLossRule", "HALF_BIT"]
 
@@ -277,16 +278,18 @@ class AmaxLossRule(AmaxCapRule):
             probe_after=probe_after,
             capped_margin=capped_margin,
         )
-        self.guard_margin = check_bits("guard_margin", guard_margin)
-        self.guard_history = check_interval("guard_history", guard_history)
-        self.ratios: deque[float] = deque(maxlen=self.guard_history)  # gradient amax per |loss|
+        self.guard = LossGuard(guard_history, guard_margin)
+        self.guard_margin, self.guard_history = self.guard.guard_margin, self.guard.guard_history
         self.wait = self.probe_after  # clean steps before the next probe of the cap
         self.base = math.nan  # the scale next_scale set last (before any guard)
 
+    @property
+    def ratios(self) -> deque[float]:
+        """The guard's gradient amax per ``|loss|`` of recent clean steps."""
+        return self.guard.ratios
+
     def guard_limit(self) -> float | None:
-        if not self.ratios:
-            return None
-        return FP16_MAX * 2.0**-self.guard_margin / max(self.ratios)
+        return self.guard.guard_limit()
 
     def _probe_wait(self) -> int:
         return self.wait
@@ -296,32 +299,23 @@ class AmaxLossRule(AmaxCapRule):
 
     def next_scale(self, scale: float, stats: StepStats) -> float:
         base = self.base if self.base == self.base else scale
-        loss = abs(stats.loss) if stats.loss_seen else math.nan
-        usable = 0.0 < loss < math.inf
-        if stats.found_inf or not math.isfinite(stats.grad_amax):
-            if stats.guarded and usable:
-                # the guard's foresight fell short: this loss needed at least twice the room
-                self.ratios.append(2.0 * FP16_MAX / (scale * loss))
-                self.base = base
-                return base
-        elif usable and stats.grad_amax > 0:
-            self.ratios.append(stats.grad_amax / loss)
-            if stats.guarded:  # its loss explains its gradients: no amax for the quiet steps
-                stats = dataclasses.replace(stats, grad_amax=0.0)
+        learned = self.guard.observe(scale, stats)
+        if learned == SHORT:  # the guard's foresight fell short: the cap stays as it was
+            self.base = base
+            return base
+        if learned == LEARNED and stats.guarded:
+            # its loss explains its gradients: no amax for the quiet steps
+            stats = dataclasses.replace(stats, grad_amax=0.0)
         self.base = super().next_scale(base if stats.guarded else scale, stats)
         return self.base
 
     def params(self) -> dict[str, Any]:
-        return {
-            **super().params(),
-            "guard_history": self.guard_history,
-            "guard_margin": self.guard_margin,
-        }
+        return {**super().params(), **self.guard.params()}
 
     def state(self) -> dict[str, Any]:
         return {
             **super().state(),
-            "ratios": [float(r) for r in self.ratios],
+            **self.guard.state(),
             "wait": self.wait,
             "base": None if self.base != self.base else self.base,
             "binding": self.binding,
@@ -329,15 +323,7 @@ class AmaxLossRule(AmaxCapRule):
 
     def load_state(self, state: dict[str, Any]) -> None:
         super().load_state(state)
-        ratios = state.get("ratios", [])
-        if not isinstance(ratios, list) or not all(
-            isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < math.inf
-            for r in ratios
-        ):
-            raise ConfigError(
-                f"rule '{self.name}': state 'ratios' must be a list of positive numbers, got "
-                f"{ratios!r}; the checkpoint was not written by this rule"
-            )
+        self.guard.load_state(state, f"rule '{self.name}'")
         base = state.get("base")
         if base is not None and (
             isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < math.inf
@@ -353,7 +339,6 @@ class AmaxLossRule(AmaxCapRule):
                 "the checkpoint was not written by this rule"
             )
         self.binding = binding
-        self.ratios = deque((float(r) for r in ratios), maxlen=self.guard_history)
         self.base = math.nan if base is None else float(base)
         self.wait = min(
             max(int_state(self, state, {"wait": self.probe_after})["wait"], 1), self.growth_interval
