@@ -224,3 +224,28 @@ def test_no_module_is_over_500_lines():
         if (n := len(path.read_text().splitlines())) > 500
     }
     assert not long, long
+
+
+def test_the_experiments_import_names_the_package_has():
+    """Every ``from autoscale.X import Y`` in experiments/ (lazy ones in functions too) names a
+    module and an attribute that exist: a script that runs for hours must not fail at its end
+    on a name that moved."""
+    import importlib
+
+    missing = []
+    for path in sorted((ROOT / "experiments").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autoscale")
+            ):
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if not hasattr(module, alias.name):
+                    try:
+                        importlib.import_module(f"{node.module}.{alias.name}")
+                    except ImportError:
+                        missing.append(
+                            f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{alias.name}"
+                        )
+    assert not missing, missing
