@@ -210,8 +210,8 @@ def export_auto(pick: str, extras: dict, source, ep, dest_root: Path) -> None:
     """Export ``pick`` as ``dest_root/auto``: an ``--extra`` rule with its parameters, a trained
     agent's or the suite search's folder renamed (``source``), or a built-in rule with its
     defaults; the episode's scale bounds with it."""
-    from autoscale.search.export import export_parametric
     from autoscale.scalers.policies import read_manifest, staged_policy, write_manifest
+    from autoscale.search.export import export_parametric
 
     bounds = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
     if pick in extras:
