@@ -17,7 +17,12 @@ from autoscale.training.instruments import HIST_EDGES
 from autoscale.training.presets import list_models
 from autoscale.training.records import Snapshot, StepRecord
 from autoscale.training.run import TrainingRun
-from autoscale.training.scenarios import Scenario, list_scenarios, register_scenario
+from autoscale.training.scenarios import (
+    Scenario,
+    list_scenarios,
+    register_scenario,
+    unregister_scenario,
+)
 from autoscale.training.scorecard import (
     Scorecard,
     precision_loss_from_hist,
@@ -38,6 +43,7 @@ __all__ = [
     "list_scenarios",
     "precision_loss_from_hist",
     "register_scenario",
+    "unregister_scenario",
     "step_metrics",
     "summarize",
 ]

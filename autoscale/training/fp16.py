@@ -135,6 +135,11 @@ class Fp16EmulationMode(TorchDispatchMode):
         self._ops = emulated_ops()
         self._scratch: dict[tuple, torch.Tensor] = {}
 
+    @property
+    def scratch_buffers(self) -> int:
+        """Output buffers kept for reuse between steps (at most ``SCRATCH_BUFFERS``)."""
+        return len(self._scratch)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         keep = self._ops.get(func)

@@ -116,7 +116,8 @@ class TrainingRun:
             self.fp16_path, self.fp16_reason = resolve_fp16_path(
                 spec.fp16, self.device, matmul_macs(self.model, samples)
             )
-        self._emulator = Fp16EmulationMode() if self.fp16_path == "emulated" else None
+        # the fp16 emulation this run's forward and backward run under (None: native or not fp16)
+        self.emulator = Fp16EmulationMode() if self.fp16_path == "emulated" else None
         self.scenario = make_scenario(spec.scenario, spec.scenario_params, spec.seed)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         if self.user is not None:
@@ -135,7 +136,7 @@ class TrainingRun:
         self.scaler = self._make_scaler(scaler, scaler_overrides)
         self.scaler.grads.keep_abs = True  # its statistics' copy of |g| is the census's input
         self.scaler_spec = self.scaler.spec()  # as configured, before training moves the scale
-        self._census = GradientCensus()
+        self.census = GradientCensus()  # the gradients' precision census, step by step
         self.step_index = 0
         self.records: list[StepRecord] = []
 
@@ -171,7 +172,7 @@ class TrainingRun:
 
     def _emulation(self):
         """Around forward and backward: fp16 products in fp32 where the fp16 path is emulated."""
-        return self._emulator if self._emulator is not None else contextlib.nullcontext()
+        return self.emulator if self.emulator is not None else contextlib.nullcontext()
 
     def step(self) -> StepRecord:
         """Take one optimizer step and return its record (also appended to :attr:`records`)."""
@@ -205,15 +206,15 @@ class TrainingRun:
             self.optimizer, self.scaler.steps
         )  # the scaler's copy, when it made one
         if flat is not None:
-            self._census.adopt(flat)
+            self.census.adopt(flat)
         else:
-            self._census.load([p.grad for p in self._params if p.grad is not None])
+            self.census.load([p.grad for p in self._params if p.grad is not None])
         extras = [
             objective_sum / spec.grad_accum,
-            self._census.underflow_counts(scale, MIN_NORMAL[spec.dtype]),
+            self.census.underflow_counts(scale, MIN_NORMAL[spec.dtype]),
         ]
         if self.record:
-            extras.append(self._census.log2_histogram())
+            extras.append(self.census.log2_histogram())
             if watch is not None and watch.amax is not None:
                 extras.append(watch.amax.reshape(1))
         if spec.clip is not None:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Scenario",
     "register_scenario",
+    "unregister_scenario",
     "scenario_class",
     "make_scenario",
     "list_scenarios",
@@ -155,6 +156,13 @@ def register_scenario(name: str) -> Callable[[type[Scenario]], type[Scenario]]:
         return cls
 
     return decorator
+
+
+def unregister_scenario(name: str) -> None:
+    """Remove the scenario registered as ``name`` (a plugin's, or a test's); UnknownNameError if
+    none is."""
+    scenario_class(name)
+    del _SCENARIOS[name]
 
 
 def scenario_class(name: str) -> type[Scenario]:

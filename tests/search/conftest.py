@@ -7,6 +7,7 @@ cores and another process running, OpenMP oversubscription makes steps many time
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -44,8 +45,17 @@ def autoscale_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "autoscale.cli", *args]
 
 
+def _sigint_as_a_terminal_has_it() -> None:
+    # A shell without job control starts background commands with SIGINT ignored, and children
+    # inherit that (`bash -c '... &'` running these tests: Python then installs no handler, and a
+    # Ctrl-C reaches nothing). The child of a test that interrupts it starts as a user's
+    # terminal would start it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(*args: str, cwd: Path) -> subprocess.Popen:
-    """``autoscale ARGS`` started in the background (text pipes)."""
+    """``autoscale ARGS`` started in the background (text pipes), Ctrl-C reaching it as in a
+    terminal."""
     return subprocess.Popen(
         autoscale_cmd(*args),
         cwd=cwd,
@@ -53,6 +63,7 @@ def spawn(*args: str, cwd: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_sigint_as_a_terminal_has_it,
     )
 
 

@@ -43,12 +43,9 @@ RECORD_LINE = re.compile(
 def test_interrupt_keeps_finished_trials_and_resume_continues_the_study(tmp_path):
     """Ctrl-C once a trial is complete (an event in the storage, not a time), then resume.
 
-    The first complete trial comes at the start of the first round's search, seconds before that
-    search ends even on a loaded machine. (A later count, three, could fall on the last round's
-    last trials when a loaded machine's re-plan left few: the search then exits within
-    milliseconds, and a SIGINT that lands while the interpreter exits is not delivered: exit 0.)
     Where the SIGINT lands in the trial loop is left to chance here; the loop's handling of each
-    point (inside ask, tell, the objective) is tested deterministically in test_trials.py."""
+    point (inside ask, tell, the objective) is tested deterministically in test_trials.py. The
+    child starts with SIGINT at its default (``spawn``), whatever the test process inherited."""
     url, study = f"sqlite:///{tmp_path / 'autoscale.db'}", "int"
     args = ("search", "--model", "mlp", "--budget", "90s", "--study", study, "--quiet")
     proc = spawn(*args, cwd=tmp_path)

@@ -168,7 +168,7 @@ def test_no_fp16_product_of_a_gpt2_tiny_step_escapes_the_emulation(path):
     if path == "native":  # the check can fail: natively the products do reach the kernels
         assert {"aten.mm.default", "aten.addmm.default"} <= set(below.native_products)
     else:
-        assert run.fp16_path == "emulated" and run._emulator.calls > 0
+        assert run.fp16_path == "emulated" and run.emulator.calls > 0
         assert below.native_products == []
 
 
@@ -248,7 +248,7 @@ def test_run_records_the_path_it_took():
     assert TrainingRun(WorkloadSpec(model="mlp", fp16="emulated"), "torch").fp16_path == "emulated"
     assert TrainingRun(WorkloadSpec(model="mlp", fp16="native"), "torch").fp16_path == "native"
     bf16 = TrainingRun(WorkloadSpec(model="mlp", dtype="bf16", fp16="emulated"), "torch")
-    assert bf16.fp16_path is None and bf16._emulator is None  # other dtypes ignore it
+    assert bf16.fp16_path is None and bf16.emulator is None  # other dtypes ignore it
 
 
 def test_kept_upcast_buffers_give_the_same_results(monkeypatch):
@@ -277,4 +277,4 @@ def test_kept_upcast_buffers_give_the_same_results(monkeypatch):
             ]
         for x, y in zip(fresh, kept, strict=True):
             assert torch.equal(bits(x), bits(y))
-        assert 0 < len(mode._scratch) <= 3
+        assert 0 < mode.scratch_buffers <= 3

@@ -133,20 +133,20 @@ def test_run_counts_on_the_scalers_copy_of_the_gradients():
         WorkloadSpec(model="mlp", scenario="small-grads"), "static", init_scale=2.0**8
     )
     seen = []
-    original = run._census.adopt
+    original = run.census.adopt
 
     def adopt(flat):
         seen.append(flat)
         mine = GradientCensus()
-        mine_abs = mine.load([p.grad for p in run._params if p.grad is not None])
+        mine_abs = mine.load([p.grad for p in run.model.parameters() if p.grad is not None])
         out = original(flat)
         assert (
-            run._census.underflow_counts(2.0**8).tolist() == mine.underflow_counts(2.0**8).tolist()
+            run.census.underflow_counts(2.0**8).tolist() == mine.underflow_counts(2.0**8).tolist()
         )
         assert torch.equal(torch.sort(flat).values, torch.sort(mine_abs).values)
         return out
 
-    run._census.adopt = adopt
+    run.census.adopt = adopt
     rec = run.step()
     run.step()
     assert len(seen) == 2 and seen[0] is seen[1]  # one buffer, reused

@@ -12,7 +12,7 @@ from autoscale.training import (
     list_scenarios,
     register_scenario,
 )
-from autoscale.training.scenarios import _SCENARIOS, make_scenario, scenario_class
+from autoscale.training.scenarios import make_scenario, scenario_class, unregister_scenario
 
 
 def torch_run(model, scenario, steps, params=None, scaler="torch", **overrides):
@@ -106,4 +106,5 @@ def test_registry_and_custom_scenario():
         assert rec.stats.loss == pytest.approx(2 * rec.loss)
         assert repr(run.scenario) == "DoubleLoss(factor=2.0)"
     finally:
-        del _SCENARIOS["double-loss"]
+        unregister_scenario("double-loss")
+    assert "double-loss" not in list_scenarios()
