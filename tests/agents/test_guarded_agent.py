@@ -19,6 +19,8 @@ from autoscale.errors import ConfigError, PolicyError
 from autoscale.scalers.policies import read_manifest, write_manifest
 from autoscale.training import TrainingRun
 
+pytestmark = pytest.mark.slow  # trains an agent, then real steps: seconds
+
 SPEC = {
     "name": "spiky",
     "workload": {"model": "mlp", "scenario": "preference", "dtype": "fp16"},
