@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import sys
 
+from suite_pages import table
+
+from autoscale.build.suite_eval import kept_share, objective_of, zeroed_steps
+from autoscale.training.bar import mean
+
 
 def report_head(title: str, argv, timings: dict) -> list[str]:
     """The report's title, the command that made it and how long each part took."""
@@ -22,15 +27,59 @@ def report_head(title: str, argv, timings: dict) -> list[str]:
     ]
 
 
-def selection_report(
-    args, agent_runs, same_as_builtin, ranked, objective, zero_shot, accept, verdicts, cards,
-    searched, left, weights, factories, se,
-) -> list[str]:  # fmt: skip
+def build_report(result, manifest, extras: dict, argv) -> list[str]:
+    """experiments/results/auto.md of a build (:class:`autoscale.build.BuildResult`): its
+    selection, the long runs of every candidate that got them, and the pick's evidence on fresh
+    seeds; ``manifest`` is the exported ``auto``'s (None: nothing shipped)."""
+    r = result
+    if manifest is None:
+        head = [
+            *report_head("# The general policy `auto`: not built", argv, r.timings),
+            "No candidate meets the bar on every member (skip rate at most torch's + 0.5 points, "
+            "eval loss within seed noise, precision loss lower where torch underflows), on the test "
+            "instances and again on fresh seeds, and does no harm (the no-harm check's clean runs, "
+            "long runs of every member), so nothing was exported.",
+            "",
+        ]
+    else:
+        params = f", {extras[r.pick][1]}" if r.pick in extras else ""
+        head = [
+            *report_head("# The general policy `auto`", argv, r.timings),
+            f"Picked: **{r.pick}** ({manifest.kind}, {manifest.family}{params}).",
+            "",
+        ]
+    members = r.searched + r.left_out
+    lines = [*head, *selection_report(r)]
+    for name, long in r.long_runs.items():
+        lines += long_table(long.runs, long.harm, name, members, r.settings.long_steps)
+    if r.evidence is not None:
+        shown = [s for s in r.evidence if s != "torch"] + ["torch"]
+        ev_obj = objective_of(r.evidence, r.searched, r.weights)
+        ev_zero = objective_of(r.evidence, r.left_out, r.weights)
+        lines += [
+            "",
+            "## Evidence: fresh seeds (test seeds + 1000), real steps",
+            "",
+            "objective, searched members: "
+            + ", ".join(f"{s} {ev_obj[s]:+.4f}" for s in shown if s != "torch")
+            + "; left-out members: "
+            + ", ".join(f"{s} {ev_zero[s]:+.4f}" for s in shown if s != "torch")
+            + " (torch: 0).",
+            "",
+            *table(r.evidence, members, set(r.left_out), r.weights, shown),
+            *confirm_lines(r.evidence_acceptance),
+        ]
+    return lines
+
+
+def selection_report(r) -> list[str]:
     """The report's agents, candidates and selection table (whether or not anything shipped)."""
-    scalers = [s for s in factories if s != "torch"] + ["torch"]
+    agent_runs, same_as_builtin, ranked = r.agent_runs, r.same_as_builtin, r.ranked
+    objective, zero_shot, accept, verdicts = r.objective, r.zero_shot, r.acceptance, r.verdicts
+    scalers = [s for s in r.candidates if s != "torch"] + ["torch"]
     lines = [
         "Agents (SB3, replay episodes of "
-        f"{args.horizon} steps; best eval reward on one held-out train instance per member):",
+        f"{r.settings.horizon} steps; best eval reward on one held-out train instance per member):",
         "",
         *(
             f"- {n}: {r['timesteps']} steps in {r['wall_s'] / 60:.1f} min, best eval reward "
@@ -44,7 +93,7 @@ def selection_report(
             "its defaults; it is ranked as that rule."
             if same_as_builtin
             else "The suite search's pick is ranked as `suite-parametric`."
-            if "suite-parametric" in factories
+            if "suite-parametric" in r.candidates
             else "The suite search's pick is not ranked: experiments/reproduce.py has not exported "
             "one here (experiments/.cache/policies/suite-parametric)."
         ),
@@ -64,7 +113,7 @@ def selection_report(
         lines.append(
             f"| {s} | {objective[s]:+.4f} | {zero_shot[s]:+.4f} | {met} of {len(accept[s])} | {gate_text} |"
         )
-    lines += ["", *se.table(cards, searched + left, set(left), weights, scalers)]
+    lines += ["", *table(r.cards, r.searched + r.left_out, set(r.left_out), r.weights, scalers)]
     for s in ranked:
         lines += confirm_lines(accept[s], f"{s}: e")
     return lines
@@ -106,14 +155,14 @@ def not_built_block(objective, zero_shot, accept, verdicts, ranked) -> list[str]
     return lines
 
 
-def long_table(runs, harm, scaler: str, members: list[str], steps: int, se) -> list[str]:
+def long_table(runs, harm, scaler: str, members: list[str], steps: int) -> list[str]:
     """Markdown: a candidate's long run of every member next to torch's."""
 
     def cells(run) -> str:
         c = run["card"]
         return (
             f"{100 * c.skip_rate:.2f}% | {c.eval_loss:.4g} | {100 * c.precision_loss:.2f}% | "
-            f"{100 * se.kept_share(run):.2f}% | {se.zeroed_steps(run)}"
+            f"{100 * kept_share(run):.2f}% | {zeroed_steps(run)}"
         )
 
     return [
@@ -140,7 +189,7 @@ def long_table(runs, harm, scaler: str, members: list[str], steps: int, se) -> l
 
 
 def shipped_block(
-    evidence, accept, pick, timings, agent_runs, long_runs, searched, left, weights, se, selection
+    evidence, accept, pick, timings, agent_runs, long_runs, searched, left, weights, selection
 ) -> list[str]:
     """The results block of a shipped ``auto``: the selection's ranking (``selection``: objective,
     zero-shot objective and acceptance of every candidate on the test instances), its evidence on
@@ -155,15 +204,15 @@ def shipped_block(
             "training then)"
         )
     )
-    objective = se.objective_of(evidence, searched, weights)
-    zero_shot = se.objective_of(evidence, left, weights)
+    objective = objective_of(evidence, searched, weights)
+    zero_shot = objective_of(evidence, left, weights)
     met = sum(r["met"] for r in accept.values())
     rows = []
     for m in searched + left:
         cells = " | ".join(
-            f"{100 * se.mean(evidence[s][m], 'skip_rate'):.2f}% | "
-            f"{100 * se.mean(evidence[s][m], 'precision_loss'):.2f}% | "
-            f"{se.mean(evidence[s][m], 'eval_loss'):.4g}"
+            f"{100 * mean(evidence[s][m], 'skip_rate'):.2f}% | "
+            f"{100 * mean(evidence[s][m], 'precision_loss'):.2f}% | "
+            f"{mean(evidence[s][m], 'eval_loss'):.4g}"
             for s in (pick, "amax-history", "torch")
         )
         rows.append(f"| {m}{' (left out)' if m in left else ''} | {cells} |")
@@ -187,7 +236,7 @@ def shipped_block(
         f"select), it meets the bar against torch on {met} of {len(accept)} members (skip rate at "
         "most torch's + 0.5 points, eval loss within seed noise, precision loss lower where torch "
         f"underflows); {long_text}. Mean over three episodes of "
-        f"{se.mean(evidence['torch'][searched[0]], 'steps'):.0f} real steps per member:",
+        f"{mean(evidence['torch'][searched[0]], 'steps'):.0f} real steps per member:",
         "",
         "| member | `auto`: skip rate | precision loss | eval loss | `amax-history`: skip rate | "
         "precision loss | eval loss | `torch`: skip rate | precision loss | eval loss |",

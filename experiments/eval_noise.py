@@ -60,13 +60,13 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    import suite_eval as se
-
     from autoscale.agents.evaluate import evaluate_scalers
+    from autoscale.build import suite_eval as se
     from autoscale.envs.episodes import scaler_for
     from autoscale.envs.spec import InstanceSpec
     from autoscale.envs.suite import load_spec
     from autoscale.errors import ConfigError
+    from autoscale.training.bar import mean
 
     suite = se.with_steps(load_spec(ROOT / "envs" / "suite.yaml"), args.steps)
     try:
@@ -109,8 +109,8 @@ def main(argv=None) -> int:
                 else f"{statistics.mean(diffs):+.4f} | {se_diff:.4f} | "
                 f"{sum(d < 0 for d in diffs)} of {len(diffs)} |"
             )
-            + f" {100 * se.mean(cards[label], 'skip_rate'):.2f}% | "
-            f"{100 * se.mean(cards[label], 'precision_loss'):.2f}% |"
+            + f" {100 * mean(cards[label], 'skip_rate'):.2f}% | "
+            f"{100 * mean(cards[label], 'precision_loss'):.2f}% |"
         )
     spread3 = [max(ref[i : i + 3]) - min(ref[i : i + 3]) for i in range(0, len(ref) - 2, 3)]
     lines = [

@@ -77,9 +77,9 @@ def readme_block(report: dict) -> list[str]:
 
 
 def write_readme(block: list[str]) -> None:
-    import suite_eval as se
+    import suite_pages as pages
 
-    if not se.write_readme_block(RESULTS_PAGE, START, END, block):
+    if not pages.write_readme_block(RESULTS_PAGE, START, END, block):
         print(f"{RESULTS_PAGE} has no {START} ... {END} markers; its block was not written")
 
 
@@ -95,7 +95,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import json
 
-    import suite_eval as se
+    import suite_pages as pages
+
+    from autoscale.build import suite_eval as se
 
     if args.readme_only:
         report = json.loads((RESULTS / "suite.json").read_text())
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
         {k: fs[k] for k in dict.fromkeys((pick, "torch", "amax-history"))},
         args.long_steps,
     )
-    se.plot_long_runs(
+    pages.plot_long_runs(
         runs, RESULTS / "suite_long_runs.png", f"{args.long_steps}-step runs (seed 100)"
     )
     times["long runs"] = time.monotonic() - t2
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
         "",
         "## Every member",
         "",
-        *se.table(cards, searched + left, set(left), weights, scalers),
+        *pages.table(cards, searched + left, set(left), weights, scalers),
         "",
         f"## Long runs ({args.long_steps} real steps)",
         "",

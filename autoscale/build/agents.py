@@ -1,0 +1,92 @@
+"""The RL candidates of the ``auto`` build: agents trained on the replay of the suite's train
+instances, kept in a cache with a ledger of the settings each was trained with, so that a later
+build can reuse them instead of training again."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# (algorithm, stacked feature vectors or None for the build's ``history``): the agents trained
+RUNS: tuple[tuple[str, int | None], ...] = (("ppo", None), ("dqn", None), ("ppo", 1))
+
+
+def rl_suite(suite, horizon: int, history: int):
+    """The searched members with ``horizon``-step episodes of ``history`` stacked vectors; one
+    train instance per member held out to select the agent on (SB3's EvalCallback)."""
+
+    def shape(m):
+        train = m.instances["train"]
+        ep = dataclasses.replace(
+            m.episode, steps=horizon, horizon=max(horizon, m.episode.horizon), history=history
+        )
+        return dataclasses.replace(
+            m, episode=ep, instances={"train": train[:-1], "test": train[-1:]}
+        )
+
+    return dataclasses.replace(suite, members=tuple(shape(m) for m in suite.members), left_out=())
+
+
+def train_agents(
+    suite,
+    traces,
+    settings,
+    folder: Path,
+    timings: dict[str, float],
+    log: Callable[[str], Any] = print,
+) -> tuple[dict[str, Path], dict[str, dict]]:
+    """The agents (name -> exported folder under ``folder``) and what each training run was
+    (steps, seconds, best eval reward, and whether this build reused it). ``settings`` is a
+    :class:`~autoscale.build.auto.BuildSettings`; with ``reuse_agents`` an agent that
+    ``folder/agents.json`` lists with the same settings is taken as it is."""
+    from autoscale.agents.train import train_agent
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out, info = {}, {}
+    ledger = folder / "agents.json"
+    known = json.loads(ledger.read_text()) if ledger.is_file() else {}
+    common = {"timesteps": settings.timesteps, "horizon": settings.horizon, "seed": settings.seed}
+    for algo, history in RUNS:
+        history = settings.history if history is None else history
+        name = f"rl-{algo}-h{history}"
+        entry = known.get(name)
+        if (
+            settings.reuse_agents
+            and entry is not None
+            and entry["settings"] == {**common, "history": history}
+            and (folder / name / "policy.yaml").is_file()
+        ):
+            out[name], info[name] = folder / name, {**entry, "reused": True}
+            log(f"{name}: reused from {folder / name} (trained by an earlier run: "
+                f"{entry['timesteps']} steps in {entry['wall_s']:.0f} s)")  # fmt: skip
+            continue
+        t0 = time.monotonic()
+        result = train_agent(
+            rl_suite(suite, settings.horizon, history),
+            algo,
+            settings.timesteps,
+            replay=traces,
+            seed=settings.seed,
+            progress=True,
+            export_name=name,
+            export_dir=str(folder),
+            force=True,
+            eval_freq=max(settings.horizon * 8, settings.timesteps // 10),
+        )
+        timings[f"train {name}"] = time.monotonic() - t0
+        log(f"{name}: {result.timesteps} steps in {result.wall_s:.0f} s, best eval reward "
+            f"{result.best_eval_reward:.3f}")  # fmt: skip
+        out[name] = result.policy_dir
+        known[name] = {
+            "settings": {**common, "history": history},
+            "timesteps": result.timesteps,
+            "wall_s": result.wall_s,
+            "best_eval_reward": result.best_eval_reward,
+        }
+        info[name] = {**known[name], "reused": False}
+        ledger.write_text(json.dumps(known, indent=1, default=float) + "\n")
+    return out, info

@@ -1,0 +1,232 @@
+"""Judging policies on a suite: the ``auto`` build (:mod:`autoscale.build.auto`) and the suite's
+reproduction (experiments/reproduce.py) share it.
+
+* :func:`held_out`: real-step episodes of every member's *test* instances (never searched or
+  trained on), searched and left-out members alike, for each scaler; the scorecards, the regret
+  against ``torch`` on the same episodes, and the suite objective;
+* :func:`acceptance`: the bar (:mod:`autoscale.training.bar`, the one definition the search's
+  no-harm check uses too) on every member's held-out episodes, and :func:`confirm`: more paired
+  episodes of a member where three could not tell a difference in eval loss from seed noise;
+* :func:`long_runs`: long real runs of a few members (scale trajectories over a whole run, and the
+  share of gradient elements kept at fp16 precision), and :func:`long_harm`: where one scaler's
+  long run is worse than torch's (the bar's :func:`~autoscale.training.bar.harm`);
+* :func:`save_cards` and :func:`load_cards`: scorecards to JSON and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from autoscale.training import bar
+
+
+def with_steps(suite, steps: int):
+    """``suite`` (left-out members too) with real-step episodes of ``steps`` steps."""
+
+    def shape(m):
+        ep = dataclasses.replace(m.episode, steps=steps, horizon=max(steps, m.episode.horizon))
+        return dataclasses.replace(m, episode=ep)
+
+    return suite.replace_members(shape)
+
+
+def held_out(
+    suite, factories: dict[str, Callable[[], Any]], steps: int, progress: bool = True
+) -> dict[str, dict[str, list]]:
+    """Scaler -> member -> scorecards of the member's test instances (real steps)."""
+    from autoscale.envs.episodes import drive_episode
+    from autoscale.envs.suite_env import SuiteEnv
+
+    shaped = with_steps(suite, steps)
+    env = SuiteEnv(shaped, "test", members="all")
+    out: dict[str, dict[str, list]] = {name: {} for name in factories}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(factories) * len(env.instance_names), desc="held-out", unit="episode")
+    for name, (member, _) in zip(env.instance_names, env.pairs):
+        for scaler, factory in factories.items():
+            card, _ = drive_episode(env, factory(), name)
+            out[scaler].setdefault(member, []).append(card)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return out
+
+
+def regrets_of(cards: dict[str, dict[str, list]], weights) -> dict[str, dict[str, float]]:
+    from autoscale.search.objective import regrets
+
+    return {name: regrets(c, cards["torch"], weights) for name, c in cards.items()}
+
+
+def objective_of(
+    cards: dict[str, dict[str, list]], members: list[str], weights
+) -> dict[str, float]:
+    """The suite objective over ``members`` against torch."""
+    from autoscale.search.objective import objective
+
+    ref = {m: cards["torch"][m] for m in members}
+    return {name: objective({m: c[m] for m in members}, ref, weights) for name, c in cards.items()}
+
+
+def acceptance(
+    cards: dict[str, dict[str, list]], scaler: str, more: dict[str, dict[str, list]] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Per member: the bar against torch on the same held-out episodes, and whether it is met.
+
+    skip: mean skip rate <= torch's + 0.5 points; precision: lower than torch's where torch loses
+    precision on more than 1% of elements; loss: no worse than torch's beyond seed noise. On the
+    member's three held-out episodes that is a screen: mean eval loss <= torch's + the spread of
+    torch's three (at least 0.2% of torch's mean). Three episodes cannot tell a real difference
+    from noise where eval loss scatters widely (heavy-tailed preference losses: the spread of three
+    torch episodes itself ranges 0.19-1.0 on gpt2-tiny/preference, experiments/results/
+    eval_noise.md), so a member that misses the screen on eval loss alone is measured again on
+    more paired episodes (:func:`confirm`; ``more[member]``: scaler -> scorecards of episodes never
+    used before). Such a member is judged on all its episodes pooled, and its eval loss by the
+    paired difference to torch on the same seeds: worse beyond seed noise when the mean
+    difference exceeds ``CONFIRM_Z`` standard errors (and 0.2% of torch's mean).
+    """
+    out = {}
+    for member, mine in cards[scaler].items():
+        ref = cards["torch"][member]
+        extra = (more or {}).get(member)
+        if extra is not None:
+            mine, ref = [*mine, *extra[scaler]], [*ref, *extra["torch"]]
+        out[member] = bar.acceptance(mine, ref, paired=extra is not None)
+    return out
+
+
+def confirm(
+    suite,
+    member: str,
+    factories: dict[str, Callable[[], Any]],
+    episodes: int,
+    first_seed: int,
+    steps: int,
+) -> dict[str, list]:
+    """Scaler -> scorecards of ``episodes`` more real-step episodes of ``member`` at seeds
+    ``first_seed``, ``first_seed + 1``, ... (start points cycling over its test instances'), for
+    :func:`acceptance`'s ``more``. The caller picks seeds no other stage used."""
+    from autoscale.agents.evaluate import evaluate_scalers
+    from autoscale.envs.spec import InstanceSpec
+
+    m = with_steps(suite, steps).member(member)
+    starts = [i.start for i in m.instances["test"]]
+    test = tuple(
+        InstanceSpec(f"confirm{first_seed + k}", first_seed + k, starts[k % len(starts)])
+        for k in range(episodes)
+    )
+    m = dataclasses.replace(m, instances={**m.instances, "test": test})
+    return evaluate_scalers(m, factories, progress=True)
+
+
+def long_runs(
+    suite, members: list[str], factories: dict[str, Callable[[], Any]], steps: int, seed: int = 100
+) -> dict[str, dict[str, Any]]:
+    """Member -> scaler -> scorecard, step records, ``kept`` and ``nonzero`` of one long real run
+    (the member's workload, ``seed``).
+
+    ``kept`` is, per step, the share of *all* gradient elements that reached the optimizer at fp16
+    normal precision (non-zero, and ``|g| * S >= 2^-14``): ``nonzero * (1 - precision_loss) /
+    numel``; NaN on skipped steps. Unlike the scorecard's precision loss, whose denominator is the
+    elements that are non-zero *after* the fp16 backward, it falls when a low scale flushes
+    gradients to zero: elements the fp16 backward zeroed are neither counted as lost nor as kept
+    by the precision loss, so a scale low enough to zero whole gradients looks precise.
+    ``nonzero`` is, per step, the number of non-zero gradient elements (-1 on skipped steps).
+    """
+    from autoscale.training import TrainingRun
+
+    out: dict[str, dict[str, Any]] = {}
+    for name in members:
+        member = suite.member(name)
+        out[name] = {}
+        for scaler, factory in factories.items():
+            run = TrainingRun(member.workload.replace(seed=seed), factory())
+            params = [p for p in run.model.parameters() if p.requires_grad]
+            numel = sum(p.numel() for p in params)
+            kept: list[float] = []
+            nonzero: list[int] = []
+
+            def count(rec, params=params, numel=numel, kept=kept, nonzero=nonzero):
+                if rec.found_inf or not math.isfinite(rec.precision_loss):
+                    kept.append(math.nan)
+                    nonzero.append(-1)
+                    return
+                grads = [p.grad for p in params if p.grad is not None]
+                nonzero.append(sum(int(g.count_nonzero()) for g in grads))
+                kept.append(nonzero[-1] * (1.0 - rec.precision_loss) / numel)
+
+            card = run.run(steps, callback=count)
+            out[name][scaler] = {
+                "card": card,
+                "records": list(run.records),
+                "kept": kept,
+                "nonzero": nonzero,
+            }
+    return out
+
+
+def kept_share(run: dict[str, Any]) -> float:
+    """Mean over applied steps of a :func:`long_runs` run's ``kept`` share (NaN if none)."""
+    vals = [k for k in run["kept"] if math.isfinite(k)]
+    return math.fsum(vals) / len(vals) if vals else math.nan
+
+
+def zeroed_steps(run: dict[str, Any]) -> int:
+    """Applied steps of a :func:`long_runs` run whose gradients the fp16 backward zeroed entirely."""
+    return sum(1 for n in run["nonzero"] if n == 0)
+
+
+def long_harm(
+    runs: dict[str, dict[str, Any]], scaler: str, noise: dict[str, float] | None = None
+) -> dict[str, list[str]]:
+    """Per member of :func:`long_runs`: how ``scaler``'s long run is worse than torch's on the
+    same seed (empty: no harm). A policy is used for whole runs, so a rule that wins short
+    episodes by what it does early must not lose over a run. Harm is: a divergence torch avoids;
+    a skip rate more than torch's + 0.5 points; an eval loss above torch's by more than the
+    member's seed noise (``noise[member]``: the spread of torch's eval loss over its held-out
+    instances, as in :func:`acceptance`; at least 0.2% of torch's); or a share of gradient
+    elements kept at fp16 normal precision (:func:`kept_share`) more than 0.5 points below
+    torch's. The last stands for precision: the scorecard's precision loss cannot rank two
+    scalers whose fp16 backward zeroes different numbers of elements (see :func:`long_runs`)."""
+    return {
+        member: bar.harm(
+            by[scaler]["card"],
+            by["torch"]["card"],
+            (noise or {}).get(member, 0.0),
+            kept=kept_share(by[scaler]),
+            kept_ref=kept_share(by["torch"]),
+        )
+        for member, by in runs.items()
+    }
+
+
+def seed_noise(cards: dict[str, dict[str, list]], members: list[str]) -> dict[str, float]:
+    """Per member: torch's seed noise over its held-out episodes (:func:`bar.seed_noise`)."""
+    return {m: bar.seed_noise([c.eval_loss for c in cards["torch"][m]]) for m in members}
+
+
+def save_cards(cards: dict[str, dict[str, list]], path: Path, **extra: Any) -> None:
+    from autoscale.training.scorecard import json_safe
+
+    data = {s: {m: [c.to_dict() for c in cs] for m, cs in by.items()} for s, by in cards.items()}
+    path.write_text(json.dumps(json_safe({"cards": data, **extra}), indent=1) + "\n")
+
+
+def load_cards(path: Path) -> tuple[dict[str, dict[str, list]], dict[str, Any]]:
+    from autoscale.training.scorecard import Scorecard
+
+    data = json.loads(path.read_text())
+    cards = {
+        s: {m: [Scorecard.from_dict(c) for c in cs] for m, cs in by.items()}
+        for s, by in data.pop("cards").items()
+    }
+    return cards, data
