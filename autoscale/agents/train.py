@@ -189,6 +189,10 @@ def train_agent(
     model = _sb3_class(algo)(
         "MlpPolicy", train_env, seed=seed, verbose=0, tensorboard_log=tensorboard, **params
     )
+    if tensorboard is None:  # SB3's default logger makes an empty SB3-<time> folder in /tmp
+        from stable_baselines3.common.logger import Logger
+
+        model.set_logger(Logger(folder=None, output_formats=[]))
     eval_freq = eval_freq or max(spec.episode.steps, timesteps // 10)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="autoscale-agent-") as tmp:

@@ -270,3 +270,19 @@ def test_a_policy_with_history_sees_in_deployment_the_stack_it_was_trained_on(ti
         np.testing.assert_array_equal(
             np.float32(deployed.rule.stack.vector()), obs
         )  # the same stacked observation after each step
+
+
+def test_training_leaves_nothing_in_the_temporary_folder(tiny_spec, tiny_trace, tmp_path):
+    """SB3's default logger makes an empty ``SB3-<time>`` folder in the temporary folder on every
+    training run; without a TensorBoard folder, training runs with no log folder at all."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    before, tempfile.tempdir = tempfile.tempdir, str(scratch)
+    try:
+        train_agent(tiny_spec, "ppo", 64, replay=tiny_trace, export_name="tiny-tmp",
+                    export_dir=str(tmp_path / "out"))  # fmt: skip
+    finally:
+        tempfile.tempdir = before
+    assert list(scratch.iterdir()) == []
