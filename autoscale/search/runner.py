@@ -12,8 +12,9 @@
    (:mod:`~autoscale.search.choose`, :mod:`~autoscale.search.gate`), and print the ranking.
 
 The budget is spent: phases 4-6 run in rounds, and a round that ends with time left gives it to
-more trials, more validated candidates and their checks, until less than a round is left or
-nothing is left to learn (every candidate validated and checked); the search then says so.
+more trials, more validated candidates and their checks, until less than a round is left (its
+last seconds go to replay trials kept in the study) or nothing is left to learn (every candidate
+validated and checked); the search says which.
 
 Several workers may run this on one storage: Optuna keeps trials unique; the first worker creates
 the study and its plan, the others adopt it; traces and torch's clean runs are recorded once per

@@ -426,16 +426,14 @@ def test_guarded_scale_is_the_host_twin_of_the_device_guard():
     """The environments' guarded_scale and the scaler's device computation agree."""
     from autoscale.scalers.loss_guard import guarded_scale
 
-    scaler = autoscale.get_scaler("amax-loss", device="cpu", init_scale=2.0**12, min_scale=1.0)
-    scaler.rule.ratios.append(3.0)  # gradient amax 3x the loss
-    limit = scaler.rule.guard_limit()
     cases = [1e-9, 1e-3, 0.7, 1.0, 5.0, 1e3, 1e6, 1e12, 0.0, math.inf, -4.0, math.nan]
-    for loss in cases:
+    for loss in cases:  # a fresh scaler each: a step's guard is its own
+        scaler = autoscale.get_scaler("amax-loss", device="cpu", init_scale=2.0**12, min_scale=1.0)
+        scaler.rule.ratios.append(3.0)  # gradient amax 3x the loss
+        limit = scaler.rule.guard_limit()
         scaler.scale(torch.tensor(loss))
-        device = scaler._scale.item()
+        device = scaler._scale.item()  # GradScaler's scale tensor: what multiplied the loss
         assert device == guarded_scale(2.0**12, loss, limit, 1.0), loss
-        scaler._end_step()  # forget the step (as update() does), the set scale back
-        scaler._set_scale(2.0**12)
     assert guarded_scale(2.0**12, 1e12, limit, 1.0) == 1.0  # never below the minimum
     assert guarded_scale(2.0**12, 1.0, None, 1.0) == 2.0**12  # no guard
 
