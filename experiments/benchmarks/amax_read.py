@@ -1,0 +1,117 @@
+"""What reading the gradients' amax costs next to GradScaler's unscale, op by op.
+
+``auto`` (``amax-loss``) needs max |g| of the scaled gradients every step. Its one-pass unscale
+(``autoscale/scalers/unscale.py``) reads it with ``torch.aminmax`` per tensor, then multiplies by
+1/scale (``torch._foreach_mul_``); GradScaler's unscale is one fused op that multiplies while it
+checks for inf/NaN (``torch._amp_foreach_non_finite_check_and_unscale_``). This times every exact
+way torch's ops offer to get max |g|, beside the multiply and the fused unscale, on the gradients of
+the scaler-overhead benchmark's MLP (``--depth`` x ``--width`` fp32 parameters), interleaved in
+one process; medians of ``--repeats`` calls, microseconds, and each op's time over the fused
+unscale's.
+
+    python experiments/benchmarks/amax_read.py [--threads 1] [--out experiments/results/amax_read.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+
+def grads_of(depth: int, width: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(width, width), (width,)] * (depth + 1)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def ops(grads: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+    inv = torch.tensor(1.0)
+    flag = torch.zeros(1)
+    buf = torch.empty(2 * len(grads))
+    pairs = list(zip(buf[0::2].unbind(), buf[1::2].unbind()))
+    outs = torch.empty(len(grads)).unbind()
+
+    def aminmax():  # autoscale's read (scalers/grad_stats.py AbsMax)
+        for g, out in zip(grads, pairs):
+            torch.aminmax(g, out=out)
+        return torch.linalg.vector_norm(buf, math.inf)
+
+    def amax_and_amin():
+        return max(max(float(g.amax()), -float(g.amin())) for g in grads)
+
+    def amax_only():  # not max |g|: the lower bound of a read
+        for g, out in zip(grads, outs):
+            torch.amax(g, dim=tuple(range(g.dim())), out=out)
+
+    return {
+        "aminmax per tensor (autoscale's amax read)": aminmax,
+        "amax + amin per tensor": amax_and_amin,
+        "linalg.vector_norm(inf) per tensor": lambda: [
+            torch.linalg.vector_norm(g, math.inf) for g in grads
+        ],
+        "_foreach_norm(inf)": lambda: torch._foreach_norm(grads, math.inf),
+        "_foreach_max(_foreach_abs)": lambda: torch._foreach_max(torch._foreach_abs(grads)),
+        "abs().max() per tensor": lambda: [g.abs().max() for g in grads],
+        "amax per tensor (max g only: not max |g|)": amax_only,
+        "_foreach_mul_ (autoscale's unscale multiply)": lambda: torch._foreach_mul_(grads, inv),
+        "GradScaler's fused unscale": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, flag, inv
+        ),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--repeats", type=int, default=400)
+    p.add_argument("--out", default=None, help="write the table here as markdown too")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    grads = grads_of(args.depth, args.width)
+    table = ops(grads)
+    times: dict[str, list[float]] = {k: [] for k in table}
+    for f in table.values():  # warm up
+        for _ in range(20):
+            f()
+    for _ in range(args.repeats):  # interleaved: drift in the machine's load hits every op alike
+        for name, f in table.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    med = {k: 1e6 * statistics.median(v) for k, v in times.items()}
+    base = med["GradScaler's fused unscale"]
+    n = sum(g.numel() for g in grads)
+    lines = [
+        "# Reading the amax, op by op",
+        "",
+        f"`python experiments/benchmarks/amax_read.py{f' --threads {args.threads}' if args.threads else ''}`"
+        f" ({datetime.now(UTC):%Y-%m-%d}, {platform.processor() or platform.machine()}, torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads)",
+        "",
+        f"{len(grads)} fp32 gradients, {n:,} elements ({4 * n / 2**20:.1f} MiB); medians of "
+        f"{args.repeats} interleaved calls.",
+        "",
+        "| op | us | / fused unscale |",
+        "|---|---|---|",
+        *(f"| {k} | {v:.0f} | {v / base:.2f} |" for k, v in med.items()),
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
