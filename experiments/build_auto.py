@@ -26,6 +26,7 @@ RESULTS = ROOT / "experiments" / "results"
 RESULTS_PAGE = RESULTS / "README.md"  # the block this script writes
 CACHE = ROOT / "experiments" / ".cache" / "auto"
 SEARCHED_PICK = ROOT / "experiments" / ".cache" / "policies" / "suite-parametric"
+NO_HARM_CACHE = ROOT / "experiments" / ".cache" / "no-harm"  # torch's runs, shared with no_harm.py
 START, END = "<!-- auto:start -->", "<!-- auto:end -->"
 
 from auto_report import (  # noqa: E402  (experiments/ on sys.path above)
@@ -44,7 +45,8 @@ def readme_only() -> int:
     from autoscale.build.suite_eval import load_cards
 
     sel = json.loads((RESULTS / "auto_selection.json").read_text())
-    if (ROOT / "policies" / "auto" / "policy.yaml").is_file():
+    shipped = [s for s, v in sel["verdicts"].items() if v["passed"]]
+    if shipped:  # the last build shipped its pick (else policies/auto is an earlier build's)
         from autoscale.envs.suite import load_spec
         from autoscale.scalers.policies import read_manifest
 
@@ -106,16 +108,17 @@ def main(argv=None) -> int:
         seed=args.seed, gate_steps=args.gate_steps, long_steps=args.long_steps,
         confirm_episodes=args.confirm_episodes, reuse_agents=args.reuse_agents,
     )  # fmt: skip
+    t_all = time.monotonic()
+    suite = load_spec(ROOT / "envs" / "suite.yaml")
     try:
         extras = dict(parse_extra(e) for e in args.extra)  # label -> (rule, parameters)
         build = AutoBuild(
-            load_spec(ROOT / "envs" / "suite.yaml"), settings, CACHE,
-            searched_pick=SEARCHED_PICK, extras=extras, log=lambda t: print(t, flush=True),
+            suite, settings, CACHE, searched_pick=SEARCHED_PICK, no_harm_cache=NO_HARM_CACHE,
+            extras=extras, log=lambda t: print(t, flush=True),
         )  # fmt: skip
     except ValueError as exc:
         print(f"build_auto.py: error: --extra {exc}", file=sys.stderr)
         return 2
-    t_all = time.monotonic()
     result = build.run()
     built_by = "experiments/build_auto.py " + " ".join(argv if argv is not None else sys.argv[1:])
     manifest = None

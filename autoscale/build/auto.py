@@ -161,9 +161,10 @@ class BuildResult:
 
 
 class AutoBuild:
-    """One build of ``auto`` over ``suite``: agents and traces cached under ``cache``, the no-harm
-    check's runs under ``cache/no-harm``; ``searched_pick`` is the suite search's exported policy,
-    ranked when it exists; ``extras`` are labelled parametric candidates (:func:`parse_extra`)."""
+    """One build of ``auto`` over ``suite``: agents and traces cached under ``cache``, torch's runs
+    of the no-harm check under ``no_harm_cache`` (default ``cache/no-harm``); ``searched_pick`` is
+    the suite search's exported policy, ranked when it exists; ``extras`` are labelled parametric
+    candidates (:func:`parse_extra`)."""
 
     def __init__(
         self,
@@ -172,6 +173,7 @@ class AutoBuild:
         cache: Path,
         *,
         searched_pick: Path | None = None,
+        no_harm_cache: Path | None = None,
         extras: dict[str, tuple[str, dict]] | None = None,
         log: Callable[[str], Any] = print,
     ):
@@ -179,6 +181,7 @@ class AutoBuild:
 
         self.suite, self.settings, self.cache = suite, settings, Path(cache)
         self.searched_pick, self.extras, self.log = searched_pick, dict(extras or {}), log
+        self.no_harm_cache = Path(no_harm_cache) if no_harm_cache else self.cache / "no-harm"
         self.member = suite.members[0]
         for label, (rule, params) in self.extras.items():  # a bad one says so now, not in hours
             try:
@@ -315,7 +318,7 @@ class AutoBuild:
             s, ep = self.settings, self.member.episode
             gate = GatePlan(gate_workloads(list(self.suite.members), s.gate_steps), s.gate_steps)
             self._check = NoHarmCheck(
-                gate, self.cache / "no-harm", Ledger(),
+                gate, self.no_harm_cache, Ledger(),
                 {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale},
             )  # fmt: skip
         t0 = time.monotonic()

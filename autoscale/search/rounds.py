@@ -146,27 +146,33 @@ class Rounds:
 
     def _tail(self) -> None:
         """Less than a round is left: validate more of the best candidates in it and pick again;
-        what is still left (the reserve a new pick's check would have needed) goes to the replay
-        search, whose trials stay in the study for a resumed search or another worker."""
+        what is still left (the reserve a new pick's check would have needed) goes to parametric
+        replay trials, which stay in the study for a resumed search or another worker. (Not RL
+        trials: one trains up to its deadline and then exports and scores its agent, past it.)"""
         if self._validate(False, CANDIDATES_PER_ROUND):
             self._pick()
         left = self.budget.left()
         if left <= MIN_ROUND_SHARE * self.budget.seconds:
             return
-        done = sum(self.counts.values())
-        t0 = time.monotonic()
-        self._search(self.budget.end, False)
-        trials = sum(self.counts.values()) - done
         why = "less than a round is left (searching, then validating and checking candidates)"
-        if trials == 0:  # the trial limit (--n-trials) is reached, or no trial fitted
+        before = dict(self.counts)
+        t0 = time.monotonic()
+        if self.plan.space in ("parametric", "both"):
+            objective_fn = ParametricObjective(
+                self.bench, self.recorder, self.ledger, parametric_families()
+            )
+            self._trials(objective_fn, self.budget.end)
+        c = {k: self.counts[k] - before[k] for k in self.counts}
+        if not sum(c.values()):  # an RL space, the trial limit (--n-trials) reached, no trial fit
             self.result.stopped_early = why
             self.say("export", f"stopping with {format_duration(self.budget.left())} left: {why}")
             return
         self.result.stopped_early = (
-            f"{why}: the last {format_duration(time.monotonic() - t0)} went to the replay search "
-            f"({trials} trials, kept in the study for a resumed search; not validated in this run)"
+            f"{why}; its last {format_duration(time.monotonic() - t0)} went to the replay search: "
+            f"{c['complete']} complete trials ({c['pruned']} pruned, {c['failed']} failed) kept "
+            "in the study for a resumed search, not validated in this run"
         )
-        self.say("export", f"with {format_duration(left)} left, {self.result.stopped_early}")
+        self.say("export", f"{format_duration(left)} left: {self.result.stopped_early}")
 
     def _pick(self) -> bool:
         """Rank, check, export what changed, report; False when torch has no validation."""

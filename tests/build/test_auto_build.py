@@ -105,7 +105,10 @@ def test_a_tiny_build_ships_the_first_candidate_through_every_check(tmp_path):
     )  # fmt: skip
     extras = dict([parse_extra("torch:growth_interval=2000")])
     lines: list[str] = []
-    build = AutoBuild(_tiny_suite(), settings, tmp_path / "cache", extras=extras, log=lines.append)
+    build = AutoBuild(
+        _tiny_suite(), settings, tmp_path / "cache", extras=extras, log=lines.append,
+        no_harm_cache=tmp_path / "no-harm",
+    )  # fmt: skip
     result = build.run()
 
     assert result.searched == ["mlp/clean"] and result.left_out == ["autoencoder/clean"]
@@ -128,8 +131,7 @@ def test_a_tiny_build_ships_the_first_candidate_through_every_check(tmp_path):
     assert set(long.runs) == {"mlp/clean", "autoencoder/clean"}
     assert all(card["torch"]["card"].steps == 16 for card in long.runs.values())
     assert not any(long.harm.values())
-    # agents are reused from the ledger by a second build with the same settings
-    assert (tmp_path / "cache" / "policies" / "agents.json").is_file()
+    assert any((tmp_path / "no-harm").rglob("torch-*.json"))  # torch's runs, cached there
 
     manifest = build.export(result, tmp_path / "policies", "a test")
     again = read_manifest(tmp_path / "policies" / "auto")
@@ -141,14 +143,15 @@ def test_a_tiny_build_ships_the_first_candidate_through_every_check(tmp_path):
     scaler = get_scaler(str(tmp_path / "policies" / "auto"), device="cpu")
     assert scaler.get_scale() == pytest.approx(65536.0)
 
-    reused = AutoBuild(
+    # a second build with the same settings reuses the agents from the ledger, and, on the same
+    # seeds, ranks and decides the same
+    again_build = AutoBuild(
         _tiny_suite(), dataclasses.replace(settings, reuse_agents=True), tmp_path / "cache",
-        log=lines.append,
+        extras=extras, log=lines.append, no_harm_cache=tmp_path / "no-harm",
     )  # fmt: skip
-    from autoscale.build.agents import train_agents
-
-    agents, info = train_agents(reused.suite, {}, reused.settings, tmp_path / "cache" / "policies",
-                                {}, lines.append)  # fmt: skip
-    assert all(r["reused"] for r in info.values()) and set(agents) == {
-        "rl-ppo-h2", "rl-dqn-h2", "rl-ppo-h1"
-    }  # fmt: skip
+    second = again_build.run()
+    assert set(second.agent_runs) == {"rl-ppo-h2", "rl-dqn-h2", "rl-ppo-h1"}
+    assert all(r["reused"] for r in second.agent_runs.values())
+    assert "train rl-ppo-h2" not in second.timings
+    assert second.objective == result.objective and second.pick == result.pick
+    assert second.verdicts == result.verdicts
