@@ -21,6 +21,10 @@ from autoscale.training.scorecard import Scorecard
 __all__ = ["Episode", "ReplayBench", "REFERENCE_RULE"]
 
 REFERENCE_RULE = "torch"
+# Fewer episodes than this: the scalar replay is the faster (numpy's per-step overhead is shared by
+# too few lanes). experiments/results/vector_replay_speed.md: one candidate on 3 episodes of 1024
+# steps, vectorised 0.2-0.3x the scalar replay's rate, at 12 lanes 0.6-1.3x, at 24 lanes 1.3-2.1x.
+VECTOR_MIN_LANES = 16
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class ReplayBench:
             which: self.run(which, lambda: self.scaler(REFERENCE_RULE))[0] for which in self.envs
         }
         self._windows: dict[str, Any] = {}  # which -> its episodes' ReplayWindows, when needed
+        self.vector_min_lanes = VECTOR_MIN_LANES
 
     def _episodes(self, which: str) -> list[Episode]:
         h = self.suite.episode.steps
@@ -103,12 +108,13 @@ class ReplayBench:
     ) -> dict[str, list[Scorecard]] | None:
         """:meth:`run`'s scorecards of ``rule(**params)`` on every episode of ``which``, from the
         vectorised replay (:mod:`autoscale.envs.vector_replay`: equal to the scalar replay's,
-        field by field); None where the rule is not vectorised."""
+        field by field); None where the rule is not vectorised, or where ``which`` has fewer than
+        ``vector_min_lanes`` episodes (:data:`VECTOR_MIN_LANES`: the scalar replay is faster)."""
         from autoscale.envs.vector_replay import VECTOR_RULES, replay_rule, replay_windows
 
-        if rule not in VECTOR_RULES:
-            return None
         episodes = self.episodes[which]
+        if rule not in VECTOR_RULES or len(episodes) < self.vector_min_lanes:
+            return None
         if which not in self._windows:
             pairs = [(e.instance, e.offset) for e in episodes]
             self._windows[which] = replay_windows(self.envs[which], pairs)

@@ -316,6 +316,15 @@ def test_vectorised_parametric_trials_report_what_scalar_ones_do(setup):
     root, suite, traces = setup
     ledger = Ledger()
     bench, _, recorder, _ = _parts(root, suite, traces, ledger)
+    from autoscale.search.bench import VECTOR_MIN_LANES
+
+    # few episodes: the scalar replay (faster there) unless told otherwise
+    assert len(bench.episodes["train"]) < VECTOR_MIN_LANES == bench.vector_min_lanes
+    assert bench.vector_cards("train", "torch", {}) is None
+    bench.vector_min_lanes = 1  # this bench's few episodes: vectorised too
+    used = []
+    vector_cards = bench.vector_cards
+    bench.vector_cards = lambda *a: used.append(a[1]) or vector_cards(*a)
 
     def knobs(rule, **values):
         return {"rule": rule, **{f"{rule}.{k}": v for k, v in values.items()}}
@@ -360,3 +369,4 @@ def test_vectorised_parametric_trials_report_what_scalar_ones_do(setup):
         ]
     assert repr(seen[True]) == repr(seen[False])
     assert len({v for _, v, _, _ in seen[True]}) > 1
+    assert set(used) == set(VECTOR_RULES)  # every family went through the vectorised replay
