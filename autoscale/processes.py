@@ -1,12 +1,20 @@
 """Which process on which host: the owner tags that let one process clean up after another that
-was killed (stale trials of a search, staging folders of an export)."""
+was killed (stale trials of a search, staging folders of an export); and a Ctrl-C that is not
+lost (:func:`sticky_interrupt`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
 
-__all__ = ["host_name", "owner_tag", "pid_alive"]
+__all__ = ["host_name", "owner_tag", "pid_alive", "sticky_interrupt", "raise_if_interrupted"]
 
 
 def host_name() -> str:
@@ -28,3 +36,63 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class _Sticky:
+    """Python's SIGINT handler (raise KeyboardInterrupt), remembering that the signal came until
+    :func:`raise_if_interrupted` has seen it."""
+
+    def __init__(self) -> None:
+        self.pending = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.pending = True
+        raise KeyboardInterrupt
+
+
+_STICKY: list[_Sticky] = []  # the handler installed by sticky_interrupt, while it is
+
+
+@contextlib.contextmanager
+def sticky_interrupt() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is not lost where Python drops it.
+
+    A KeyboardInterrupt raised while the main thread runs a ``__del__`` or a weakref callback
+    (garbage collection of a SQLAlchemy session, say) is printed as "Exception ignored" and goes
+    no further: the command runs on as if Ctrl-C had never been pressed. Inside this block the
+    handler also remembers the signal, and :func:`raise_if_interrupted` (called at every training
+    step and between trials) raises it again where it was dropped; the "Exception ignored"
+    traceback of a dropped one is not printed. A SIGINT that is ignored, or
+    handled by the program's own handler, stays so; outside the main thread nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        yield
+        return
+    handler = _Sticky()
+    previous_hook = sys.unraisablehook
+
+    def quiet(unraisable: Any) -> None:  # a dropped Ctrl-C comes out again: no traceback for it
+        if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and handler.pending):
+            previous_hook(unraisable)
+
+    signal.signal(signal.SIGINT, handler)
+    sys.unraisablehook = quiet
+    _STICKY.append(handler)
+    try:
+        yield
+    finally:
+        _STICKY.remove(handler)
+        sys.unraisablehook = previous_hook
+        signal.signal(signal.SIGINT, previous)
+
+
+def raise_if_interrupted() -> None:
+    """Raise KeyboardInterrupt once for a Ctrl-C that came inside :func:`sticky_interrupt` and
+    was not seen since; nothing otherwise (a list lookup: cheap enough for every step)."""
+    if _STICKY and _STICKY[-1].pending:
+        _STICKY[-1].pending = False
+        raise KeyboardInterrupt

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from autoscale.commands.base import Command
+from autoscale.processes import sticky_interrupt
 
 EPILOG = """examples:
   autoscale search --budget 5m                        gpt2-tiny / bad-batches, parametric rules
@@ -143,7 +144,8 @@ class SearchCommand(Command):
         )
         runner = SearchRunner(cfg, budget)
         try:
-            result = runner.run()
+            with sticky_interrupt():
+                result = runner.run()
         except Exception as exc:
             from autoscale.errors import AutoscaleError, StorageError
             from autoscale.search.storage import lost_connection
@@ -209,7 +211,8 @@ class SearchCommand(Command):
             command=shlex.join(["autoscale", *sys.argv[1:]]) if sys.argv else "autoscale search",
         )
         try:
-            result = TraceSearch(cfg, budget).run()
+            with sticky_interrupt():
+                result = TraceSearch(cfg, budget).run()
         except KeyboardInterrupt:
             print(
                 "interrupted: every finished trial is kept in the study; nothing was exported; the "

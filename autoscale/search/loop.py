@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from autoscale.processes import raise_if_interrupted
 from autoscale.search.budget import Ledger
 from autoscale.search.interrupts import deferred_interrupt, interruptible
 from autoscale.search.storage import lost_connection
@@ -84,7 +85,9 @@ class TrialLoop:
             t0, alg0 = time.perf_counter(), self.ledger.total("alg:")
             try:
                 with interruptible():
-                    return objective_fn(trial)
+                    value = objective_fn(trial)
+                    raise_if_interrupted()  # a Ctrl-C dropped inside it (in a __del__, say)
+                    return value
             except optuna.TrialPruned:
                 raise
             except KeyboardInterrupt:
@@ -113,7 +116,7 @@ class TrialLoop:
             if done or time.monotonic() >= stop_at:
                 study.stop()
             with interruptible():  # a Ctrl-C held through the tell: out now, before the next ask
-                pass
+                raise_if_interrupted()
 
         t0, alg0 = time.perf_counter(), self.ledger.total("alg:")
         try:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from autoscale.errors import ConfigError
+from autoscale.processes import raise_if_interrupted
 from autoscale.scalers.controller import FP16_MIN_NORMAL
 from autoscale.scalers.scaler import LossScaler
 from autoscale.training.data import (
@@ -176,6 +177,7 @@ class TrainingRun:
 
     def step(self) -> StepRecord:
         """Take one optimizer step and return its record (also appended to :attr:`records`)."""
+        raise_if_interrupted()  # a Ctrl-C Python dropped (autoscale.processes.sticky_interrupt)
         start = time.perf_counter()
         spec, index = self.spec, self.step_index
         factor = self.scenario.lr_factor(index)

@@ -79,3 +79,48 @@ def test_outside_the_main_thread_the_block_runs_as_is():
     t.start()
     t.join()
     assert seen == [signal.default_int_handler]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_python_drops_in_a_weakref_callback_is_raised_again():
+    """A KeyboardInterrupt raised while a weakref callback runs (SQLAlchemy's, during garbage
+    collection) is printed as "Exception ignored" and lost: the search then ran to its budget's
+    end and exited 0 after a Ctrl-C. Under ``sticky_interrupt`` the next check raises it."""
+    import sys
+    import weakref
+
+    from autoscale.processes import raise_if_interrupted, sticky_interrupt
+
+    class Thing:
+        pass
+
+    def collect(fired: list) -> None:
+        def callback(_) -> None:
+            fired.append("ran")
+            signal.raise_signal(signal.SIGINT)  # Python's handler runs here: its raise is dropped
+            fired.append("not reached")
+
+        thing = Thing()
+        ref = weakref.ref(thing, callback)
+        del thing  # the callback runs here, and Ctrl-C lands inside it
+        assert ref() is None
+
+    fired: list = []
+    collect(fired)  # Python's own handler: the KeyboardInterrupt is dropped
+    assert fired == ["ran"]
+    raise_if_interrupted()  # outside sticky_interrupt: nothing to raise
+    dropped: list = []
+    before, sys.unraisablehook = sys.unraisablehook, dropped.append
+    try:
+        with sticky_interrupt():
+            fired.clear()
+            collect(fired)
+            assert fired == ["ran"]
+            assert dropped == []  # no "Exception ignored" traceback: it comes out again below
+            with pytest.raises(KeyboardInterrupt):
+                raise_if_interrupted()
+            raise_if_interrupted()  # once only
+        assert sys.unraisablehook == dropped.append  # the hook before is back
+    finally:
+        sys.unraisablehook = before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
