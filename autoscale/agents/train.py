@@ -263,6 +263,7 @@ def export_agent(
             "max_scale": ep.max_scale,
             "history": ep.history,
             **({"guard": ep.guard.to_dict()} if ep.guard else {}),
+            **({"scale_time": True} if ep.scale_time else {}),
         },
         out_dir=export_dir,
         force=force,

@@ -6,6 +6,8 @@ import argparse
 
 from autoscale.commands.base import Command
 
+DEFAULT_DROPS = (4.0, 8.0, 12.0, 16.0)  # bits a scale-time agent may drop one step's scale by
+
 
 class TrainAgentCommand(Command):
     """Train a Stable-Baselines3 agent to set the loss scale, and export the best one."""
@@ -17,6 +19,8 @@ class TrainAgentCommand(Command):
   autoscale eval --policy ppo-bad-batches --env envs/bad-batches.yaml --seeds 3
   autoscale train-agent --env envs/bad-batches.yaml --replay traces/bad-batches.npz --guard \
       --out ppo-guarded    # the agent sets the base scale, amax-loss's guard takes the spikes
+  autoscale train-agent --env envs/bad-batches.yaml --replay traces/bad-batches.npz \
+      --scale-time --out ppo-scale-time    # the agent sees each step's loss and takes spikes
 
 algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (continuous)
 """
@@ -44,6 +48,13 @@ algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (cont
             "spike, and the exported policy keeps the guard",
         )
         parser.add_argument(
+            "--scale-time",
+            action="store_true",
+            help="act when the loss is scaled, seeing this step's loss (episode.scale_time); "
+            "discrete actions also get drops of 4, 8, 12 and 16 bits for one step, unless the "
+            "spec gives action.drops. The exported policy decides in the scaler the same way",
+        )
+        parser.add_argument(
             "--eval-freq",
             type=int,
             default=None,
@@ -65,8 +76,20 @@ algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (cont
 
         from autoscale.agents.train import train_agent
         from autoscale.envs.spec import GuardSpec, load_env_spec
+        from autoscale.errors import ConfigError
 
         env = args.env
+        if args.guard and args.scale_time:
+            raise ConfigError(
+                "--guard and --scale-time both decide a step's scale from its loss; give one"
+            )
+        if args.scale_time:
+            env = load_env_spec(args.env)
+            action = env.episode.action
+            if action.mode == "discrete" and not action.drops:
+                action = dataclasses.replace(action, drops=DEFAULT_DROPS)
+            episode = dataclasses.replace(env.episode, scale_time=True, action=action)
+            env = dataclasses.replace(env, episode=episode)
         if args.guard:
             env = load_env_spec(args.env)
             if env.episode.guard is None:

@@ -13,6 +13,7 @@ from autoscale.envs.spec import EnvSpec, InstanceSpec, RewardWeights, load_env_s
 from autoscale.scalers.controller import ScaleBounds, ScaleRule, StepStats
 from autoscale.scalers.features import FEATURE_BOUND, N_FEATURES, FeatureExtractor, FrameStack
 from autoscale.scalers.rules.guard import LossGuard
+from autoscale.scalers.scale_time import N_SCALE_TIME, LossNow
 
 __all__ = ["ScaleEnvBase", "step_reward"]
 
@@ -46,8 +47,15 @@ def step_reward(
 class ScaleEnvBase(gym.Env):
     """Base of the loss-scale environments; subclasses provide the steps.
 
-    Subclasses implement ``_start(instance) -> (scale, extractor_state)`` and
-    ``_advance(scale) -> (stats, precision_loss, diverged)``.
+    Subclasses implement ``_start(instance) -> (scale, extractor_state)``,
+    ``_advance(scale) -> (stats, precision_loss, diverged)`` and, for agents that act at scale
+    time (``episode.scale_time``), ``_peek_loss() -> float``: the loss of the step about to be
+    taken, as the scaler sees it when it scales it.
+
+    At scale time the observation is the stacked after-step features at the base scale followed
+    by :mod:`~autoscale.scalers.scale_time`'s features of this step's loss; an action changes the
+    base (a delta) or drops this step's scale only (a drop), decoded from the scale the step
+    used by :meth:`~autoscale.scalers.actions.ActionMap.base_after`, as an exported policy does.
     """
 
     metadata = {"render_modes": []}
@@ -66,8 +74,11 @@ class ScaleEnvBase(gym.Env):
             self.action_space = spaces.Discrete(self.action_map.n)
         else:
             self.action_space = spaces.Box(-1.0, 1.0, shape=(1,), dtype=np.float32)
+        self.scale_time = ep.scale_time
+        self.loss_now = LossNow()
+        width = N_FEATURES * ep.history + (N_SCALE_TIME if ep.scale_time else 0)
         self.observation_space = spaces.Box(
-            -FEATURE_BOUND, FEATURE_BOUND, shape=(N_FEATURES * ep.history,), dtype=np.float32
+            -FEATURE_BOUND, FEATURE_BOUND, shape=(width,), dtype=np.float32
         )
         self.features = FeatureExtractor()
         self.stack = FrameStack(ep.history)
@@ -108,31 +119,52 @@ class ScaleEnvBase(gym.Env):
         self._prev_loss = self.features.last_loss
         self._nonfinite_run = 0
         self.hit_min = False
-        obs = np.asarray(self.stack.reset(self.features.features(self.scale)), dtype=np.float32)
+        self.loss_now = LossNow()  # fresh at every start, as an exported policy's at a run's
+        obs = self._observe(self.stack.reset(self.features.features(self.scale)), False)
         return obs, {"instance": self.instance.name, "scale": self.scale}
+
+    def _observe(self, frames: list[float], done: bool) -> np.ndarray:
+        """The observation: the stacked frames, and at scale time the features of the next
+        step's loss (zeros once the episode is over: no next step)."""
+        if self.scale_time:
+            now = (
+                [0.0] * N_SCALE_TIME
+                if done
+                else self.loss_now.features(self._peek_loss(), self.scale)
+            )
+            frames = frames + now
+        return np.asarray(frames, dtype=np.float32)
 
     def step(self, action):
         if self.instance is None:
             raise RuntimeError("call reset() before step()")
         bits = self.action_map.delta(action)
+        if self.scale_time:  # this step's scale; the base carries on unless it was a drop
+            return self.step_at(self.scale * 2.0**bits, base=self.scale)
         return self.step_at(self.scale * 2.0**bits)
 
-    def step_at(self, scale: float):
+    def step_at(self, scale: float, base: float | None = None):
         """Take the next step at ``scale`` (clamped to the episode's bounds, as a scaler clamps it)
         instead of an action.
 
         Lets a rule or an exported scaler drive the environment, with the same reward and
-        bookkeeping as an agent's actions.
+        bookkeeping as an agent's actions. ``base``: the base scale of an agent acting at scale
+        time (the next base is decoded from the scale the step used).
         """
         if self.instance is None:
             raise RuntimeError("call reset() before step_at()")
         prev_loss = self._prev_loss
         stats, precision, diverged = self._take(scale)
-        obs = np.asarray(self.stack.push(self.features.features(stats.scale)), dtype=np.float32)
+        truncated = self._t >= self.episode_steps and not diverged
+        if base is not None:
+            self.scale = self.action_map.base_after(stats.scale, base)
+            frame = self.features.features(self.scale)
+        else:
+            frame = self.features.features(stats.scale)
+        obs = self._observe(self.stack.push(frame), diverged or truncated)
         reward = step_reward(
             self.weights, stats.found_inf, precision, stats.loss, prev_loss, diverged
         )
-        truncated = self._t >= self.episode_steps and not diverged
         info = {
             "instance": self.instance.name,
             "scale": self.scale,
@@ -164,6 +196,8 @@ class ScaleEnvBase(gym.Env):
         self._nonfinite_run = self._nonfinite_run + 1 if stats.loss_nonfinite else 0
         diverged = diverged or self._nonfinite_run >= 3
         self.features.update(stats)
+        if self.scale_time:
+            self.loss_now.update(stats)
         if self.agent_guard is not None:
             self.agent_guard.observe(stats.scale, stats)
         loss = stats.loss
@@ -177,4 +211,7 @@ class ScaleEnvBase(gym.Env):
         raise NotImplementedError
 
     def _advance(self, scale: float) -> tuple[StepStats, float, bool]:
+        raise NotImplementedError
+
+    def _peek_loss(self) -> float:
         raise NotImplementedError

@@ -129,6 +129,9 @@ class LossScaleEnv(ScaleEnvBase):
         diverged = len(self.records) >= self.episode_steps and not self.run.params_finite()
         return rec.stats, rec.precision_loss, diverged
 
+    def _peek_loss(self) -> float:
+        return self.run.peek_loss()  # the next step's forward, run now; its step continues it
+
     def episode_records(self) -> list:
         """The episode's steps (:class:`~autoscale.training.StepRecord`)."""
         return list(self.records)

@@ -14,7 +14,7 @@ from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.errors import ConfigError
 from autoscale.scalers.controller import StepStats
-from autoscale.scalers.loss_guard import guarded_scale
+from autoscale.scalers.loss_guard import step_scale_host
 
 __all__ = ["ReplayEnv", "precision_table"]
 
@@ -277,8 +277,8 @@ class ReplayEnv(ScaleEnvBase):
         i = self._offset + self._t
         nonfinite, threshold, loss, amax, rms, row = self._cur[1][i]
         guarded = False
-        if self.guard_rule is not None:  # the rule's per-step guard, from the step's loss
-            step_scale = guarded_scale(scale, loss, self.guard_rule.guard_limit(), self.min_scale)
+        if self.guard_rule is not None:  # the rule's scale for this step, from its loss
+            step_scale = step_scale_host(self.guard_rule, scale, loss, self.bounds)
             scale, guarded = step_scale, step_scale < scale
         log2_scale = math.log2(scale)
         if nonfinite or log2_scale > threshold:
@@ -301,11 +301,15 @@ class ReplayEnv(ScaleEnvBase):
         self.records.append((stats, precision))
         return stats, precision, False
 
+    def _peek_loss(self) -> float:
+        return self._cur[1][self._offset + self._t][2]  # the traced loss of the next step
+
     def step(self, action):
         """:meth:`ScaleEnvBase.step` in one frame: the same step, books, observation, reward and
         info (``tests/envs`` holds them equal step by step), without the generic path's calls.
-        With a per-step guard set (a rule's driver, not an agent) the generic path runs."""
-        if self.instance is None or self.guard_rule is not None:
+        With a per-step guard set (a rule's driver, not an agent), or for an agent acting at scale
+        time, the generic path runs."""
+        if self.instance is None or self.guard_rule is not None or self.scale_time:
             return super().step(action)
         scale = self.bounds.clamp(self.scale * 2.0 ** self.action_map.delta(action))
         prev_loss = self._prev_loss

@@ -78,8 +78,23 @@ class EpisodeSpec:
     # an agent's per-step loss guard (autoscale.scalers.rules.guard.LossGuard's parameters):
     # the environment lowers a spike's scale as amax-loss does, and the exported policy keeps it
     guard: GuardSpec | None = None
+    # the agent acts when the loss is scaled, seeing this step's loss
+    # (autoscale.scalers.scale_time); its discrete actions may drop one step's scale (action.drops)
+    scale_time: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.scale_time, bool):
+            raise ConfigError(f"episode scale_time must be true or false, got {self.scale_time!r}")
+        if self.action.drops and not self.scale_time:
+            raise ConfigError(
+                "episode.action.drops drop a step's scale from the loss it sees: they need "
+                "episode.scale_time: true"
+            )
+        if self.scale_time and self.guard is not None:
+            raise ConfigError(
+                "episode.scale_time and episode.guard both decide a step's scale from its loss: "
+                "give one (scale_time: the agent learns the guard; guard: it inherits amax-loss's)"
+            )
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps <= 0:
             raise ConfigError(f"episode steps must be a positive integer, got {self.steps!r}")
         if isinstance(self.history, bool) or not isinstance(self.history, int) or self.history < 1:
@@ -222,6 +237,7 @@ class EnvSpec:
                 "horizon": self.episode.horizon,
                 "history": self.episode.history,
                 **({"guard": self.episode.guard.to_dict()} if self.episode.guard else {}),
+                **({"scale_time": True} if self.episode.scale_time else {}),
             },
             "instances": {k: [asdict(i) for i in v] for k, v in self.instances.items()},
             "reward": asdict(self.reward),
@@ -265,9 +281,11 @@ class EnvSpec:
                 "horizon",
                 "history",
                 "guard",
+                "scale_time",
             ],
         )
         guard = GuardSpec.parse(ep.pop("guard", None), where)
+        scale_time = ep.pop("scale_time", False)
         action = ep.pop("action", None) or {}
         if isinstance(action, str):
             action = {"mode": action}
@@ -277,11 +295,14 @@ class EnvSpec:
                 f"got {action!r}"
             )
         check_keys(
-            f"{where}: episode.action", action, ["mode", "deltas", "max_delta", "resolution"]
+            f"{where}: episode.action",
+            action,
+            ["mode", "deltas", "max_delta", "resolution", "drops"],
         )
         episode = EpisodeSpec(
             action=ActionMap.from_dict(action),
             guard=guard,
+            scale_time=scale_time,
             **{k: _num(k, v) for k, v in ep.items()},
         )
         inst_data = data.get("instances") or {}

@@ -24,7 +24,7 @@ from autoscale.envs.from_records import trace_from_record
 from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.observe import RunRecord
 from autoscale.scalers import StepStats, get_scaler
-from autoscale.scalers.loss_guard import guarded_scale
+from autoscale.scalers.loss_guard import step_scale_host
 
 __all__ = ["LIMITS", "Outcome", "RecordReplay"]
 
@@ -136,7 +136,7 @@ class RecordReplay:
             s = scale
             guarded = False
             if guard:
-                s = guarded_scale(scale, loss[i], rule.guard_limit(), min_scale)
+                s = step_scale_host(rule, scale, loss[i], ctrl.bounds)
                 guarded = s < scale
             over = nonfinite[i] or math.log2(s) > thr[i]
             stats = StepStats(

@@ -3,6 +3,11 @@
 Actions change log2(scale). Discrete mode picks one of ``deltas`` (bits); continuous mode maps
 an action in [-1, 1] to ``action * max_delta`` bits, rounded to ``resolution`` bits so that scales
 stay on a grid (powers of two by default: unscaling by a power of two is exact).
+
+At scale time (``episode.scale_time``), discrete actions may also drop this step's scale by one
+of ``drops`` bits and keep the base scale for the next step: the action a policy needs to take
+a loss spike it sees coming. :meth:`ActionMap.base_after` decodes the next base from the scale
+the step used, the same way in the environments and in an exported policy.
 """
 
 from __future__ import annotations
@@ -25,12 +30,15 @@ class ActionMap:
         deltas: Discrete mode: the change in bits of each action index.
         max_delta: Continuous mode: bits at action = +-1.
         resolution: Continuous mode: the change is rounded to a multiple of this (bits); 0 = none.
+        drops: Discrete mode at scale time: bits the step's scale drops for this step only
+            (action indices after the deltas'); each larger than the largest downward delta.
     """
 
     mode: str = "discrete"
     deltas: tuple[float, ...] = field(default=(-2.0, -1.0, 0.0, 1.0, 2.0))
     max_delta: float = 2.0
     resolution: float = 1.0
+    drops: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in ("discrete", "continuous"):
@@ -43,6 +51,23 @@ class ActionMap:
                 f"got {self.deltas!r}"
             )
         object.__setattr__(self, "deltas", tuple(float(d) for d in self.deltas))
+        if not isinstance(self.drops, (list, tuple)) or not all(
+            _number(d) and math.isfinite(d) and d > 0 for d in self.drops
+        ):
+            raise ConfigError(
+                f"action drops must be a list of positive numbers of bits such as [4, 8, 12, 16], "
+                f"got {self.drops!r}"
+            )
+        object.__setattr__(self, "drops", tuple(float(d) for d in self.drops))
+        if self.drops and self.mode != "discrete":
+            raise ConfigError(
+                "action drops need discrete actions (mode: discrete); remove drops or the mode"
+            )
+        if self.drops and min(self.drops) <= -min(self.deltas):
+            raise ConfigError(
+                f"action drops {list(self.drops)} must each exceed the largest downward delta "
+                f"({-min(self.deltas):g} bits), or a drop could not be told from a delta"
+            )
         if self.mode == "discrete" and len(self.deltas) < 2:
             raise ConfigError(f"discrete actions need at least two deltas, got {list(self.deltas)}")
         if not (_number(self.max_delta) and math.isfinite(self.max_delta) and self.max_delta > 0):
@@ -56,7 +81,16 @@ class ActionMap:
 
     @property
     def n(self) -> int:
-        return len(self.deltas)
+        return len(self.deltas) + len(self.drops)
+
+    def base_after(self, used: float, base: float) -> float:
+        """The base scale after a step that used ``used`` at base ``base``: ``used`` after a
+        delta, ``base`` after a drop (a used scale more than the largest downward delta below
+        the base). Decoded from the scale alone, so that an exported policy needs nothing more
+        back from the device."""
+        if self.drops and used < base * 2.0 ** min(self.deltas):
+            return base
+        return used
 
     def delta(self, action: Any) -> float:
         """The change of log2(scale), in bits, that ``action`` asks for."""
@@ -70,9 +104,12 @@ class ActionMap:
                     else (action[0] if isinstance(action, (list, tuple)) else action)
                 )
             )
-            if not 0 <= index < len(self.deltas):
-                raise ConfigError(f"discrete action {index} out of range 0..{len(self.deltas) - 1}")
-            return self.deltas[index]
+            n = len(self.deltas)
+            if 0 <= index < n:
+                return self.deltas[index]
+            if n <= index < n + len(self.drops):
+                return -self.drops[index - n]
+            raise ConfigError(f"discrete action {index} out of range 0..{self.n - 1}")
         value = float(
             action.reshape(-1)[0]
             if hasattr(action, "reshape")
@@ -89,12 +126,16 @@ class ActionMap:
             "deltas": list(self.deltas),
             "max_delta": self.max_delta,
             "resolution": self.resolution,
+            **({"drops": list(self.drops)} if self.drops else {}),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ActionMap:
         return cls(
-            **{k: tuple(v) if k == "deltas" and isinstance(v, list) else v for k, v in d.items()}
+            **{
+                k: tuple(v) if k in ("deltas", "drops") and isinstance(v, list) else v
+                for k, v in d.items()
+            }
         )
 
 

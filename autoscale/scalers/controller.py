@@ -130,6 +130,9 @@ class ScaleRule:
             is agreed across ranks even when the gradients are identical).
         has_guard: :meth:`guard_limit` may return a limit: the scale of each step is lowered, on
             the device when the loss is scaled, to keep ``scale * |loss|`` under it.
+        scale_time: With ``has_guard``, the rule decides each step's scale itself when the loss
+            is scaled (``step_scale`` on the host, ``apply_step_scale`` on the device; an exported
+            policy that acts at scale time) instead of through :meth:`guard_limit`.
         default_init_scale, default_min_scale, default_max_scale: The scale bounds a scaler of this
             rule gets unless the user gives others.
     """
@@ -141,6 +144,7 @@ class ScaleRule:
     needs_rms: ClassVar[bool] = True
     needs_loss: ClassVar[bool] = False
     has_guard: ClassVar[bool] = False
+    scale_time: ClassVar[bool] = False
     default_init_scale: ClassVar[float] = 2.0**16
     default_min_scale: ClassVar[float] = 2.0**-24
     default_max_scale: ClassVar[float] = 2.0**64

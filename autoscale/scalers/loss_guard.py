@@ -8,6 +8,10 @@ instead, never below the minimum. Three forms of the same arithmetic:
 - :func:`apply_guard`: on the scaler's device, no host sync (the scaler's form);
 - :func:`guard_scale_host`: the same float64 arithmetic on the host, for a CPU scaler;
 - :func:`guarded_scale`: the environments' host twin (a scale kept unless the guard lowers it).
+
+A policy that acts at scale time (:attr:`~autoscale.scalers.controller.ScaleRule.scale_time`)
+decides the step's scale from its loss itself, through the same place in the scaler;
+:func:`step_scale_host` is the environments' entry for both.
 """
 
 from __future__ import annotations
@@ -19,7 +23,13 @@ import torch
 
 from autoscale.scalers.ranks import RankAgreement
 
-__all__ = ["apply_guard", "guard_scale_host", "guarded_scale"]
+__all__ = [
+    "apply_guard",
+    "apply_step_scale",
+    "guard_scale_host",
+    "guarded_scale",
+    "step_scale_host",
+]
 
 
 def apply_guard(
@@ -82,3 +92,31 @@ def guarded_scale(scale: float, loss: float, limit: float | None, min_scale: flo
         return scale
     g = 2.0 ** math.floor(math.log2(ratio))
     return max(g, min_scale) if g < scale else scale
+
+
+def step_scale_host(rule: Any, scale: float, loss: float, bounds: Any) -> float:
+    """The scale a step with ``loss`` takes under ``rule`` (a rule with a guard, or one acting at
+    scale time) when the rule set ``scale``: the environments' and replays' host twin of the
+    scaler's device path. ``bounds``: the :class:`~autoscale.scalers.controller.ScaleBounds`."""
+    if getattr(rule, "scale_time", False):
+        return rule.step_scale(scale, loss, bounds)
+    return guarded_scale(scale, loss, rule.guard_limit(), bounds.min_scale)
+
+
+def apply_step_scale(
+    rule: Any, scale: torch.Tensor, loss: torch.Tensor, bounds: Any, set_scale: float, group: Any
+) -> torch.Tensor | None:
+    """Write the scale a rule acting at scale time picks for this step into ``scale`` (the
+    scaler's scale tensor): through the rule's own ``apply_step_scale`` where it has one (an
+    exported policy decides on the device), else from the loss read on the host with
+    ``rule.step_scale`` (a host sync on a GPU; under torch.distributed the ranks read the
+    largest ``|loss|`` first, so that they agree). Returns the scale as a device tensor, or None
+    where it was set from the host."""
+    own = getattr(rule, "apply_step_scale", None)
+    if own is not None:
+        return own(scale, loss, bounds, set_scale, group)
+    g = loss.detach().reshape(())
+    if group is not None:
+        g = RankAgreement.max_loss(g.to(scale.device, torch.float32, copy=True).abs_(), group)
+    scale.fill_(rule.step_scale(set_scale, float(g), bounds))
+    return None

@@ -7,6 +7,14 @@ first decision is taken when the scaler is built, from the features of a fresh r
 guard (``episode.guard``) carries it (``parameters.guard``): the scaler lowers each spike's
 scale on the device, as for ``amax-loss``, and the policy's next decision starts from the scale
 it set, as the agent's did in the environment.
+
+A policy trained to act at scale time (``episode.scale_time``, ``parameters.scale_time``) takes
+its decision when the loss is scaled instead, from the features of that loss
+(:mod:`~autoscale.scalers.scale_time`) beside the stacked after-step ones: on the host for a CPU
+scaler, on the loss's device otherwise (the after-step half of the first layer computed on the
+host after the scaler's sync, the rest on the device: no host sync of its own). The scale the
+step used comes back with the scaler's one read per step, and the next base scale is decoded
+from it (:meth:`~autoscale.scalers.actions.ActionMap.base_after`).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from autoscale.scalers.features import FEATURE_VERSION, N_FEATURES, FeatureExtra
 from autoscale.scalers.policies import PolicyManifest, register_policy_kind, sha256_file
 from autoscale.scalers.registry import SCALER_OPTIONS
 from autoscale.scalers.rules.guard import LossGuard
+from autoscale.scalers.scale_time import N_SCALE_TIME, LossNow
 from autoscale.scalers.scaler import LossScaler
 
 __all__ = [
@@ -91,8 +100,12 @@ class NeuralPolicyRule(ScaleRule):
         self.stack = FrameStack(int(p.get("history", 1)))
         guard = p.get("guard")
         self.guard = LossGuard(**guard) if guard else None
-        self.has_guard = self.guard is not None
+        self.scale_time = bool(p.get("scale_time", False))
+        self.loss_now = LossNow()
+        # a guard, or its own decision at scale time: either way the scaler calls it then
+        self.has_guard = self.guard is not None or self.scale_time
         self.base = math.nan  # the scale the controller set last from this policy's wish
+        self._device: dict[Any, Any] = {}  # device -> the actor's tensors there (scale time)
         self._norm = None
         if obs_norm:
             mean = torch.tensor(obs_norm["mean"], dtype=torch.float32)
@@ -108,7 +121,11 @@ class NeuralPolicyRule(ScaleRule):
             self.features.reset()
         else:
             self.features.load_state_dict(features_state)
-        return scale * 2.0 ** self.decide(self.stack.reset(self.features.features(scale)))
+        frames = self.stack.reset(self.features.features(scale))
+        if self.scale_time:  # the first decision waits for the first loss
+            self.loss_now = LossNow()
+            return scale
+        return scale * 2.0 ** self.decide(frames)
 
     @torch.no_grad()
     def act(self, features: list[float]) -> Any:
@@ -131,10 +148,93 @@ class NeuralPolicyRule(ScaleRule):
     def guard_limit(self) -> float | None:
         return self.guard.guard_limit() if self.guard is not None else None
 
+    # ------------------------------------------------------------------ at scale time
+    def step_scale(self, scale: float, loss: float, bounds: Any) -> float:
+        """This step's scale from its loss, when the rule set ``scale`` (host floats)."""
+        obs = self.stack.vector() + self.loss_now.features(loss, scale)
+        return bounds.clamp(scale * 2.0 ** self.decide(obs))
+
+    @torch.no_grad()
+    def apply_step_scale(
+        self, scale: torch.Tensor, loss: torch.Tensor, bounds: Any, set_scale: float, group: Any
+    ) -> torch.Tensor | None:
+        """Write this step's scale into ``scale`` (the scaler's scale tensor): on the host where
+        reading the loss is no sync (a CPU scaler outside torch.distributed; returns None), else
+        on the device (returns the scale, float64). Under torch.distributed the ranks decide from
+        the largest ``|loss|``, so that they agree."""
+        dev = scale.device
+        if dev.type == "cpu" and loss.device.type == "cpu" and group is None:
+            scale.fill_(self.step_scale(set_scale, float(loss), bounds))
+            return None
+        exact = torch.float32 if dev.type == "mps" else torch.float64
+        g = loss.detach().to(dev, exact, copy=True).reshape(()).abs_()
+        if group is not None:
+            from autoscale.scalers.ranks import RankAgreement
+
+            g = RankAgreement.max_loss(g, group)
+        bits = self.device_bits(set_scale, g)
+        out = (bits.to(exact).exp2() * set_scale).clamp_(bounds.min_scale, bounds.max_scale)
+        out = out.to(torch.float32).to(exact)  # rounded to float32, as ScaleBounds.clamp does
+        scale.copy_(out)
+        return out
+
+    def device_bits(self, set_scale: float, loss: torch.Tensor) -> torch.Tensor:
+        """The bits :meth:`step_scale` adds, computed on ``loss``'s device: the after-step half
+        of the first layer on the host (a copy, no sync), the loss's half and the rest there."""
+        dev = loss.device
+        parts = self._device.get(dev)
+        if parts is None:
+            parts = self._device[dev] = self._device_parts(dev)
+        first_now, rest, table, now_norm = parts
+        past = torch.tensor(self.stack.vector(), dtype=torch.float32)
+        n_past = past.numel()
+        if self._norm is not None:
+            mean, std, clip = self._norm
+            past = ((past - mean[:n_past]) / std[:n_past]).clamp(-clip, clip)
+        first = self.actor[0]
+        pre = torch.addmv(first.bias, first.weight[:, :n_past], past).to(dev, non_blocking=True)
+        now = self.loss_now.device_features(loss, set_scale).to(torch.float32)
+        if now_norm is not None:
+            mean, std, clip = now_norm
+            now = ((now - mean) / std).clamp(-clip, clip)
+        out = rest(torch.addmv(pre, first_now, now).unsqueeze(0))[0]
+        if self.head == "argmax":
+            return table[out.argmax()]
+        value = out.tanh() if self.head == "tanh" else out.clamp(-1.0, 1.0)
+        bits = value[0].clamp(-1.0, 1.0) * self.action_map.max_delta
+        res = self.action_map.resolution
+        return torch.round(bits / res) * res if res > 0 else bits
+
+    def _device_parts(self, dev: Any) -> tuple:
+        import copy
+
+        first = self.actor[0]
+        n_now = N_SCALE_TIME
+        first_now = first.weight[:, -n_now:].detach().to(dev)
+        rest = copy.deepcopy(self.actor[1:]).to(dev).eval()
+        a = self.action_map
+        table = torch.tensor(
+            [a.delta(i) for i in range(a.n)] if a.mode == "discrete" else [0.0],
+            dtype=torch.float32,
+            device=dev,
+        )
+        now_norm = None
+        if self._norm is not None:
+            mean, std, clip = self._norm
+            now_norm = (mean[-n_now:].to(dev), std[-n_now:].to(dev), clip)
+        return first_now, rest, table, now_norm
+
     def adopt(self, scale: float) -> None:
         self.base = scale
 
     def next_scale(self, scale: float, stats: StepStats) -> float:
+        if self.scale_time:  # the decision was taken at scale time: keep the books, decode
+            self.features.update(stats)
+            self.loss_now.update(stats)
+            base = self.base if self.base == self.base else scale
+            out = self.action_map.base_after(stats.scale, base)
+            self.stack.push(self.features.features(out))
+            return out
         if self.guard is not None:
             self.guard.observe(scale, stats)
             if stats.guarded and self.base == self.base:  # from the scale it set, not the spike's
@@ -143,6 +243,11 @@ class NeuralPolicyRule(ScaleRule):
 
     def state(self) -> dict[str, Any]:
         out = {"features": self.features.state_dict(), "stack": self.stack.state_dict()}
+        if self.scale_time:
+            out.update(
+                loss_now=self.loss_now.state_dict(),
+                base=None if self.base != self.base else self.base,
+            )
         if self.guard is not None:
             out.update(self.guard.state(), base=None if self.base != self.base else self.base)
         return out
@@ -152,8 +257,11 @@ class NeuralPolicyRule(ScaleRule):
             raise ConfigError(
                 f"policy '{self.manifest.name}': state must be a mapping, got {type(state).__name__}"
             )
-        if self.guard is not None:
-            self.guard.load_state(state, f"policy '{self.manifest.name}'")
+        if self.scale_time and "loss_now" in state:
+            self.loss_now.load_state_dict(state["loss_now"])
+        if self.guard is not None or self.scale_time:
+            if self.guard is not None:
+                self.guard.load_state(state, f"policy '{self.manifest.name}'")
             base = state.get("base")
             self.base = float(base) if isinstance(base, (int, float)) and base > 0 else math.nan
         if "features" in state:
@@ -215,11 +323,33 @@ def load_neural(
                 f"policy '{manifest.name}' has guard {guard!r}, not a mapping of guard_history "
                 f"and guard_margin ({exc}); re-export it"
             ) from None
-    inputs = N_FEATURES * history
+    scale_time = p.get("scale_time", False)
+    if not isinstance(scale_time, bool):
+        raise PolicyError(
+            f"policy '{manifest.name}' has scale_time {scale_time!r}, not true or false; re-export it"
+        )
+    if scale_time and guard is not None:
+        raise PolicyError(
+            f"policy '{manifest.name}' has both a guard and scale_time; a policy has one way to "
+            "decide a step's scale from its loss: re-export it"
+        )
+    inputs = N_FEATURES * history + (N_SCALE_TIME if scale_time else 0)
     if not isinstance(p["layers"], list) or not p["layers"] or p["layers"][0] != inputs:
+        now = f" + {N_SCALE_TIME} scale-time features" if scale_time else ""
         raise PolicyError(
             f"policy '{manifest.name}' expects layers starting at {inputs} inputs ({history} x the "
-            f"extractor's {N_FEATURES} features), the manifest has {p['layers']!r}; re-export it"
+            f"extractor's {N_FEATURES} features{now}), the manifest has {p['layers']!r}; re-export it"
+        )
+    try:
+        action = ActionMap.from_dict(p["action"])
+    except (ConfigError, TypeError) as exc:
+        raise PolicyError(
+            f"policy '{manifest.name}' has an unreadable action map ({exc}); re-export it"
+        ) from None
+    if p["head"] == "argmax" and p["layers"][-1] != action.n:
+        raise PolicyError(
+            f"policy '{manifest.name}' picks among {p['layers'][-1]} actions, its action map has "
+            f"{action.n}; re-export it"
         )
     unknown = sorted(set(overrides) - set(SCALER_OPTIONS))
     if unknown:

@@ -33,7 +33,7 @@ from autoscale.scalers.controller import (
     positive_finite,
 )
 from autoscale.scalers.grad_reader import GradReader
-from autoscale.scalers.loss_guard import apply_guard
+from autoscale.scalers.loss_guard import apply_guard, apply_step_scale
 from autoscale.scalers.ranks import RankAgreement
 from autoscale.scalers.unscale import InverseScale
 
@@ -231,17 +231,19 @@ class LossScaler(torch.amp.GradScaler):
 
     def _guard(self, loss: torch.Tensor) -> None:
         """Lower this step's scale to the rule's guard (see ScaleRule.guard_limit), on the device:
-        :func:`~autoscale.scalers.loss_guard.apply_guard`."""
+        :func:`~autoscale.scalers.loss_guard.apply_guard`; or let a rule that acts at scale time
+        set it from the loss (``scale_time``)."""
         rule = self.guard_rule if self.guard_rule is not None else self.rule
-        if not rule.has_guard:
-            return
-        limit = rule.guard_limit()
-        if limit is None:
+        limit = rule.guard_limit() if rule.has_guard and not rule.scale_time else None
+        if limit is None and not rule.scale_time:
             return
         if self._scale is None:
             self._lazy_init_scale_growth_tracker(loss.device)
-        self._guard_scale = apply_guard(
-            self._scale, loss, limit, self.min_scale, self._host_scale, self._group()
+        scale, group = self._scale, self._group()
+        self._guard_scale = (
+            apply_step_scale(rule, scale, loss, self.controller.bounds, self._host_scale, group)
+            if rule.scale_time
+            else apply_guard(scale, loss, limit, self.min_scale, self._host_scale, group)
         )
         self._guarded = True
 

@@ -134,6 +134,7 @@ class TrainingRun:
             for g in self.optimizer.param_groups
         ]
         self._checked_fp16 = spec.dtype != "fp16" or self.user is None
+        self._peeked: torch.Tensor | None = None  # this step's first objective (peek_loss)
         self.scaler = self._make_scaler(scaler, scaler_overrides)
         self.scaler.grads.keep_abs = True  # its statistics' copy of |g| is the census's input
         self.scaler_spec = self.scaler.spec()  # as configured, before training moves the scale
@@ -185,20 +186,13 @@ class TrainingRun:
             group["lr"] = base * factor
         lr = self._base_lrs[0] * factor
         weight = self.scenario.loss_weight(index) / spec.grad_accum
-        scale = self.scaler.get_scale()
         self.optimizer.zero_grad(set_to_none=True)
         watch = BackwardAmaxMode() if self.record and self._amp_dtype is torch.float16 else None
         objective_sum = None
+        peeked, self._peeked = self._peeked, None
         with self._emulation():  # entered first: `watch` sees each emulated op's fp16 result
             for micro in range(spec.grad_accum):
-                batch = self.data.next_batch()
-                if not self._checked_fp16:
-                    objective = self._first_fp16_forward(batch, index, micro)
-                else:
-                    with self._autocast():
-                        objective = self.scenario.objective(
-                            self.data, self.model, batch, index, micro
-                        )
+                objective = peeked if micro == 0 and peeked is not None else self._forward(micro)
                 with watch if watch is not None else contextlib.nullcontext():
                     self.scaler.scale(objective if weight == 1.0 else objective * weight).backward()
                 value = objective.detach().float().reshape(1)
@@ -211,10 +205,7 @@ class TrainingRun:
             self.census.adopt(flat)
         else:
             self.census.load([p.grad for p in self._params if p.grad is not None])
-        extras = [
-            objective_sum / spec.grad_accum,
-            self.census.underflow_counts(scale, MIN_NORMAL[spec.dtype]),
-        ]
+        extras = [objective_sum / spec.grad_accum]
         if self.record:
             extras.append(self.census.log2_histogram())
             if watch is not None and watch.amax is not None:
@@ -230,6 +221,9 @@ class TrainingRun:
                 torch._foreach_mul_([p.grad for p in self._params if p.grad is not None], coef)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        # precision lost at the scale the step used (a guard may have lowered the one set)
+        used = self.scaler.last_stats.scale
+        extras.insert(1, self.census.underflow_counts(used, MIN_NORMAL[spec.dtype]))
         if self.user is not None and self.user.lr_scheduler is not None:
             self._schedule()
         # The one extra host sync, after update(): where the scaler syncs with fused optimizers.
@@ -262,15 +256,15 @@ class TrainingRun:
         self.records.append(record)
         return record
 
-    def _first_fp16_forward(self, batch: Any, index: int, micro: int) -> torch.Tensor:
-        """The first forward of a user's workload, checking that autocast runs some op in fp16
-        (a model it runs wholly in fp32 has nothing for a loss scale to do)."""
-        from autoscale.observe.watch import BackwardAmaxMode
-
-        seen = BackwardAmaxMode(torch.float16)
+    def _forward(self, micro: int) -> torch.Tensor:
+        """The objective of micro-batch ``micro`` of this step (the forward pass). The first
+        forward of a user's workload checks that autocast runs some op in fp16 (a model it runs
+        wholly in fp32 has nothing for a loss scale to do)."""
+        batch, index, check = self.data.next_batch(), self.step_index, not self._checked_fp16
+        seen = BackwardAmaxMode(torch.float16) if check else contextlib.nullcontext()
         with seen, self._autocast():
             objective = self.scenario.objective(self.data, self.model, batch, index, micro)
-        if seen.amax is None:
+        if check and seen.amax is None:
             raise ConfigError(
                 f"workload '{self.spec.model}': its model ran no op in fp16 under autocast, so "
                 "there is nothing to scale (autocast runs matmuls, convolutions and linear layers "
@@ -278,6 +272,16 @@ class TrainingRun:
             )
         self._checked_fp16 = True
         return objective
+
+    def peek_loss(self) -> float:
+        """The loss the scaler sees first in the next :meth:`step` (its first micro-batch's, as
+        weighted), from that step's forward pass run now (:meth:`step` continues from it): what
+        an agent acting at scale time reads before it picks the step's scale."""
+        if self._peeked is None:
+            with self._emulation():
+                self._peeked = self._forward(0)
+        weight = self.scenario.loss_weight(self.step_index) / self.spec.grad_accum
+        return float(self._peeked.detach() * weight if weight != 1.0 else self._peeked.detach())
 
     def _schedule(self) -> None:
         """Step the user's scheduler after an applied step (a skipped one leaves it), from the
@@ -368,6 +372,8 @@ class TrainingRun:
     # ------------------------------------------------------------------ snapshots
     def snapshot(self) -> Snapshot:
         """Copy, in memory, everything that decides how training continues."""
+        if self._peeked is not None:
+            raise RuntimeError("snapshot() between peek_loss() and step(): take the step first")
         return Snapshot(
             step_index=self.step_index,
             model={k: v.detach().clone() for k, v in self.model.state_dict().items()},
@@ -386,6 +392,7 @@ class TrainingRun:
 
         :attr:`records` becomes the records the run had when the snapshot was taken.
         """
+        self._peeked = None  # a forward of a step that is no longer next
         self.model.load_state_dict(snap.model)
         self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
         self.scaler.load_state_dict(copy.deepcopy(snap.scaler))

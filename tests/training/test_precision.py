@@ -154,3 +154,25 @@ def test_run_counts_on_the_scalers_copy_of_the_gradients():
         run.scaler.grads.grad_abs(run.optimizer, run.scaler.steps) is None
     )  # after update(): a past step's gradients
     assert 0 < rec.precision_loss < 1
+
+
+def test_a_guarded_step_loses_precision_at_the_scale_it_used():
+    """amax-loss's guard lowers a spike's scale when the loss is scaled: the step's precision
+    loss is counted at that lowered scale, as a run setting the same scales outright counts it
+    (it was counted at the scale set before the guard ran)."""
+    spec = WorkloadSpec(
+        model="mlp", scenario="preference", scenario_params={"beta": 50}, dtype="fp16", seed=3
+    )
+    bounds = {"init_scale": 65536, "min_scale": 1.0, "max_scale": 2**40}
+    guarded = TrainingRun(spec, "amax-loss", **bounds)
+    guarded.run(48)
+    lowered = [r for r in guarded.records if r.stats.guarded and not r.found_inf]
+    assert lowered, "no step's loss called for a lower scale: the test shows nothing"
+    plain = TrainingRun(spec, "static", **bounds)
+    for rec in guarded.records:
+        plain.scaler.set_scale(rec.scale)
+        again = plain.step()
+        assert again.scale == rec.scale and again.found_inf == rec.found_inf
+        if not rec.found_inf:
+            assert again.precision_loss == rec.precision_loss, rec.step
+    assert any(r.precision_loss > 0 for r in lowered)
