@@ -8,10 +8,12 @@ and is judged on real steps of every member's *test* instances, the left-out mem
 autoencoder, the CNN, the preference scenario) included, next to ``torch``, the built-in
 ``amax-loss`` and the shipped ``auto``. PPO and DQN pick one of the suite's discrete log2 deltas;
 SAC sets a continuous log2 delta (``max_delta`` 2 bits, rounded to 1/8 bit). ``--history`` stacks
-that many feature vectors (1: the current one only).
+that many feature vectors (1: the current one only). ``--scale-time`` trains agents that act when
+the loss is scaled (``episode.scale_time``: they see this step's loss; PPO and DQN may also drop
+one step's scale by 4, 8, 12 or 16 bits), named ``ALGO-hH-now``.
 
     OMP_NUM_THREADS=1 python experiments/agents_compare.py [--timesteps 20000] [--horizon 128] \\
-        [--steps 128] [--algos ppo,dqn,sac] [--histories 1,4]
+        [--steps 128] [--algos ppo,dqn,sac] [--histories 1,4] [--scale-time] [--out FILE]
 
 Writes experiments/results/agents_compare.md (and .json). Traces and agents are cached in
 experiments/.cache/agents_compare.
@@ -47,6 +49,20 @@ def with_action(suite, mode: str):
     return suite.replace_members(shape)
 
 
+def with_scale_time(suite):
+    """The suite's agents acting at scale time; discrete ones may drop one step's scale."""
+    from autoscale.commands.train_agent import DEFAULT_DROPS
+
+    def shape(m):
+        action = m.episode.action
+        if action.mode == "discrete" and not action.drops:
+            action = dataclasses.replace(action, drops=DEFAULT_DROPS)
+        ep = dataclasses.replace(m.episode, scale_time=True, action=action)
+        return dataclasses.replace(m, episode=ep)
+
+    return suite.replace_members(shape)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--timesteps", type=int, default=20_000, help="replay steps of training each")
@@ -55,6 +71,8 @@ def main(argv=None) -> int:
     p.add_argument("--algos", default="ppo,dqn,sac")
     p.add_argument("--histories", default="1,4")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale-time", action="store_true",
+                   help="agents that act when the loss is scaled, seeing it")  # fmt: skip
     p.add_argument("--reuse-agents", action="store_true",
                    help="take the agents an earlier run trained with these settings")  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS / "agents_compare.md")
@@ -93,7 +111,7 @@ def main(argv=None) -> int:
     known = json.loads(ledger.read_text()) if ledger.is_file() else {}
     for algo in algos:
         for history in histories:
-            name = f"{algo}-h{history}"
+            name = f"{algo}-h{history}" + ("-now" if args.scale_time else "")
             mine = {"timesteps": args.timesteps, "horizon": args.horizon, "seed": args.seed}
             entry = known.get(name)
             folder = CACHE / "policies" / name
@@ -103,6 +121,8 @@ def main(argv=None) -> int:
                 continue
             t0 = time.monotonic()
             spec = rl_suite(with_action(suite, MODES[algo]), args.horizon, history)
+            if args.scale_time:
+                spec = with_scale_time(spec)
             result = train_agent(
                 spec, algo, args.timesteps, replay=traces, seed=args.seed, progress=True,
                 export_name=name, export_dir=str(CACHE / "policies"), force=True,
@@ -142,7 +162,10 @@ def main(argv=None) -> int:
     n_members = len(searched) + len(left)
 
     lines = [
-        "# Agents across the suite: PPO, DQN, SAC, with and without history",
+        "# Agents across the suite: "
+        + ", ".join(a.upper() for a in algos)
+        + (", acting at scale time" if args.scale_time else "")
+        + ", with and without history",
         "",
         f"`OMP_NUM_THREADS=1 python experiments/agents_compare.py {' '.join(argv or sys.argv[1:])}`".replace(
             " `", "`"

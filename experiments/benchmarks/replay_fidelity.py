@@ -8,6 +8,13 @@ the same instances, and compare skip rate and precision loss (target: within 20%
     python experiments/benchmarks/replay_fidelity.py [--steps 1024] [--instances 2] \
         [--workloads mlp autoencoder] [--gpt2] [--scenarios clean bad-batches ...] \
         [--out experiments/results/replay_fidelity.md]
+    python experiments/benchmarks/replay_fidelity.py --policies PATH ... --only-policies \
+        --out experiments/results/replay_fidelity_scale_time.md
+
+``--policies`` adds exported policies (agents that act at scale time read the recorded loss in
+replay and the real one on real steps); ``--only-policies`` judges them with ``torch``,
+``amax-loss`` (whose guard reads the loss too) and a seeded random policy acting at scale time
+(deltas of -2..+2 bits or drops of 4..16 bits for one step) instead of every rule.
 
 Replay keeps the recorded trajectory whatever the policy does. A real run that skips steps the
 recording did not (or loses precision differently) takes other optimizer steps, so its parameters
@@ -72,6 +79,33 @@ class RandomDeltaRule(ScaleRule):
         return scale * 2.0 ** self.rng.choice((-2, -1, 0, 1, 2))
 
 
+class RandomNowRule(ScaleRule):
+    """A seeded random policy acting at scale time: each step takes a delta of -2..+2 bits that
+    carries on, or a drop of 4, 8, 12 or 16 bits for that step only (as a scale-time agent's
+    discrete actions), chosen when the loss is scaled."""
+
+    name = "random-now"
+    has_guard = True
+    scale_time = True
+    needs_loss = True
+
+    def __init__(self, *, seed: int = 0) -> None:
+        from autoscale.scalers.actions import ActionMap
+
+        self.rng = random.Random(seed)
+        self.action = ActionMap(drops=(4.0, 8.0, 12.0, 16.0))
+        self.base = math.nan
+
+    def step_scale(self, scale: float, loss: float, bounds) -> float:
+        return bounds.clamp(scale * 2.0 ** self.action.delta(self.rng.randrange(self.action.n)))
+
+    def adopt(self, scale: float) -> None:
+        self.base = scale
+
+    def next_scale(self, scale: float, stats: StepStats) -> float:
+        return self.action.base_after(stats.scale, self.base if self.base == self.base else scale)
+
+
 def rel(a: float, b: float) -> float:
     if not (math.isfinite(a) and math.isfinite(b)):
         return math.nan
@@ -113,23 +147,28 @@ def suite_dict(workloads: list[str], scenarios: list[str], steps: int, instances
     }
 
 
-def factories(spec) -> dict:
+def factories(spec, policies: tuple[str, ...] = (), only_policies: bool = False) -> dict:
+    from pathlib import Path
+
     from autoscale.envs.episodes import scaler_for
     from autoscale.scalers import list_scalers
 
-    out = {
-        i.name: (lambda n=i.name: scaler_for(n, spec)) for i in list_scalers() if i.kind == "rule"
-    }
-    for name, (base, kw) in TUNED.items():
-        out[name] = lambda b=base, k=kw: scaler_for(b, spec, **k)
     ep = spec.episode
-    out["random"] = lambda: LossScaler(
-        RandomDeltaRule(seed=1),
-        "cpu",
-        init_scale=ep.init_scale,
-        min_scale=ep.min_scale,
-        max_scale=ep.max_scale,
-    )
+    bounds = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
+    if only_policies:
+        out = {n: (lambda n=n: scaler_for(n, spec)) for n in ("torch", "amax-loss")}
+        out["random-now"] = lambda: LossScaler(RandomNowRule(seed=1), "cpu", **bounds)
+    else:
+        out = {
+            i.name: (lambda n=i.name: scaler_for(n, spec))
+            for i in list_scalers()
+            if i.kind == "rule"
+        }
+        for name, (base, kw) in TUNED.items():
+            out[name] = lambda b=base, k=kw: scaler_for(b, spec, **k)
+        out["random"] = lambda: LossScaler(RandomDeltaRule(seed=1), "cpu", **bounds)
+    for path in policies:
+        out[Path(path).name] = lambda p=path: scaler_for(p, spec)
     return out
 
 
@@ -193,7 +232,9 @@ def episode_facts(real: list, replay: list, traced, checkpoints: list[int]) -> d
     }
 
 
-def run_member(member, steps: int, checkpoints: list[int], log) -> list[dict]:
+def run_member(
+    member, steps: int, checkpoints: list[int], log, policies=(), only_policies=False
+) -> list[dict]:
     from autoscale.agents.evaluate import evaluate_scalers
     from autoscale.envs import record_trace
 
@@ -203,7 +244,7 @@ def run_member(member, steps: int, checkpoints: list[int], log) -> list[dict]:
         f"{member.name}: recorded {steps} steps x {len(member.instances['test'])} instances "
         f"in {time.perf_counter() - t0:.0f} s"
     )
-    made = factories(member)
+    made = factories(member, tuple(policies), only_policies)
     t0 = time.perf_counter()
     _, replay_recs = evaluate_scalers(member, made, trace=trace, keep_records=True)
     t1 = time.perf_counter()
@@ -416,17 +457,37 @@ def report(args, episodes, rows, grow, corr, causes, extra, horizon, prefix, wal
     lines = [
         f"Episodes of {horizon} real fp16 steps (CPU, 1 thread) against the replay of a trace "
         f"recorded on the same test instances ({args.instances} per pair, seeds 100..), for "
-        f"{len({e['scaler'] for e in episodes})} scalers: every built-in rule, the tuned rules "
-        + ", ".join(f"`{n}` ({b} {k})" for n, (b, k) in TUNED.items())
-        + ", and a seeded random policy (+-2 bits per step). Workloads "
+        f"{len({e['scaler'] for e in episodes})} scalers: "
+        + (
+            "`torch`, `amax-loss` (its guard reads each step's loss), a seeded random policy "
+            "acting at scale time (`random-now`: a delta of -2..+2 bits or a drop of 4..16 bits "
+            "for one step) and the exported policies "
+            + ", ".join(
+                f"`{n}`"
+                for n in sorted({e["scaler"] for e in episodes})
+                if n not in ("torch", "amax-loss", "random-now")
+            )  # fmt: skip
+            if getattr(args, "only_policies", False)
+            else "every built-in rule, the tuned rules "
+            + ", ".join(f"`{n}` ({b} {k})" for n, (b, k) in TUNED.items())
+            + ", and a seeded random policy (+-2 bits per step)"
+        )
+        + ". Workloads "
         + ", ".join(args.workloads)
         + "; scenarios "
         + ", ".join(f"{s} {SCENARIOS[s]}" for s in args.scenarios)
         + f". {len(episodes)} episodes; wall time {wall / 60:.1f} min.",
         "",
-        "This replaces the earlier table of 64-step gpt2-tiny episodes (bad-batches and "
-        "small-grads; in git history): the short horizon is now the first "
-        f"{prefix} steps of each episode. `--gpt2` adds gpt2-tiny (hours of fp16 steps on a CPU).",
+        (
+            "Agents acting at scale time read each step's loss: replay gives them the recorded "
+            "loss, real steps the loss of their own trajectory, which differs once it has left "
+            "the recorded one (below); so does what their decisions see."
+            if getattr(args, "only_policies", False)
+            else "This replaces the earlier table of 64-step gpt2-tiny episodes (bad-batches and "
+            "small-grads; in git history): the short horizon is now the first "
+            f"{prefix} steps of each episode. `--gpt2` adds gpt2-tiny (hours of fp16 steps on a "
+            "CPU)."
+        ),
         "",
         f"Verdict: `yes` within 20% relative; `abs` off by more than 20% relative but at most "
         f"{ABS_TOL} absolute; `NO` otherwise. Values are means over the instances.",
@@ -653,6 +714,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--from-json", help="render the report from a previous run's .json instead of running"
     )
+    p.add_argument("--policies", nargs="+", default=[], help="exported policies (paths) to add")
+    p.add_argument(
+        "--only-policies",
+        action="store_true",
+        help="judge --policies with torch, amax-loss and random-now only, not every rule",
+    )
     args = p.parse_args(argv)
     if args.gpt2 and "gpt2-tiny" not in args.workloads:
         args.workloads.append("gpt2-tiny")
@@ -670,6 +737,7 @@ def main(argv=None) -> int:
         first = (episodes[0]["workload"], episodes[0]["scenario"], episodes[0]["scaler"])
         args.instances = sum((e["workload"], e["scenario"], e["scaler"]) == first for e in episodes)
         header = f"`{data['command']}` (this report rendered from its data by `{command}`)"
+        args.only_policies = data.get("only_policies", False)
     else:
         import torch
 
@@ -688,7 +756,9 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         episodes = []
         for member in suite.members:
-            episodes.extend(run_member(member, args.steps, checkpoints, log))
+            episodes.extend(
+                run_member(member, args.steps, checkpoints, log, args.policies, args.only_policies)
+            )
         wall = time.perf_counter() - t0
     rows = rows_of(episodes, args.steps, args.prefix)
     grow = growth(episodes, checkpoints)
@@ -708,6 +778,7 @@ def main(argv=None) -> int:
             "command": command if not args.from_json else data["command"],
             "suite": suite_data,
             "tuned": TUNED,
+            "only_policies": args.only_policies,
             "rows": rows,
             "growth": grow,
             "correlation": corr,
