@@ -49,20 +49,6 @@ def with_action(suite, mode: str):
     return suite.replace_members(shape)
 
 
-def with_scale_time(suite):
-    """The suite's agents acting at scale time; discrete ones may drop one step's scale."""
-    from autoscale.commands.train_agent import DEFAULT_DROPS
-
-    def shape(m):
-        action = m.episode.action
-        if action.mode == "discrete" and not action.drops:
-            action = dataclasses.replace(action, drops=DEFAULT_DROPS)
-        ep = dataclasses.replace(m.episode, scale_time=True, action=action)
-        return dataclasses.replace(m, episode=ep)
-
-    return suite.replace_members(shape)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--timesteps", type=int, default=20_000, help="replay steps of training each")
@@ -91,7 +77,7 @@ def main(argv=None) -> int:
     from suite_pages import table
 
     from autoscale.agents.train import train_agent
-    from autoscale.build.agents import rl_suite
+    from autoscale.build.agents import rl_suite, with_scale_time
     from autoscale.build.auto import AutoBuild, BuildSettings
     from autoscale.build.suite_eval import acceptance, held_out, objective_of, save_cards
     from autoscale.envs.episodes import scaler_for

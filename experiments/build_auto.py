@@ -90,6 +90,8 @@ def main(argv=None) -> int:
                    help="a parametric candidate more, e.g. amax-history:history_len=256")  # fmt: skip
     p.add_argument("--reuse-agents", action="store_true",
                    help="take agents trained with these settings before")  # fmt: skip
+    p.add_argument("--no-scale-time", action="store_true",
+                   help="train no agent acting at scale time (rl-...-now)")  # fmt: skip
     p.add_argument("--readme-only", action="store_true",
                    help="rewrite the results block from experiments/results/auto_*.json and stop")  # fmt: skip
     args = p.parse_args(argv)
@@ -107,6 +109,7 @@ def main(argv=None) -> int:
         timesteps=args.timesteps, horizon=args.horizon, history=args.history, steps=args.steps,
         seed=args.seed, gate_steps=args.gate_steps, long_steps=args.long_steps,
         confirm_episodes=args.confirm_episodes, reuse_agents=args.reuse_agents,
+        scale_time=not args.no_scale_time,
     )  # fmt: skip
     t_all = time.monotonic()
     suite = load_spec(ROOT / "envs" / "suite.yaml")

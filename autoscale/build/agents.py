@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# (algorithm, stacked feature vectors or None for the build's ``history``): the agents trained
+# (algorithm, stacked feature vectors or None for the build's ``history``): the agents trained,
+# each also acting at scale time (named ``...-now``) where the build's ``scale_time`` asks
 RUNS: tuple[tuple[str, int | None], ...] = (("ppo", None), ("dqn", None), ("ppo", 1))
 
 
@@ -29,6 +30,21 @@ def rl_suite(suite, horizon: int, history: int):
         )
 
     return dataclasses.replace(suite, members=tuple(shape(m) for m in suite.members), left_out=())
+
+
+def with_scale_time(suite):
+    """The suite's agents acting when the loss is scaled (``episode.scale_time``: they see this
+    step's loss); discrete ones may also drop one step's scale by 4, 8, 12 or 16 bits."""
+    from autoscale.scalers.scale_time import DEFAULT_DROPS
+
+    def shape(m):
+        action = m.episode.action
+        if action.mode == "discrete" and not action.drops:
+            action = dataclasses.replace(action, drops=DEFAULT_DROPS)
+        ep = dataclasses.replace(m.episode, scale_time=True, action=action)
+        return dataclasses.replace(m, episode=ep)
+
+    return suite.replace_members(shape)
 
 
 def train_agents(
@@ -50,14 +66,17 @@ def train_agents(
     ledger = folder / "agents.json"
     known = json.loads(ledger.read_text()) if ledger.is_file() else {}
     common = {"timesteps": settings.timesteps, "horizon": settings.horizon, "seed": settings.seed}
-    for algo, history in RUNS:
+    runs = [(a, h, False) for a, h in RUNS]
+    runs += [(a, h, True) for a, h in RUNS] if settings.scale_time else []
+    for algo, history, now in runs:
         history = settings.history if history is None else history
-        name = f"rl-{algo}-h{history}"
+        name = f"rl-{algo}-h{history}" + ("-now" if now else "")
+        mine = {**common, "history": history, **({"scale_time": True} if now else {})}
         entry = known.get(name)
         if (
             settings.reuse_agents
             and entry is not None
-            and entry["settings"] == {**common, "history": history}
+            and entry["settings"] == mine
             and (folder / name / "policy.yaml").is_file()
         ):
             out[name], info[name] = folder / name, {**entry, "reused": True}
@@ -65,8 +84,9 @@ def train_agents(
                 f"{entry['timesteps']} steps in {entry['wall_s']:.0f} s)")  # fmt: skip
             continue
         t0 = time.monotonic()
+        spec = rl_suite(suite, settings.horizon, history)
         result = train_agent(
-            rl_suite(suite, settings.horizon, history),
+            with_scale_time(spec) if now else spec,
             algo,
             settings.timesteps,
             replay=traces,
@@ -82,7 +102,7 @@ def train_agents(
             f"{result.best_eval_reward:.3f}")  # fmt: skip
         out[name] = result.policy_dir
         known[name] = {
-            "settings": {**common, "history": history},
+            "settings": mine,
             "timesteps": result.timesteps,
             "wall_s": result.wall_s,
             "best_eval_reward": result.best_eval_reward,

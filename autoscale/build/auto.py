@@ -43,7 +43,8 @@ class BuildSettings:
     """How much the build measures: agent training (``timesteps`` of ``horizon``-step replay
     episodes, ``history`` stacked vectors), real steps per held-out episode (``steps``), the
     no-harm check's (``gate_steps``), the long runs' (``long_steps``, 0: none), and the paired
-    episodes more of a member missed on eval loss alone (``confirm_episodes``, 0: none)."""
+    episodes more of a member missed on eval loss alone (``confirm_episodes``, 0: none); with
+    ``scale_time``, each agent also trained to act when the loss is scaled, seeing it."""
 
     timesteps: int = 300_000
     horizon: int = 512
@@ -54,6 +55,7 @@ class BuildSettings:
     long_steps: int = 2000
     confirm_episodes: int = 12
     reuse_agents: bool = False
+    scale_time: bool = True  # also train each agent acting at scale time (``rl-...-now``)
 
 
 def parse_extra(text: str) -> tuple[str, tuple[str, dict[str, float | int]]]:

@@ -6,8 +6,6 @@ import argparse
 
 from autoscale.commands.base import Command
 
-DEFAULT_DROPS = (4.0, 8.0, 12.0, 16.0)  # bits a scale-time agent may drop one step's scale by
-
 
 class TrainAgentCommand(Command):
     """Train a Stable-Baselines3 agent to set the loss scale, and export the best one."""
@@ -77,6 +75,7 @@ algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (cont
         from autoscale.agents.train import train_agent
         from autoscale.envs.spec import GuardSpec, load_env_spec
         from autoscale.errors import ConfigError
+        from autoscale.scalers.scale_time import DEFAULT_DROPS
 
         env = args.env
         if args.guard and args.scale_time:

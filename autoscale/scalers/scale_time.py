@@ -31,10 +31,11 @@ from typing import Any
 from autoscale.errors import ConfigError
 from autoscale.scalers.controller import FP16_MAX, StepStats
 
-__all__ = ["LossNow", "SCALE_TIME_NAMES", "N_SCALE_TIME", "RATIO_WINDOW"]
+__all__ = ["DEFAULT_DROPS", "LossNow", "SCALE_TIME_NAMES", "N_SCALE_TIME", "RATIO_WINDOW"]
 
 SCALE_TIME_NAMES: tuple[str, ...] = ("loss_jump", "foreseen_headroom", "loss_now_nonfinite")
 N_SCALE_TIME = len(SCALE_TIME_NAMES)
+DEFAULT_DROPS = (4.0, 8.0, 12.0, 16.0)  # bits a scale-time agent may drop one step's scale by
 RATIO_WINDOW = 16  # clean steps whose gradient amax per |loss| the headroom reads
 BOUND = 4.0
 LOG2_FP16_MAX = math.log2(FP16_MAX)

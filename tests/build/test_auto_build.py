@@ -112,8 +112,12 @@ def test_a_tiny_build_ships_the_first_candidate_through_every_check(tmp_path):
     result = build.run()
 
     assert result.searched == ["mlp/clean"] and result.left_out == ["autoencoder/clean"]
-    assert set(result.ranked) == {"rl-ppo-h2", "rl-dqn-h2", "rl-ppo-h1", "amax-history",
-                                  "torch(growth_interval=2000)"}  # fmt: skip
+    agents = {"rl-ppo-h2", "rl-dqn-h2", "rl-ppo-h1"}
+    agents |= {f"{n}-now" for n in agents}  # each also acting at scale time
+    assert set(result.ranked) == agents | {"amax-history", "torch(growth_interval=2000)"}
+    for name in ("rl-ppo-h1-now", "rl-dqn-h2-now"):  # they act at scale time, with drops
+        p = read_manifest(tmp_path / "cache" / "policies" / name).parameters
+        assert p["scale_time"] is True and p["action"]["drops"] == [4.0, 8.0, 12.0, 16.0]
     assert result.ranked == sorted(result.ranked, key=result.objective.__getitem__)
     assert result.pick is not None
     # everything ranked before the pick failed a check and says why; nothing after it was judged
@@ -150,7 +154,7 @@ def test_a_tiny_build_ships_the_first_candidate_through_every_check(tmp_path):
         extras=extras, log=lines.append, no_harm_cache=tmp_path / "no-harm",
     )  # fmt: skip
     second = again_build.run()
-    assert set(second.agent_runs) == {"rl-ppo-h2", "rl-dqn-h2", "rl-ppo-h1"}
+    assert set(second.agent_runs) == agents
     assert all(r["reused"] for r in second.agent_runs.values())
     assert "train rl-ppo-h2" not in second.timings
     assert second.objective == result.objective and second.pick == result.pick
