@@ -69,10 +69,14 @@ def test_gradscaler_api(name):
     ((x, y),) = batches(1)
     loss = forward_loss(model, x, y)
     scaled = scaler.scale(loss)
-    assert scaled.item() == pytest.approx(loss.item() * first, rel=1e-6)
-    pair = scaler.scale([loss.detach(), 2 * loss.detach()])
+    used = scaled.item() / loss.item()
+    if scaler.rule.scale_time:  # it picks this step's scale from the loss, when it is scaled
+        assert scaler.min_scale <= used <= scaler.max_scale
+    else:
+        assert used == pytest.approx(first, rel=1e-6)
+    pair = scaler.scale([loss.detach(), 2 * loss.detach()])  # later outputs: the same scale
     assert isinstance(pair, list) and pair[1].item() == pytest.approx(
-        2 * loss.item() * first, rel=1e-6
+        2 * loss.item() * used, rel=1e-6
     )
 
     scaled.backward()
@@ -87,6 +91,7 @@ def test_gradscaler_api(name):
     assert not torch.equal(before, flat_params(model))
     scaler.update()
     assert scaler.steps == 1 and scaler.skipped == 0
+    assert scaler.last_stats.scale == pytest.approx(used, rel=1e-6)  # the scale the step used
 
     # an overflowing step is skipped: step() returns None and the weights do not move
     opt.zero_grad()
@@ -106,17 +111,23 @@ def test_gradient_accumulation_and_loss_record(name):
     opt = adamw(model)
     (x1, y1), (x2, y2) = batches(2)
     opt.zero_grad()
-    losses = []
+    losses, used = [], []
     for x, y in ((x1, y1), (x2, y2)):  # two micro-batches, one optimizer step
         loss = forward_loss(model, x, y)
         losses.append(loss.item())
-        scaler.scale(loss).backward()
+        scaled = scaler.scale(loss)
+        used.append(scaled.item() / loss.item())
+        scaled.backward()
     scaler.step(opt)
     scaler.update()
     stats = scaler.last_stats
     assert stats.found_inf is False and stats.loss_seen is True
     assert stats.loss == pytest.approx(sum(losses) / 2, rel=1e-6)
-    assert stats.scale == first and stats.step == 0
+    # one scale for the step's micro-batches: the rule's, or (scale_time) the one it picked
+    # from the first loss
+    assert used[1] == pytest.approx(used[0], rel=1e-6)
+    assert stats.scale == (pytest.approx(used[0], rel=1e-6) if scaler.rule.scale_time else first)
+    assert stats.step == 0
 
 
 def test_state_dict_is_primitive_and_loads_with_weights_only(name, tmp_path):
@@ -206,7 +217,11 @@ def test_clipping_sees_unscaled_gradients(name, fused):
     ((x, y),) = batches(1)
     scale = scaler.get_scale()
     opt.zero_grad()
-    scaler.scale(forward_loss(model, x, y)).backward()
+    loss = forward_loss(model, x, y)
+    out = scaler.scale(loss)
+    if scaler.rule.scale_time:  # the scale it picked from this loss
+        scale = out.item() / loss.item()
+    out.backward()
     scaled = [p.grad.clone() for p in model.parameters()]
     scaler.unscale_(opt)
     for g, p in zip(scaled, model.parameters()):

@@ -27,20 +27,29 @@ STEPS = 3
 
 
 def _scenario(
-    rank: int, name: str, fused: bool, unscale: bool = True, spike: int | None = None
+    rank: int,
+    name: str,
+    fused: bool,
+    unscale: bool = True,
+    spike: int | None = None,
+    spike_rank: int | None = None,
 ) -> dict:
     model = tiny_model()  # same weights on both ranks
     opt = adamw(model, fused=fused)
     scaler = autoscale.get_scaler(name, device="cpu", init_scale=2.0**8)
     data = batches(STEPS, seed=10 + rank)  # different data per rank
     out = {"skipped": [], "scales": [], "local_amax": [], "amax": [], "step_scales": [],
-           "guarded": []}  # fmt: skip
+           "guarded": [], "used": []}  # fmt: skip
     for i, (x, y) in enumerate(data):
         opt.zero_grad()
         loss = forward_loss(model, x, y, inf=rank == 1 and i == INF_STEP) * (1 + 9 * rank)
-        if i == spike:  # a loss 2^12 times the usual: a guarding rule lowers this step's scale
+        if i == spike and spike_rank in (None, rank):  # a loss 2^12 times the usual: a
+            # guarding rule lowers this step's scale
             loss = loss * 2.0**12
-        scaler.scale(loss).backward()
+        scaled = scaler.scale(loss)
+        # the scale this rank's backward ran at (None where the loss is not finite)
+        out["used"].append(scaled.item() / loss.item() if math.isfinite(loss.item()) else None)
+        scaled.backward()
         if unscale:  # else a fused optimizer unscales inside its kernel
             scaler.unscale_(opt)
         out["local_amax"].append(max(p.grad.abs().max().item() for p in model.parameters()))
@@ -71,6 +80,10 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         for fused in (False, True):  # each rank's loss differs: they agree on one step scale
             results[f"amax-loss-{'fused' if fused else 'adamw'}"] = _scenario(
                 rank, "amax-loss", fused, spike=STEPS - 1
+            )
+            # a policy that picks each step's scale from its loss: the ranks pick alike
+            results[f"now-{'fused' if fused else 'adamw'}"] = _scenario(
+                rank, FIXTURE_NOW, fused, spike=STEPS - 1, spike_rank=1
             )
     except Exception:
         results = {"error": traceback.format_exc()}
@@ -128,7 +141,22 @@ def test_a_guarded_steps_scale_is_agreed(ranks, case):
     assert r0["guarded"][-1] and r1["guarded"][-1]
     assert r0["step_scales"] == r1["step_scales"] and r0["scales"] == r1["scales"]
     assert r0["step_scales"][-1] < r0["scales"][-2]  # below the scale the rule had set
+    for a, b in zip(r0["used"], r1["used"], strict=True):  # each rank's backward, alike
+        assert a is None or b is None or a == pytest.approx(b, rel=1e-6)
     assert r0["skipped"] == r1["skipped"] == [INF_STEP]  # rank 1's inf loss: both skip
+
+
+@pytest.mark.parametrize("case", ["now-adamw", "now-fused"])
+def test_a_scale_time_policy_picks_one_scale_on_every_rank(ranks, case):
+    """Each rank's loss differs (rank 1's is 10x, and only rank 1's spikes at the last step): a
+    policy acting at scale time decides from the largest, so that the ranks take every step at
+    the same scale and skip together."""
+    r0, r1 = ranks[0][case], ranks[1][case]
+    assert r0["step_scales"] == r1["step_scales"] and r0["scales"] == r1["scales"]
+    for a, b in zip(r0["used"], r1["used"], strict=True):  # each rank's backward, alike
+        assert a is None or b is None or a == pytest.approx(b, rel=1e-6)
+    assert r0["skipped"] == r1["skipped"] and INF_STEP in r0["skipped"]
+    assert len(set(r0["step_scales"])) > 1  # it did pick: not one scale throughout
 
 
 @pytest.mark.parametrize("case", ["amax-history-adamw", "amax-history-fused"])
@@ -234,6 +262,7 @@ def _worker2(rank: int, init_file: str, out_dir: str) -> None:
 
 
 FIXTURE_NEURAL = str(Path(__file__).resolve().parent / "fixtures" / "policies" / "fixture-neural")
+FIXTURE_NOW = FIXTURE_NEURAL + "-now"  # acting at scale time
 
 
 def _spawn(worker, world: int, tmp: Path) -> list[dict]:
