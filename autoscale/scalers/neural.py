@@ -185,14 +185,17 @@ class NeuralPolicyRule(ScaleRule):
         parts = self._device.get(dev)
         if parts is None:
             parts = self._device[dev] = self._device_parts(dev)
-        first_now, rest, table, now_norm = parts
+        first_now, rest, table, now_norm, pinned = parts
         past = torch.tensor(self.stack.vector(), dtype=torch.float32)
         n_past = past.numel()
         if self._norm is not None:
             mean, std, clip = self._norm
             past = ((past - mean[:n_past]) / std[:n_past]).clamp(-clip, clip)
         first = self.actor[0]
-        pre = torch.addmv(first.bias, first.weight[:, :n_past], past).to(dev, non_blocking=True)
+        pre = torch.addmv(first.bias, first.weight[:, :n_past], past)
+        # CUDA: an asynchronous copy from page-locked memory, no sync; the buffer is free
+        # again by the next step (the scaler's one read per step follows this copy)
+        pre = pinned.copy_(pre).to(dev, non_blocking=True) if pinned is not None else pre.to(dev)
         now = self.loss_now.device_features(loss, set_scale).to(torch.float32)
         if now_norm is not None:
             mean, std, clip = now_norm
@@ -222,7 +225,8 @@ class NeuralPolicyRule(ScaleRule):
         if self._norm is not None:
             mean, std, clip = self._norm
             now_norm = (mean[-n_now:].to(dev), std[-n_now:].to(dev), clip)
-        return first_now, rest, table, now_norm
+        pinned = torch.empty(first.out_features, pin_memory=True) if dev.type == "cuda" else None
+        return first_now, rest, table, now_norm, pinned
 
     def adopt(self, scale: float) -> None:
         self.base = scale

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,8 +81,13 @@ def test_fused_adamw_skips_inf_and_nan_while_statistics_are_collected(poison):
     assert scaler.skipped == 2
 
 
+FIXTURE_NOW = str(
+    Path(__file__).resolve().parents[1] / "scalers" / "fixtures" / "policies" / "fixture-neural-now"
+)  # a neural policy acting at scale time: it decides on the device, from the loss
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused"])
-@pytest.mark.parametrize("rule", ["torch", "amax-history", "deepspeed"])
+@pytest.mark.parametrize("rule", ["torch", "amax-history", "deepspeed", "amax-loss", FIXTURE_NOW])
 def test_host_syncs_per_step_are_gradscalers_plus_at_most_one(rule, fused):
     a, b = mlp(), mlp()
     oa = torch.optim.AdamW(a.parameters(), lr=1e-3, fused=fused)
@@ -154,3 +160,21 @@ def test_the_env_and_a_search_step_on_gpt2_124m(tmp_path):
         ParametricObjective(bench, recorder, ledger, parametric_families()), m.inf
     )
     assert counts["failed"] == 0 and counts["complete"] + counts["pruned"] == 2
+
+
+def test_a_scale_time_policy_decides_on_the_device_as_on_the_host():
+    """The device path (first layer split, the loss's half on the GPU) picks the scale the host
+    path picks from the same state and loss."""
+    scaler = autoscale.get_scaler(FIXTURE_NOW, device=DEV, init_scale=2.0**10)
+    rule, bounds = scaler.rule, scaler.controller.bounds
+    model, picked = mlp(), []
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for i, (x, y) in enumerate(data(24)):
+        base = scaler.get_scale()
+        for loss in (0.5 + i, 3e3, 1e-6, math.inf):
+            host = rule.step_scale(base, loss, bounds)
+            dev = rule.device_bits(base, torch.tensor(loss, device=DEV, dtype=torch.float64))
+            assert bounds.clamp(base * 2.0 ** float(dev)) == host, (i, loss)
+            picked.append(host / base)
+        step(model, opt, scaler, x, y)
+    assert len(set(picked)) > 1
