@@ -37,6 +37,25 @@ def test_replay_of_the_recorded_rule_reproduces_the_record(tmp_path):
     auto = replay.replay("auto")
     assert auto.skip_rate == pytest.approx(8 / 60)  # a non-finite loss fails at any scale
     assert auto.scales.min() > recorded.scales.min()  # the guard does not ratchet down
+    # a policy acting at scale time replays too, deciding each step from the recorded loss:
+    # the same scales as the policy hosted in a scaler fed the same steps
+    from pathlib import Path
+
+    from autoscale.scalers.controller import StepStats
+
+    now = str(Path(__file__).parents[1] / "scalers/fixtures/policies/fixture-neural-now")
+    out = replay.replay(now)
+    scaler = autoscale.get_scaler(now, device="cpu", init_scale=float(replay.inst.start_scale))
+    rule, ctrl, t = scaler.rule, scaler.controller, replay.inst
+    scale = scaler.get_scale()
+    for i in range(t.steps):
+        used = rule.step_scale(scale, float(t.loss[i]), ctrl.bounds)
+        assert out.scales[i] == used, i
+        over = bool(t.nonfinite[i]) or np.log2(used) > t.threshold[i]
+        amax = np.inf if over else float(t.amax[i])
+        rms = np.inf if over else float(t.rms[i])
+        scale = ctrl.step(StepStats(i, used, over, amax, rms, float(t.loss[i]), True))
+    assert len(set(out.scales.tolist())) > 1
 
 
 def test_findings_name_what_the_record_shows(tmp_path):
