@@ -85,10 +85,13 @@ class ActionMap:
 
     def base_after(self, used: float, base: float) -> float:
         """The base scale after a step that used ``used`` at base ``base``: ``used`` after a
-        delta, ``base`` after a drop (a used scale more than the largest downward delta below
-        the base). Decoded from the scale alone, so that an exported policy needs nothing more
-        back from the device."""
-        if self.drops and used < base * 2.0 ** min(self.deltas):
+        delta, ``base`` after a drop (a used scale further below the base than halfway, in
+        log2, between the largest downward delta and the smallest drop, so that the float32
+        rounding of a clamped scale cannot move it across). Decoded from the scale alone, so
+        that an exported policy needs nothing more back from the device. A drop that the
+        minimum scale cut short to within the deltas' range reads as a delta: the base moves
+        there, in the environments and in a scaler alike."""
+        if self.drops and used < base * 2.0 ** ((min(self.deltas) - min(self.drops)) / 2):
             return base
         return used
 

@@ -20,6 +20,7 @@ from it (:meth:`~autoscale.scalers.actions.ActionMap.base_after`).
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,7 @@ class NeuralPolicyRule(ScaleRule):
         self.has_guard = self.guard is not None or self.scale_time
         self.base = math.nan  # the scale the controller set last from this policy's wish
         self._device: dict[Any, Any] = {}  # device -> the actor's tensors there (scale time)
+        self._warned = False  # that a step came without a loss to decide from
         self._norm = None
         if obs_norm:
             mean = torch.tensor(obs_norm["mean"], dtype=torch.float32)
@@ -185,7 +187,7 @@ class NeuralPolicyRule(ScaleRule):
         parts = self._device.get(dev)
         if parts is None:
             parts = self._device[dev] = self._device_parts(dev)
-        first_now, rest, table, now_norm, pinned = parts
+        first_now, rest, table, now_norm = parts
         past = torch.tensor(self.stack.vector(), dtype=torch.float32)
         n_past = past.numel()
         if self._norm is not None:
@@ -193,9 +195,9 @@ class NeuralPolicyRule(ScaleRule):
             past = ((past - mean[:n_past]) / std[:n_past]).clamp(-clip, clip)
         first = self.actor[0]
         pre = torch.addmv(first.bias, first.weight[:, :n_past], past)
-        # CUDA: an asynchronous copy from page-locked memory, no sync; the buffer is free
-        # again by the next step (the scaler's one read per step follows this copy)
-        pre = pinned.copy_(pre).to(dev, non_blocking=True) if pinned is not None else pre.to(dev)
+        # CUDA: an asynchronous copy from page-locked memory, no sync; torch's caching host
+        # allocator keeps the block until the copy has run
+        pre = pre.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else pre.to(dev)
         now = self.loss_now.device_features(loss, set_scale).to(torch.float32)
         if now_norm is not None:
             mean, std, clip = now_norm
@@ -225,14 +227,22 @@ class NeuralPolicyRule(ScaleRule):
         if self._norm is not None:
             mean, std, clip = self._norm
             now_norm = (mean[-n_now:].to(dev), std[-n_now:].to(dev), clip)
-        pinned = torch.empty(first.out_features, pin_memory=True) if dev.type == "cuda" else None
-        return first_now, rest, table, now_norm, pinned
+        return first_now, rest, table, now_norm
 
     def adopt(self, scale: float) -> None:
         self.base = scale
 
     def next_scale(self, scale: float, stats: StepStats) -> float:
         if self.scale_time:  # the decision was taken at scale time: keep the books, decode
+            if not stats.loss_seen and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"policy '{self.manifest.name}' picks each step's scale when the loss is "
+                    "scaled, but scaler.scale() got no single-element loss this step, so the "
+                    "step kept the scale set before; pass the loss tensor itself: "
+                    "scaler.scale(loss)",
+                    stacklevel=2,
+                )
             self.features.update(stats)
             self.loss_now.update(stats)
             base = self.base if self.base == self.base else scale

@@ -397,10 +397,8 @@ class LossScaler(torch.amp.GradScaler):
         return tuple(self._observers)
 
     def set_scale(self, value: float) -> None:
-        """Set the scale of the next step (clamped to ``[min_scale, max_scale]``), between steps.
-
-        Used by controllers outside the rule, such as the environment that lets an agent choose.
-        """
+        """Set the scale of the next step (clamped to ``[min_scale, max_scale]``), between steps,
+        for a controller outside the rule (an environment that lets an agent choose)."""
         if self._enabled:
             self._set_scale(self.controller.bounds.clamp(float(value)))
 
@@ -457,6 +455,7 @@ class LossScaler(torch.amp.GradScaler):
             self._scale.fill_(value)
         self._host_scale = value
         self._guard_scale = None  # no longer this step's scale
+        self.rule.adopt(value)  # set from outside the rule too: it continues from this scale
 
     def _end_step(self) -> None:
         # step_was_skipped answers for these until the next step()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -259,3 +260,71 @@ def test_train_agent_scale_time_flag(trained, tmp_path, capsys):
     assert main([*args, "--out", "both", "--scale-time", "--guard"]) == 2
     err = capsys.readouterr().err
     assert "give one" in err and "Traceback" not in err
+
+
+FIXTURE_NOW = Path(__file__).parents[1] / "scalers" / "fixtures" / "policies" / "fixture-neural-now"
+
+
+def _train_step(model, opt, scaler, x, y, as_list=False):
+    from tests.scalers.helpers import forward_loss
+
+    opt.zero_grad()
+    loss = forward_loss(model, x, y)
+    scaled = scaler.scale([loss] if as_list else loss)
+    (scaled[0] if as_list else scaled).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss.item()
+
+
+def test_a_scale_set_from_outside_is_the_base_the_policy_continues_from():
+    """set_scale and update(new_scale) between steps move the base the next decision starts
+    from and the step's scale is decoded against (not the base the policy set before)."""
+    from tests.scalers.helpers import adamw, batches, tiny_model
+
+    model = tiny_model()
+    opt = adamw(model)
+    scaler = autoscale.get_scaler(str(FIXTURE_NOW), device="cpu", init_scale=2.0**20)
+    action = scaler.rule.action_map
+    for i, (x, y) in enumerate(batches(12)):
+        if i % 2:
+            scaler.set_scale(2.0**8)
+        set_to = scaler.get_scale()
+        _train_step(model, opt, scaler, x, y)
+        used = scaler.last_stats.scale
+        assert scaler.get_scale() == scaler.controller.bounds.clamp(action.base_after(used, set_to))
+        if i % 2:
+            assert scaler.get_scale() <= 2.0**10  # from 2^8, at most +2 bits: never back to 2^20
+    scaler.update(new_scale=2.0**6)  # no step: the next one starts from 2^6
+    assert scaler.rule.base == 2.0**6
+
+
+def test_a_step_without_a_single_element_loss_keeps_its_scale_and_says_why():
+    from tests.scalers.helpers import adamw, batches, tiny_model
+
+    model = tiny_model()
+    opt = adamw(model)
+    scaler = autoscale.get_scaler(str(FIXTURE_NOW), device="cpu", init_scale=2.0**10)
+    (x, y), (x2, y2) = batches(2)
+    with pytest.warns(UserWarning, match=r"pass the loss tensor itself: scaler.scale\(loss\)"):
+        _train_step(model, opt, scaler, x, y, as_list=True)
+    assert scaler.last_stats.scale == 2.0**10 and scaler.get_scale() == 2.0**10
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        _train_step(model, opt, scaler, x2, y2, as_list=True)
+
+
+def test_a_delta_rounded_to_float32_is_not_read_as_a_drop():
+    a = ActionMap(deltas=(-1.5, -0.5, 0.0, 0.5, 1.5), drops=(4.0,))
+    from autoscale.scalers.controller import ScaleBounds
+
+    bounds = ScaleBounds.of(1.0, 2.0**40)
+    for k in range(200):
+        base = bounds.clamp(2.0 ** (k / 7.0))
+        used = bounds.clamp(base * 2.0**-1.5)
+        assert a.base_after(used, base) == used, base
+        dropped = bounds.clamp(base * 2.0**-4)
+        if dropped > 1.0:
+            assert a.base_after(dropped, base) == base
