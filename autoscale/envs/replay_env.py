@@ -96,10 +96,10 @@ def _stats_maker() -> Callable[..., StepStats]:
     return make
 
 
-def _record_maker() -> Callable[[StepStats, float], Any]:
-    """``make(stats, precision)`` == the :class:`~autoscale.training.StepRecord` of a replayed
-    step: ``StepRecord(step=stats.step, ..., precision_loss=precision, lr=nan, wall_s=0.0,
-    stats=stats)``."""
+def _record_maker() -> Callable[[StepStats, float, float], Any]:
+    """``make(stats, precision, loss)`` == the :class:`~autoscale.training.StepRecord` of a
+    replayed step: ``StepRecord(step=stats.step, ..., loss=loss (the training loss),
+    precision_loss=precision, lr=nan, wall_s=0.0, stats=stats)``."""
     from autoscale.training import StepRecord
 
     names = ("step", "scale", "found_inf", "loss", "loss_nonfinite", "grad_amax", "grad_rms")
@@ -107,12 +107,12 @@ def _record_maker() -> Callable[[StepStats, float], Any]:
     defaults = _plain_defaults(StepRecord, names)
     new, set_dict = object.__new__, object.__setattr__
 
-    def make(stats: StepStats, precision: float) -> Any:
+    def make(stats: StepStats, precision: float, loss: float) -> Any:
         values = {
             "step": stats.step,
             "scale": stats.scale,
             "found_inf": stats.found_inf,
-            "loss": stats.loss,
+            "loss": loss,
             "loss_nonfinite": stats.loss_nonfinite,
             "grad_amax": stats.grad_amax,
             "grad_rms": stats.grad_rms,
@@ -200,12 +200,15 @@ class ReplayEnv(ScaleEnvBase):
                 k: getattr(t, k).tolist()
                 for k in ("threshold", "nonfinite", "loss", "amax", "rms", "scale")
             }
+            # the loss the scaler saw: what rules, guards and features read (``loss``, the
+            # training loss, goes into the episode's records and scorecard)
+            cols["step_loss"] = t.scaler_loss.tolist()
             # what _advance reads of step i, in one tuple: one index a step, not six
             rows = list(
                 zip(
                     cols["nonfinite"],
                     cols["threshold"],
-                    cols["loss"],
+                    cols["step_loss"],
                     cols["amax"],
                     cols["rms"],
                     table,
@@ -218,7 +221,7 @@ class ReplayEnv(ScaleEnvBase):
         self._requested_offset: int | None = None
         self.records: list[tuple] = []
         self._episode_records: tuple | None = None
-        self._make_record: Callable[[StepStats, float], Any] | None = None
+        self._make_record: Callable[[StepStats, float, float], Any] | None = None
         # instance -> offset (multiples of WARM_EVERY) -> (scale, features state) there
         self._warm: dict[str, dict[int, tuple[float, dict[str, Any]]]] = {}
 
@@ -270,7 +273,7 @@ class ReplayEnv(ScaleEnvBase):
         overflow = nonfinite or math.log2(scale) > cols["threshold"][i]
         amax = math.inf if overflow else cols["amax"][i]
         rms = math.inf if overflow else cols["rms"][i]
-        return _make_stats(i, scale, overflow, amax, rms, cols["loss"][i], True)
+        return _make_stats(i, scale, overflow, amax, rms, cols["step_loss"][i], True)
 
     def _advance(self, scale: float) -> tuple[StepStats, float, bool]:
         # _stats inlined, with log2(scale) taken once: this runs once a replayed step
@@ -302,7 +305,7 @@ class ReplayEnv(ScaleEnvBase):
         return stats, precision, False
 
     def _peek_loss(self) -> float:
-        return self._cur[1][self._offset + self._t][2]  # the traced loss of the next step
+        return self._cur[1][self._offset + self._t][2]  # the loss the scaler saw, next step
 
     def step(self, action):
         """:meth:`ScaleEnvBase.step` in one frame: the same step, books, observation, reward and
@@ -348,8 +351,8 @@ class ReplayEnv(ScaleEnvBase):
             return list(done[2])
         if self._make_record is None:
             self._make_record = _record_maker()
-        make = self._make_record
-        out = [make(s, p) for s, p in self.records]
+        make, loss = self._make_record, self._cur[2]["loss"]  # the training loss of step i
+        out = [make(s, p, loss[s.step]) for s, p in self.records]
         self._episode_records = (self.records, len(out), out)
         return list(out)
 

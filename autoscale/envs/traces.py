@@ -38,6 +38,7 @@ __all__ = [
 TRACE_VERSION = 2  # 2: instances carry their start scale and features
 RECORD_RULE = {"name": "amax-history", "margin": 2.0}
 _ARRAYS = ("threshold", "nonfinite", "loss", "amax", "rms", "scale", "hist")
+_OPTIONAL = ("step_loss",)  # traces recorded before it have none (their loss stands in)
 
 
 @dataclass
@@ -57,6 +58,14 @@ class InstanceTrace:
     eval_loss: float
     start_scale: float = 0.0  # scale at the instance's start point (after its warm-up)
     start_features: dict[str, Any] | None = None  # FeatureExtractor state at that point
+    # the loss the scaler saw (StepStats.loss: the objective times the scenario's loss weight,
+    # over the micro-batches), which rules and policies read; ``loss`` is the training loss
+    step_loss: np.ndarray | None = None
+
+    @property
+    def scaler_loss(self) -> np.ndarray:
+        """The loss as the scaler saw it (``step_loss``; ``loss`` in older traces)."""
+        return self.loss if self.step_loss is None else self.step_loss
 
     @property
     def steps(self) -> int:
@@ -104,8 +113,9 @@ class Trace:
         }
         arrays = {"meta": np.array(json.dumps(meta)), "hist_edges": self.hist_edges}
         for i, t in enumerate(self.instances.values()):
-            for key in _ARRAYS:
-                arrays[f"{i}.{key}"] = getattr(t, key)
+            for key in _ARRAYS + _OPTIONAL:
+                if getattr(t, key) is not None:
+                    arrays[f"{i}.{key}"] = getattr(t, key)
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez_compressed(tmp, **arrays)
         os.replace(tmp, path)
@@ -139,6 +149,9 @@ class Trace:
                 instances = {}
                 for i, info in enumerate(meta["instances"]):
                     arrays = {key: data[f"{i}.{key}"] for key in _ARRAYS}
+                    arrays.update(
+                        {k: data[f"{i}.{k}"] for k in _OPTIONAL if f"{i}.{k}" in data.files}
+                    )
                     instances[info["name"]] = InstanceTrace(
                         info["name"],
                         info["seed"],
@@ -182,7 +195,8 @@ def _check_shapes(trace: Trace) -> None:
     bins = len(trace.hist_edges) - 1
     for t in trace.instances.values():
         n = t.steps
-        rows = {key: getattr(t, key).shape[:1] for key in _ARRAYS}
+        keys = [k for k in _ARRAYS + _OPTIONAL if getattr(t, k) is not None]
+        rows = {key: getattr(t, key).shape[:1] for key in keys}
         if any(r != (n,) for r in rows.values()) or t.hist.shape[1:] != (bins,):
             raise ValueError(f"instance '{t.name}' has arrays of unequal lengths {rows}")
 
@@ -205,7 +219,7 @@ def instance_trace(
     """
     from autoscale.training import HIST_EDGES
 
-    cols: dict[str, list] = {k: [] for k in _ARRAYS}
+    cols: dict[str, list] = {k: [] for k in _ARRAYS + _OPTIONAL}
     empty = np.zeros(len(HIST_EDGES) - 1)
     for rec in records:
         thr = rec.overflow_threshold_log2
@@ -214,6 +228,8 @@ def instance_trace(
         cols["threshold"].append(thr)
         cols["nonfinite"].append(bool(rec.loss_nonfinite))
         cols["loss"].append(rec.loss)
+        stats = getattr(rec, "stats", None)
+        cols["step_loss"].append(stats.loss if stats is not None and stats.loss_seen else rec.loss)
         cols["amax"].append(rec.grad_amax if not rec.found_inf else math.nan)
         cols["rms"].append(rec.grad_rms if not rec.found_inf else math.nan)
         cols["scale"].append(rec.scale)
@@ -233,6 +249,7 @@ def instance_trace(
         scale=np.asarray(cols["scale"], dtype=np.float64),
         hist=np.asarray(cols["hist"], dtype=np.float32),
         eval_loss=eval_loss,
+        step_loss=np.asarray(cols["step_loss"], dtype=np.float64),
     )
 
 

@@ -195,10 +195,10 @@ def _amax_loss(params: Sequence[dict], shape: tuple[int, int], w: ReplayWindows)
     min_scale = np.float64(w.min_scale)  # the env's, as ReplayEnv applies the guard
     lanes = {"base": np.full(shape, np.nan), "guarded": np.zeros(shape, dtype=bool)}
     # the episodes' loss columns as the rule reads them, once
-    absloss = np.abs(w.loss)
+    absloss = np.abs(w.step_loss)  # the loss the scaler saw
     usable = (absloss > 0.0) & (absloss < np.inf)  # 0 < |loss| < inf
     guardable = (absloss == absloss) & (absloss != 0)  # guarded_scale: not NaN, not 0
-    loss_bad = ~np.isfinite(w.loss)
+    loss_bad = ~np.isfinite(w.step_loss)
 
     def guard(t: int, scale: np.ndarray) -> np.ndarray:
         with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):

@@ -28,6 +28,8 @@ class ReplayWindows:
 
     Attributes:
         nonfinite, threshold, loss, amax: ``(E, h)`` trace columns of the episodes' steps.
+        step_loss: ``(E, h)`` the loss the scaler saw (what a guard reads; ``loss`` is the
+            training loss, for the scorecard).
         table: ``(E, h, TABLE_SPAN + 1)`` precision loss at integer log2 scales.
         start_scale: ``(E,)`` the scale each episode starts from (as ``reset`` reports it).
         eval_loss: ``(E,)`` the recording's eval loss of each episode's instance.
@@ -40,6 +42,7 @@ class ReplayWindows:
     loss: np.ndarray
     amax: np.ndarray
     table: np.ndarray
+    step_loss: np.ndarray
     start_scale: np.ndarray
     eval_loss: np.ndarray
     steps: np.ndarray
@@ -60,7 +63,9 @@ def replay_windows(env: Any, episodes: Sequence[tuple[str, int]]) -> ReplayWindo
     :class:`~autoscale.envs.suite_env.SuiteEnv` over traces (``MEMBER:INSTANCE`` names).
     Resets ``env`` once per episode, to read its start scale."""
     h = env.episode_steps
-    cols: dict[str, list] = {k: [] for k in ("nonfinite", "threshold", "loss", "amax", "table")}
+    cols: dict[str, list] = {
+        k: [] for k in ("nonfinite", "threshold", "loss", "amax", "table", "step_loss")
+    }
     starts, evals, lengths = [], [], []
     tables: dict[tuple[int, str], np.ndarray] = {}
     kept: set[tuple[float, float]] = set()
@@ -81,6 +86,7 @@ def replay_windows(env: Any, episodes: Sequence[tuple[str, int]]) -> ReplayWindo
         cols["nonfinite"].append(nonfinite)
         cols["threshold"].append(t.threshold[window].astype(np.float64))
         cols["loss"].append(t.loss[window].astype(np.float64))
+        cols["step_loss"].append(t.scaler_loss[window].astype(np.float64))
         cols["amax"].append(t.amax[window].astype(np.float64))
         cols["table"].append(tables[key][window])
         starts.append(float(info["scale"]))
@@ -89,7 +95,7 @@ def replay_windows(env: Any, episodes: Sequence[tuple[str, int]]) -> ReplayWindo
             raise ValueError("replay_windows: the episodes' envs have different scale bounds")
         kept.add(bounds)
         evals.append(float(t.eval_loss))
-        lengths.append(_length(cols["loss"][-1]))
+        lengths.append(_length(cols["step_loss"][-1]))  # as the scalar replay's books
     return ReplayWindows(
         **{k: np.stack(v) for k, v in cols.items()},
         start_scale=np.asarray(starts, dtype=np.float64),

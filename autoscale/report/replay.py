@@ -126,7 +126,7 @@ class RecordReplay:
         min_scale = ctrl.bounds.min_scale
         t = self.inst
         n = t.steps
-        thr, nonfinite, loss = t.threshold.tolist(), t.nonfinite.tolist(), t.loss.tolist()
+        thr, nonfinite, loss = t.threshold.tolist(), t.nonfinite.tolist(), t.scaler_loss.tolist()
         amax, rms = t.amax.tolist(), t.rms.tolist()
         scales = np.empty(n)
         skipped = np.zeros(n, dtype=bool)

@@ -328,3 +328,35 @@ def test_a_delta_rounded_to_float32_is_not_read_as_a_drop():
         dropped = bounds.clamp(base * 2.0**-4)
         if dropped > 1.0:
             assert a.base_after(dropped, base) == base
+
+
+@pytest.mark.slow
+def test_replay_shows_the_loss_the_scaler_sees_on_a_weighted_loss(tmp_path):
+    """The `moving` scenario multiplies the loss by a weight that spikes 4096x: the scaler (and
+    so a deployed policy) sees the weighted loss. Replay reads that loss from the trace
+    (``step_loss``), not the training loss, so an agent trained on replay sees the jump it
+    will see deployed; the scorecard keeps the training loss."""
+    data = _episode(steps=10)
+    data["workload"] = {
+        "model": "mlp", "scenario": "moving", "dtype": "fp16",
+        "scenario_params": {"at": 5, "width": 3, "peak": 4096.0},
+    }  # fmt: skip
+    spec = load_env_spec(data)
+    trace = record_trace(spec, 12, None, instances=("test",))
+    t = trace.instance("test-s5-t0")
+    weight = t.step_loss / t.loss
+    assert weight[5] == pytest.approx(4096.0, rel=1e-3) and weight[0] == pytest.approx(1.0)
+    jumps = {}
+    for env in (ReplayEnv(spec, trace, instances="test"), LossScaleEnv(spec, instances="test")):
+        obs, _ = env.reset(options={"instance": "test-s5-t0"})
+        seen = []
+        for _ in range(spec.episode.steps - 1):
+            obs, *_ = env.step(2)  # keep the scale
+            seen.append(float(obs[N_FEATURES]))  # loss_jump of the next step's loss
+        jumps[type(env).__name__] = seen
+        records = env.episode_records()
+        assert records[5].loss == pytest.approx(float(t.loss[5]), rel=0.2)  # training loss
+    replay, real = jumps["ReplayEnv"], jumps["LossScaleEnv"]
+    # the weight ramps 16x, 256x, 4096x into step 5: each step's loss jumps above the average
+    assert min(replay[2:5]) > 0.9 and min(real[2:5]) > 0.9
+    np.testing.assert_allclose(replay, real, atol=0.1)

@@ -87,6 +87,7 @@ def test_windows_of_a_suite_env_and_diverged_episodes(rule):
     trace = pin_trace(spec)
     bad = trace.instance("test-s7-t0")
     bad.loss[40:43] = math.inf  # three in a row
+    bad.step_loss[40:43] = math.inf  # the loss the scaler saw: what the books read
     bad.nonfinite[40:43] = True
     env = SuiteEnv(spec, "test", traces={"pin": trace})
     episodes = [("pin:test-s7-t0", 0), ("pin:test-s8-t5", 400), ("pin:test-s7-t0", 50)]
