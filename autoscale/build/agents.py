@@ -35,16 +35,9 @@ def rl_suite(suite, horizon: int, history: int):
 def with_scale_time(suite):
     """The suite's agents acting when the loss is scaled (``episode.scale_time``: they see this
     step's loss); discrete ones may also drop one step's scale by 4, 8, 12 or 16 bits."""
-    from autoscale.scalers.scale_time import DEFAULT_DROPS
-
-    def shape(m):
-        action = m.episode.action
-        if action.mode == "discrete" and not action.drops:
-            action = dataclasses.replace(action, drops=DEFAULT_DROPS)
-        ep = dataclasses.replace(m.episode, scale_time=True, action=action)
-        return dataclasses.replace(m, episode=ep)
-
-    return suite.replace_members(shape)
+    return suite.replace_members(
+        lambda m: dataclasses.replace(m, episode=m.episode.at_scale_time())
+    )
 
 
 def train_agents(

@@ -75,7 +75,6 @@ algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (cont
         from autoscale.agents.train import train_agent
         from autoscale.envs.spec import GuardSpec, load_env_spec
         from autoscale.errors import ConfigError
-        from autoscale.scalers.scale_time import DEFAULT_DROPS
 
         env = args.env
         if args.guard and args.scale_time:
@@ -84,11 +83,7 @@ algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (cont
             )
         if args.scale_time:
             env = load_env_spec(args.env)
-            action = env.episode.action
-            if action.mode == "discrete" and not action.drops:
-                action = dataclasses.replace(action, drops=DEFAULT_DROPS)
-            episode = dataclasses.replace(env.episode, scale_time=True, action=action)
-            env = dataclasses.replace(env, episode=episode)
+            env = dataclasses.replace(env, episode=env.episode.at_scale_time())
         if args.guard:
             env = load_env_spec(args.env)
             if env.episode.guard is None:

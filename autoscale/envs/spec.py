@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,21 @@ class EpisodeSpec:
             raise ConfigError(
                 f"episode min_scale ({self.min_scale:g}) exceeds max_scale ({self.max_scale:g})"
             )
+
+    def at_scale_time(self) -> EpisodeSpec:
+        """This episode with the agent acting when the loss is scaled (``scale_time``); discrete
+        actions that give no ``drops`` get the default ones (4, 8, 12, 16 bits)."""
+        from autoscale.scalers.scale_time import DEFAULT_DROPS
+
+        if self.guard is not None:
+            raise ConfigError(
+                "an episode under a guard cannot act at scale time: the guard already decides "
+                "a step's scale from its loss (drop episode.guard, or leave scale_time off)"
+            )
+        action = self.action
+        if action.mode == "discrete" and not action.drops:
+            action = replace(action, drops=DEFAULT_DROPS)
+        return replace(self, scale_time=True, action=action)
 
 
 @dataclass(frozen=True)

@@ -114,8 +114,10 @@ def default_trial_params(rule: str, defaults: dict[str, Any], episode: Any) -> d
     return out
 
 
-def suggest_rl(trial: Any, action_mode: str) -> dict[str, Any]:
-    """Sample an SB3 algorithm and its hyperparameters for the spec's action mode."""
+def suggest_rl(trial: Any, action_mode: str, scale_time: bool = True) -> dict[str, Any]:
+    """Sample an SB3 algorithm and its hyperparameters for the spec's action mode, and (where
+    ``scale_time``: the episodes have no guard of their own) whether the agent acts when the loss
+    is scaled, seeing that step's loss (``episode.scale_time``), or after the step."""
     from autoscale.agents.train import ALGOS
 
     algos = sorted(a for a, modes in ALGOS.items() if action_mode in modes)
@@ -129,4 +131,5 @@ def suggest_rl(trial: Any, action_mode: str) -> dict[str, Any]:
     if algo == "dqn":
         hp["exploration_fraction"] = trial.suggest_float(f"{algo}.exploration_fraction", 0.1, 0.5)
     precision_x = trial.suggest_float("reward.precision_x", 0.25, 4.0, log=True)
-    return {"algo": algo, "hyperparams": hp, "precision_x": precision_x}
+    now = bool(trial.suggest_categorical("scale_time", [False, True])) if scale_time else False
+    return {"algo": algo, "hyperparams": hp, "precision_x": precision_x, "scale_time": now}

@@ -409,7 +409,8 @@ class RLObjective(_Objective):
         from autoscale.agents.train import export_agent, train_agent
 
         suite, traces = self.bench.suite, self.bench.traces
-        cfg = suggest_rl(trial, suite.episode.action.mode)
+        guarded = any(m.episode.guard is not None for m in suite.members)
+        cfg = suggest_rl(trial, suite.episode.action.mode, scale_time=not guarded)
 
         def held_out(member):  # one train instance selects the agent; the test set stays unseen
             train = member.instances["train"]
@@ -419,6 +420,7 @@ class RLObjective(_Objective):
                 reward=dataclasses.replace(
                     member.reward, precision=member.reward.precision * cfg["precision_x"]
                 ),
+                episode=member.episode.at_scale_time() if cfg["scale_time"] else member.episode,
             )
 
         rl_spec = dataclasses.replace(
@@ -454,10 +456,14 @@ class RLObjective(_Objective):
                 "algo": cfg["algo"],
                 "hyperparams": cfg["hyperparams"],
                 "reward_precision_x": cfg["precision_x"],
+                "scale_time": cfg["scale_time"],
                 "timesteps": done,
                 "artifact_id": artifact,
             }
-            text = describe_params(cfg["algo"], {**cfg["hyperparams"], "steps": done})
+            shown = {**cfg["hyperparams"], "steps": done}
+            if cfg["scale_time"]:
+                shown["scale_time"] = True
+            text = describe_params(cfg["algo"], shown)
             return self.score(trial, lambda: self.bench.scaler(str(path)), policy, text)
         finally:
             shutil.rmtree(folder, ignore_errors=True)

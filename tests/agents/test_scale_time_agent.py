@@ -59,6 +59,24 @@ def test_scale_time_and_drops_are_parsed_and_checked():
             load_env_spec(data)
 
 
+def test_an_episode_turned_to_scale_time_gets_default_drops_and_refuses_a_guard():
+    plain = {
+        **SPEC,
+        "episode": {k: v for k, v in SPEC["episode"].items() if k not in ("scale_time", "action")},
+    }
+    ep = load_env_spec(plain).episode
+    assert not ep.scale_time and not ep.action.drops
+    now = ep.at_scale_time()
+    assert now.scale_time and now.action.drops == (4, 8, 12, 16) and now.steps == ep.steps
+    cont = dataclasses.replace(ep, action=ActionMap(mode="continuous")).at_scale_time()
+    assert cont.scale_time and not cont.action.drops  # continuous actions have no drops
+    kept = dataclasses.replace(ep, scale_time=True, action=ActionMap(drops=(6,))).at_scale_time()
+    assert kept.action.drops == (6,)  # a spec's own drops stay
+    guarded = load_env_spec({**plain, "episode": {**plain["episode"], "guard": True}}).episode
+    with pytest.raises(ConfigError, match="under a guard cannot act at scale time"):
+        guarded.at_scale_time()
+
+
 def test_a_drop_is_this_step_only_and_is_told_from_the_scale_used():
     a = ActionMap(drops=(4.0, 8.0))
     assert a.n == 7 and [a.delta(i) for i in range(7)] == [-2, -1, 0, 1, 2, -4, -8]
