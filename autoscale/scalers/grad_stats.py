@@ -107,14 +107,27 @@ class AbsMax:
         self._buf: torch.Tensor | None = None
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def __call__(self, grads: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    def __call__(
+        self, grads: list[torch.Tensor], dev: torch.device, then_mul: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The amax of ``grads`` as they are; then, with ``then_mul``, each gradient multiplied
+        in place by it (on CPU right after its own read, while it is still in cache: 20% less
+        time than a second pass over all of them, ``experiments/results/amax_read.md``)."""
         if grads[0].device.type != "cpu":
-            return grad_amax(grads, dev)
+            amax = grad_amax(grads, dev)
+            if then_mul is not None:
+                torch._foreach_mul_(grads, then_mul)
+            return amax
         if len(self._pairs) != len(grads):
             buf = self._buf = torch.empty(2 * len(grads))
             self._pairs = list(zip(buf[0::2].unbind(), buf[1::2].unbind()))
-        for g, out in zip(grads, self._pairs):
-            torch.aminmax(g, out=out)
+        if then_mul is None:
+            for g, out in zip(grads, self._pairs):
+                torch.aminmax(g, out=out)
+        else:
+            for g, out in zip(grads, self._pairs):
+                torch.aminmax(g, out=out)
+                g.mul_(then_mul)
         return torch.linalg.vector_norm(self._buf, math.inf).to(dev)
 
 

@@ -58,7 +58,5 @@ def unscale_reading_amax(
     gradient). Returns ``(found_inf flag, unscaled amax)``: the same gradients, flag and amax as
     GradScaler's unscale followed by a read of the amax, bit for bit (rounding is monotonic)."""
     with torch.no_grad():
-        amax = abs_max(grads, dev)  # of the scaled gradients
-        flag = nonfinite_flag(amax)
-        torch._foreach_mul_(grads, inv)
-        return flag, amax * inv
+        amax = abs_max(grads, dev, then_mul=inv)  # of the scaled gradients, then unscaled
+        return nonfinite_flag(amax), amax * inv

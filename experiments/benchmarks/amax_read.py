@@ -1,8 +1,9 @@
 """What reading the gradients' amax costs next to GradScaler's unscale, op by op.
 
 ``auto`` (``amax-loss``) needs max |g| of the scaled gradients every step. Its one-pass unscale
-(``autoscale/scalers/unscale.py``) reads it with ``torch.aminmax`` per tensor, then multiplies by
-1/scale (``torch._foreach_mul_``); GradScaler's unscale is one fused op that multiplies while it
+(``autoscale/scalers/unscale.py``) reads it with ``torch.aminmax`` per tensor and, on a CPU,
+multiplies each tensor by 1/scale right after its read, while it is still in cache (elsewhere
+``torch._foreach_mul_`` after all the reads); GradScaler's unscale is one fused op that multiplies while it
 checks for inf/NaN (``torch._amp_foreach_non_finite_check_and_unscale_``). This times every exact
 way torch's ops offer to get max |g|, beside the multiply and the fused unscale, on the gradients of
 the scaler-overhead benchmark's MLP (``--depth`` x ``--width`` fp32 parameters), interleaved in
@@ -44,6 +45,16 @@ def ops(grads: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
             torch.aminmax(g, out=out)
         return torch.linalg.vector_norm(buf, math.inf)
 
+    def read_then_multiply():  # every read, then every multiply: the one-pass unscale before
+        aminmax()
+        torch._foreach_mul_(grads, inv)
+
+    def read_and_multiply():  # autoscale's one-pass unscale on a CPU (AbsMax with then_mul)
+        for g, out in zip(grads, pairs):
+            torch.aminmax(g, out=out)
+            g.mul_(inv)
+        return torch.linalg.vector_norm(buf, math.inf)
+
     def amax_and_amin():
         return max(max(float(g.amax()), -float(g.amin())) for g in grads)
 
@@ -62,6 +73,8 @@ def ops(grads: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
         "abs().max() per tensor": lambda: [g.abs().max() for g in grads],
         "amax per tensor (max g only: not max |g|)": amax_only,
         "_foreach_mul_ (autoscale's unscale multiply)": lambda: torch._foreach_mul_(grads, inv),
+        "aminmax of all, then _foreach_mul_ (the one-pass unscale before)": read_then_multiply,
+        "aminmax and mul_ per tensor (autoscale's one-pass unscale)": read_and_multiply,
         "GradScaler's fused unscale": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
             grads, flag, inv
         ),
