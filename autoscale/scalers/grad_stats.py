@@ -121,12 +121,9 @@ class AbsMax:
         if len(self._pairs) != len(grads):
             buf = self._buf = torch.empty(2 * len(grads))
             self._pairs = list(zip(buf[0::2].unbind(), buf[1::2].unbind()))
-        if then_mul is None:
-            for g, out in zip(grads, self._pairs):
-                torch.aminmax(g, out=out)
-        else:
-            for g, out in zip(grads, self._pairs):
-                torch.aminmax(g, out=out)
+        for g, out in zip(grads, self._pairs):
+            torch.aminmax(g, out=out)
+            if then_mul is not None:
                 g.mul_(then_mul)
         return torch.linalg.vector_norm(self._buf, math.inf).to(dev)
 
