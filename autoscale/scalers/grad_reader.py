@@ -20,6 +20,7 @@ from autoscale.scalers.grad_stats import (
     grads_of,
     nonfinite_flag,
     one_pass_grads,
+    stats_vector,
 )
 from autoscale.scalers.unscale import unscale_reading_amax
 
@@ -46,9 +47,10 @@ class GradReader:
         self.rms, self.keep_abs = state["rms"], state["keep_abs"]
 
     def one_pass(self, optimizer: torch.optim.Optimizer, dev: torch.device) -> list | None:
-        """The gradients, where the statistics are the amax alone and they allow reading it in
-        the pass that also finds infs (:func:`~autoscale.scalers.grad_stats.one_pass_grads`)."""
-        if self.rms or self.keep_abs:
+        """The gradients, where they allow reading the statistics in the pass that also finds
+        infs (:func:`~autoscale.scalers.grad_stats.one_pass_grads`) and no ``|g|`` copy is
+        kept."""
+        if self.keep_abs:
             return None
         return one_pass_grads(optimizer, dev)
 
@@ -56,15 +58,17 @@ class GradReader:
         self, state: dict[str, Any], grads: list[torch.Tensor], inv: torch.Tensor, dev: torch.device
     ) -> None:
         """Unscale ``grads`` reading their amax: the flag and statistics into ``state``."""
-        flag, state[sv.STATS] = unscale_reading_amax(grads, inv, self._abs_max, dev)
+        flag, state[sv.STATS] = unscale_reading_amax(grads, inv, self._abs_max, dev, self.rms)
         state["found_inf_per_device"] = {dev: flag}
 
     def amax(
         self, state: dict[str, Any], grads: list[torch.Tensor], inv: Any, dev: torch.device
     ) -> None:
-        """The amax alone of still-scaled ``grads``, times ``inv``, as the statistics."""
+        """The statistics of still-scaled ``grads`` times ``inv``: the amax alone, or with
+        ``rms`` the statistics vector (both read in one pass over each gradient)."""
         with torch.no_grad():
-            state[sv.STATS] = self._abs_max(grads, dev) * inv
+            amax, sumsq = self._abs_max.read(grads, dev, sumsq=self.rms)
+            state[sv.STATS] = stats_vector(grads, dev, amax, sumsq, inv) if self.rms else amax * inv
 
     def collect(
         self,

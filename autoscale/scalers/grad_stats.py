@@ -25,10 +25,12 @@ __all__ = [
     "FlatAbs",
     "grad_amax",
     "grad_stats",
+    "grad_sumsq",
     "grads_of",
     "nonfinite_flag",
     "one_pass_grads",
     "stack_on",
+    "stats_vector",
 ]
 
 
@@ -85,47 +87,88 @@ def grad_stats(
                 norm = sumsq
         else:
             amax = grad_amax(grads, dev)
-            sumsq = None
-            if rms:
-                norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-                sumsq = stack_on(norms, dev).square().sum()
-        if sumsq is None:
-            sumsq = torch.full((), math.nan, device=dev)
-        if inv_scale is not None:
-            amax, sumsq = amax * inv_scale, sumsq * (inv_scale * inv_scale)
-        # torch.full, not torch.tensor: no host-to-device copy (a stream sync on CUDA)
-        count = torch.full((), float(sum(g.numel() for g in grads)), device=dev)
-        return torch.stack([amax, sumsq, count]), norm
+            sumsq = grad_sumsq(grads, dev) if rms else None
+        return stats_vector(grads, dev, amax, sumsq, inv_scale), norm
+
+
+def grad_sumsq(grads: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """The float32 sum of the squares of every gradient element, on ``dev``."""
+    return stack_on(torch._foreach_norm(grads, 2, dtype=torch.float32), dev).square().sum()
+
+
+def stats_vector(
+    grads: list[torch.Tensor],
+    dev: torch.device,
+    amax: torch.Tensor,
+    sumsq: torch.Tensor | None,
+    inv_scale: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """``[amax, sumsq, count]`` on ``dev`` (sumsq NaN where None), times ``inv_scale`` (and its
+    square) where ``amax`` and ``sumsq`` are of still-scaled gradients."""
+    if sumsq is None:
+        sumsq = torch.full((), math.nan, device=dev)
+    if inv_scale is not None:
+        amax, sumsq = amax * inv_scale, sumsq * (inv_scale * inv_scale)
+    # torch.full, not torch.tensor: no host-to-device copy (a stream sync on CUDA)
+    count = torch.full((), float(sum(g.numel() for g in grads)), device=dev)
+    return torch.stack([amax, sumsq, count])
 
 
 class AbsMax:
     """:func:`grad_amax` of dense float32 gradients (:func:`one_pass_grads`), with each tensor's
     min and max written by ``aminmax`` straight into a buffer kept between steps: no stack of
-    2n small tensors per step (on CPU; elsewhere :func:`grad_amax`'s fused norm)."""
+    2n small tensors per step (on CPU; elsewhere :func:`grad_amax`'s fused norm). :meth:`read`
+    also multiplies and takes the sum of squares in the same pass."""
 
     def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
+        self._minmax = self._norms = torch.empty(0)
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._norm_outs: list[torch.Tensor] = []
 
     def __call__(
         self, grads: list[torch.Tensor], dev: torch.device, then_mul: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The amax of ``grads`` as they are; then, with ``then_mul``, each gradient multiplied
-        in place by it (on CPU right after its own read, while it is still in cache: 20% less
-        time than a second pass over all of them, ``experiments/results/amax_read.md``)."""
+        in place by it."""
+        return self.read(grads, dev, then_mul)[0]
+
+    def read(
+        self,
+        grads: list[torch.Tensor],
+        dev: torch.device,
+        then_mul: torch.Tensor | None = None,
+        sumsq: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(amax, sum of squares)`` of ``grads``: the amax as they are; then, with
+        ``then_mul``, each gradient multiplied in place by it; then, with ``sumsq``, the float32
+        sum of their squares as they are now (else None). On a CPU each gradient gets all three
+        right after its own read, while it is still in cache (the multiply in 20% less time than
+        a second pass over all of them, ``experiments/results/amax_read.md``); the squares are
+        summed per tensor by the kernel ``torch._foreach_norm`` runs there: the same bits."""
         if grads[0].device.type != "cpu":
             amax = grad_amax(grads, dev)
             if then_mul is not None:
                 torch._foreach_mul_(grads, then_mul)
-            return amax
-        if len(self._pairs) != len(grads):
-            buf = self._buf = torch.empty(2 * len(grads))
-            self._pairs = list(zip(buf[0::2].unbind(), buf[1::2].unbind()))
-        for g, out in zip(grads, self._pairs):
+            return amax, grad_sumsq(grads, dev) if sumsq else None
+        n = len(grads)
+        if len(self._pairs) != n:  # [min, max] of each gradient, then the 2-norm of each
+            buf = torch.empty(3 * n)
+            self._minmax, self._norms = buf[: 2 * n], buf[2 * n :]
+            self._pairs = list(zip(buf[0 : 2 * n : 2].unbind(), buf[1 : 2 * n : 2].unbind()))
+            self._norm_outs = list(self._norms.unbind())
+        if not sumsq:
+            for g, out in zip(grads, self._pairs):
+                torch.aminmax(g, out=out)
+                if then_mul is not None:
+                    g.mul_(then_mul)
+            return torch.linalg.vector_norm(self._minmax, math.inf).to(dev), None
+        for g, out, norm in zip(grads, self._pairs, self._norm_outs):
             torch.aminmax(g, out=out)
             if then_mul is not None:
                 g.mul_(then_mul)
-        return torch.linalg.vector_norm(self._buf, math.inf).to(dev)
+            torch.linalg.vector_norm(g, 2, dtype=torch.float32, out=norm)
+        amax = torch.linalg.vector_norm(self._minmax, math.inf).to(dev)
+        return amax, self._norms.square().sum().to(dev)
 
 
 def nonfinite_flag(amax: torch.Tensor) -> torch.Tensor:

@@ -280,15 +280,15 @@ class LossScaler(torch.amp.GradScaler):
         grads = self._one_pass_grads(optimizer)
         if grads is None:
             self._collect_grad_stats(optimizer, inv_scale=inv)
-        else:  # the amax alone: no statistics vector to build
+        else:  # one read of each gradient, in cache for all it gives
             self.grads.amax(state, grads, inv, dev)
             for obs in self._observers:
                 obs.on_grads(self, optimizer, grads, inv)
         self.grads.found_inf(state, dev)
 
     def _one_pass_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
-        """The gradients, where the amax alone is read, in the pass that finds infs; or None."""
-        if not self._collect_stats or self.grads.rms or self.grads.keep_abs:
+        """The gradients, where their statistics are read in the pass that finds infs; or None."""
+        if not self._collect_stats or self.grads.keep_abs:
             return None
         self._check_scale_growth_tracker("unscale_")
         if self._group() is not None:  # statistics agreed across ranks: the general layout

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from autoscale.scalers.controller import f32
-from autoscale.scalers.grad_stats import AbsMax, nonfinite_flag
+from autoscale.scalers.grad_stats import AbsMax, nonfinite_flag, stats_vector
 
 __all__ = ["InverseScale", "unscale_reading_amax"]
 
@@ -50,13 +50,21 @@ class InverseScale:
 
 
 def unscale_reading_amax(
-    grads: list[torch.Tensor], inv: torch.Tensor, abs_max: AbsMax, dev: torch.device
+    grads: list[torch.Tensor],
+    inv: torch.Tensor,
+    abs_max: AbsMax,
+    dev: torch.device,
+    rms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unscale ``grads`` in place, reading their amax first: one read of the scaled gradients
     gives the amax, whose finiteness is the found-inf flag, then one multiply by ``inv``
     (GradScaler's kernel multiplies while it checks, and the amax was a second read of every
-    gradient). Returns ``(found_inf flag, unscaled amax)``: the same gradients, flag and amax as
-    GradScaler's unscale followed by a read of the amax, bit for bit (rounding is monotonic)."""
+    gradient); with ``rms``, the sum of squares of the unscaled gradients in the same pass.
+    Returns ``(found_inf flag, statistics)``: the unscaled amax (0-dim), or with ``rms``
+    :func:`~autoscale.scalers.grad_stats.stats_vector`. The same gradients, flag and statistics
+    as GradScaler's unscale followed by a read of them, bit for bit (rounding is monotonic)."""
     with torch.no_grad():
-        amax = abs_max(grads, dev, then_mul=inv)  # of the scaled gradients, then unscaled
-        return nonfinite_flag(amax), amax * inv
+        # the amax of the scaled gradients, then each one unscaled, then its squares summed
+        amax, sumsq = abs_max.read(grads, dev, then_mul=inv, sumsq=rms)
+        stats = amax * inv if not rms else stats_vector(grads, dev, amax * inv, sumsq)
+        return nonfinite_flag(amax), stats

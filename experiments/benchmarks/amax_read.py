@@ -3,12 +3,13 @@
 ``auto`` (``amax-loss``) needs max |g| of the scaled gradients every step. Its one-pass unscale
 (``autoscale/scalers/unscale.py``) reads it with ``torch.aminmax`` per tensor and, on a CPU,
 multiplies each tensor by 1/scale right after its read, while it is still in cache (elsewhere
-``torch._foreach_mul_`` after all the reads); GradScaler's unscale is one fused op that multiplies while it
-checks for inf/NaN (``torch._amp_foreach_non_finite_check_and_unscale_``). This times every exact
-way torch's ops offer to get max |g|, beside the multiply and the fused unscale, on the gradients of
-the scaler-overhead benchmark's MLP (``--depth`` x ``--width`` fp32 parameters), interleaved in
-one process; medians of ``--repeats`` calls, microseconds, and each op's time over the fused
-unscale's.
+``torch._foreach_mul_`` after all the reads); where the rule reads the RMS too (a neural policy),
+each tensor's 2-norm follows its multiply. GradScaler's unscale is one fused op that multiplies
+while it checks for inf/NaN (``torch._amp_foreach_non_finite_check_and_unscale_``). This times
+every exact way torch's ops offer to get max |g|, beside the multiply and the fused unscale, on the
+gradients of the scaler-overhead benchmark's MLP (``--depth`` x ``--width`` fp32 parameters),
+interleaved in one process; medians of ``--repeats`` calls, microseconds, and each op's time over
+the fused unscale's.
 
     python experiments/benchmarks/amax_read.py [--threads 1] [--out experiments/results/amax_read.md]
 """
@@ -55,6 +56,22 @@ def ops(grads: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
             g.mul_(inv)
         return torch.linalg.vector_norm(buf, math.inf)
 
+    norms = torch.empty(len(grads))
+    norm_outs = norms.unbind()
+
+    def stats_then_unscale():  # a neural policy's read before: amax, 2-norms, GradScaler's unscale
+        aminmax()
+        sumsq = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
+        return sumsq
+
+    def stats_and_multiply():  # its one pass now: amax, multiply, 2-norm, per tensor in cache
+        for g, out, norm in zip(grads, pairs, norm_outs):
+            torch.aminmax(g, out=out)
+            g.mul_(inv)
+            torch.linalg.vector_norm(g, 2, dtype=torch.float32, out=norm)
+        return torch.linalg.vector_norm(buf, math.inf), norms.square().sum()
+
     def amax_and_amin():
         return max(max(float(g.amax()), -float(g.amin())) for g in grads)
 
@@ -75,6 +92,8 @@ def ops(grads: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
         "_foreach_mul_ (autoscale's unscale multiply)": lambda: torch._foreach_mul_(grads, inv),
         "aminmax of all, then _foreach_mul_ (the one-pass unscale before)": read_then_multiply,
         "aminmax and mul_ per tensor (autoscale's one-pass unscale)": read_and_multiply,
+        "aminmax, _foreach_norm(2), fused unscale (amax and RMS, before)": stats_then_unscale,
+        "aminmax, mul_ and 2-norm per tensor (amax and RMS, one pass)": stats_and_multiply,
         "GradScaler's fused unscale": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
             grads, flag, inv
         ),

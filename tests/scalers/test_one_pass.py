@@ -10,7 +10,14 @@ import torch
 
 import autoscale
 from autoscale.scalers.grad_stats import AbsMax, grad_amax, one_pass_grads
-from tests.scalers.helpers import adamw, assert_same_params, batches, forward_loss, tiny_model
+from tests.scalers.helpers import (
+    FIXTURE_POLICIES,
+    adamw,
+    assert_same_params,
+    batches,
+    forward_loss,
+    tiny_model,
+)
 
 CPU = torch.device("cpu")
 
@@ -101,17 +108,25 @@ def test_a_flag_reduced_by_the_caller_after_unscale_is_the_one_obeyed():
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
-@pytest.mark.parametrize("rule", ["amax-history", "auto"])
+@pytest.mark.parametrize("rule", ["amax-history", "auto", "fixture-neural", "amax-rms"])
 def test_one_pass_and_general_path_train_alike(rule, fused):
-    # keep_abs sends the statistics through the general path (a flat copy of |g|)
+    # the general path: GradScaler's unscale, then a read of the statistics (kept for gradients
+    # the one pass cannot take); a neural policy reads the RMS too, and so does a rule told to
+    # collect every statistic
+    name = str(FIXTURE_POLICIES / rule) if rule.startswith("fixture") else rule
     data = batches(40)
     bad, spikes = {3, 11, 12, 29}, {6, 17, 18, 33}
     runs = []
-    for keep in (False, True):
+    for general in (False, True):
         model = tiny_model()
         opt = adamw(model, fused=fused)
-        scaler = autoscale.get_scaler(rule, device="cpu")
-        scaler.grads.keep_abs = keep
+        if rule == "amax-rms":
+            scaler = autoscale.get_scaler("amax-history", device="cpu", collect_stats=True)
+        else:
+            scaler = autoscale.get_scaler(name, device="cpu")
+        assert scaler.grads.rms == (rule not in ("amax-history", "auto"))
+        if general:
+            scaler.grads.one_pass = lambda optimizer, dev: None
         seen = []
         for i, (x, y) in enumerate(data):
             opt.zero_grad(set_to_none=True)
@@ -124,7 +139,19 @@ def test_one_pass_and_general_path_train_alike(rule, fused):
             scaler.step(opt)
             scaler.update()
             s = scaler.last_stats
-            seen.append((s.scale, s.found_inf, s.grad_amax, s.loss, s.guarded, scaler.get_scale()))
+            seen.append(
+                (
+                    s.scale,
+                    s.found_inf,
+                    s.grad_amax,
+                    s.grad_rms,
+                    s.loss,
+                    s.guarded,
+                    scaler.get_scale(),
+                )
+            )
+        if not general:  # every step went through the one pass
+            assert scaler.grads.one_pass(opt, CPU) is not None
         runs.append((model, seen))
     (m_one, one), (m_gen, gen) = runs
     assert repr(one) == repr(gen)  # repr: NaN amaxes compare too, and the sign of zeros

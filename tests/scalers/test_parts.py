@@ -16,7 +16,7 @@ from autoscale.scalers import step_vector as sv
 from autoscale.scalers.checkpoint import STATE_VERSION, read_state, write_state
 from autoscale.scalers.controller import ScaleBounds, ScaleController, f32
 from autoscale.scalers.grad_reader import GradReader
-from autoscale.scalers.grad_stats import AbsMax
+from autoscale.scalers.grad_stats import AbsMax, grad_stats
 from autoscale.scalers.loss_guard import apply_guard, guard_scale_host, guarded_scale
 from autoscale.scalers.ranks import RankAgreement
 from autoscale.scalers.rules import TorchRule
@@ -191,7 +191,7 @@ def test_the_reader_keeps_abs_and_norm_for_one_step():
     model, opt = _optimizer()
     reader = GradReader()
     reader.rms = reader.keep_abs = True
-    assert reader.one_pass(opt, CPU) is None  # the sum of squares wanted: the general path
+    assert reader.one_pass(opt, CPU) is None  # |g| copied for an instrument: the general path
     state: dict = {}
     seen = []
     reader.collect(opt, state, CPU, None, 5, seen.append)
@@ -205,6 +205,30 @@ def test_the_reader_keeps_abs_and_norm_for_one_step():
     )
     reader.forget()
     assert reader.grad_abs(opt, 5) is None and reader.grad_norm(opt, 5) is None
+
+
+@pytest.mark.parametrize("bad", [None, math.inf, math.nan], ids=str)
+def test_the_one_pass_reads_the_rms_as_the_general_path_does(bad):
+    _, opt = _optimizer()
+    ours = [p.grad.clone() for group in opt.param_groups for p in group["params"]]
+    if bad is not None:
+        ours[0][1, 2] = bad
+    theirs = [g.clone() for g in ours]
+    scaled = [g.clone() for g in ours]
+    inv = InverseScale()(torch.full((), 64.0), 64.0, False, None)
+    flag, stats = unscale_reading_amax(ours, inv, AbsMax(), CPU, rms=True)
+    found = torch.zeros(1)
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, found, inv)
+    ref, _ = grad_stats(theirs, CPU, None, rms=True)  # GradScaler's unscale, then the read
+    assert all(torch.equal(a, b) or bad is not None for a, b in zip(ours, theirs))
+    assert flag.item() == found.item() == (bad is not None)
+    assert repr(stats.tolist()) == repr(ref.tolist())  # bit for bit, NaN and inf included
+    # the fused-optimizer path: statistics of the still-scaled gradients, times 1/scale
+    reader, state = GradReader(), {}
+    reader.rms = True
+    reader.amax(state, scaled, inv, CPU)
+    ref, _ = grad_stats(scaled, CPU, inv, rms=True)
+    assert repr(state[sv.STATS].tolist()) == repr(ref.tolist())
 
 
 def test_the_one_pass_unscale_is_gradscalers_bit_for_bit():
