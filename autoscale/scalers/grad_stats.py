@@ -156,19 +156,14 @@ class AbsMax:
             self._minmax, self._norms = buf[: 2 * n], buf[2 * n :]
             self._pairs = list(zip(buf[0 : 2 * n : 2].unbind(), buf[1 : 2 * n : 2].unbind()))
             self._norm_outs = list(self._norms.unbind())
-        if not sumsq:
-            for g, out in zip(grads, self._pairs):
-                torch.aminmax(g, out=out)
-                if then_mul is not None:
-                    g.mul_(then_mul)
-            return torch.linalg.vector_norm(self._minmax, math.inf).to(dev), None
         for g, out, norm in zip(grads, self._pairs, self._norm_outs):
             torch.aminmax(g, out=out)
             if then_mul is not None:
                 g.mul_(then_mul)
-            torch.linalg.vector_norm(g, 2, dtype=torch.float32, out=norm)
+            if sumsq:
+                torch.linalg.vector_norm(g, 2, dtype=torch.float32, out=norm)
         amax = torch.linalg.vector_norm(self._minmax, math.inf).to(dev)
-        return amax, self._norms.square().sum().to(dev)
+        return amax, self._norms.square().sum().to(dev) if sumsq else None
 
 
 def nonfinite_flag(amax: torch.Tensor) -> torch.Tensor:
