@@ -3,9 +3,17 @@
 A policy meant for everyone must hold on every member of a suite, not on one scenario (a winner of
 one scenario can fail the next: a static scale found on ``bad-batches`` skips most ``preference``
 steps). A suite spec names workloads and scenarios; each pair is a *member*, an ordinary
-:class:`~autoscale.envs.spec.EnvSpec` with the suite's episode, instances and reward. Members whose
-workload or scenario is *left out* are never searched or trained on: they are the zero-shot checks
-(CARL/DACBench style)::
+:class:`~autoscale.envs.spec.EnvSpec` with the suite's episode, instances and reward. Members come
+in three kinds, as data do in machine learning (CARL/DACBench style zero-shot checks, with a
+validation set between training and the final report):
+
+* *train* members: the search and the agents learn there (every member the split does not name);
+* *validation* members: never searched or trained on; the ``auto`` build chooses there, so the
+  choice rewards what holds on members a candidate never saw, as a user's workload is;
+* *test* members: never searched, trained or chosen on; read once, after the choice, to report.
+  Once a member decides, it no longer measures: a member both validation and test is test.
+
+Validation and test members together are the *left-out* ones (:attr:`SuiteSpec.left_out`)::
 
     name: suite
     workload: {dtype: fp16, lr: 0.001}          # defaults of every workload below
@@ -18,11 +26,16 @@ workload or scenario is *left out* are never searched or trained on: they are th
         clean: {}
         bad-batches: {every: 8}
         moving: {at: 200, width: 40, period: 600}
-      left_out: {workloads: [autoencoder], scenarios: [moving]}
+      split:                                     # what is not named here is train
+        validation: {workloads: [autoencoder]}
+        test: {scenarios: [moving], members: [mlp/bad-batches]}
       exclude: [gpt2-tiny/moving]                # pairs not run at all (optional)
     episode: {...}
     instances: {train: [...], test: [...]}
     reward: {...}
+
+The older form ``left_out: {workloads: [...], scenarios: [...], members: [...]}`` still loads: its
+members are test members (nothing chose on them before the split had a validation part).
 
 A plain spec is a suite of one member (:func:`as_suite`), so everything that takes a suite takes a
 spec too.
@@ -49,30 +62,43 @@ def member_name(workload: str, scenario: str) -> str:
 
 @dataclass(frozen=True)
 class SuiteSpec:
-    """Members searched together, and left-out members for zero-shot checks.
+    """Train members searched together, and left-out ones: validation and test members.
 
     Attributes:
         name: The suite's name.
-        members: The env specs searched and trained on (each has train and test instances).
-        left_out: Env specs never searched on; evaluated zero-shot.
+        members: The train members: env specs searched and trained on (each has train and test
+            instances).
+        left_out: Env specs never searched or trained on, validation and test members alike.
         source: The file it came from.
+        test_names: Which of ``left_out`` are test members (the others are validation members).
+            A name no member of ``left_out`` has is dropped, so that a suite narrowed with
+            ``dataclasses.replace`` keeps the kinds of the members it keeps.
     """
 
     name: str
     members: tuple[EnvSpec, ...]
     left_out: tuple[EnvSpec, ...] = ()
     source: str | None = field(default=None, compare=False)
+    test_names: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.members:
             raise ConfigError(
                 f"suite '{self.name}' has no member to search on (every workload or scenario is "
-                "left out or excluded); keep at least one pair"
+                "in the split's validation or test, or excluded); keep at least one pair"
             )
         names = [m.name for m in self.members + self.left_out]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ConfigError(f"suite '{self.name}' names members {dupes} twice")
+        train = sorted(set(self.test_names) & {m.name for m in self.members})
+        if train:
+            raise ConfigError(
+                f"suite '{self.name}': {train} are train members and test members; a member is "
+                "one of train, validation or test"
+            )
+        left = {m.name for m in self.left_out}
+        object.__setattr__(self, "test_names", frozenset(n for n in self.test_names if n in left))
         first = self.members[0]
         for m in self.members[1:] + self.left_out:
             if m.episode != first.episode or m.reward != first.reward:
@@ -88,6 +114,16 @@ class SuiteSpec:
     @property
     def reward(self):
         return self.members[0].reward
+
+    @property
+    def validation(self) -> tuple[EnvSpec, ...]:
+        """The validation members: the build chooses there; never searched or trained on."""
+        return tuple(m for m in self.left_out if m.name not in self.test_names)
+
+    @property
+    def test(self) -> tuple[EnvSpec, ...]:
+        """The test members: read once, after every choice, to report."""
+        return tuple(m for m in self.left_out if m.name in self.test_names)
 
     @property
     def is_single(self) -> bool:
@@ -116,21 +152,28 @@ class SuiteSpec:
             "name": self.name,
             "members": [m.to_dict() for m in self.members],
             "left_out": [m.to_dict() for m in self.left_out],
+            "test": [m.name for m in self.test],
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str | None = None) -> SuiteSpec:
-        """From :meth:`to_dict` output (members in full) or a suite YAML mapping."""
+        """From :meth:`to_dict` output (members in full) or a suite YAML mapping.
+
+        A stored suite from before the split (no ``test`` list) reads its left-out members as
+        test members, as the YAML's older ``left_out`` form does."""
         where = source or "suite spec"
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
         if "members" in data:  # the stored form
-            check_keys(where, data, ["name", "members", "left_out"])
+            check_keys(where, data, ["name", "members", "left_out", "test"])
+            left = tuple(EnvSpec.from_dict(m, source) for m in data.get("left_out") or ())
+            test = data["test"] if "test" in data else [m.name for m in left]
             return cls(
                 str(data["name"]),
                 tuple(EnvSpec.from_dict(m, source) for m in data["members"]),
-                tuple(EnvSpec.from_dict(m, source) for m in data.get("left_out") or ()),
+                left,
                 source,
+                frozenset(test),
             )
         return _from_yaml(data, where, source)
 
@@ -140,27 +183,19 @@ def _from_yaml(data: dict[str, Any], where: str, source: str | None) -> SuiteSpe
     suite = data.get("suite")
     if not isinstance(suite, dict):
         raise ConfigError(f"{where}: 'suite' must be a mapping of workloads and scenarios")
-    check_keys(f"{where}: suite", suite, ["workloads", "scenarios", "left_out", "exclude"])
+    check_keys(f"{where}: suite", suite, ["workloads", "scenarios", "split", "left_out", "exclude"])
     workloads = _mapping(where, "suite.workloads", suite.get("workloads"))
     scenarios = _mapping(where, "suite.scenarios", suite.get("scenarios"))
     shared = data.get("workload") or {}
     if not isinstance(shared, dict):
         raise ConfigError(f"{where}: 'workload' (the defaults of every workload) must be a mapping")
-    left = suite.get("left_out") or {}
-    if not isinstance(left, dict):
-        raise ConfigError(
-            f"{where}: suite.left_out must map 'workloads'/'scenarios'/'members' to lists"
-        )
-    check_keys(f"{where}: suite.left_out", left, ["workloads", "scenarios", "members"])
-    left_w = _names(where, "suite.left_out.workloads", left.get("workloads"), workloads)
-    left_s = _names(where, "suite.left_out.scenarios", left.get("scenarios"), scenarios)
     pairs = [member_name(w, s) for w in workloads for s in scenarios]
-    left_m = _names(where, "suite.left_out.members", left.get("members"), pairs)
+    in_test = _split(where, suite, workloads, scenarios, pairs)
     exclude = _names(where, "suite.exclude", suite.get("exclude"), pairs)
     name = str(data.get("name") or (Path(source).stem if source else "suite"))
     common = {k: data[k] for k in ("episode", "instances", "reward") if k in data}
     folder = Path(source).parent if source else Path.cwd()
-    members, left_out = [], []
+    members, left_out, test = [], [], set()
     for w, wl in workloads.items():
         if not isinstance(wl, dict):
             raise ConfigError(
@@ -187,8 +222,52 @@ def _from_yaml(data: dict[str, Any], where: str, source: str | None) -> SuiteSpe
                 )
             except (ConfigError, UnknownNameError) as exc:  # say which member is wrong
                 raise type(exc)(f"{where}: member '{pair}': {exc}") from None
-            (left_out if (w in left_w or s in left_s or pair in left_m) else members).append(spec)
-    return SuiteSpec(name, tuple(members), tuple(left_out), source)
+            kind = in_test(w, s, pair)
+            (members if kind == "train" else left_out).append(spec)
+            if kind == "test":
+                test.add(pair)
+    return SuiteSpec(name, tuple(members), tuple(left_out), source, frozenset(test))
+
+
+def _split(where: str, suite: dict[str, Any], workloads, scenarios, pairs):
+    """``(workload, scenario, pair) -> "train" | "validation" | "test"`` from ``suite.split``, or
+    from the older ``suite.left_out`` (all test). Test wins over validation: a member that
+    touches a test workload or scenario must not decide anything."""
+    if "split" in suite and "left_out" in suite:
+        raise ConfigError(
+            f"{where}: suite.left_out is the older form of suite.split.test; give one of them"
+        )
+    if "left_out" in suite:
+        parts = {"test": suite.get("left_out")}
+        keys = {"test": "suite.left_out"}
+    else:
+        split = suite.get("split") or {}
+        if not isinstance(split, dict):
+            raise ConfigError(f"{where}: suite.split must map 'validation'/'test' to mappings")
+        check_keys(f"{where}: suite.split", split, ["validation", "test"])
+        parts = split
+        keys = {k: f"suite.split.{k}" for k in ("validation", "test")}
+    chosen: dict[str, tuple[set[str], set[str], set[str]]] = {}
+    for kind, part in parts.items():
+        key = keys[kind]
+        part = part or {}
+        if not isinstance(part, dict):
+            raise ConfigError(f"{where}: {key} must map 'workloads'/'scenarios'/'members' to lists")
+        check_keys(f"{where}: {key}", part, ["workloads", "scenarios", "members"])
+        chosen[kind] = (
+            _names(where, f"{key}.workloads", part.get("workloads"), workloads),
+            _names(where, f"{key}.scenarios", part.get("scenarios"), scenarios),
+            _names(where, f"{key}.members", part.get("members"), pairs),
+        )
+
+    def kind_of(workload: str, scenario: str, pair: str) -> str:
+        for kind in ("test", "validation"):
+            w, s, m = chosen.get(kind, (set(), set(), set()))
+            if workload in w or scenario in s or pair in m:
+                return kind
+        return "train"
+
+    return kind_of
 
 
 def _mapping(where: str, key: str, value: Any) -> dict[str, Any]:

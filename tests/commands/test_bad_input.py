@@ -68,14 +68,14 @@ SPECS = {
     "model.yaml": _spec("model: mlp", "model: mlpp"),
     "every.yaml": _spec("scenario_params: {every: 8}", "scenario_params: {every: 0}"),
     "leak.yaml": _spec("- {seed: 100, start: 0}", "- {seed: 0, start: 0}"),
-    "suite-left.yaml": _suite("workloads: [autoencoder, cnn]", "workloads: [autoencodr, cnn]"),
+    "suite-left.yaml": _suite("validation: {workloads: [autoencoder]", "validation: {workloads: [autoencodr]"),
     "suite-exclude.yaml": _suite("exclude: [cnn/preference]", "exclude: [cnn/preference, mlp/clen]"),
     "suite-none.yaml": _suite(
-        "left_out: {workloads: [autoencoder, cnn], scenarios: [preference]}",
-        "left_out: {workloads: [gpt2-tiny, mlp, autoencoder, cnn]}",
+        "test: {workloads: [cnn]}",
+        "test: {workloads: [gpt2-tiny, mlp, cnn]}",
     ),
     "suite-member.yaml": _suite("mlp: {model: mlp, batch_size: 32}", "mlp: {model: mlp, batch_size: 0}"),
-    "suite-key.yaml": _suite("  left_out:", "  leftout: {}\n  left_out:"),
+    "suite-key.yaml": _suite("  split:", "  leftout: {}\n  split:"),
 }  # fmt: skip
 SPECS["episode5.yaml"] = re.sub(r"episode:\n(  .*\n)+", "episode: 5\n", GOOD_SPEC)
 SPECS["suite-list.yaml"] = re.sub(r"  workloads:\n(    .*\n)+", "  workloads: [mlp]\n", GOOD_SUITE)

@@ -1,7 +1,9 @@
-"""Suite specs: members from workloads x scenarios, left-out members, errors; the suite env."""
+"""Suite specs: members from workloads x scenarios, the split into train, validation and test
+members (and the older left-out form), errors; the suite env."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +31,7 @@ def tiny_suite(**changes) -> dict:
                 "bad-batches": {"every": 4},
                 "small": {"scenario": "small-grads"},
             },
-            "left_out": {"workloads": ["ae"], "scenarios": ["small"]},
+            "split": {"validation": {"workloads": ["ae"]}, "test": {"scenarios": ["small"]}},
         },
         "episode": {
             "steps": 8,
@@ -52,21 +54,51 @@ def tiny_suite(**changes) -> dict:
     return data
 
 
-def test_members_are_workloads_times_scenarios_with_the_left_out_apart():
+def test_members_are_workloads_times_scenarios_split_in_train_validation_and_test():
     suite = load_spec(tiny_suite())
     assert isinstance(suite, SuiteSpec)
     assert [m.name for m in suite.members] == ["mlp/clean", "mlp/bad-batches"]
     assert [m.name for m in suite.left_out] == [
         "mlp/small", "ae/clean", "ae/bad-batches", "ae/small",
     ]  # fmt: skip
+    # a member touching a test workload or scenario is test, even when validation names it too
+    assert [m.name for m in suite.validation] == ["ae/clean", "ae/bad-batches"]
+    assert [m.name for m in suite.test] == ["mlp/small", "ae/small"]
     bad = suite.member("mlp/bad-batches")
     assert bad.workload.model == "mlp" and bad.workload.batch_size == 16
     assert bad.workload.scenario_params == {"every": 4} and bad.workload.dtype == "fp16"
     assert suite.member("ae/small").workload.scenario == "small-grads"
     assert suite.episode.horizon == 16 and not suite.is_single
     assert SuiteSpec.from_dict(suite.to_dict()) == suite
+    assert SuiteSpec.from_dict(suite.to_dict()).test == suite.test
     single = as_suite(load_spec("bad-batches"))
     assert single.is_single and single.members[0].name == "bad-batches"
+    assert single.validation == single.test == ()
+    # narrowed with dataclasses.replace, the members kept keep their kind
+    narrow = replace(suite, left_out=(suite.member("ae/clean"), suite.member("ae/small")))
+    assert [m.name for m in narrow.validation] == ["ae/clean"]
+    assert [m.name for m in narrow.test] == ["ae/small"]
+    assert replace(suite, left_out=()).test_names == frozenset()
+
+
+def test_the_older_left_out_form_loads_as_test_members():
+    old = tiny_suite(**{"suite.split": None})
+    old["suite"]["left_out"] = {"workloads": ["ae"], "members": ["mlp/bad-batches"]}
+    suite = load_spec(old)
+    assert [m.name for m in suite.members] == ["mlp/clean", "mlp/small"]
+    assert suite.validation == ()
+    assert [m.name for m in suite.test] == [
+        "mlp/bad-batches",
+        "ae/clean",
+        "ae/bad-batches",
+        "ae/small",
+    ]
+    # a suite stored before the split (no test list) reads the same way
+    stored = suite.to_dict()
+    del stored["test"]
+    assert SuiteSpec.from_dict(stored) == suite
+    with pytest.raises(ConfigError, match="older form of suite.split.test; give one of them"):
+        load_spec({**old, "suite": {**old["suite"], "split": {"test": {"workloads": ["ae"]}}}})
 
 
 def test_the_shipped_suite_crosses_four_workloads_with_five_scenarios():
@@ -78,9 +110,12 @@ def test_the_shipped_suite_crosses_four_workloads_with_five_scenarios():
     assert scenarios == {"clean", "bad-batches", "small-grads", "moving", "preference"}
     assert len(suite.members) + len(suite.left_out) == 19  # a user workload takes no preference
     assert "cnn/preference" not in {m.name for m in suite.left_out}
-    # the left-out workloads
-    assert all(m.workload.model not in ("autoencoder", cnn) for m in suite.members)
-    assert all(m.workload.scenario != "preference" for m in suite.members)  # the left-out scenario
+    # validation and test each hold a workload no train member has, and test one no other has
+    train, val, test = suite.members, suite.validation, suite.test
+    assert all(m.workload.model not in ("autoencoder", cnn) for m in train)
+    assert all(m.workload.scenario != "preference" for m in train)
+    assert {m.workload.model for m in val} - {m.workload.model for m in train} == {"autoencoder"}
+    assert {m.workload.model for m in test} - {m.workload.model for m in train + val} == {cnn}
     for m in suite.members:
         train = {i.seed for i in m.instances["train"]}
         assert train.isdisjoint(i.seed for i in m.instances["test"])
@@ -100,11 +135,21 @@ def test_the_shipped_suite_crosses_four_workloads_with_five_scenarios():
             r"member 'mlp/clean'.*unknown scenario 'clena'; did you mean 'clean'",
         ),
         (
-            {"suite.left_out": {"workloads": ["mpl"]}},
+            {"suite.split": {"validation": {"workloads": ["mpl"]}}},
             UnknownNameError,
             r"unknown workload 'mpl'; did you mean 'mlp'",
         ),
-        ({"suite.left_out": {"workloads": ["mlp", "ae"]}}, ConfigError, r"no member to search on"),
+        (
+            {"suite.split": {"test": {"workloads": ["mlp", "ae"]}}},
+            ConfigError,
+            r"no member to search on",
+        ),
+        (
+            {"suite.split": {"test": {"members": ["mlp/clen"]}}},
+            UnknownNameError,
+            r"unknown member 'mlp/clen'; did you mean 'mlp/clean'",
+        ),
+        ({"suite.split": {"tset": {}}}, ConfigError, r"unknown key 'tset'; did you mean 'test'"),
         (
             {"instances": {"train": [{"seed": 0}], "test": []}},
             ConfigError,
