@@ -6,6 +6,13 @@ read ``state["scale"]`` and a plain GradScaler still load it, and adds an ``"aut
 with the rule's name, bounds, counters and state (format :data:`STATE_VERSION`). It loads under
 ``torch.load(weights_only=True)``. :func:`read_state` checks a state before anything is changed,
 and names what is wrong in one line.
+
+A state saved by another scaler loads too (a plain or sharded GradScaler's, another rule's):
+its scale carries over, and the loading rule's own memory (a tracker, a history, a policy's
+features) starts fresh, since another rule's memory means nothing to it; one warning says so.
+This is what observing a run with ``autoscale wrap --`` and resuming it with ``--scaler auto``
+needs. Inside a wrapped program (:func:`load_as_gradscaler`) a state that GradScaler would load
+never raises here either: an ``"autoscale"`` entry that cannot be used is set aside with a warning.
 """
 
 from __future__ import annotations
@@ -19,10 +26,21 @@ import torch
 from autoscale.errors import ConfigError
 from autoscale.scalers.controller import ScaleBounds, ScaleController, f32, positive_finite
 
-__all__ = ["STATE_VERSION", "LoadedState", "read_state", "write_state"]
+__all__ = ["STATE_VERSION", "LoadedState", "load_as_gradscaler", "read_state", "write_state"]
 
 STATE_VERSION = 1
 _COUNTERS = ("steps", "skipped", "min_hits")
+#: the rule a plain GradScaler's (or ShardedGradScaler's) state was saved by
+GRADSCALER_RULE = "torch"
+_lenient = {"on": False}
+
+
+def load_as_gradscaler(on: bool = True) -> None:
+    """In this process, load every state that torch's GradScaler would load without raising: an
+    ``"autoscale"`` entry that is corrupt or of a newer autoscale is set aside (the state loads as
+    a GradScaler's), with a warning. ``autoscale wrap`` sets it in the program it runs, so that
+    nothing raises there that would not raise without the wrap."""
+    _lenient["on"] = bool(on)
 
 
 def write_state(
@@ -58,11 +76,13 @@ class LoadedState:
 
 def read_state(state_dict: Any, name: str, bounds: ScaleBounds) -> LoadedState:
     """Check ``state_dict`` for a scaler named ``name`` with ``bounds``; warn where the scaler's
-    own bounds differ from the checkpoint's or the scale had to be clamped.
+    own bounds differ from the checkpoint's or the scale had to be clamped. A state saved by
+    another rule (or a GradScaler, into a rule other than ``torch``) gives its scale and the
+    counters, with an empty rule state: the rule starts its memory fresh (one warning).
 
     Raises:
-        ConfigError: a state of another rule, of a newer autoscale, or with a missing or
-            malformed entry (named in the message).
+        ConfigError: a state of a newer autoscale, or with a missing or malformed entry (named
+            in the message; inside a wrapped program only a bad scale).
         RuntimeError: an empty state (GradScaler's message: saved from a disabled scaler).
     """
     if not isinstance(state_dict, dict):
@@ -83,11 +103,39 @@ def read_state(state_dict: Any, name: str, bounds: ScaleBounds) -> LoadedState:
             "is corrupt or was saved after the scale reached 0 or inf"
         ) from None
     ours = state_dict.get("autoscale")
-    if ours is None:  # a plain GradScaler's state
+    if ours is not None:
+        try:
+            _check_ours(ours)
+        except ConfigError as exc:
+            if not _lenient["on"]:
+                raise
+            warnings.warn(f"{exc}; it is loaded as a GradScaler's state", stacklevel=3)
+            ours = None
+    saved_by = GRADSCALER_RULE if ours is None else ours["rule"]
+    clamped = bounds.clamp(scale)
+    if saved_by != name:  # the scale carries over; the other rule's memory means nothing here
+        clamp = (
+            "" if clamped == f32(scale) else f" (clamped into this scaler's bounds: {clamped:g})"
+        )
+        what = "a GradScaler" if ours is None else f"rule '{saved_by}'"
+        warnings.warn(
+            f"scaler state saved by {what} loads into '{name}': its scale {scale:g} carries "
+            f"over{clamp}, the rule's own memory starts fresh",
+            stacklevel=3,
+        )
+        return LoadedState(clamped, {}, None if ours is None else _counters(ours))
+    if ours is None:  # a plain GradScaler's state, into the rule that reproduces GradScaler
         tracker = _item(state_dict.get("_growth_tracker", 0))
-        loaded = LoadedState(bounds.clamp(scale), {"growth_tracker": int(tracker)}, None)
+        loaded = LoadedState(clamped, {"growth_tracker": int(tracker)}, None)
     else:
-        loaded = LoadedState(bounds.clamp(scale), *_read_ours(ours, name, bounds))
+        saved = (ours.get("min_scale"), ours.get("max_scale"))
+        if saved != (None, None) and saved != (bounds.min_scale, bounds.max_scale):
+            warnings.warn(
+                f"checkpoint of rule '{name}' was saved with scale bounds {saved}; this scaler "
+                f"keeps its own ({bounds.min_scale:g}, {bounds.max_scale:g})",
+                stacklevel=3,
+            )
+        loaded = LoadedState(clamped, ours["rule_state"], _counters(ours))
     if loaded.scale != f32(scale):
         warnings.warn(
             f"checkpoint scale {scale:g} lies outside this scaler's [{bounds.min_scale:g}, "
@@ -97,7 +145,8 @@ def read_state(state_dict: Any, name: str, bounds: ScaleBounds) -> LoadedState:
     return loaded
 
 
-def _read_ours(ours: Any, name: str, bounds: ScaleBounds) -> tuple[dict[str, Any], dict[str, int]]:
+def _check_ours(ours: Any) -> None:
+    """Raise ConfigError, naming what is wrong, where the ``"autoscale"`` entry cannot be used."""
     if not isinstance(ours, dict):
         raise ConfigError(
             "scaler state's 'autoscale' entry must be a mapping; the checkpoint is corrupt"
@@ -108,33 +157,31 @@ def _read_ours(ours: Any, name: str, bounds: ScaleBounds) -> tuple[dict[str, Any
             f"scaler state has format {version!r}, this autoscale reads up to {STATE_VERSION}; "
             "upgrade autoscale to load it"
         )
-    if ours.get("rule") != name:
+    name = ours.get("rule")
+    if not isinstance(name, str) or not name:
         raise ConfigError(
-            f"scaler state was saved by rule '{ours.get('rule')}', not '{name}'; "
-            f"load it with get_scaler('{ours.get('rule')}')"
+            f"scaler state's 'autoscale' entry names no rule (got {name!r}); the checkpoint is "
+            "corrupt"
         )
     missing = [k for k in (*_COUNTERS, "rule_state") if k not in ours]
     if missing:
         raise ConfigError(
             f"scaler state of rule '{name}' lacks {missing}; the checkpoint is corrupt"
         )
-    counters = {k: ours[k] for k in _COUNTERS}
     bad = {
-        k: v for k, v in counters.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0
+        k: ours[k]
+        for k in _COUNTERS
+        if isinstance(ours[k], bool) or not isinstance(ours[k], int) or ours[k] < 0
     }
     if bad:
         raise ConfigError(
             f"scaler state of rule '{name}' has counters {bad}, not integers >= 0; the "
             "checkpoint is corrupt"
         )
-    saved = (ours.get("min_scale"), ours.get("max_scale"))
-    if saved != (None, None) and saved != (bounds.min_scale, bounds.max_scale):
-        warnings.warn(
-            f"checkpoint of rule '{name}' was saved with scale bounds {saved}; this scaler "
-            f"keeps its own ({bounds.min_scale:g}, {bounds.max_scale:g})",
-            stacklevel=4,
-        )
-    return ours["rule_state"], counters
+
+
+def _counters(ours: dict[str, Any]) -> dict[str, int]:
+    return {k: ours[k] for k in _COUNTERS}
 
 
 def _item(value: Any) -> Any:
