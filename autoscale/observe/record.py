@@ -8,7 +8,14 @@ A record is a folder::
 
 Chunks are written whole and renamed into place, so a run killed at any moment leaves only whole
 chunks (it loses the steps of the chunk it was filling), and a record can be read while the run
-goes on. Standard library only: the recorder runs inside the user's program. The replay
+goes on. A folder is claimed atomically: ``meta.json`` is linked into place only where none is
+(two processes given one folder: one records, the other is refused), never checked and then
+written.
+
+Every line is strict JSON (format version 2): a non-finite number is written as the string
+``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (the spellings JavaScript's ``Number()`` and most
+JSON libraries' number parsers read back), and :func:`read_record` gives it back as a float.
+Version 1 records held bare ``NaN`` literals; they still read. Standard library only: the recorder runs inside the user's program. The replay
 environments and the search read a record through :func:`autoscale.envs.from_records.trace_from_record`.
 
 A step's fields (``None`` where not known):
@@ -52,11 +59,15 @@ __all__ = [
     "RunRecord",
     "read_record",
     "is_record",
+    "to_json",
     "underflow_share",
 ]
 
 RECORD_FORMAT = "autoscale-run-record"
-RECORD_VERSION = 1
+RECORD_VERSION = 2
+#: versions that :func:`read_record` reads (1: bare NaN/Infinity literals in the step lines)
+READS_VERSIONS = (1, 2)
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 META = "meta.json"
 HIST_LO, HIST_HI = -64, 16
 #: 1-bit bins of log2|g|, -64 .. +16 (80 bins); the ends are open (elements beyond count there).
@@ -111,11 +122,13 @@ class RecordWriter:
 
     Args:
         path: The folder. Created if missing; it must not hold a record already (a record is
-            never overwritten: choose another folder or delete the old one).
+            never overwritten: choose another folder or delete the old one). Claimed atomically:
+            of two writers given one folder at once, one gets it.
         meta: What ran (JSON-serialisable values); format, version and histogram edges are added.
 
     Raises:
-        ConfigError: the folder holds a record already, or cannot be written.
+        ConfigError: the folder holds a record already (or another writer claimed it first),
+            or cannot be written.
     """
 
     def __init__(self, path: str | os.PathLike, meta: dict[str, Any]) -> None:
@@ -127,18 +140,39 @@ class RecordWriter:
             "hist_edges": list(HIST_EDGES),
             **meta,
         }
-        _write_atomic(self.path / META, json.dumps(self.meta, indent=1))
+        _claim(self.path / META, to_json(self.meta, indent=1))
 
     def write_chunk(self, first: int, rows: list[dict[str, Any]]) -> None:
         """Write (or rewrite, with more rows) the chunk whose first step is ``first``."""
         if rows:
-            text = "\n".join(json.dumps(r, separators=(",", ":")) for r in rows) + "\n"
+            text = "\n".join(to_json(r, separators=(",", ":")) for r in rows) + "\n"
             _write_atomic(self.path / f"steps-{first:06d}.jsonl", text)
 
     def finish(self, **extra: Any) -> None:
         """Mark the record finished (the run ended and every step is written)."""
         self.meta.update(extra, finished=True)
-        _write_atomic(self.path / META, json.dumps(self.meta, indent=1))
+        _write_atomic(self.path / META, to_json(self.meta, indent=1))
+
+
+def to_json(obj: Any, **kwargs: Any) -> str:
+    """Strict JSON of ``obj``: non-finite floats as the strings ``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"`` (``json.dumps`` would write bare literals that strict readers refuse)."""
+    return json.dumps(_finite(obj), allow_nan=False, **kwargs)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "NaN" if obj != obj else ("Infinity" if obj > 0 else "-Infinity")
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _step_from_json(row: dict[str, Any]) -> dict[str, Any]:
+    """A step line read back: the non-finite numbers' strings as floats again."""
+    return {k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in row.items()}
 
 
 def check_writable(path: Path) -> None:
@@ -156,6 +190,33 @@ def check_writable(path: Path) -> None:
         raise ConfigError(
             f"cannot write the record folder '{path}' ({exc.strerror or exc}); give a writable folder"
         ) from None
+
+
+def _claim(path: Path, text: str) -> None:
+    """Create ``path`` holding ``text`` only if nothing is there: a whole file linked into place
+    (``os.link`` fails where the name exists), so no two writers both get it and no reader sees
+    half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.claim")
+    tmp.write_text(text)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise ConfigError(
+            f"record folder '{path.parent}' holds a record already (another process claimed "
+            "it); give another folder or delete it"
+        ) from None
+    except OSError:  # a file system without hard links: an exclusive create instead
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise ConfigError(
+                f"record folder '{path.parent}' holds a record already (another process "
+                "claimed it); give another folder or delete it"
+            ) from None
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -217,10 +278,10 @@ def read_record(path: str | os.PathLike) -> RunRecord:
     if not isinstance(meta, dict) or meta.get("format") != RECORD_FORMAT:
         raise ConfigError(f"'{path}' is not an autoscale record ({META} of another format)")
     version = meta.get("version")
-    if version != RECORD_VERSION:
+    if version not in READS_VERSIONS:
         raise ConfigError(
             f"record '{path}' has format version {version!r}, this autoscale reads version "
-            f"{RECORD_VERSION}; record the run again with this autoscale"
+            f"{' or '.join(map(str, READS_VERSIONS))}; record the run again with this autoscale"
         )
     record = RunRecord(path, meta)
     chunks = sorted((int(m.group(1)), p) for p in path.iterdir() if (m := _CHUNK.match(p.name)))
@@ -232,7 +293,9 @@ def read_record(path: str | os.PathLike) -> RunRecord:
             )
             break
         try:
-            rows = [json.loads(line) for line in chunk.read_text().splitlines() if line]
+            rows = [
+                _step_from_json(json.loads(line)) for line in chunk.read_text().splitlines() if line
+            ]
         except (OSError, ValueError) as exc:
             record.notes.append(
                 f"chunk {chunk.name} does not read ({exc}); the record ends before it"
