@@ -33,6 +33,7 @@ def watch_scaler(
     hist_every: int = 8,
     measure_threshold: bool = False,
     meta: dict[str, Any] | None = None,
+    log_tag: str = "",
 ) -> Watch:
     """Watch ``scaler``: record its steps to a folder and/or log them live.
 
@@ -49,6 +50,8 @@ def watch_scaler(
         measure_threshold: Measure each step's overflow threshold from the backward's own fp16
             tensors (a Python call per backward op) instead of estimating it from the gradients.
         meta: More to keep in the record's ``meta.json``.
+        log_tag: Keeps this scaler's live logs apart from another's of the same program
+            (``PATH.<tag>.csv``, ``autoscale/<tag>/`` names in TensorBoard and W&B).
 
     Returns:
         The :class:`Watch`; it closes itself at exit (call ``close()`` to end the record sooner).
@@ -62,7 +65,7 @@ def watch_scaler(
     from autoscale.observe.live import make_log_sink
 
     specs = [log] if isinstance(log, str) else list(log or [])
-    sinks: list[Any] = [make_log_sink(s) for s in specs]
+    sinks: list[Any] = [make_log_sink(s, log_tag) for s in specs]
     if record is not None:
         info = {
             "autoscale": __version__,

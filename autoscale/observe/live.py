@@ -6,6 +6,11 @@ gradient elements below fp16's range (on the steps with a histogram). A spec nam
 ``csv:PATH``, ``tensorboard:DIR`` (the ``tensorboard`` package: ``pip install
 'autoscale[tensorboard]'``), ``wandb:PROJECT`` (the ``wandb`` package; ``WANDB_MODE=offline``
 works without a network).
+
+Two scalers of one program never share a log: a ``tag`` (``autoscale wrap`` gives the second
+scaler ``scaler1``) puts the metrics under ``autoscale/<tag>/`` in TensorBoard and W&B and in
+``PATH.<tag>.csv``; a CSV file that a sink of this process holds open already is never reopened
+(truncated): the next sink writes ``PATH.2.csv``.
 """
 
 from __future__ import annotations
@@ -109,14 +114,26 @@ class LatestSink(_Counting):
         pass
 
 
-class CsvSink(_Counting):
-    """One CSV row per step (:data:`COLUMNS`), flushed with each batch of rows."""
+def _tagged(path: Path, tag: str) -> Path:
+    return path.with_name(f"{path.stem}.{tag}{path.suffix}") if tag else path
 
-    def __init__(self, path: str | os.PathLike) -> None:
+
+class CsvSink(_Counting):
+    """One CSV row per step (:data:`COLUMNS`), flushed with each batch of rows; ``PATH.<tag>.csv``
+    with a ``tag``, and never a file that another sink of this process holds open."""
+
+    _open: set[Path] = set()  # resolved paths held by this process's sinks
+
+    def __init__(self, path: str | os.PathLike, tag: str = "") -> None:
         super().__init__()
-        self.path = Path(path)
+        self.path = _tagged(Path(path), tag)
+        n = 1
+        while self.path.resolve() in CsvSink._open:
+            n += 1
+            self.path = _tagged(Path(path), f"{tag}.{n}" if tag else str(n))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "w", newline="")  # noqa: SIM115 - open for the sink's life
+        CsvSink._open.add(self.path.resolve())
         self._csv = csv.DictWriter(self._fh, fieldnames=COLUMNS)
         self._csv.writeheader()
 
@@ -127,15 +144,18 @@ class CsvSink(_Counting):
 
     def close(self) -> None:
         self._fh.close()
+        CsvSink._open.discard(self.path.resolve())
 
 
 class TensorBoardSink(_Counting):
-    """Scalars under ``autoscale/`` in a TensorBoard event folder (global step: the scaler's)."""
+    """Scalars under ``autoscale/`` (``autoscale/<tag>/`` with a ``tag``) in a TensorBoard event
+    folder (global step: the scaler's)."""
 
-    def __init__(self, logdir: str | os.PathLike) -> None:
+    def __init__(self, logdir: str | os.PathLike, tag: str = "") -> None:
         super().__init__()
         from torch.utils.tensorboard import SummaryWriter
 
+        self.prefix = f"autoscale/{tag}" if tag else "autoscale"
         self.writer = SummaryWriter(log_dir=str(logdir))
 
     def write(self, rows: list[dict[str, Any]]) -> None:
@@ -143,7 +163,7 @@ class TensorBoardSink(_Counting):
             step = m.pop("step")
             for key, value in m.items():
                 if value is not None and not (isinstance(value, float) and math.isnan(value)):
-                    self.writer.add_scalar(f"autoscale/{key}", value, step)
+                    self.writer.add_scalar(f"{self.prefix}/{key}", value, step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -151,22 +171,33 @@ class TensorBoardSink(_Counting):
 
 
 class WandbSink(_Counting):
-    """Metrics under ``autoscale/`` in the active W&B run (or a new one in ``project``), against
-    their own step axis ``autoscale/step`` so they never move the program's own step."""
+    """Metrics under ``autoscale/`` (``autoscale/<tag>/`` with a ``tag``) against their own step
+    axis ``autoscale/step``, in a W&B run.
 
-    def __init__(self, project: str) -> None:
+    In the program's own run (one was active when the sink was made) every ``log`` is
+    ``commit=False``: W&B's step is the program's, and autoscale never moves it (a committed row
+    would, and W&B then drops the program's ``log(step=...)`` calls below it). Uncommitted values
+    ride along with the program's next committed row, so only the latest step of each batch of
+    rows is logged there (the counts, such as ``skipped_total``, lose nothing). With no run active
+    the sink opens one in ``project``, its own, and logs every step as a row.
+    """
+
+    def __init__(self, project: str, tag: str = "") -> None:
         super().__init__()
         import wandb
 
         self.wandb = wandb
+        self.prefix = f"autoscale/{tag}" if tag else "autoscale"
         self._own = wandb.run is None
         self.run = wandb.run or wandb.init(project=project or None)
-        self.run.define_metric("autoscale/step")
-        self.run.define_metric("autoscale/*", step_metric="autoscale/step")
+        self.run.define_metric(f"{self.prefix}/step")
+        self.run.define_metric(f"{self.prefix}/*", step_metric=f"{self.prefix}/step")
 
     def write(self, rows: list[dict[str, Any]]) -> None:
-        for m in self._each(rows):
-            self.run.log({f"autoscale/{k}": v for k, v in m.items() if v is not None}, commit=True)
+        metrics = list(self._each(rows))
+        for m in metrics if self._own else metrics[-1:]:
+            row = {f"{self.prefix}/{k}": v for k, v in m.items() if v is not None}
+            self.run.log(row, commit=self._own)
 
     def close(self) -> None:
         if self._own:
@@ -189,7 +220,8 @@ def check_log_spec(spec: str) -> tuple[str, str]:
     what, package = KINDS[kind]
     if not sep or (not target and kind != "wandb"):
         raise ConfigError(
-            f"log spec '{spec}' names no {what}; write it as {kind}:{what.split()[-1].upper()}"
+            f"log spec '{spec}' names {what.replace('a ', 'no ', 1)}; write it as "
+            f"{kind}:{what.split()[-1].upper()}"
         )
     if package is not None and importlib.util.find_spec(package) is None:
         extra = f"'autoscale[{package}]'" if package == "tensorboard" else package
@@ -199,11 +231,12 @@ def check_log_spec(spec: str) -> tuple[str, str]:
     return kind, target
 
 
-def make_log_sink(spec: str) -> Any:
-    """The sink a log spec names (see :func:`check_log_spec`)."""
+def make_log_sink(spec: str, tag: str = "") -> Any:
+    """The sink a log spec names (see :func:`check_log_spec`); ``tag`` keeps a second scaler's
+    metrics apart (its own CSV file, its own TensorBoard and W&B names)."""
     kind, target = check_log_spec(spec)
     if kind == "csv":
-        return CsvSink(target)
+        return CsvSink(target, tag)
     if kind == "tensorboard":
-        return TensorBoardSink(target)
-    return WandbSink(target)
+        return TensorBoardSink(target, tag)
+    return WandbSink(target, tag)

@@ -191,5 +191,5 @@ def test_live_wandb_offline(tmp_path, monkeypatch):
 def test_bad_log_specs():
     with pytest.raises(AutoscaleError, match="did you mean 'csv'"):
         autoscale.get_scaler("torch", device="cpu", log="cvs:x")
-    with pytest.raises(ConfigError, match="names no a file"):
+    with pytest.raises(ConfigError, match="names no file; write it as csv:FILE"):
         autoscale.get_scaler("torch", device="cpu", log="csv:")
