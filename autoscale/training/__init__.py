@@ -16,6 +16,7 @@ Example::
 from autoscale.training.instruments import HIST_EDGES
 from autoscale.training.presets import list_models
 from autoscale.training.records import Snapshot, StepRecord
+from autoscale.training.rl_finetune import RLFinetune  # registers the rl-finetune scenario
 from autoscale.training.run import TrainingRun
 from autoscale.training.scenarios import (
     Scenario,
@@ -33,6 +34,7 @@ from autoscale.training.spec import WorkloadSpec
 
 __all__ = [
     "HIST_EDGES",
+    "RLFinetune",
     "Scenario",
     "Scorecard",
     "Snapshot",
