@@ -12,21 +12,29 @@ pass has evicted the caches) and few passes over the gradients:
 - :class:`FlatAbs`: ``|g|`` copied into one reused buffer, for instruments that read it too;
 - :func:`grad_stats`: ``[amax, sum of squares, count]`` of the gradients, from that buffer or
   read in place.
+
+Sharded gradients (FSDP2's DTensors) are read as this rank's shard (:func:`local_grad`): each
+rank's statistics are of its own elements, and the agreement across ranks
+(:mod:`~autoscale.scalers.ranks`) takes the max of the amaxes and the sum of the squares and
+counts, which are those of the whole gradient. A reshape of a sharded DTensor is no view of it.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
 __all__ = [
     "AbsMax",
     "FlatAbs",
+    "dtensor_class",
     "grad_amax",
     "grad_stats",
     "grad_sumsq",
     "grads_of",
+    "local_grad",
     "nonfinite_flag",
     "one_pass_grads",
     "stack_on",
@@ -49,13 +57,40 @@ def grad_amax(grads: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
 
 
 def grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The gradients of ``optimizer`` that hold elements (a sparse one's values)."""
-    return [
-        p.grad._values() if p.grad.is_sparse else p.grad
-        for group in optimizer.param_groups
-        for p in group["params"]
-        if p.grad is not None and p.grad.numel()
-    ]
+    """The gradients of ``optimizer`` that hold elements on this rank (a sparse one's values, a
+    sharded one's local shard)."""
+    dtensor = dtensor_class()
+    grads = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if dtensor is not None and isinstance(g, dtensor):
+                g = local_grad(g)
+            if g.is_sparse:
+                g = g._values()
+            if g.numel():
+                grads.append(g)
+    return grads
+
+
+def dtensor_class() -> type | None:
+    """``torch.distributed.tensor.DTensor`` where that module is imported, else None: a DTensor
+    exists only then, and a scaler imports nothing for it."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def local_grad(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor gradient (FSDP2's ``fully_shard``), sharing its storage (an
+    in-place unscale of it unscales the DTensor); any other gradient as it is. Statistics read
+    the shard: DTensor ops on a sharded gradient refuse a reshape of its sharded dimension, and a
+    collective on one has no sharding rule."""
+    dtensor = dtensor_class()
+    if dtensor is None or not isinstance(grad, dtensor):
+        return grad
+    with torch.no_grad():  # the local tensor itself, not an autograd view of it
+        return grad.to_local()
 
 
 def grad_stats(
@@ -177,18 +212,22 @@ def one_pass_grads(
 ) -> list[torch.Tensor] | None:
     """The gradients of ``optimizer`` that hold elements, if every gradient is a dense float32
     tensor on ``dev`` and one at least holds elements; else None (another dtype, a sparse
-    gradient, several devices, nothing to read: the general path, GradScaler's own, handles it).
+    gradient, several devices, a DTensor, nothing to read: the general path, GradScaler's own,
+    handles it).
 
     For float32 gradients, GradScaler's unscale is ``fl(g * inv)`` in float32, the same product
     as ``torch._foreach_mul_`` computes, so reading the amax first and multiplying after gives
     the gradients, the found-inf flag and the amax of the general path, bit for bit.
     """
+    dtensor = dtensor_class()
     grads = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             g = p.grad
             if g is None:
                 continue
+            if dtensor is not None and isinstance(g, dtensor):
+                return None  # GradScaler's unscale of DTensors agrees found-inf across ranks
             if g.dtype is not torch.float32 or g.layout is not torch.strided or g.device != dev:
                 return None
             if g.numel():
