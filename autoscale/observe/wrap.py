@@ -14,16 +14,19 @@ the launcher prints.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from autoscale.observe import watch_scaler
+from autoscale.observe.on_import import when_imported
 from autoscale.scalers import LossScaler, get_scaler
 
 __all__ = ["ENV", "install", "installed"]
@@ -31,6 +34,7 @@ __all__ = ["ENV", "install", "installed"]
 ENV = "AUTOSCALE_WRAP"
 _DEFAULT = object()  # an argument the program did not pass
 _KNOBS = ("growth_factor", "backoff_factor", "growth_interval")
+SHARDED_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"  # FSDP1's ShardedGradScaler
 _state: dict[str, Any] = {"installed": False, "built": [], "kept": []}
 
 
@@ -54,10 +58,31 @@ def install(config: dict[str, Any] | None = None) -> None:
     cuda_cls = _replacement(cuda_module.GradScaler, cuda_only=True)
     for mod in (cuda_amp, cuda_module):
         mod.GradScaler = cuda_cls
+    # FSDP1's ShardedGradScaler, when the program imports it (its package takes seconds)
+    _state["amp_original"] = amp_original
+    when_imported(SHARDED_MODULE, _replace_sharded, during=_torch_grad_scaler)
     atexit.register(_write_summaries)
 
 
-def _replacement(original: type, cuda_only: bool) -> type:
+@contextlib.contextmanager
+def _torch_grad_scaler() -> Iterator[None]:
+    """torch's own GradScaler in ``torch.amp.grad_scaler`` while a module of torch's that
+    subclasses it runs: its class is then torch's, as without the wrap."""
+    module = torch.amp.grad_scaler
+    replaced, module.GradScaler = module.GradScaler, _state["amp_original"]
+    try:
+        yield
+    finally:
+        module.GradScaler = replaced
+
+
+def _replace_sharded(module: Any) -> None:
+    """``ShardedGradScaler`` builds a :class:`~autoscale.scalers.sharded.ShardedLossScaler`."""
+    importlib.import_module("autoscale.scalers.sharded")  # subclasses torch's class: first
+    module.ShardedGradScaler = _replacement(module.ShardedGradScaler, cuda_only=False, sharded=True)
+
+
+def _replacement(original: type, cuda_only: bool, sharded: bool = False) -> type:
     class _Meta(type):
         def __instancecheck__(cls, obj: Any) -> bool:
             return isinstance(obj, original)
@@ -69,11 +94,12 @@ def _replacement(original: type, cuda_only: bool) -> type:
             if cls is not replacement:  # the program's own subclass: kept as it is
                 _state["kept"].append(cls.__name__)
                 return super().__call__(*args, **kwargs)
-            return _build(cuda_only, *args, **kwargs)
+            return _build(cuda_only, *args, sharded=sharded, **kwargs)
 
-    replacement = _Meta("GradScaler", (original,), {"__module__": original.__module__})
+    what = original.__name__
+    replacement = _Meta(what, (original,), {"__module__": original.__module__})
     replacement.__doc__ = (
-        f"autoscale wrap: builds autoscale's scaler in place of {original.__module__}.GradScaler"
+        f"autoscale wrap: builds autoscale's scaler in place of {original.__module__}.{what}"
     )
     return replacement
 
@@ -81,9 +107,13 @@ def _replacement(original: type, cuda_only: bool) -> type:
 def _build(
     cuda_only: bool,
     *args: Any,
+    sharded: bool = False,
     **kwargs: Any,
 ) -> LossScaler:
     names = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
+    if sharded:  # ShardedGradScaler's order, and its group
+        names = ("init_scale", "backoff_factor", "growth_factor", "growth_interval", "enabled")
+        names = (*names, "process_group")
     if not cuda_only:
         names = ("device", *names)
     given = dict(zip(names, args))
@@ -94,7 +124,13 @@ def _build(
     build: dict[str, Any] = {"enabled": given.pop("enabled", True)}
     if "init_scale" in given:
         build["init_scale"] = float(given.pop("init_scale"))
-    scaler = get_scaler(name, device=device, **build)
+    if sharded:
+        from autoscale.scalers.sharded import sharded_scaler
+
+        group = given.pop("process_group", None)
+        scaler = sharded_scaler(name, device=device, process_group=group, **build)
+    else:
+        scaler = get_scaler(name, device=device, **build)
     ignored, kept = [], []
     for knob in _KNOBS:
         if knob not in given:
