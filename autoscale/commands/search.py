@@ -83,6 +83,13 @@ class SearchCommand(Command):
             choices=("parametric", "rl", "both"),
             help="rule families with their knobs, RL agents, or both (default parametric)",
         )
+        s.add_argument(
+            "--family",
+            action="append",
+            metavar="RULE",
+            help="search only this rule family (repeatable; default: every family whose scale "
+            "adapts: a fixed scale, static, only when named here)",
+        )
         s.add_argument("--n-trials", type=int, help="stop this worker after N trials")
         s.add_argument("--seed", type=int, default=0, help="seed of the sampler and the agents")
         st = parser.add_argument_group("storage and export")
@@ -110,6 +117,10 @@ class SearchCommand(Command):
 
         if args.n_trials is not None and args.n_trials <= 0:
             raise ConfigError(f"--n-trials must be a positive number, got {args.n_trials}")
+        if args.family:
+            from autoscale.search.space import searched_families
+
+            searched_families(args.family)  # an unknown name: one line, before any work
         if args.traces:
             return self._on_traces(args, budget)
         params = parse_pairs(args.param, "--param")
@@ -141,6 +152,7 @@ class SearchCommand(Command):
             progress=not args.quiet,
             command=shlex.join(["autoscale", *sys.argv[1:]]) if sys.argv else "autoscale search",
             budget_text=args.budget,
+            families=tuple(args.family) if args.family else None,
         )
         runner = SearchRunner(cfg, budget)
         try:
@@ -174,6 +186,8 @@ class SearchCommand(Command):
             f"training and evaluation {100 * work / result.wall_s:.0f}%, bookkeeping (storage, plots, notes, "
             f"artifacts) {100 * bk / result.wall_s:.1f}%; this worker ran {sum(result.trials.values())} trials"
         )
+        for line in result.answer:
+            print(line)
         print(f"review it with: autoscale dashboard --storage {mask_url(args.storage)}")
         return 0
 
@@ -209,6 +223,7 @@ class SearchCommand(Command):
             seed=args.seed,
             n_trials=args.n_trials,
             command=shlex.join(["autoscale", *sys.argv[1:]]) if sys.argv else "autoscale search",
+            families=tuple(args.family) if args.family else None,
         )
         try:
             with sticky_interrupt():

@@ -133,6 +133,9 @@ class ScaleRule:
         scale_time: With ``has_guard``, the rule decides each step's scale itself when the loss
             is scaled (``step_scale`` on the host, ``apply_step_scale`` on the device; an exported
             policy that acts at scale time) instead of through :meth:`guard_limit`.
+        adapts: The scale follows the gradients (False for a fixed scale: a search exports
+            such a rule only when the user asks for its family, since a run's gradients drift by
+            orders of magnitude over 10^4 to 10^6 steps).
         default_init_scale, default_min_scale, default_max_scale: The scale bounds a scaler of this
             rule gets unless the user gives others.
     """
@@ -145,6 +148,7 @@ class ScaleRule:
     needs_loss: ClassVar[bool] = False
     has_guard: ClassVar[bool] = False
     scale_time: ClassVar[bool] = False
+    adapts: ClassVar[bool] = True
     default_init_scale: ClassVar[float] = 2.0**16
     default_min_scale: ClassVar[float] = 2.0**-24
     default_max_scale: ClassVar[float] = 2.0**64

@@ -1,20 +1,22 @@
-"""What a search compares: a built-in rule or a trial of the study, as one type.
+"""What a search compares: a built-in rule, a shipped policy or a trial of the study, as one type.
 
 A :class:`Candidate` is the string the study stores it under (``"rule:torch"``,
-``"trial:12"``: the keys of validated episodes in the study's user attributes, kept as they
-are), with its parts read here and nowhere else.
+``"policy:auto"``, ``"trial:12"``: the keys of validated episodes in the study's user attributes,
+kept as they are), with its parts read here and nowhere else. ``torch`` is the reference every
+objective is measured against; ``auto``, the shipped general policy, is the bar a searched policy
+must clear to be exported.
 """
 
 from __future__ import annotations
 
-__all__ = ["TORCH", "Candidate"]
+__all__ = ["AUTO", "TORCH", "Candidate"]
 
-_KINDS = ("rule", "trial")
+_KINDS = ("rule", "policy", "trial")
 
 
 class Candidate(str):
-    """``"rule:NAME"`` or ``"trial:NUMBER"``; build one with :meth:`rule`, :meth:`trial` or
-    :meth:`parse` (which refuses anything else)."""
+    """``"rule:NAME"``, ``"policy:NAME"`` or ``"trial:NUMBER"``; build one with :meth:`rule`,
+    :meth:`policy`, :meth:`trial` or :meth:`parse` (which refuses anything else)."""
 
     __slots__ = ()
 
@@ -23,15 +25,20 @@ class Candidate(str):
         return cls(f"rule:{name}")
 
     @classmethod
+    def policy(cls, name: str) -> Candidate:
+        return cls(f"policy:{name}")
+
+    @classmethod
     def trial(cls, number: int) -> Candidate:
         return cls(f"trial:{int(number)}")
 
     @classmethod
     def parse(cls, key: str) -> Candidate:
-        """``key`` as a candidate; ValueError unless it is ``rule:NAME`` or ``trial:NUMBER``."""
+        """``key`` as a candidate; ValueError unless it is ``rule:NAME``, ``policy:NAME`` or
+        ``trial:NUMBER``."""
         kind, sep, rest = str(key).partition(":")
         if not sep or kind not in _KINDS or not rest or (kind == "trial" and not rest.isdigit()):
-            raise ValueError(f"not a candidate: {key!r} (rule:NAME or trial:NUMBER)")
+            raise ValueError(f"not a candidate: {key!r} (rule:NAME, policy:NAME or trial:NUMBER)")
         return cls(key)
 
     @property
@@ -43,12 +50,21 @@ class Candidate(str):
         return self.startswith("rule:")
 
     @property
+    def is_policy(self) -> bool:
+        return self.startswith("policy:")
+
+    @property
+    def is_named(self) -> bool:
+        """A scaler built by its name (a built-in rule or a shipped policy), not a trial."""
+        return not self.is_trial
+
+    @property
     def is_trial(self) -> bool:
         return self.startswith("trial:")
 
     @property
     def name(self) -> str:
-        """The rule's name, or the trial's number as text."""
+        """The rule's or policy's name, or the trial's number as text."""
         return self.partition(":")[2]
 
     @property
@@ -60,3 +76,4 @@ class Candidate(str):
 
 
 TORCH = Candidate.rule("torch")
+AUTO = Candidate.policy("auto")

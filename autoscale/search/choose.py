@@ -1,13 +1,17 @@
-"""The pick: rank what was validated, put the best through the no-harm check, export the first that
-passes, and say why at each step.
+"""The pick: rank what was validated, hold it against ``auto``, put what clears that bar through the
+no-harm check, export the first that passes, and say why at each step.
 
-Candidates and built-in rules are ranked on the same real-step test episodes by the objective
-against ``torch`` (:func:`~autoscale.search.export.rank`). Walking down the ranking, each one runs
-the no-harm check (:mod:`autoscale.search.gate`): screened on replay of ``torch``'s long clean runs
-first, then its own long clean runs. The first that passes is exported; a built-in rule that ranks
-first is exported as itself (its defaults) and said to be one. Verdicts are kept in the study, so a
-resumed search or another worker does not run them again. ``torch`` passes by definition: it is
-the reference.
+Candidates, built-in rules and ``auto`` (the shipped general policy) are ranked on the same
+real-step test episodes by the objective against ``torch``
+(:func:`~autoscale.search.export.rank`). ``auto`` is the bar: a user's question is "is there
+something better than ``auto`` for my run?". Walking down the ranking, a candidate above ``auto``
+counts only when its lead over ``auto`` is more than the seed noise
+(:func:`~autoscale.search.objective.lead`: paired episode by episode), and only when the user may
+get it (a family that cannot adapt, a fixed scale, only when asked for); then it runs the no-harm
+check (:mod:`autoscale.search.gate`): screened on replay of ``torch``'s long runs first, then its
+own long runs. The first that passes is the pick. When none does, ``auto`` is: it is checked too
+(where time allows), and where it harms this run, ``torch``, the reference, is the pick.
+Verdicts are kept in the study, so a resumed search or another worker does not run them again.
 """
 
 from __future__ import annotations
@@ -18,15 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoscale.search.budget import Ledger, format_duration
-from autoscale.search.candidates import TORCH
+from autoscale.search.candidates import AUTO, TORCH
 from autoscale.search.gate import NoHarmCheck, Verdict
+from autoscale.search.objective import Lead, lead
 from autoscale.search.timing import Timings
 from autoscale.search.validate import Validated
 from autoscale.training.scorecard import json_safe
 
 __all__ = ["Choice", "choose", "GATE_PREFIX"]
 
-GATE_PREFIX = "no-harm:"
+GATE_PREFIX = "no-harm-v2:"  # v2: the check's long runs include a drifting one
 
 
 @dataclass
@@ -34,12 +39,20 @@ class Choice:
     """What :func:`choose` decided.
 
     Attributes:
-        winner: The first validated scaler of the ranking that passed the check (None: none).
+        winner: The pick (None: ``auto`` was not validated on real steps, or nothing passed).
+        why: The reason, in words, for the pick.
+        bar: ``auto``'s validation (None: not validated on real steps).
+        leads: Key -> the lead over ``auto`` of each scaler ranked above it.
+        refused: Key -> why the user may not get it (a family not asked for).
         verdicts: The verdicts reached, in the order they were reached (stored ones included).
         unchecked: Labels the time left could not check.
     """
 
     winner: Validated | None
+    why: str = ""
+    bar: Validated | None = None
+    leads: dict[str, Lead] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
     verdicts: list[Verdict] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)
 
@@ -59,44 +72,112 @@ def choose(
     timings: Timings,
     ledger: Ledger,
     *,
+    weights: Any,
     stop_at: float,
     say: Callable[[str], None],
+    refuse: Callable[[Validated], str | None] | None = None,
 ) -> Choice:
-    """Walk ``ranked`` (best first) until one passes the no-harm check or time runs out.
+    """Walk ``ranked`` (best first) down to ``auto`` (see the module docstring).
 
     Args:
         factories: Key -> a factory of fresh scalers of that validated scaler.
+        weights: The reward weights of the objective.
         stop_at: ``time.monotonic()`` past which no real check starts (its estimated cost must
             fit before it).
+        refuse: Why the user may not get a scaler (None: they may).
     """
     choice = Choice(None)
-    for v in ranked:
-        if not v.real:
-            choice.unchecked.append(f"{v.label} (validated on replay only)")
+    real = [v for v in ranked if v.real]
+    choice.unchecked += [f"{v.label} (validated on replay only)" for v in ranked if not v.real]
+    reference = next((v for v in real if v.key == TORCH), None)
+    choice.bar = next((v for v in real if v.key == AUTO), None)
+    if reference is None or choice.bar is None:
+        choice.why = "auto could not be validated on real steps in the budget"
+        return choice
+    bar = choice.bar
+    for v in real:
+        if v.key == AUTO:
+            break
+        choice.leads[v.key] = ld = lead(v.cards, bar.cards, reference.cards, weights)
+        if not ld.clear:
             continue
-        if v.key == TORCH:
+        why = refuse(v) if refuse is not None else None
+        if why:
+            choice.refused[v.key] = why
+            continue
+        if v.key == TORCH:  # the reference: no check
             choice.winner = v
+            choice.why = _beats(v, ld)
             return choice
-        verdict = _stored(study, v.key)
-        fresh = verdict is None
-        if verdict is None:
-            factory = factories[v.key]
-            verdict = gate.screen(factory, v.label)
-            if verdict.passed:
-                need = 1.2 * gate.cost(timings, 1)
-                if time.monotonic() + need > stop_at:
-                    choice.unchecked.append(
-                        f"{v.label} (its no-harm check needs ~{format_duration(need)}, "
-                        f"{format_duration(max(0.0, stop_at - time.monotonic()))} left)"
-                    )
-                    continue
-                verdict = gate.check(factory, v.label)
-            with ledger.track("bk:attrs"):
-                study.set_user_attr(GATE_PREFIX + v.key, json_safe(verdict.to_dict()))
-        choice.verdicts.append(verdict)
-        if fresh:
-            say(verdict.summary())
-        if verdict.passed:
+        verdict = _verdict(study, v, factories, gate, timings, ledger, stop_at, say, choice)
+        if verdict is not None and verdict.passed:
             choice.winner = v
+            choice.why = _beats(v, ld) + " and passed the no-harm check"
             return choice
+    best = next((k for k in choice.leads if k not in choice.refused), None)
+    if best is None:
+        lost = "no candidate ranked above it on these episodes"
+    elif choice.leads[best].clear:
+        lost = "no candidate that led it beyond the seed noise passed the no-harm check"
+    else:
+        ld = choice.leads[best]
+        lost = (
+            f"the best ({_label(real, best)}) led it by {ld.lead:.4f}, within the seed noise "
+            f"({ld.noise:.4f} on {ld.episodes} episodes)"
+        )
+    verdict = _verdict(study, bar, factories, gate, timings, ledger, stop_at, say, choice)
+    if verdict is None or verdict.passed:
+        choice.winner = bar
+        checked = "" if verdict is not None else " (its no-harm check did not fit in the time left)"
+        choice.why = f"auto is the best found for this run: {lost}{checked}"
+        return choice
+    choice.winner = reference
+    choice.why = (
+        f"auto harms this run ({'; '.join(verdict.reasons)}): torch's own rule, the reference"
+    )
     return choice
+
+
+def _label(rows: list[Validated], key: str) -> str:
+    return next(v.label for v in rows if v.key == key)
+
+
+def _beats(v: Validated, ld: Lead) -> str:
+    return (
+        f"{v.label} beat auto by {ld.lead:.4f} on the objective, more than the seed noise "
+        f"({ld.noise:.4f} on {ld.episodes} held-out episodes)"
+    )
+
+
+def _verdict(
+    study: Any,
+    v: Validated,
+    factories: dict[str, Callable[[], Any]],
+    gate: NoHarmCheck,
+    timings: Timings,
+    ledger: Ledger,
+    stop_at: float,
+    say: Callable[[str], None],
+    choice: Choice,
+) -> Verdict | None:
+    """``v``'s verdict: stored, or screened and checked now; None when the check does not fit."""
+    verdict = _stored(study, v.key)
+    fresh = verdict is None
+    if verdict is None:
+        factory = factories[v.key]
+        verdict = gate.screen(factory, v.label)
+        if verdict.passed:
+            need = 1.2 * gate.cost(timings, 1)
+            if time.monotonic() + need > stop_at:
+                choice.unchecked.append(
+                    f"{v.label} (its no-harm check needs ~{format_duration(need)}, "
+                    f"{format_duration(max(0.0, stop_at - time.monotonic()))} left)"
+                )
+                return None
+            verdict = gate.check(factory, v.label)
+        with ledger.track("bk:attrs"):
+            study.set_user_attr(GATE_PREFIX + v.key, json_safe(verdict.to_dict()))
+    choice.verdicts.append(verdict)
+    if fresh:
+        say(verdict.summary())
+    return verdict

@@ -1,9 +1,10 @@
-"""Export: a study's trial or a built-in rule as a policy (``policies/NAME/``), and the honest pick.
+"""Export: a study's trial, a built-in rule or the shipped ``auto`` as a policy (``policies/NAME/``).
 
-The search ranks its validated candidates *and* every built-in rule on the same real-step test
-episodes (:func:`rank`). When a built-in rule ranks first, the rule is what gets exported (its
-defaults with the episode's scale bounds, as a parametric policy), and the search says so: a
-candidate that a built-in rule beats is never exported.
+The search ranks its validated candidates, every built-in rule and ``auto`` on the same real-step
+test episodes (:func:`rank`) and picks (:mod:`autoscale.search.choose`). A built-in rule that is
+picked is exported with its defaults and the episode's scale bounds, as a parametric policy; when
+nothing clears ``auto``, ``auto`` itself is exported under the requested name
+(:func:`export_policy`), so ``get_scaler(NAME)`` works and the manifest says why.
 
 Parametric trials are re-exported from their parameters; RL trials from the policy each one stored
 as an artifact (``policy.zip``) when it completed, so any trial can be exported later, from any
@@ -37,6 +38,7 @@ __all__ = [
     "check_export_target",
     "export_trial",
     "export_rule",
+    "export_policy",
     "best_trial",
     "card_summary",
     "top_candidates",
@@ -146,12 +148,17 @@ def top_candidates(
 def rank(
     validated: dict[Candidate, Validated], reference: Validated, weights: Any
 ) -> list[Validated]:
-    """Every validated candidate and rule, best first, by the objective against ``reference``
-    (``torch``) on the same episodes; real-step validations before replayed ones, and rules before
-    candidates on a tie."""
+    """Every validated candidate, rule and shipped policy, best first, by the objective against
+    ``reference`` (``torch``) on the same episodes; real-step validations before replayed ones,
+    and on a tie ``auto`` first, then the rules, then trials."""
     return sorted(
         validated.values(),
-        key=lambda v: (not v.real, v.objective(reference, weights), not v.key.is_rule),
+        key=lambda v: (
+            not v.real,
+            v.objective(reference, weights),
+            v.key.kind != "policy",
+            not v.key.is_rule,
+        ),
     )
 
 
@@ -267,6 +274,46 @@ def export_rule(
         out_dir=out_dir,
         force=replace,
     )
+
+
+def export_policy(
+    study: Any,
+    source: str,
+    name: str,
+    *,
+    suite: SuiteSpec,
+    out_dir: Any = None,
+    force: bool = False,
+    own_study_ok: bool = True,
+    scorecard: dict[str, Any] | None = None,
+    provenance: dict[str, Any] | None = None,
+) -> Path:
+    """Export the installed policy ``source`` (``auto``) unchanged as ``out_dir/NAME``: its files
+    copied, its manifest renamed, with this search's workload and ``scorecard`` (the evidence)."""
+    import shutil
+
+    from autoscale.scalers.policies import find_policy, read_manifest
+
+    folder = find_policy(source)
+    if folder is None:
+        raise ConfigError(f"no installed policy '{source}' to export (autoscale list shows them)")
+    replace = check_export_target(name, out_dir, study.study_name, force, own_study_ok=own_study_ok)
+    manifest = read_manifest(folder)
+    workload = _workload(study, suite, {"exported_policy": source, **(provenance or {})})
+    with staged_policy(name, out_dir, force=replace) as tmp:
+        for f in folder.iterdir():
+            if f.is_file() and f.name != "policy.yaml":
+                shutil.copy2(f, tmp / f.name)
+        write_manifest(
+            tmp,
+            dataclasses.replace(
+                manifest,
+                name=name,
+                workload={**workload, "built": manifest.workload},
+                scorecard=scorecard or {},
+            ),
+        )
+    return tmp.parent / name
 
 
 def export_trial(

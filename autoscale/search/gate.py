@@ -2,15 +2,20 @@
 
 A policy is used for whole runs of 10^4 to 10^6 steps. Before anything is exported it trains long
 *clean* runs (nothing wrong with the data; a warm-up and a cosine learning-rate decay, as real runs
-have) of ``mlp`` and of every model the search ran, next to the ``torch`` rule on the same seeds,
-and it fails when, on any workload and seed, the run does harm as :func:`autoscale.training.bar.harm`
-defines it, the one definition the ``auto`` build uses too:
+have) of ``mlp`` and of every model the search ran, and a long ``mlp`` run whose gradients *drift*
+(the ``drift`` scenario: down by 2^-20 over the first half, then up past what a scale of 2^16
+holds, as a converging loss and a late-growing loss term do over a whole run; a rule that cannot
+adapt, a fixed scale, loses gradients there that a short episode never shows), next to the
+``torch`` rule on the same seeds, and it fails when, on any workload and seed, the run does harm as
+:func:`autoscale.training.bar.harm` defines it, the one definition the ``auto`` build uses too:
 
 * it skips more than ``torch`` + 0.5 points of the steps, or
 * its final held-out loss is worse than ``torch``'s on the same seed by more than the seed noise:
   the spread of ``torch``'s final held-out loss over its seeds (at least 0.2% of it, so that two
   identical seeds do not make the check demand bit-identical losses), or
-* training diverges where torch's does not.
+* training diverges where torch's does not, or
+* it keeps a share of the gradient elements at fp16 precision more than 0.5 points below
+  ``torch``'s (the scorecard's precision loss: a fixed scale loses the drifting gradients).
 
 ``torch``'s runs are deterministic for a workload and seed, so they are cached next to the storage
 and paid once. While running them the check records their traces, and a candidate is first
@@ -43,6 +48,7 @@ __all__ = [
     "GATE_STEPS",
     "SCREEN_MARGIN",
     "gate_workloads",
+    "gate_label",
     "gate_proxy",
     "Verdict",
     "NoHarmCheck",
@@ -51,11 +57,13 @@ __all__ = [
 GATE_STEPS = 1000
 SCREEN_MARGIN = 0.02  # replay refuses only what skips this much more than torch
 GATE_VERSION = 1
+DRIFT = {"down": 20.0, "up": 8.0}  # bits of the drift run's loss weight: down, then up
 
 
 def gate_workloads(members: list[Any], steps: int = GATE_STEPS) -> tuple[Any, ...]:
-    """The clean workloads of the check: ``mlp`` and each model of ``members`` (their batch and
-    sequence shapes), with a warm-up over the first tenth and a cosine decay over the rest."""
+    """The workloads of the check: ``mlp`` and each model of ``members`` (their batch and sequence
+    shapes) clean, and ``mlp`` with drifting gradients (:data:`DRIFT` over the run's ``steps``),
+    each with a warm-up over the first tenth and a cosine decay over the rest."""
     from autoscale.training import WorkloadSpec
 
     schedule = {"warmup": max(1, steps // 10), "decay": steps - max(1, steps // 10)}
@@ -77,7 +85,16 @@ def gate_workloads(members: list[Any], steps: int = GATE_STEPS) -> tuple[Any, ..
             ),
             **out,
         }
-    return tuple(out.values())
+    mlp = out["mlp"]
+    drift = mlp.replace(scenario="drift", scenario_params={**schedule, **DRIFT, "length": steps})
+    return (*out.values(), drift)
+
+
+def gate_label(workload: Any) -> str:
+    """How the check names a workload: its model, with its scenario unless it is clean."""
+    return (
+        workload.model if workload.scenario == "clean" else f"{workload.model}/{workload.scenario}"
+    )
 
 
 def gate_proxy(workload: Any) -> Any | None:
@@ -124,7 +141,7 @@ class Verdict:
                     f"eval loss {c['eval_loss']:.4g} (torch {t['eval_loss']:.4g})"
                 )
             return f"{self.label} passed the no-harm check: " + "; ".join(parts)
-        how = "on replay of torch's clean runs" if self.screened else "in long clean runs"
+        how = "on replay of torch's long runs" if self.screened else "in long runs"
         return f"{self.label} fails the no-harm check {how}: " + "; ".join(self.reasons)
 
     def to_dict(self) -> dict[str, Any]:
@@ -258,7 +275,7 @@ class NoHarmCheck:
                     card, _ = drive_episode(env, factory(), inst)
                 if card.skip_rate > ref.skip_rate + SCREEN_MARGIN:
                     reasons.append(
-                        f"{w.model} seed {seed}: replay predicts {100 * card.skip_rate:.2f}% skipped "
+                        f"{gate_label(w)} seed {seed}: replay predicts {100 * card.skip_rate:.2f}% skipped "
                         f"steps, torch {100 * ref.skip_rate:.2f}% (+{100 * SKIP_POINTS:.1f}% "
                         "allowed)"
                     )
@@ -280,9 +297,11 @@ class NoHarmCheck:
                 with self.ledger.track("work:gate"):
                     card = run.run(self.gate.steps, progress=self.progress)
                 mine.append(card)
-                for why in harm(card, refs[seed], noise, steps=self.gate.steps):
-                    reasons.append(f"{w.model} seed {seed}: {why}")
-            runs[w.model] = {
+                ref = refs[seed]
+                kept = (1.0 - card.precision_loss, 1.0 - ref.precision_loss)
+                for why in harm(card, ref, noise, self.gate.steps, *kept):
+                    reasons.append(f"{gate_label(w)} seed {seed}: {why}")
+            runs[gate_label(w)] = {
                 "candidate": [c.to_dict() for c in mine],
                 "torch": [refs[s].to_dict() for s in self.gate.candidate_seeds],
                 "noise": noise,

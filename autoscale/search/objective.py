@@ -36,7 +36,9 @@ export, notes and experiments all call it.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from autoscale.envs.spec import RewardWeights
 from autoscale.training.scorecard import Scorecard
@@ -48,10 +50,16 @@ __all__ = [
     "regrets",
     "objective",
     "objective_terms",
+    "lead",
+    "Lead",
+    "LEAD_FLOOR",
+    "LEAD_Z",
     "OBJECTIVE_DOC",
 ]
 
 ROBUSTNESS = 1.0  # weight of the worst member's regret
+LEAD_Z = 2.0  # a lead beyond 2 standard errors of the paired episode differences is not noise
+LEAD_FLOOR = 1e-3  # and never below this (a tenth of a point of skipped steps at weight 1)
 
 OBJECTIVE_DOC = (
     "mean over members of (cost - torch's cost on the same episodes) + worst member's, with "
@@ -145,3 +153,49 @@ def objective_terms(
         "reference_precision_loss": mean([_precision(c) for c in ref_episodes]),
         "reference_cost": mean_cost(ref_episodes, weights),
     }
+
+
+@dataclass(frozen=True)
+class Lead:
+    """How far one scaler's objective is below another's (the bar's) on the same episodes.
+
+    Attributes:
+        lead: The bar's objective minus this one's (positive: this one is better).
+        noise: What the lead must exceed to be more than seed noise: :data:`LEAD_Z` standard errors
+            of the paired per-episode cost differences, at least :data:`LEAD_FLOOR` (infinite with
+            a single episode: one episode cannot tell a lead from noise).
+        episodes: Paired episodes.
+    """
+
+    lead: float
+    noise: float
+    episodes: int
+
+    @property
+    def clear(self) -> bool:
+        """Better than the bar by more than the noise."""
+        return self.lead > self.noise
+
+
+def lead(
+    cards: Mapping[str, list[Scorecard]],
+    bar: Mapping[str, list[Scorecard]],
+    reference: Mapping[str, list[Scorecard]],
+    weights: RewardWeights,
+) -> Lead:
+    """The :class:`Lead` of ``cards`` over ``bar`` (both against ``reference``, ``torch``), paired
+    episode by episode: the same instance, seed and steps ran under both."""
+    diffs = []
+    for member, mine in cards.items():
+        theirs = bar.get(member) or []
+        if len(theirs) != len(mine):
+            raise ValueError(
+                f"member '{member}' has {len(mine)} episodes but the bar {len(theirs)}: a lead "
+                "compares the same episodes"
+            )
+        diffs += [episode_cost(a, weights) - episode_cost(b, weights) for a, b in zip(mine, theirs)]
+    gap = objective(bar, reference, weights) - objective(cards, reference, weights)
+    if len(diffs) < 2:
+        return Lead(gap, math.inf, len(diffs))
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return Lead(gap, max(LEAD_Z * se, LEAD_FLOOR), len(diffs))

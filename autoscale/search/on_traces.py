@@ -56,6 +56,7 @@ class TraceSearchConfig:
     n_trials: int | None = None
     horizon: int | None = None
     command: str = "autoscale search --traces"
+    families: tuple[str, ...] | None = None  # --family (None: every family that adapts)
 
 
 @dataclass
@@ -89,7 +90,7 @@ class TraceSearch:
         from autoscale.observe import read_record
         from autoscale.search.bench import ReplayBench
         from autoscale.search.budget import Ledger, format_duration
-        from autoscale.search.space import default_trial_params, parametric_families
+        from autoscale.search.space import default_trial_params, searched_families
         from autoscale.search.storage import artifact_store, artifacts_dir, mask_url, open_storage
         from autoscale.search.study import study_kwargs
         from autoscale.search.trials import ParametricObjective, TrialRecorder, write_note
@@ -115,7 +116,7 @@ class TraceSearch:
             load_if_exists=True,
             **study_kwargs(cfg.seed, 0, ledger),
         )
-        families = parametric_families()
+        families = searched_families(cfg.families)
         fresh = "traces" not in study.user_attrs
         if fresh:
             study.set_user_attr("traces", [str(Path(r.path).resolve()) for r in records])

@@ -22,8 +22,9 @@ and seeds; it takes the first whose recording fits in :data:`RECORD_SHARE` of th
 Real-step validation episodes (as long as the replay horizon at most) are then made as long as
 :data:`VALIDATE_SHARE` of the budget and the rest of the real-step share allow with every built-in
 rule and a few candidates validated, else the candidate and ``torch`` are, and the other rules are
-validated as time allows (the rest on replay of the test instances). What is left is for the
-search.
+validated as time allows (the rest on replay of the test instances). ``auto``, the bar a candidate
+must clear to be exported, is always validated on real steps beside ``torch``. What is left is for
+the search.
 """
 
 from __future__ import annotations
@@ -257,7 +258,7 @@ def make_plan(
     if stored is not None:
         shaped, validation, trace_steps = stored
         rec = rec_cost(shaped, trace_steps)
-        val = validate_cost(validation, timings, len(rules) + 1)
+        val = validate_cost(validation, timings, len(rules) + 2)  # + auto and a candidate
         return _finish(
             suite,
             shaped,
@@ -281,7 +282,7 @@ def make_plan(
             if rec > RECORD_SHARE * work_s:
                 continue
             real_left = min(REAL_SHARE * work_s - rec - gate_min, VALIDATE_SHARE * work_s)
-            choice = fit_validation(shaped, timings, real_left, len(rules))
+            choice = fit_validation(shaped, timings, real_left, len(rules) + 1)  # + auto
             if choice is None:
                 continue
             validation, all_rules, val = choice
@@ -304,7 +305,7 @@ def make_plan(
             )
     smallest = shape_suite(suite, _horizons(suite)[-1], 1, 1)
     rec = rec_cost(smallest, smallest.episode.steps)
-    val = validate_cost(with_steps(smallest, VALIDATION_LADDER[-1]), timings, 2)
+    val = validate_cost(with_steps(smallest, VALIDATION_LADDER[-1]), timings, 3)
     need = max(rec / RECORD_SHARE, (rec + val + gate_min) / REAL_SHARE)
     key, slowest = timings.slowest()
     about = "about" if timings.complete else "more than"
@@ -315,7 +316,7 @@ def make_plan(
     raise BudgetError(
         f"the budget cannot hold a search of {searched} here: {why}; the "
         f"smallest plan ({smallest.episode.steps}-step episodes, 1 train + 1 test instance per member, "
-        f"validated against torch, with the {gate.steps}-step no-harm check) needs {about} "
+        f"validated against torch and auto, with the {gate.steps}-step no-harm check) needs {about} "
         f"{format_duration(1.1 * need + 10)} of budget; give a larger --budget, a GPU, or a smaller --model"
     )
 
@@ -355,11 +356,12 @@ def fit_validation(
     shaped: SuiteSpec, t: Timings, left_s: float, n_rules: int
 ) -> tuple[SuiteSpec, bool, float] | None:
     """The longest real-step validation (up to the replay horizon) that fits ``left_s``: every
-    rule and a few candidates first, else the candidate and torch; None if nothing fits."""
+    rule (``n_rules`` counts ``auto``) and a few candidates first, else torch, auto and the
+    candidate; None if nothing fits."""
     top = shaped.episode.steps
     ladder = sorted({top, *(s for s in VALIDATION_LADDER if s < top)}, reverse=True)
     for all_rules in (True, False):
-        scalers = n_rules + VALIDATED_CANDIDATES if all_rules else 2
+        scalers = n_rules + VALIDATED_CANDIDATES if all_rules else 3  # torch, auto, a candidate
         for steps in ladder:
             if all_rules and steps < min(MIN_STEPS_ALL_RULES, top):
                 break

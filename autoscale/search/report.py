@@ -21,26 +21,39 @@ def _label(v: Validated) -> str:
 def comparison_table(
     rows: list[Validated], reference: Validated, validation: SuiteSpec, winner: str | None = None
 ) -> str:
-    """The rows (ranked) over every test episode: the scorecard's means, and the objective against
-    ``torch`` on the same episodes; ``winner`` (a key) is marked with ``*``."""
+    """The rows (ranked) over every test episode, ``winner`` (a key) marked with ``*``: those
+    validated on real steps in one table (the scorecard's means and the objective against
+    ``torch`` on the same episodes), and those only replayed on the recorded test steps in a
+    second one that shows only what replay measures (a replay cannot know the loss a scale would
+    have given: its loss is the recorded one)."""
     from autoscale.training import summarize
-    from autoscale.training.report import format_comparison
+    from autoscale.training.report import REPLAY_COLUMNS, format_comparison
 
     n = sum(len(c) for c in reference.cards.values())
-    labels = {v.key: ("* " if v.key == winner else "") + _label(v) for v in rows}
-    table = format_comparison({labels[v.key]: summarize(v.all_cards()) for v in rows}, n)
+    labels = {v.key: ("* " if v.key == winner else "") + v.label for v in rows}
     weights = validation.reward
-    scores = ", ".join(f"{labels[v.key]} {v.objective(reference, weights):+.4f}" for v in rows)
+    real = [v for v in rows if v.real]
+    replayed = [v for v in rows if not v.real]
+
+    def scores(group: list[Validated]) -> str:
+        return ", ".join(f"{labels[v.key]} {v.objective(reference, weights):+.4f}" for v in group)
+
     lines = [
         f"{describe_spec(validation)}: {n} test episodes of {validation.episode.steps} real steps; "
         "mean ± std over them",
-        table,
-        f"objective vs torch (lower is better; * = exported): {scores}",
+        format_comparison({labels[v.key]: summarize(v.all_cards()) for v in real}, n),
+        f"objective vs torch (lower is better; * = exported): {scores(real)}",
     ]
-    if any(not v.real for v in rows):
-        lines.append(
-            f"{REPLAY_MARK.strip()} = no time for real steps: replay of the recorded real test steps"
+    if replayed:
+        table = format_comparison(
+            {labels[v.key]: summarize(v.all_cards()) for v in replayed}, n, REPLAY_COLUMNS
         )
+        lines += [
+            "",
+            "no time for real steps: replay of the same recorded test steps (no loss: a replay "
+            "keeps the recorded one; not ranked against the rows above)",
+            table,
+        ]
     return "\n".join(lines)
 
 

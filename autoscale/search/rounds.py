@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autoscale.search.budget import format_duration
-from autoscale.search.candidates import TORCH, Candidate
+from autoscale.search.candidates import AUTO, TORCH, Candidate
 from autoscale.search.choose import choose
 from autoscale.search.export import (
     card_summary,
+    export_policy,
     export_rule,
     export_trial,
     policy_label,
@@ -56,13 +57,11 @@ class RoundState:
 
     Attributes:
         exported: Key of the candidate or rule exported last (None: nothing yet).
-        said_first: The built-in rule said to rank first.
         said_unchecked: Lines said about candidates the no-harm check could not run.
         said_none: "nothing exported" was said.
     """
 
     exported: str | None = None
-    said_first: str | None = None
     said_unchecked: set[str] = field(default_factory=set)
     said_none: bool = False
 
@@ -95,7 +94,10 @@ class Rounds:
         self.factories: dict[str, Callable[[], Any]] = {
             Candidate.rule(r): (lambda r=r: bench.scaler(r)) for r in plan.rules
         }
+        self.factories[AUTO] = lambda: bench.scaler(AUTO.name)
+        self.families = {r: parametric_families()[r] for r in plan.rules}
         self.state = RoundState()
+        self.choice: Any = None  # the last pick (autoscale.search.choose.Choice)
 
     def say(self, phase: str, text: str) -> None:
         self.runner.say(phase, text)
@@ -120,6 +122,7 @@ class Rounds:
             # its pick
             rules_left = [r for r in plan.rules if Candidate.rule(r) not in self.validated]
             n_rules = len(rules_left) if plan.all_rules_real else min(1, len(rules_left))
+            n_rules += not self._bar_real()  # the bar
             k = CANDIDATES_PER_ROUND if first else 1
             after = validator.cost(k + (n_rules if first else 0)) + 1.2 * self.gate.cost(
                 plan.timings, GATE_CANDIDATES if first else 1
@@ -159,7 +162,7 @@ class Rounds:
         t0 = time.monotonic()
         if self.plan.space in ("parametric", "both"):
             objective_fn = ParametricObjective(
-                self.bench, self.recorder, self.ledger, parametric_families()
+                self.bench, self.recorder, self.ledger, self.families
             )
             self._trials(objective_fn, self.budget.end)
         c = {k: self.counts[k] - before[k] for k in self.counts}
@@ -186,9 +189,10 @@ class Rounds:
         reference = validated[TORCH]
         ranked = rank(validated, reference, self.plan.suite.reward)
         chosen = self._choose(ranked)
-        if chosen is not None and chosen.key != state.exported:
+        key = AUTO if chosen is None else chosen.key
+        if key != state.exported and (chosen is not None or self.choice.bar is None):
             self._export(chosen, reference)
-            state.exported = chosen.key
+            state.exported = key
         self._report(ranked, reference, state.exported)
         return True
 
@@ -210,7 +214,7 @@ class Rounds:
         t0 = time.monotonic()
         before = dict(self.counts)
         if plan.space in ("parametric", "both"):
-            objective_fn = ParametricObjective(bench, recorder, self.ledger, parametric_families())
+            objective_fn = ParametricObjective(bench, recorder, self.ledger, self.families)
             until = (
                 stop if plan.space == "parametric" else t0 + (1 - RL_SHARE_OF_BOTH) * (stop - t0)
             )
@@ -240,7 +244,7 @@ class Rounds:
 
     # ------------------------------------------------------------------ validation
     def _validate(self, first: bool, k: int) -> bool:
-        """Validate torch, the ``k`` best candidates not validated yet and the rules (first
+        """Validate torch, auto, the ``k`` best candidates not validated yet and the rules (first
         round); True if anything new was."""
         import optuna
 
@@ -263,9 +267,11 @@ class Rounds:
             for r in plan.rules
             if Candidate.rule(r) not in validated
         ]
-        # torch first (every objective is measured against it), then the best candidate, the
-        # other rules, the other candidates
-        order = rules[:1] + order[:1] + rules[1:] + order[1:]
+        bar = [] if self._bar_real() else [(AUTO, AUTO.name, factories[AUTO])]
+        # torch first (every objective is measured against it), auto (the bar a candidate must
+        # clear), then the best candidate, the other rules, the other candidates
+        rules = rules[:1] + bar + rules[1:]
+        order = rules[:2] + order[:1] + rules[2:] + order[1:]
         if not order:
             return False
         t0 = time.monotonic()
@@ -285,7 +291,8 @@ class Rounds:
         n_cand = sum(1 for k in results if Candidate.parse(k).is_trial)
         n_rules = sum(1 for k in validated if Candidate.parse(k).is_rule)
         msg = (
-            f"{n_cand} candidate(s); {n_rules} of {len(plan.rules)} built-in rules so far; on "
+            f"{n_cand} candidate(s); auto{'' if self._bar_real() else ' not yet'}; "
+            f"{n_rules} of {len(plan.rules)} built-in rules so far; on "
             f"{len(validator.names)} test episodes x {plan.steps} real steps in {format_duration(time.monotonic() - t0)}"
         )
         if validator.skipped:
@@ -305,6 +312,11 @@ class Rounds:
                             ]
                     validated[key] = Validated(key, label, cards, False, None)
         return bool(results)
+
+    def _bar_real(self) -> bool:
+        """Whether ``auto`` (the bar) is validated on real steps (replay does not count)."""
+        v = self.validated.get(AUTO)
+        return v is not None and v.real
 
     def _note_validated(self, trial, v: Validated) -> None:
         if trial is None:
@@ -327,52 +339,72 @@ class Rounds:
 
     # ------------------------------------------------------------------ pick and export
     def _choose(self, ranked: list[Validated]) -> Validated | None:
-        study, plan, factories, state = self.study, self.plan, self.factories, self.state
-        best = ranked[0]
-        if best.key.is_rule and state.said_first != best.key:
-            state.said_first = best.key
-            self.say(
-                "export",
-                f"the built-in rule '{best.label}' ranks first on the validation episodes: "
-                + (
-                    "it is the reference"
-                    if best.key == TORCH
-                    else "exporting it (its defaults) if it does no harm"
-                ),
-            )
+        study, plan, state = self.study, self.plan, self.state
         choice = choose(
             study,
-            [v for v in ranked if v.real],
-            factories,
+            ranked,
+            self.factories,
             self.gate,
             plan.timings,
             self.ledger,
+            weights=plan.suite.reward,
             stop_at=self.budget.end,
             say=lambda text: self.say("export", text),
+            refuse=self._refuse,
         )
+        self.choice = choice
+        for key, why in choice.refused.items():
+            text = f"{self.validated[key].label} leads auto beyond the seed noise, but {why}"
+            if text not in state.said_unchecked:
+                state.said_unchecked.add(text)
+                self.say("export", text)
         for text in choice.unchecked:
             if text not in state.said_unchecked:
                 state.said_unchecked.add(text)
                 self.say("export", f"not checked: {text}")
-        if choice.winner is None and not state.said_none:
+        if choice.winner is None and choice.bar is None and not state.said_none:
             state.said_none = True
             self.say(
                 "export",
-                "nothing exported: no validated candidate or rule passed the no-harm check",
+                f"{choice.why}: exporting auto, the shipped general policy, unmeasured here",
             )
         return choice.winner
 
-    def _export(self, chosen: Validated, reference: Validated) -> None:
+    def _refuse(self, v: Validated) -> str | None:
+        """Why the user may not get ``v``: a rule family that cannot adapt (a fixed scale) that the
+        search was not asked for (``--family``)."""
+        from autoscale.scalers.registry import rule_class
+
+        if v.key.is_policy:
+            return None
+        if v.key.is_rule:
+            family = v.key.name
+        else:
+            family = self.study.trials[v.key.number].user_attrs.get("policy", {}).get("rule")
+        cls = rule_class(family) if family else None
+        if cls is None or cls.adapts or family in (self.cfg.families or ()):
+            return None
+        return (
+            f"'{family}' cannot follow gradients that drift over a whole run "
+            f"(ask for it with --family {family})"
+        )
+
+    def _export(self, chosen: Validated | None, reference: Validated) -> None:
         study, plan, store = self.study, self.plan, self.store
         from autoscale.scalers import get_scaler
+        from autoscale.search.answer import answer_lines, evidence
 
-        cfg = self.cfg
-        where = f"real steps: {sum(len(c) for c in chosen.cards.values())} test episodes of {plan.steps} steps"
-        summary = card_summary(chosen.cards, reference.cards, plan.suite.reward, where)
+        cfg, choice = self.cfg, self.choice
         provenance = {
             "storage": mask_url(cfg.storage),
             "searched_on": "replay of recorded real steps",
         }
+        if chosen is not None:
+            where = f"real steps: {sum(len(c) for c in chosen.cards.values())} test episodes of {plan.steps} steps"
+            summary = card_summary(chosen.cards, reference.cards, plan.suite.reward, where)
+            summary["evidence"] = evidence(choice, chosen, reference, plan.suite.reward)
+        else:
+            summary = {"evidence": {"why": choice.why, "bar": AUTO.name}}
         with (
             self.ledger.track("work:export"),
             file_lock(self.folder / "locks" / f"export-{cfg.export}.lock"),
@@ -383,18 +415,28 @@ class Rounds:
                 "scorecard": summary,
                 "provenance": provenance,
             }
-            if chosen.key.is_rule:
-                rule = chosen.key.name
+            key = AUTO if chosen is None else chosen.key
+            if key.is_policy:
+                path = export_policy(study, key.name, cfg.export, suite=plan.suite, **kw)
+                how = f"{key.name}, the shipped general policy, unchanged"
+            elif key.is_rule:
+                rule = key.name
                 path = export_rule(study, rule, cfg.export, suite=plan.suite, **kw)
                 how = f"the built-in rule {rule} with its defaults"
             else:
-                trial = study.trials[chosen.key.number]
+                trial = study.trials[key.number]
                 path = export_trial(study, trial, cfg.export, suite=plan.suite, store=store, **kw)
                 how = policy_label(trial)
             get_scaler(str(path), device="cpu")  # it loads
         self.result.exported, self.result.winner = path, f"{cfg.export} ({how})"
-        self.result.builtin = chosen.key.is_rule
+        self.result.builtin = key.is_named
         self.say("export", f"{path} ({how}); use it with autoscale.get_scaler('{cfg.export}')")
+        if chosen is None:
+            self.result.answer = [f"answer: exported '{cfg.export}' = {how}", f"why: {choice.why}"]
+        else:
+            self.result.answer = answer_lines(
+                cfg.export, how, choice, chosen, reference, plan.suite.reward, plan.steps
+            )
 
     def _report(self, ranked, reference, winner) -> None:
         study, plan = self.study, self.plan

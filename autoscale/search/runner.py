@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ from autoscale.search.gate import GATE_STEPS, NoHarmCheck, gate_proxy, gate_work
 from autoscale.search.plan import Plan, make_plan
 from autoscale.search.replan import MIN_HORIZON, SLOW, least_after_record, pace_of, replan
 from autoscale.search.rounds import Rounds
-from autoscale.search.space import parametric_families
+from autoscale.search.space import searched_families
 from autoscale.search.storage import (
     DEFAULT_STORAGE,
     artifact_store,
@@ -91,6 +91,8 @@ class SearchConfig:
         base: The env spec or suite of the workloads (reshaped by the plan).
         explicit: The user named the workload (``--env``/``--model``/``--scenario``); a study
             that exists must then have those workloads, else its own are adopted.
+        families: The rule families searched (``--family``; None: every family that adapts, a
+            fixed scale only when asked for). ``torch`` is always validated: it is the reference.
     """
 
     base: Any
@@ -107,6 +109,7 @@ class SearchConfig:
     progress: bool = True
     command: str = ""
     budget_text: str = ""
+    families: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -124,6 +127,7 @@ class SearchResult:
     budget_s: float = 0.0
     rounds: int = 0
     stopped_early: str | None = None
+    answer: list[str] = field(default_factory=list)
     replanned: list[str] = field(default_factory=list)
     ledger: Ledger = field(default_factory=Ledger)
 
@@ -349,7 +353,7 @@ class SearchRunner:
             self.budget.left(),
             gate=gate,
             space=self.cfg.space,
-            rules=rules_torch_first(),
+            rules=rules_torch_first(self.cfg.families),
             cached_traces=cached,
             cached_gate=self.gate.cached,
             stored=kept,
@@ -436,6 +440,8 @@ def _preload() -> None:
             importlib.import_module(name)
 
 
-def rules_torch_first() -> tuple[str, ...]:
-    rules = list(parametric_families())
+def rules_torch_first(families: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The built-in rules a search validates and searches: ``torch`` (the reference) first, then
+    ``families`` (None: every family whose scale adapts to the gradients)."""
+    rules = list(searched_families(families))
     return tuple([REFERENCE_RULE] + [r for r in rules if r != REFERENCE_RULE])

@@ -13,6 +13,7 @@ and a multiplier of the precision weight of the *training* reward (the objective
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ __all__ = [
     "KNOBS",
     "Knob",
     "parametric_families",
+    "searched_families",
     "suggest_parametric",
     "default_trial_params",
     "suggest_rl",
@@ -80,6 +82,26 @@ def parametric_families() -> dict[str, dict[str, Any]]:
     from autoscale.scalers import list_scalers
 
     return {i.name: dict(i.defaults) for i in list_scalers() if i.kind == "rule"}
+
+
+def searched_families(names: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    """The families a search tries: ``names`` (``--family``), else every built-in rule whose
+    scale adapts to the gradients (a fixed scale cannot follow gradients that drift over a run of
+    10^4 to 10^6 steps, so ``static`` is searched only when asked for).
+
+    Raises:
+        UnknownNameError: a name that is no built-in rule (with the nearest one).
+    """
+    from autoscale.errors import unknown_name
+    from autoscale.scalers.registry import rule_class
+
+    every = parametric_families()
+    if names is None:
+        return {r: d for r, d in every.items() if rule_class(r).adapts}
+    for n in names:
+        if n not in every:
+            raise unknown_name("rule family", n, sorted(every), "autoscale list")
+    return {n: every[n] for n in dict.fromkeys(names)}
 
 
 def _knobs(rule: str, defaults: dict[str, Any]) -> dict[str, Knob]:

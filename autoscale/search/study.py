@@ -151,7 +151,9 @@ def describe_new_study(study: Any, plan: Plan, *, command: str, budget: dict[str
     for key, value in attrs.items():
         study.set_user_attr(key, value)
     if plan.space in ("parametric", "both"):
-        for rule, defaults in parametric_families().items():
+        families = parametric_families()
+        for rule in plan.rules:  # torch and the families searched (--family)
+            defaults = families[rule]
             study.enqueue_trial(
                 default_trial_params(rule, defaults, plan.suite.episode),
                 user_attrs={"baseline": True},

@@ -23,6 +23,7 @@ __all__ = [
     "plot_run",
     "plot_comparison",
     "COMPARE_COLUMNS",
+    "REPLAY_COLUMNS",
 ]
 
 # (scorecard field, column title) of the comparison table, in order.
@@ -36,6 +37,15 @@ COMPARE_COLUMNS = (
     ("hit_min", "hit min"),
     ("diverged", "diverged"),
     ("useful_steps_per_s", "useful steps/s"),
+)
+# what a replay of recorded steps measures: not the loss (it is the recorded one whatever the
+# scale did), nor divergence or speed
+REPLAY_COLUMNS = (
+    ("skip_rate", "skip rate"),
+    ("precision_loss", "prec. loss"),
+    ("min_scale", "min scale"),
+    ("max_scale", "max scale"),
+    ("hit_min", "hit min"),
 )
 
 
@@ -82,19 +92,22 @@ def format_scorecard(card: Scorecard, title: str | None = None) -> str:
 
 
 def format_comparison(
-    summaries: Mapping[str, Mapping[str, Mapping[str, float]]], seeds: int
+    summaries: Mapping[str, Mapping[str, Mapping[str, float]]],
+    seeds: int,
+    columns: Sequence[tuple[str, str]] = COMPARE_COLUMNS,
 ) -> str:
     """A table with one row per rule: ``mean ± std`` over seeds (``mean`` alone with one seed).
 
     Args:
         summaries: rule name -> :func:`~autoscale.training.summarize` output.
         seeds: Number of seeds behind each row (shown in the header).
+        columns: (scorecard field, title) of the columns.
     """
-    header = ["rule"] + [title for _, title in COMPARE_COLUMNS]
+    header = ["rule"] + [title for _, title in columns]
     rows = []
     for name, summary in summaries.items():
         row = [name]
-        for field, _ in COMPARE_COLUMNS:
+        for field, _ in columns:
             s = summary[field]
             if field in ("hit_min", "diverged"):
                 row.append(

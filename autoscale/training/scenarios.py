@@ -43,6 +43,7 @@ __all__ = [
     "SmallGrads",
     "Moving",
     "Preference",
+    "Drift",
 ]
 
 _SCENARIOS: dict[str, type[Scenario]] = {}
@@ -342,3 +343,46 @@ class Preference(Scenario):
 
         chosen, rejected = data.preference_logprobs(model, batch)
         return -F.logsigmoid(self.params["beta"] * (chosen - rejected)).mean()
+
+
+@register_scenario("drift")
+class Drift(Clean):
+    """Gradients that drift down by orders of magnitude over a run, then up past fp16's range.
+
+    Reproduces: what a whole run does to the gradients' size: a loss that converges shrinks
+    them; a schedule, a curriculum or a loss term switched on late grows them again. The loss
+    weight follows ``2**bits(step)`` with ``bits`` falling linearly from 0 to ``-down`` over the
+    first half of ``length`` steps, then rising linearly to ``+up`` at ``length`` (and staying
+    there). A rule that cannot adapt shows its harm here: a fixed scale loses the small gradients
+    to underflow in the first half and overflows on every step of the last stretch; the torch rule
+    follows down (halving) but regrows one bit per 2000 clean steps. It keeps :class:`Clean`'s
+    optional warm-up and cosine decay, so the no-harm check's long runs can use it. AdamW is
+    nearly invariant to the weight, so the task itself is unchanged.
+
+    Parameters: ``down`` (float, 20: bits), ``up`` (float, 8: bits), ``length`` (int, 1000),
+    and :class:`Clean`'s ``warmup``, ``decay``, ``floor``.
+    """
+
+    description = "loss weight drifts 2^-20 down then 2^8 up over the run: fixed scales lose"
+    defaults = {**Clean.defaults, "down": 20.0, "up": 8.0, "length": 1000}
+
+    @classmethod
+    def validate(cls, params):
+        super().validate(params)
+        if params["down"] < 0 or params["up"] < 0 or params["length"] < 2:
+            raise ConfigError(
+                f"scenario 'drift' needs down >= 0, up >= 0 and length >= 2; got "
+                f"{params['down']}, {params['up']}, {params['length']}"
+            )
+
+    def bits(self, step: int) -> float:
+        """log2 of the loss weight at ``step``."""
+        p = self.params
+        half = p["length"] / 2
+        t = min(float(step), float(p["length"]))
+        if t <= half:
+            return -p["down"] * t / half
+        return -p["down"] + (p["down"] + p["up"]) * (t - half) / half
+
+    def loss_weight(self, step: int) -> float:
+        return 2.0 ** self.bits(step)

@@ -19,7 +19,7 @@ import pytest
 from tests.training.conftest import torch  # noqa: F401  (sets one intra-op thread)
 
 SEARCH_BUDGET_S = 60.0
-RULES = ("torch", "static", "deepspeed", "megatron", "jmp", "fairseq", "metaseq", "amax-history")
+RULES = ("torch", "deepspeed", "megatron", "jmp", "fairseq", "metaseq", "amax-history")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""A candidate of a search, one type: a built-in rule or a trial, stored as the study's key."""
+"""A candidate of a search, one type: a built-in rule, a shipped policy or a trial, stored as the
+study's key."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from autoscale.search.candidates import TORCH, Candidate
+from autoscale.search.candidates import AUTO, TORCH, Candidate
 
 
 def test_rules_and_trials_read_their_parts_and_stay_the_stored_key():
@@ -21,7 +22,15 @@ def test_rules_and_trials_read_their_parts_and_stay_the_stored_key():
         _ = rule.number
 
 
-@pytest.mark.parametrize("key", ["torch", "trial:x", "rule:", "policy:auto", ""])
+def test_auto_is_a_shipped_policy_named_like_a_rule_but_of_its_own_kind():
+    assert AUTO == "policy:auto" and Candidate.parse("policy:auto") == AUTO
+    assert (AUTO.kind, AUTO.name, AUTO.is_policy, AUTO.is_rule, AUTO.is_named) == (
+        "policy", "auto", True, False, True,
+    )  # fmt: skip
+    assert TORCH.is_named and not Candidate.trial(3).is_named
+
+
+@pytest.mark.parametrize("key", ["torch", "trial:x", "rule:", "policy:", "auto", ""])
 def test_anything_else_is_refused(key):
     with pytest.raises(ValueError, match="not a candidate"):
         Candidate.parse(key)

@@ -12,7 +12,7 @@ from autoscale.search.budget import Ledger
 from autoscale.search.candidates import Candidate
 from autoscale.search.choose import GATE_PREFIX, choose
 from autoscale.search.export import rank
-from autoscale.search.gate import NoHarmCheck, gate_proxy, gate_workloads
+from autoscale.search.gate import NoHarmCheck, Verdict, gate_label, gate_proxy, gate_workloads
 from autoscale.search.timing import GatePlan, Timing, Timings, workload_key
 from autoscale.search.validate import Validated
 from autoscale.search.workload import base_spec
@@ -35,12 +35,21 @@ def scaler(name, **kw):
     return lambda: get_scaler(name, device="cpu", **SCALE, **kw)
 
 
-def test_the_check_runs_long_clean_runs_of_mlp_with_a_schedule():
-    (w,) = gate_workloads([base_spec(model="mlp")], 1000)
+def test_the_check_runs_long_clean_runs_and_a_drifting_one_with_a_schedule():
+    w, drift = gate_workloads([base_spec(model="mlp")], 1000)
     assert w.model == "mlp" and w.scenario == "clean"
     assert w.scenario_params == {"warmup": 100, "decay": 900}
+    assert drift.model == "mlp" and drift.scenario == "drift"
+    assert drift.scenario_params == {
+        "warmup": 100,
+        "decay": 900,
+        "down": 20.0,
+        "up": 8.0,
+        "length": 1000,
+    }
+    assert [gate_label(x) for x in (w, drift)] == ["mlp", "mlp/drift"]
     models = [w.model for w in gate_workloads([base_spec(model="gpt2-tiny")], 1000)]
-    assert models == ["mlp", "gpt2-tiny"]  # mlp and the searched model
+    assert models == ["mlp", "gpt2-tiny", "mlp"]  # mlp and the searched model, mlp drifting
     assert gate_proxy(base_spec(model="gpt2").workload).model == "gpt2-tiny"
     assert gate_proxy(w) is None
 
@@ -56,7 +65,7 @@ def test_an_eager_rule_is_refused_on_replay_and_in_real_runs(check):
     mine = verdict.runs["mlp"]["candidate"][0]
     ref = verdict.runs["mlp"]["torch"][0]
     assert mine["skip_rate"] > ref["skip_rate"] + 0.005  # what the rule measures
-    assert "fails the no-harm check in long clean runs" in verdict.summary()
+    assert "fails the no-harm check in long runs" in verdict.summary()
 
 
 @pytest.mark.slow  # long clean runs of mlp
@@ -72,7 +81,8 @@ def test_torch_itself_passes_and_its_runs_are_cached(check):
     assert timeless[0] == timeless[1]  # the same run: CPU training is deterministic
     assert "passed the no-harm check" in verdict.summary()
     timings = Timings({workload_key(w): Timing(0.01, 0.1, 0.01, 4) for w in check.gate.workloads})
-    assert check.cost(timings, 1) == pytest.approx(0.1 + STEPS * 0.01 + 0.01)  # candidates only
+    # candidates only: a clean and a drifting run of mlp
+    assert check.cost(timings, 1) == pytest.approx(2 * (0.1 + STEPS * 0.01 + 0.01))
 
 
 def card(skip_rate, precision, steps=64):
@@ -82,12 +92,38 @@ def card(skip_rate, precision, steps=64):
     )  # fmt: skip
 
 
-def validated(key, skip, precision):
+def validated(key, skip, precision, second=None):
+    """Two held-out episodes of one member: the same card twice, or ``second`` for the other."""
     key = Candidate.parse(key)
-    return Validated(key, key.name, {"mlp/bad-batches": [card(skip, precision)] * 2})
+    cards = [card(skip, precision), card(*(second or (skip, precision)))]
+    return Validated(key, key.name, {"mlp/bad-batches": cards})
 
 
-def test_a_built_in_rule_that_beats_every_candidate_ranks_first():
+REWARD = base_spec(model="mlp").reward
+
+
+def pick(check, rows, factories, *, study=None, step_s=0.001, stop_at=math.inf, **kw):
+    """``choose`` on ``rows`` (torch first), with what it said."""
+    study = study or optuna.create_study()
+    said = []
+    timings = Timings({workload_key(w): Timing(step_s, 0.1, 0.01, 4) for w in check.gate.workloads})
+    ranked = rank({v.key: v for v in rows}, rows[0], REWARD)
+    choice = choose(
+        study, ranked, factories, check, timings, Ledger(), weights=REWARD, stop_at=stop_at,
+        say=said.append, **kw,
+    )  # fmt: skip
+    return choice, said, study
+
+
+def study_with(auto_passed: bool, reasons=()):
+    """A study holding ``auto``'s verdict already (a resumed search): no long runs for it here."""
+    study = optuna.create_study()
+    verdict = Verdict("auto", auto_passed, list(reasons))
+    study.set_user_attr(GATE_PREFIX + "policy:auto", verdict.to_dict())
+    return study
+
+
+def test_a_built_in_rule_that_beats_every_candidate_ranks_first_and_auto_wins_ties():
     torch = validated("rule:torch", 0.125, 0.3)
     rows = {
         "rule:torch": torch,
@@ -96,70 +132,127 @@ def test_a_built_in_rule_that_beats_every_candidate_ranks_first():
         "trial:9": validated("trial:9", 0.3, 0.0),
         "rule:jmp": Validated(Candidate.rule("jmp"), "jmp", torch.cards, real=False),
     }
-    order = [v.key for v in rank(rows, torch, base_spec(model="mlp").reward)]
+    order = [v.key for v in rank(rows, torch, REWARD)]
     assert order == ["rule:static", "trial:7", "trial:9", "rule:torch", "rule:jmp"]
     tie = {**rows, "trial:8": validated("trial:8", 0.125, 0.01)}
-    order = [v.key for v in rank(tie, torch, base_spec(model="mlp").reward)]
+    order = [v.key for v in rank(tie, torch, REWARD)]
     assert order.index("rule:static") < order.index("trial:8")  # a tie goes to the rule
+    tie["policy:auto"] = validated("policy:auto", 0.125, 0.01)
+    assert [v.key for v in rank(tie, torch, REWARD)][0] == "policy:auto"  # and to auto first
 
 
-@pytest.mark.slow  # long clean runs of mlp
-def test_the_pick_skips_what_fails_the_check_and_exports_the_next(check):
-    study = optuna.create_study()
+def test_a_lead_within_the_seed_noise_exports_auto_and_says_why(check):
     torch = validated("rule:torch", 0.125, 0.3)
-    eager = validated("trial:3", 0.125, 0.0)  # best on the short validation...
-    static = validated("rule:static", 0.125, 0.01)
+    auto = validated("policy:auto", 0.0, 0.05)
+    noisy = validated("trial:3", 0.0, 0.02, second=(0.0, 0.07))  # better on average, by noise
+    choice, said, _ = pick(check, [torch, auto, noisy], {}, study=study_with(True))
+    assert choice.winner.key == "policy:auto"
+    ld = choice.leads["trial:3"]
+    assert ld.lead == pytest.approx(0.04) and ld.noise == pytest.approx(0.2) and not ld.clear
+    assert choice.why.startswith(
+        "auto is the best found for this run: the best (3) led it by 0.0400"
+    )
+    assert "within the seed noise (0.2000 on 2 episodes)" in choice.why
+    assert said == []  # auto's verdict was stored: nothing ran, nothing said
+
+
+def test_a_clear_lead_of_a_fixed_scale_is_refused_unless_asked_for(check):
+    torch = validated("rule:torch", 0.125, 0.3)
+    auto = validated("policy:auto", 0.0, 0.05)
+    static = validated("rule:static", 0.0, 0.0)
+    refuse = {"rule:static": "'static' cannot follow gradients that drift"}.get
+    choice, _, _ = pick(
+        check, [torch, auto, static], {}, study=study_with(True), refuse=lambda v: refuse(v.key)
+    )
+    assert choice.leads["rule:static"].clear and choice.refused == {
+        "rule:static": refuse("rule:static")
+    }
+    assert choice.winner.key == "policy:auto"
+    assert "no candidate that led it beyond the seed noise passed" not in choice.why
+    assert (
+        choice.why
+        == "auto is the best found for this run: no candidate ranked above it on these episodes"
+    )
+
+
+def test_torch_that_clearly_beats_auto_is_exported_without_a_check(check):
+    torch = validated("rule:torch", 0.0, 0.0)
+    auto = validated("policy:auto", 0.125, 0.05)
+    choice, said, study = pick(check, [torch, auto], {}, study=study_with(True))
+    assert choice.winner.key == "rule:torch" and said == []
+    assert choice.why.startswith(
+        "torch beat auto by 0.6500 on the objective, more than the seed noise"
+    )
+
+
+def test_auto_that_harms_this_run_gives_way_to_torch(check):
+    torch = validated("rule:torch", 0.125, 0.3)
+    auto = validated("policy:auto", 0.0, 0.05)
+    study = study_with(False, ["mlp/drift seed 0: skipped 9.00% of 400 steps, torch 0.50%"])
+    choice, _, _ = pick(check, [torch, auto], {}, study=study)
+    assert choice.winner.key == "rule:torch"
+    assert choice.why == (
+        "auto harms this run (mlp/drift seed 0: skipped 9.00% of 400 steps, torch 0.50%): "
+        "torch's own rule, the reference"
+    )
+
+
+def test_without_auto_on_real_steps_there_is_no_pick(check):
+    torch = validated("rule:torch", 0.125, 0.3)
+    best = validated("trial:1", 0.0, 0.0)
+    replayed = Validated(Candidate.parse("policy:auto"), "auto", torch.cards, real=False)
+    choice, _, _ = pick(check, [torch, best, replayed], {})
+    assert choice.winner is None and choice.bar is None
+    assert choice.why == "auto could not be validated on real steps in the budget"
+    assert choice.unchecked == ["auto (validated on replay only)"]
+
+
+@pytest.mark.slow  # long runs of mlp, clean and drifting
+def test_a_fixed_scale_fails_the_drift_run_that_auto_passes(check):
+    static = check.check(scaler("static"), "static")
+    assert not static.passed
+    drift = [r for r in static.reasons if r.startswith("mlp/drift")]
+    assert any("skipped" in r for r in drift), static.reasons  # the rise past what 2^16 holds
+    mine, ref = static.runs["mlp/drift"]["candidate"][0], static.runs["mlp/drift"]["torch"][0]
+    assert mine["skip_rate"] > ref["skip_rate"] + 0.05 and mine["eval_loss"] > ref["eval_loss"]
+    auto = check.check(scaler("auto"), "auto")
+    assert auto.passed, auto.summary()
+    assert set(auto.runs) == {"mlp", "mlp/drift"}
+
+
+@pytest.mark.slow  # long runs of mlp
+def test_the_pick_skips_what_fails_the_check_and_exports_the_next_that_clears_auto(check):
+    torch = validated("rule:torch", 0.125, 0.3)
+    auto = validated("policy:auto", 0.0, 0.05)
+    eager = validated("trial:3", 0.0, 0.0)  # best on the short validation...
+    history = validated("trial:5", 0.0, 0.01)
     factories = {
         "trial:3": scaler("fairseq", **EAGER),  # ...but harms a long clean run
-        "rule:static": scaler("static"),
-        "rule:torch": scaler("torch"),
+        "trial:5": scaler("torch"),  # passes: it is torch's own runs
+        "policy:auto": scaler("auto"),
     }
-    said = []
-    timings = Timings({workload_key(w): Timing(0.001, 0.1, 0.01, 4) for w in check.gate.workloads})
-    choice = choose(
-        study,
-        rank({v.key: v for v in (torch, eager, static)}, torch, base_spec(model="mlp").reward),
-        factories,
-        check,
-        timings,
-        Ledger(),
-        stop_at=math.inf,
-        say=said.append,
-    )
-    assert choice.winner is not None and choice.winner.key == "rule:static"
+    study = optuna.create_study()
+    choice, said, _ = pick(check, [torch, auto, eager, history], factories, study=study)
+    assert choice.winner is not None and choice.winner.key == "trial:5"
     assert [v.passed for v in choice.verdicts] == [False, True]
-    assert said[0].startswith("3 fails the no-harm check") and "static passed" in said[1]
+    assert said[0].startswith("3 fails the no-harm check") and "5 passed" in said[1]
+    assert choice.why.startswith("5 beat auto by 0.1600 on the objective") and choice.why.endswith(
+        "and passed the no-harm check"
+    )
     stored = study.user_attrs[GATE_PREFIX + "trial:3"]
     assert stored["passed"] is False and stored["reasons"]
     # a second pick reads the stored verdicts: no run, nothing said again
-    again = choose(
-        study,
-        rank({v.key: v for v in (torch, eager, static)}, torch, base_spec(model="mlp").reward),
-        factories,
-        check,
-        timings,
-        Ledger(),
-        stop_at=math.inf,
-        say=said.append,
-    )
-    assert again.winner.key == "rule:static" and len(said) == 2
+    again, said_again, _ = pick(check, [torch, auto, eager, history], factories, study=study)
+    assert again.winner.key == "trial:5" and said_again == []
 
 
-@pytest.mark.slow  # long clean runs of mlp
+@pytest.mark.slow  # torch's long runs of mlp (the screen replays them)
 def test_no_time_for_the_check_means_no_export_of_that_candidate(check):
-    study = optuna.create_study()
     torch = validated("rule:torch", 0.125, 0.3)
-    best = validated("rule:static", 0.125, 0.0)
-    timings = Timings({workload_key(w): Timing(10.0, 0.1, 0.01, 4) for w in check.gate.workloads})
-    choice = choose(
-        study,
-        rank({v.key: v for v in (torch, best)}, torch, base_spec(model="mlp").reward),
-        {"rule:static": scaler("static")},
-        check,
-        timings,
-        Ledger(),
-        stop_at=0.0,
-        say=print,
-    )
-    assert choice.winner.key == "rule:torch"  # the reference, which passes by definition
+    auto = validated("policy:auto", 0.0, 0.05)
+    best = validated("trial:5", 0.0, 0.0)
+    factories = {"trial:5": scaler("amax-history"), "policy:auto": scaler("auto")}
+    choice, _, _ = pick(check, [torch, auto, best], factories, step_s=10.0, stop_at=0.0)
+    assert choice.winner.key == "policy:auto"  # the bar, the shipped policy
+    assert "its no-harm check did not fit in the time left" in choice.why
     assert choice.unchecked and "no-harm check needs" in choice.unchecked[0]

@@ -86,7 +86,7 @@ def test_slow_model_gets_short_episodes_and_a_proxy_no_harm_check_and_says_so():
     spec = base_spec(model="gpt2")
     plan, _ = plan_for(spec, 1.5, 0.95 * 7200, space="both")
     assert plan.horizon <= 512 and len(plan.suite.members[0].instances["test"]) >= 1
-    assert [w.model for w in plan.gate.workloads] == ["mlp", "gpt2-tiny"]
+    assert [w.model for w in plan.gate.workloads] == ["mlp", "gpt2-tiny", "mlp"]  # mlp drifts too
     text = plan.describe()
     assert "no-harm runs of gpt2" in text and "checked on gpt2-tiny instead" in text
     assert plan.record_s <= RECORD_SHARE * 0.95 * 7200

@@ -60,7 +60,7 @@ def test_a_slow_models_search_checks_no_harm_on_the_proxy_the_plan_chose(tmp_pat
     with pytest.raises(_StopAtRecord):
         runner.run()
     plan = runner.result.plan
-    assert [w.model for w in plan.gate.workloads] == ["mlp", "gpt2-tiny"]
+    assert [w.model for w in plan.gate.workloads] == ["mlp", "gpt2-tiny", "mlp"]  # mlp drifts too
     assert runner.gate.gate == plan.gate
     assert runner.gate.cost(plan.timings) < 0.3 * 7200
 

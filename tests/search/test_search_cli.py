@@ -59,13 +59,23 @@ def test_sixty_second_search_spends_its_budget_and_exports_a_loadable_policy(sea
     manifest = read_manifest(policy)
     assert manifest.kind == "parametric" and manifest.workload["study"] == searched.study
     assert manifest.scorecard["evaluated_on"].startswith("real steps")
-    if "builtin_rule" in manifest.workload:  # a built-in rule won: said, and exported as itself
+    evidence = manifest.scorecard["evidence"]
+    assert evidence["bar"] == "auto" and f"why: {evidence['why']}" in run.out
+    assert f"answer: exported '{searched.study}' = " in run.out
+    held_out = evidence["held_out"]
+    assert "torch" in held_out and "auto" in held_out  # the answer is measured against both
+    if "exported_policy" in manifest.workload:  # nothing cleared auto: auto itself, said so
+        assert manifest.workload["exported_policy"] == "auto"
+        assert evidence["why"].startswith("auto is the best found for this run")
+        assert manifest.workload["built"]["built_by"].startswith("experiments/build_auto.py")
+    elif "builtin_rule" in manifest.workload:  # a built-in rule cleared auto: exported as itself
         rule = manifest.workload["builtin_rule"]
         assert f"(the built-in rule {rule} with its defaults)" in run.out
-        assert manifest.family == rule
+        assert manifest.family == rule and "beat auto by" in evidence["why"]
     else:
         assert study.trials[manifest.workload["trial"]].state == optuna.trial.TrialState.COMPLETE
-    assert "passed the no-harm check" in run.out or manifest.family == "torch"
+        assert "beat auto by" in evidence["why"] and "passed the no-harm check" in evidence["why"]
+    assert manifest.family != "static"  # a fixed scale only when asked for (--family static)
     scaler = get_scaler(str(policy), device="cpu")
     assert isinstance(scaler, LossScaler) and scaler.name == searched.study
     assert (

@@ -36,6 +36,7 @@ class StaticRule(ScaleRule):
 
     description = "fixed scale; overflowing steps are skipped"
     source = "apex / DeepSpeed static loss scale"
+    adapts = False
     default_init_scale = 128.0
 
     def next_scale(self, scale: float, stats: StepStats) -> float:
