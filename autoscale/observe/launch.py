@@ -3,13 +3,22 @@ folder on its ``PYTHONPATH``, and gather what each of its scalers did.
 
 Everything that can be refused is refused before the command starts (an unknown scaler, an
 unwritable record folder, a log kind whose package is missing, a command that is not found), so
-nothing of the program runs or is half-written. The command's exit status is returned as it is.
+nothing of the program runs or is half-written. The command's exit status is returned as it is
+(a command ended by signal N: 128+N). SIGTERM and SIGHUP sent to the launcher are passed on to the
+command, and Ctrl-C reaches it through the terminal's process group.
+
+Each Python of the command leaves files in a folder of the launcher's (see
+:mod:`autoscale.observe.lifecycle`): one when it starts wrapped, one when it imports torch,
+updated as it builds scalers and takes steps, written last at its exit or at a signal. The exit
+line is read from them, so it says what happened: the steps of each scaler (at least so many for
+a process killed before its exit), or why none was built.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -74,7 +83,11 @@ class WrapResult:
     returncode: int
     scalers: list[dict[str, Any]] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
-    processes: int = 0
+    processes: int = 0  # Pythons of the command that imported torch
+    started: int = 0  # Pythons of the command that started wrapped
+    failures: list[str] = field(default_factory=list)  # why the wrap could not install
+    fp16_autocast: bool = False  # a process entered fp16 autocast
+    signal: int | None = None  # the signal that ended the command
 
 
 def run_wrapped(plan: WrapPlan) -> WrapResult:
@@ -93,33 +106,64 @@ def run_wrapped(plan: WrapPlan) -> WrapResult:
         }
         env = dict(os.environ)
         path = env.get("PYTHONPATH")
-        # the boot folder, and for a checkout that is not installed its root (so that the child
-        # imports autoscale); never an installed site-packages, which would leak this Python's
-        # packages into a command run by another one
-        root = BOOT.parents[2]
-        checkout = str(root) if root.name not in ("site-packages", "dist-packages") else None
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BOOT), checkout, path) if p)
+        extra = _package_path(Path(summary_dir))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BOOT), extra, path) if p)
         env["AUTOSCALE_WRAP"] = json.dumps(config)
         proc = subprocess.Popen(list(plan.command), env=env)
         # Ctrl-C reaches the command's process group; let the command handle it and end
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        forward = signal.signal(signal.SIGTERM, lambda s, f: proc.send_signal(s))
+        passed = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+        forward = {s: signal.signal(s, lambda n, f: proc.send_signal(n)) for s in passed}
         try:
             code = proc.wait()
         finally:
             signal.signal(signal.SIGINT, previous)
-            signal.signal(signal.SIGTERM, forward)
-        result = WrapResult(128 - code if code < 0 else code)
-        for f in sorted(Path(summary_dir).glob("*.json")):
-            try:
-                data = json.loads(f.read_text())
-            except (OSError, ValueError):
-                continue
-            result.processes += 1
-            result.scalers.extend(data.get("scalers", []))
-            result.kept.extend(data.get("kept", []))
-    result.scalers.sort(key=lambda s: (s["rank"], s["index"]))
+            for s, handler in forward.items():
+                signal.signal(s, handler)
+        result = WrapResult(128 - code if code < 0 else code, signal=-code if code < 0 else None)
+        _read_summaries(Path(summary_dir), result)
+    result.scalers.sort(
+        key=lambda s: (s["rank"] is None, s["rank"] or 0, s.get("label", ""), s["index"])
+    )
     return result
+
+
+def _package_path(folder: Path) -> str | None:
+    """A folder that makes this autoscale importable in the command's Python, where it is not
+    installed in a site-packages (a checkout, an editable install): a folder holding only a link
+    to the package, so that nothing else of the checkout (its tests, its experiments) lands on
+    the command's import path. None where autoscale is installed (the command's Python imports
+    its own; this one's site-packages would leak other packages into it)."""
+    package = BOOT.parents[1]
+    if package.parent.name in ("site-packages", "dist-packages"):
+        return None
+    link = folder / "path"
+    try:
+        link.mkdir()
+        (link / package.name).symlink_to(package, target_is_directory=True)
+    except OSError:  # no symbolic links here: the checkout's root, as before
+        return str(package.parent)
+    return str(link)
+
+
+def _read_summaries(folder: Path, result: WrapResult) -> None:
+    """What the command's processes left in ``folder`` (see :mod:`autoscale.observe.lifecycle`)."""
+    result.started = len(list(folder.glob("*.boot")))
+    for f in sorted(folder.glob("*.fail")):
+        try:
+            result.failures.append(f.read_text().strip())
+        except OSError:
+            continue
+    for f in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        result.processes += 1
+        result.fp16_autocast |= bool(data.get("fp16_autocast"))
+        final = bool(data.get("final", True))
+        result.scalers.extend({**s, "final": final} for s in data.get("scalers", []))
+        result.kept.extend(data.get("kept", []))
 
 
 def _scale(value: float | None) -> str:
@@ -135,29 +179,98 @@ def summary_lines(result: WrapResult, plan: WrapPlan) -> list[str]:
     """One line per scaler the command built, or a line saying it built none."""
     lines = []
     for s in result.scalers:
-        who = f"{s['name']} (rank {s['rank']}{', scaler ' + str(s['index']) if s['index'] else ''})"
+        label = s.get("label", f"rank {s['rank']}")
+        who = f"{s['name']} ({label}{', scaler ' + str(s['index']) if s['index'] else ''})"
+        cut = (
+            "" if s.get("final", True) else " (its process ended before its exit summary: killed?)"
+        )
         if not s["enabled"]:
-            lines.append(f"{who}: disabled by the program (enabled=False); nothing scaled")
+            why = (
+                "no CUDA device here (GradScaler disables itself so too)"
+                if s.get("no_device")
+                else "by the program (enabled=False)"
+            )
+            lines.append(f"{who}: disabled, {why}; nothing scaled")
             continue
         steps, skipped = s["steps"], s["skipped"]
         if steps == 0:
-            lines.append(f"{who}: built, but the program took no step with it")
+            lines.append(
+                f"{who}: built, but {'no step was seen' if cut else 'the program took no step with it'}{cut}"
+            )
             continue
         share = f" ({100 * skipped / steps:.1f}%)" if steps else ""
         where = f"; record: {s['record']}" if s.get("record") else ""
         lines.append(
-            f"{who}: {steps} steps, {skipped} skipped{share}, scale {_scale(s['scale_lo'])} .. "
-            f"{_scale(s['scale_hi'])}, {s['at_min']} steps at the minimum ({_scale(s['min_scale'])}){where}"
+            f"{who}: {'at least ' if cut else ''}{steps} steps, {skipped} skipped{share}, scale "
+            f"{_scale(s['scale_lo'])} .. {_scale(s['scale_hi'])}, {s['at_min']} steps at the "
+            f"minimum ({_scale(s['min_scale'])}){where}{cut}"
         )
     for name in result.kept:
         lines.append(
             f"{name}: the program's own GradScaler subclass, kept as it is (not autoscale's)"
         )
     if not result.scalers and not result.kept:
-        why = (
-            "the command ran no Python that imported torch"
-            if result.processes == 0
-            else "no torch.amp.GradScaler was built; Accelerate and the Hugging Face Trainer build one for fp16 only on a GPU"
+        lines.append(f"the command built no GradScaler ({_why_none(result, plan)})")
+        if result.fp16_autocast:
+            lines.append(
+                "it ran under fp16 autocast (torch.autocast(dtype=torch.float16)) without a "
+                "GradScaler: if it trained there, its gradients were never scaled (those below "
+                "2^-24 flush to zero in fp16, above 65504 overflow), and --record has no scaler's "
+                "steps to record; build a torch.amp.GradScaler and wrap the run again"
+            )
+    if result.signal is not None:
+        name = signal.Signals(result.signal).name if result.signal in _SIGNAL_NUMBERS else ""
+        lines.append(
+            f"the command ended by signal {result.signal}{f' ({name})' if name else ''}; exit "
+            f"status {result.returncode}"
         )
-        lines.append(f"the command built no GradScaler ({why}); nothing was scaled or recorded")
     return lines
+
+
+_SIGNAL_NUMBERS = {int(s) for s in signal.Signals}
+
+
+def _why_none(result: WrapResult, plan: WrapPlan) -> str:
+    """Why no scaler was built, as far as the command's processes tell."""
+    if result.failures:
+        return f"autoscale could not install in the command's Python: {result.failures[0]}"
+    if result.started == 0:
+        flags = python_flags(plan.command)
+        if flags:
+            return (
+                f"python {' '.join('-' + f for f in flags)} runs without "
+                f"{'sitecustomize' if flags == ['S'] else 'PYTHONPATH or sitecustomize'}, which "
+                f"the wrap needs: the run was not wrapped; run it without {'/'.join('-' + f for f in flags)}"
+            )
+        return (
+            "no Python of the command started wrapped: it ran no Python, or ran one with -I, -E "
+            "(no PYTHONPATH) or -S (no sitecustomize), which the wrap needs"
+        )
+    if result.processes == 0:
+        return "the command's Python never imported torch; nothing was scaled or recorded"
+    return (
+        "no torch.amp.GradScaler was built; Accelerate and the Hugging Face Trainer build one "
+        "for fp16 only on a GPU; nothing was scaled or recorded"
+    )
+
+
+def python_flags(command: tuple[str, ...] | list[str]) -> list[str]:
+    """Which of ``-I``, ``-E``, ``-S`` a ``python ...`` command passes (letters, in order);
+    empty for a command that is not a Python interpreter."""
+    if not command or not re.fullmatch(r"python[\d.]*", Path(command[0]).name):
+        return []
+    found: list[str] = []
+    args = iter(command[1:])
+    for arg in args:
+        if not arg.startswith("-") or arg in ("-", "--") or arg.startswith("--"):
+            break  # the script, stdin, or a long option: the interpreter's flags end here
+        for i, letter in enumerate(arg[1:]):
+            if letter in "IES" and letter not in found:
+                found.append(letter)
+            if letter in "WX":  # the rest is its argument, or the next one is
+                if i == len(arg) - 2:
+                    next(args, None)
+                break
+            if letter in "cm":  # -c CMD / -m MOD: the program follows
+                return found
+    return found

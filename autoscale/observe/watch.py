@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import os
 import time
 import weakref
 from typing import Any, Protocol
@@ -156,6 +157,7 @@ class Watch:
         self.scale_lo = math.inf
         self.scale_hi = 0.0
         self._scaler = weakref.ref(scaler)
+        self._pid = os.getpid()  # a forked child inherits the watch, not its files
         scaler.add_observer(self)
         atexit.register(self.close)
 
@@ -248,9 +250,21 @@ class Watch:
             except Exception as exc:  # a full disk or a deleted folder must not stop training
                 self._drop(sink, exc)
 
+    def sync(self) -> None:
+        """Write every step taken so far where it goes (:meth:`flush`, and a record's chunk
+        being filled is written now), and keep watching: what a signal handler calls when the
+        program may go on."""
+        self.flush()
+        for sink in list(self.sinks):
+            try:
+                getattr(sink, "sync", lambda: None)()
+            except Exception as exc:
+                self._drop(sink, exc)
+
     def close(self) -> None:
-        """Flush and close every sink; stop observing. Safe to call twice (atexit calls it)."""
-        if self.closed:
+        """Flush and close every sink; stop observing. Safe to call twice (atexit calls it).
+        Does nothing in a forked child (the parent's files are the parent's to close)."""
+        if self.closed or os.getpid() != self._pid:
             return
         self.closed = True
         self._end_backward()
@@ -348,6 +362,11 @@ class RecordSink:
         if len(self._rows) >= self.chunk_steps:
             self._first += len(self._rows)
             self._rows = []
+
+    def sync(self) -> None:
+        """Write the chunk being filled now (it is rewritten whole as it fills)."""
+        if self._rows:
+            self._write()
 
     def close(self) -> None:
         if self._rows:

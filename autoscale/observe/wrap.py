@@ -7,27 +7,30 @@
 construction returns ``autoscale.get_scaler(NAME, ...)``. ``isinstance(x, torch.amp.GradScaler)``
 still answers for the original class, and a program's own subclass of GradScaler is kept as it is
 (and said at exit). The configuration comes from the ``AUTOSCALE_WRAP`` environment variable
-(JSON, written by :mod:`autoscale.observe.launch`). At exit each scaler leaves a summary file that
-the launcher prints.
+(JSON, written by :mod:`autoscale.observe.launch`). Each process leaves a summary for the
+launcher to print, from the moment torch is imported to its exit, signals included
+(:mod:`autoscale.observe.lifecycle`). A checkpoint that GradScaler would load loads here too
+(:func:`autoscale.scalers.checkpoint.load_as_gradscaler`).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib
 import json
 import os
 import sys
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from autoscale.observe import watch_scaler
+from autoscale.observe import lifecycle, watch_scaler
 from autoscale.observe.on_import import when_imported
 from autoscale.scalers import LossScaler, get_scaler
+from autoscale.scalers.checkpoint import load_as_gradscaler
 
 __all__ = ["ENV", "install", "installed"]
 
@@ -61,7 +64,8 @@ def install(config: dict[str, Any] | None = None) -> None:
     # FSDP1's ShardedGradScaler, when the program imports it (its package takes seconds)
     _state["amp_original"] = amp_original
     when_imported(SHARDED_MODULE, _replace_sharded, during=_torch_grad_scaler)
-    atexit.register(_write_summaries)
+    load_as_gradscaler(True)
+    lifecycle.start(config.get("summary_dir"), _state["built"], _state["kept"])
 
 
 @contextlib.contextmanager
@@ -83,9 +87,14 @@ def _replace_sharded(module: Any) -> None:
 
 
 def _replacement(original: type, cuda_only: bool, sharded: bool = False) -> type:
+    built: weakref.WeakSet = weakref.WeakSet()  # answer isinstance for what this class built
+
     class _Meta(type):
         def __instancecheck__(cls, obj: Any) -> bool:
-            return isinstance(obj, original)
+            try:
+                return isinstance(obj, original) or obj in built
+            except TypeError:  # not weak-referenceable: not built here
+                return False
 
         def __subclasscheck__(cls, sub: type) -> bool:
             return issubclass(sub, original)
@@ -94,7 +103,9 @@ def _replacement(original: type, cuda_only: bool, sharded: bool = False) -> type
             if cls is not replacement:  # the program's own subclass: kept as it is
                 _state["kept"].append(cls.__name__)
                 return super().__call__(*args, **kwargs)
-            return _build(cuda_only, *args, sharded=sharded, **kwargs)
+            scaler = _build(cuda_only, *args, sharded=sharded, **kwargs)
+            built.add(scaler)
+            return scaler
 
     what = original.__name__
     replacement = _Meta(what, (original,), {"__module__": original.__module__})
@@ -152,12 +163,13 @@ def _build(
             f"{', '.join(ignored)} (its rule has no such parameter)",
             file=sys.stderr,
         )
-    rank = int(os.environ.get("RANK", "0") or 0)
-    entry["rank"] = rank
+    rank, label = lifecycle.process_rank()
+    entry.update(rank=rank, label=label)
     if scaler.is_enabled():
         record = config.get("record")
+        who = f"rank{rank}" if rank is not None else f"pid{os.getpid()}"
         if record and (rank == 0 or config.get("all_ranks")):
-            sub = "" if (rank, index) == (0, 0) else f"rank{rank}-scaler{index}"
+            sub = "" if (rank, index) == (0, 0) else f"{who}-scaler{index}"
             record = str(Path(record) / sub) if sub else record
         else:
             record = None
@@ -170,47 +182,14 @@ def _build(
                 hist_every=int(config.get("hist_every", 8)),
                 measure_threshold=bool(config.get("measure_threshold", False)),
                 meta={"argv": config.get("argv") or sys.argv, "rank": rank, "index": index},
+                log_tag=f"scaler{index}" if index else "",
             )
             entry["record"] = record
         except Exception as exc:  # never break the program's run for the record's sake
             print(f"autoscale wrap: not recording scaler {index}: {exc}", file=sys.stderr)
             entry["watch"] = watch_scaler(scaler)
             entry["record"] = None
+        entry["watch"].sinks.append(lifecycle.ProgressSink())
     _state["built"].append(entry)
+    lifecycle.write_summary()  # the launcher knows of this scaler now, whatever ends the process
     return scaler
-
-
-def _write_summaries() -> None:
-    folder = _state.get("config", {}).get("summary_dir")
-    if not folder:
-        return
-    rows = []
-    for e in _state["built"]:
-        watch = e.get("watch")
-        if watch is not None:
-            watch.close()
-        scaler = e["scaler"]
-        rows.append(
-            {
-                "name": e["name"],
-                "index": e["index"],
-                "rank": e["rank"],
-                "enabled": scaler.is_enabled(),
-                "steps": watch.steps if watch else 0,
-                "skipped": watch.skipped if watch else 0,
-                "at_min": watch.at_min if watch else 0,
-                "scale_lo": watch.scale_lo if watch and watch.steps else None,
-                "scale_hi": watch.scale_hi if watch and watch.steps else None,
-                "min_scale": scaler.min_scale,
-                "record": e.get("record"),
-                "ignored": e["ignored"],
-            }
-        )
-    out = {"pid": os.getpid(), "scalers": rows, "kept": _state["kept"]}
-    try:
-        path = Path(folder) / f"{os.getpid()}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out))
-        os.replace(tmp, path)
-    except OSError:
-        pass

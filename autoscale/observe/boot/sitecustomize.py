@@ -2,7 +2,13 @@
 its ``PYTHONPATH``). Standard library only, and nothing at all unless ``AUTOSCALE_WRAP`` is set:
 it waits for ``import torch`` and then lets :func:`autoscale.observe.wrap.install` replace the
 GradScaler classes, so a program that never imports torch pays nothing. Then it runs the
-``sitecustomize`` this one shadows, if there is one."""
+``sitecustomize`` this one shadows, if there is one.
+
+It leaves an empty ``<pid>-<ns>.boot`` file in the launcher's summary folder (the launcher then
+knows that a Python of the command started wrapped), and a ``.fail`` file holding the error where
+the wrap could not install (the exit line names it). Python run with ``-S`` (no
+``sitecustomize``), ``-E`` or ``-I`` (no ``PYTHONPATH``) never reaches this file: the launcher
+finds no ``.boot`` file and says why."""
 
 import importlib.abc
 import importlib.machinery
@@ -14,28 +20,48 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Finds ``torch`` with the other finders, and wraps its loader to install the wrap after it."""
+    """Finds ``torch`` with the other finders and wraps its loader, so that the wrap installs when
+    torch's module is executed: the import itself, not a lookup. ``importlib.util.find_spec("torch")``
+    (``transformers``, ``datasets``, ``accelerate`` ask it at import) executes nothing, so the finder
+    stays on ``sys.meta_path`` until an import has run torch."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        if name != "torch" or "torch" in sys.modules:
             return None
-        sys.meta_path.remove(self)  # once: the real finders do the search
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        spec.loader = _Loader(spec.loader)
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _Loader(spec.loader, self)
         return spec
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner):
+    """torch's own loader, and the wrap's install once it has executed torch."""
+
+    def __init__(self, inner, finder):
         self.inner = inner
+        self.finder = finder
+
+    def __getattr__(self, name):  # resource readers and the like: torch's own loader answers
+        return getattr(self.inner, name)
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
 
     def exec_module(self, module):
+        # the module keeps torch's own loader (importlib.resources, pickle and torch read it)
+        module.__loader__ = self.inner
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.inner
         self.inner.exec_module(module)
+        if self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)
         _install()
 
 
@@ -54,14 +80,31 @@ def _install():
 
         install()
     except Exception as exc:  # noqa: BLE001 - the program runs on with torch's GradScaler
+        why = f"{type(exc).__name__}: {exc}"
         print(
-            f"autoscale wrap: could not install autoscale ({type(exc).__name__}: {exc}); "
-            "GradScaler stays torch's",
+            f"autoscale wrap: could not install autoscale ({why}); GradScaler stays torch's",
             file=sys.stderr,
         )
+        _mark("fail", why)
+
+
+def _mark(kind, text=""):
+    """Leave a ``.boot`` or ``.fail`` file for the launcher (never raises)."""
+    try:
+        import json
+        import time
+
+        folder = json.loads(os.environ["AUTOSCALE_WRAP"]).get("summary_dir")
+        if folder:
+            name = os.path.join(folder, f"{os.getpid()}-{time.time_ns()}.{kind}")
+            with open(name, "w") as fh:
+                fh.write(text)
+    except Exception:  # noqa: BLE001, S110 - the program runs on, the exit line says less
+        pass
 
 
 if os.environ.get("AUTOSCALE_WRAP"):
+    _mark("boot")
     if "torch" in sys.modules:  # imported already (another startup hook)
         _install()
     else:

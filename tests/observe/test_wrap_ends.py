@@ -1,0 +1,186 @@
+"""``autoscale wrap`` on scripts shaped as people write them, ended the ways runs end: torch looked
+up before it is imported, signals, SIGKILL, resume under another scaler, spawned processes with no
+rank, two scalers in one program, Pythons that skip the wrap. Subprocesses, as in test_wrap."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoscale.observe import read_record
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def _wrap(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "autoscale", "wrap", *args],
+        cwd=cwd,
+        env=env or ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _summary(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("autoscale wrap:")]
+
+
+def _lines(out: str, tag: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(tag + " ")]
+
+
+@pytest.mark.slow
+def test_a_lookup_of_torch_before_its_import_leaves_the_wrap_in_place(tmp_path):
+    script = [sys.executable, str(SCRIPTS / "lookup_first.py")]
+    plain = subprocess.run(script, cwd=tmp_path, env=ENV, capture_output=True, text=True)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    out = _wrap("--", *script, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert _lines(out.stdout, "SCALER") == ["SCALER LossScaler torch"]
+    assert _lines(out.stdout, "LOSS") == _lines(plain.stdout, "LOSS")  # bit for bit
+    # isinstance against both GradScaler classes, as without the wrap
+    assert _lines(out.stdout, "ISINSTANCE") == _lines(plain.stdout, "ISINSTANCE")
+    assert _lines(out.stdout, "ISINSTANCE") == ["ISINSTANCE True True"]
+    lines = _summary(out.stderr)
+    assert "torch (rank 0): 4 steps" in lines[0]
+    assert "disabled, no CUDA device here" in lines[1]
+
+
+@pytest.mark.slow
+def test_transformers_imported_first_is_wrapped(tmp_path):
+    pytest.importorskip("transformers")
+    out = _wrap(
+        "--scaler", "auto", "--", sys.executable, str(SCRIPTS / "hf_first.py"), cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert _lines(out.stdout, "SCALER") == ["SCALER LossScaler auto"]
+    assert "auto (rank 0): 1 steps" in out.stderr
+
+
+@pytest.mark.slow
+def test_pythons_that_skip_the_wrap_are_named(tmp_path):
+    for flag, says in (("-S", "runs without sitecustomize"), ("-I", "runs without PYTHONPATH")):
+        out = _wrap("--", sys.executable, flag, "-c", "pass", cwd=tmp_path)
+        assert out.returncode == 0
+        assert _summary(out.stderr) == [
+            f"autoscale wrap: the command built no GradScaler (python {flag} {says}"
+            + (" or sitecustomize" if flag == "-I" else "")
+            + f", which the wrap needs: the run was not wrapped; run it without {flag})"
+        ]
+    no_torch = _wrap("--", sys.executable, "-c", "pass", cwd=tmp_path)
+    assert "the command's Python never imported torch" in no_torch.stderr
+    autocast = "import torch\nwith torch.autocast('cpu', dtype=torch.float16): pass"
+    bare = _wrap("--", sys.executable, "-c", autocast, cwd=tmp_path)
+    assert "it ran under fp16 autocast" in bare.stderr and "never scaled" in bare.stderr
+
+
+def _until(mode: str, sig: int, rec: Path, *, to_child: bool = False, at: int = 300):
+    """Run until_signal.py wrapped; send ``sig`` (to the launcher, or to the program) once it
+    has printed step ``at``. Returns (exit status, steps printed, stderr)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autoscale", "wrap", "--record", str(rec), "--", sys.executable]
+        + [str(SCRIPTS / "until_signal.py"), mode],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pid, printed = None, -1
+    for line in proc.stdout:
+        if line.startswith("PID"):
+            pid = int(line.split()[1])
+        if line.startswith("STEP"):
+            printed = int(line.split()[1])
+            if printed >= at:
+                os.kill(pid, sig) if to_child else proc.send_signal(sig)
+                break
+    rest, err = proc.communicate(timeout=300)
+    steps = [int(line.split()[1]) for line in rest.splitlines() if line.startswith("STEP")]
+    return proc.returncode, max([printed, *steps]) + 1, rest, err
+
+
+@pytest.mark.slow
+def test_sigterm_writes_every_step_and_the_run_still_dies_by_it(tmp_path):
+    code, taken, _, err = _until("default", signal.SIGTERM, tmp_path / "r")
+    assert code == 128 + signal.SIGTERM  # as without the wrap: died by the signal
+    record = read_record(tmp_path / "r")
+    assert record.meta["finished"] and record.notes == []
+    # every step taken, not only the whole chunks of 256 (the step that printed last may have
+    # been followed by one more before the handler ran)
+    assert taken <= len(record.steps) <= taken + 1
+    assert [s["step"] for s in record.steps] == list(range(len(record.steps)))
+    assert f"torch (rank 0): {len(record.steps)} steps" in err
+    assert "ended by signal 15 (SIGTERM); exit status 143" in err
+
+
+@pytest.mark.slow
+def test_the_programs_own_sigterm_handler_still_runs(tmp_path):
+    for mode in ("own-before", "own-after"):
+        code, taken, out, err = _until(mode, signal.SIGTERM, tmp_path / mode)
+        assert code == 0 and "HANDLER 15" in out  # the program stopped its loop and exited
+        steps = int(_lines(out, "STOPPED")[0].split()[1])
+        record = read_record(tmp_path / mode)
+        assert record.meta["finished"] and len(record.steps) == steps
+        assert f"torch (rank 0): {steps} steps" in err
+
+
+@pytest.mark.slow
+def test_sigkill_keeps_whole_chunks_and_the_exit_line_knows_the_scaler(tmp_path):
+    code, taken, _, err = _until("default", signal.SIGKILL, tmp_path / "r", to_child=True)
+    assert code == 128 + signal.SIGKILL
+    record = read_record(tmp_path / "r")
+    assert len(record.steps) == 256 and not record.meta.get("finished")  # one whole chunk
+    line = _summary(err)[0]
+    assert "torch (rank 0): at least " in line and "killed?" in line
+    assert int(line.split("at least ")[1].split()[0]) >= 256
+    assert "built no GradScaler" not in err
+
+
+@pytest.mark.slow
+def test_observe_then_resume_under_auto(tmp_path):
+    ckpt = str(tmp_path / "ck.pt")
+    script = [sys.executable, str(SCRIPTS / "resume.py")]
+    saved = _wrap("--", *script, "save", ckpt, cwd=tmp_path)
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    scale = float(_lines(saved.stdout, "SAVED")[0].split()[1])
+    env = {**ENV, "PYTHONWARNINGS": "default"}
+    resumed = _wrap("--scaler", "auto", "--", *script, "load", ckpt, cwd=tmp_path, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _lines(resumed.stdout, "RESUMED") == [f"RESUMED {scale}"]
+    assert _lines(resumed.stdout, "SCALER") == ["SCALER LossScaler auto"]
+    warned = [line for line in resumed.stderr.splitlines() if "starts fresh" in line]
+    assert len(warned) == 1 and "saved by rule 'torch' loads into 'auto'" in warned[0]
+
+
+@pytest.mark.slow
+def test_spawned_processes_without_a_rank_record_apart(tmp_path):
+    script = [sys.executable, str(SCRIPTS / "spawned.py")]
+    out = _wrap("--record", "r", "--all-ranks", "--", *script, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = _summary(out.stderr)
+    assert len(lines) == 2 and "torch (rank 0): 5 steps" in lines[0]
+    assert "torch (pid " in lines[1] and "5 steps" in lines[1]
+    (other,) = [p for p in (tmp_path / "r").iterdir() if p.is_dir()]
+    assert other.name.startswith("pid") and other.name.endswith("-scaler0")
+    assert len(read_record(tmp_path / "r").steps) == len(read_record(other).steps) == 5
+
+
+@pytest.mark.slow
+def test_a_second_scaler_gets_its_own_record_and_log(tmp_path):
+    out = _wrap(
+        "--record", "r", "--log", "csv:log.csv", "--",
+        sys.executable, str(SCRIPTS / "spawned.py"), "two", cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(read_record(tmp_path / "r").steps) == 6
+    assert len(read_record(tmp_path / "r" / "rank0-scaler1").steps) == 4
+    assert len((tmp_path / "log.csv").read_text().splitlines()) == 1 + 6
+    assert len((tmp_path / "log.scaler1.csv").read_text().splitlines()) == 1 + 4
