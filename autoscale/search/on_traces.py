@@ -118,8 +118,11 @@ class TraceSearch:
         )
         families = searched_families(cfg.families)
         fresh = "traces" not in study.user_attrs
+        if not fresh:
+            _check_same_records(study, name, records, suite)
         if fresh:
             study.set_user_attr("traces", [str(Path(r.path).resolve()) for r in records])
+            study.set_user_attr("records", _records_id(records))
             study.set_user_attr("command", cfg.command)
             study.set_user_attr("validation", REPLAY_NOTE)
             study.set_user_attr("suite", suite.to_dict())
@@ -360,3 +363,26 @@ def _mean_precision(outcome, clean) -> float:
     p = outcome.precision[clean & ~outcome.skipped]
     p = p[np.isfinite(p)]
     return float(p.mean()) if p.size else 0.0
+
+
+def _records_id(records: list[Any]) -> list[list[Any]]:
+    """What a study of records is made from: each record's folder and its number of steps."""
+    return [[str(Path(r.path).resolve()), len(r.steps)] for r in records]
+
+
+def _check_same_records(study: Any, name: str, records: list[Any], suite: Any) -> None:
+    """A study of records resumes only from the records it was made from (its trials and their
+    test-replay scores were measured on them); else one line says how to start another."""
+
+    attrs = study.user_attrs
+    now = _records_id(records)
+    stored = attrs.get("records")
+    same = attrs.get("suite") == suite.to_dict() and (
+        stored == now if stored is not None else attrs.get("traces") == [p for p, _ in now]
+    )
+    if not same:
+        made = ", ".join(attrs.get("traces") or []) or "other records"
+        raise ConfigError(
+            f"study '{name}' was made from other records ({made}, or the same folders holding "
+            f"other steps): pass --study NEW_NAME to search these, or the same records to resume it"
+        )

@@ -126,12 +126,15 @@ def replan(
     cuts += [f"{c} ({why})" for c in gate_cuts if c not in plan.cuts]
     gate_min = gate.cost(timings, 1, cached_gate)
     gate_s = gate.cost(timings, GATE_CANDIDATES, cached_gate)
-    steps = min(plan.steps, suite.episode.steps)
-    validation = with_steps(recorded_suite(plan.validation, traces, plan.horizon), steps)
+    # a study with validation results keeps its validation whole (episode length and test
+    # instances): real steps need no traces, and results of two lengths must not mix
+    validation = plan.validation
     all_rules = plan.all_rules_real
     if not keep_validation:
+        steps = min(plan.steps, suite.episode.steps)
+        validation = with_steps(recorded_suite(plan.validation, traces, plan.horizon), steps)
         room = min(VALIDATE_SHARE * budget_s, left_s - gate_min - min_search_s)
-        choice = fit_validation(suite, timings, room, len(plan.rules))
+        choice = fit_validation(suite, timings, room, len(plan.rules) + 1)  # + auto
         if choice is None:  # the least: torch and the candidate on the shortest episodes
             validation = with_steps(suite, min(VALIDATION_LADDER[-1], suite.episode.steps))
             all_rules = False
@@ -144,7 +147,7 @@ def replan(
             )
         if plan.all_rules_real and not all_rules:
             cuts.append(f"real-step validation of every rule ({why})")
-    val_s = validate_cost(validation, timings, len(plan.rules) + 1 if all_rules else 2)
+    val_s = validate_cost(validation, timings, len(plan.rules) + 2 if all_rules else 3)
     return dataclasses.replace(
         plan,
         suite=suite,

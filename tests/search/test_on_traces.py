@@ -98,3 +98,25 @@ def test_bad_traces_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsys
     assert "takes no --model/--workload" in capsys.readouterr().err
     assert not (tmp_path / "autoscale.db").exists() and not (tmp_path / "policies").exists()
     assert read_record(tmp_path / "short").steps  # the record itself is untouched
+
+
+def test_a_study_made_from_other_records_is_refused_not_resumed(tmp_path, monkeypatch, capsys):
+    """The default study name is the folder's: a folder recorded again holds other steps, and the
+    study's trials (and their test-replay scores) were measured on the old ones."""
+    import optuna
+
+    from autoscale.search.storage import open_storage
+
+    monkeypatch.chdir(tmp_path)
+    _record(tmp_path / "old", steps=300)
+    before, _ = suite_from_records([tmp_path / "old"])
+    run = _record(tmp_path / "run", steps=400)  # the same folder, recorded again, longer
+    study = optuna.create_study(study_name="run-traces", storage=open_storage("autoscale.db"))
+    study.set_user_attr("traces", [str(run.resolve())])
+    study.set_user_attr("records", [[str(run.resolve()), 300]])
+    study.set_user_attr("suite", before.to_dict())
+    assert main(["search", "--traces", "run", "--budget", "1m"]) == 2
+    err = capsys.readouterr().err
+    assert f"study 'run-traces' was made from other records ({run.resolve()}" in err
+    assert "pass --study NEW_NAME" in err and "Traceback" not in err
+    assert len(study.trials) == 0 and not (tmp_path / "policies").exists()

@@ -130,6 +130,27 @@ def test_a_study_with_validation_results_keeps_their_episode_length():
     assert new.steps == plan.steps and new.timings != plan.timings
 
 
+def test_validation_results_keep_their_length_and_instances_when_the_traces_ran_short():
+    """A study with validation results keeps its validation whole: a shorter recording shortens
+    the replay horizon, never the real-step episodes already scored (results of two lengths
+    would mix), nor drops its test instances (validation runs real steps, not the traces)."""
+    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
+    short = plan.steps // 2
+    traces, dropped = _recorded(plan, 1, steps=short)
+    new = replan(
+        plan,
+        traces,
+        _stats(3.0, dropped, short),
+        left_s=200,
+        budget_s=600,
+        min_search_s=12,
+        cached_gate=lambda w, s: False,
+        keep_validation=True,
+    )
+    assert new.horizon == short  # the replay is what was recorded
+    assert new.validation == plan.validation and new.steps == plan.steps
+
+
 def test_helpers():
     plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
     assert pace_of({"wall_s": 3.0, "planned_s": 2.0}) == 1.5
