@@ -122,6 +122,19 @@ def test_sigterm_writes_every_step_and_the_run_still_dies_by_it(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sig", "to_child"),
+    [(signal.SIGHUP, False), (signal.SIGINT, True)],  # a closed terminal; Ctrl-C in the program
+)
+def test_sighup_and_sigint_write_every_step_too(tmp_path, sig, to_child):
+    code, taken, _, err = _until("default", sig, tmp_path / "r", to_child=to_child)
+    assert code == 128 + sig
+    record = read_record(tmp_path / "r")
+    assert record.meta["finished"] and taken <= len(record.steps) <= taken + 1
+    assert f"torch (rank 0): {len(record.steps)} steps" in err
+
+
+@pytest.mark.slow
 def test_the_programs_own_sigterm_handler_still_runs(tmp_path):
     for mode in ("own-before", "own-after"):
         code, taken, out, err = _until(mode, signal.SIGTERM, tmp_path / mode)
