@@ -2,20 +2,21 @@
 
 Each subcommand lives in ``autoscale/commands/`` as a :class:`~autoscale.commands.base.Command`
 subclass and is imported only when it runs, so ``autoscale --help`` stays fast. Errors autoscale
-raises on purpose (:class:`~autoscale.errors.AutoscaleError`) print as one line and exit 2.
+raises on purpose (:class:`~autoscale.errors.AutoscaleError`) print as one line and exit 2, and so
+does a command whose optional extra (``autoscale[search]``, ``autoscale[hf]``) is not installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
 import autoscale
-from autoscale.errors import AutoscaleError
+from autoscale.errors import EXTRA_OF_MODULE, AutoscaleError, MissingExtraError, missing_extra
 
 # name -> (module in autoscale.commands, class, one-line help). Order is the order of --help.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -69,6 +70,18 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("export", "ExportCommand", "export a search trial's policy to policies/NAME"),
 }
 
+# Commands that need an optional extra whatever their arguments: checked before the command is
+# imported, so they say which extra in one line. Others find out when they import a missing module
+# (``autoscale run --model gpt2`` without the 'hf' extra), and say it the same way.
+NEEDS_EXTRA: dict[str, str] = {
+    "record": "search",
+    "train-agent": "search",
+    "eval": "search",
+    "search": "search",
+    "dashboard": "search",
+    "export": "search",
+}
+
 EPILOG = """examples:
   autoscale list                                   every scaler get_scaler() can build
   autoscale run --scaler torch --scenario bad-batches --steps 200
@@ -106,8 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _command(name: str):
+    extra = NEEDS_EXTRA.get(name)
+    for module, its_extra in EXTRA_OF_MODULE.items():
+        if its_extra == extra and importlib.util.find_spec(module) is None:
+            raise missing_extra(f"autoscale {name}", module)
     module, cls, _ = COMMANDS[name]
     return getattr(importlib.import_module(f"autoscale.commands.{module}"), cls)()
+
+
+def _no_extra(name: str, exc: ModuleNotFoundError) -> int:
+    """Print the one line that names the extra installing ``exc``'s module (exit 2), or re-raise
+    ``exc`` when no extra of autoscale installs it."""
+    error = missing_extra(f"autoscale {name}", exc.name or "")
+    if error is None:
+        raise exc
+    print(error, file=sys.stderr)
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,7 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)  # handles --help, --version and unknown commands
         parser.print_help()
         return 0 if args.command is None and not argv else 2
-    command = _command(argv[0])
+    try:
+        command = _command(argv[0])
+    except MissingExtraError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        return _no_extra(argv[0], exc)
     sub = _Parser(
         prog=f"autoscale {argv[0]}",
         description=command.__doc__.strip().splitlines()[0] if command.__doc__ else None,
@@ -128,9 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = sub.parse_args(argv[1:])
     try:
         return int(command.run(args) or 0)
+    except MissingExtraError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     except AutoscaleError as exc:
         print(f"autoscale {argv[0]}: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        return _no_extra(argv[0], exc)
     except KeyboardInterrupt:
         print(f"autoscale {argv[0]}: interrupted", file=sys.stderr)
         return 130

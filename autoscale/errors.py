@@ -17,6 +17,10 @@ __all__ = [
     "BudgetError",
     "StorageError",
     "MinimumLossScaleError",
+    "MissingExtraError",
+    "TorchVersionError",
+    "EXTRA_OF_MODULE",
+    "missing_extra",
     "unknown_name",
     "check_keys",
 ]
@@ -51,6 +55,48 @@ class StorageError(AutoscaleError):
 
 class MinimumLossScaleError(AutoscaleError, RuntimeError):
     """Raised when a scaler asked to behave like DeepSpeed hits its minimum scale on an overflow."""
+
+
+class MissingExtraError(AutoscaleError, ImportError):
+    """A command needs an optional extra (``pip install 'autoscale[NAME]'``) that is not installed."""
+
+
+class TorchVersionError(AutoscaleError, ImportError):
+    """The installed torch lacks a private member that autoscale's scaler or instruments rely on."""
+
+
+#: The top-level modules each optional extra of pyproject installs, so that a command whose module
+#: is missing can name the extra to install. The base install (torch, NumPy, PyYAML, tqdm,
+#: matplotlib) runs the scalers, ``wrap``, ``report``, ``run``, ``compare`` and ``doctor``.
+EXTRA_OF_MODULE: dict[str, str] = {
+    "optuna": "search",
+    "optuna_dashboard": "search",
+    "gymnasium": "search",
+    "stable_baselines3": "search",
+    "transformers": "hf",
+}
+
+
+def missing_extra(what: str, module: str) -> MissingExtraError | None:
+    """The error for ``what`` (e.g. ``"autoscale search"``) when ``module`` is not installed.
+
+    Args:
+        what: What needed the module, as the user called it.
+        module: The missing module's name (a dotted name counts by its top level).
+
+    Returns:
+        The error naming the extra that installs ``module``, or None when no extra does (then the
+        missing module is not an optional part of autoscale, and the caller lets the import error
+        stand).
+    """
+    top = module.split(".")[0]
+    extra = EXTRA_OF_MODULE.get(top)
+    if extra is None:
+        return None
+    return MissingExtraError(
+        f"{what} needs the '{extra}' extra ({top} is not installed): "
+        f"pip install 'autoscale[{extra}]'"
+    )
 
 
 def unknown_name(kind: str, name: str, known: Iterable[str], how_to_list: str) -> UnknownNameError:
