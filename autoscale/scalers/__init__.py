@@ -2,7 +2,13 @@
 
 A scaler (:class:`LossScaler`, a GradScaler) hosts a rule (:class:`ScaleRule`) that decides each
 next scale. Imports torch and PyYAML only (never stable-baselines3, optuna or gymnasium).
+Importing it first checks that this torch has the private members the scalers rely on
+(:mod:`~autoscale.scalers.torch_compat`).
 """
+
+from autoscale.scalers.torch_compat import check_torch
+
+check_torch()  # before the modules below import torch's private members
 
 from autoscale.scalers.catalog import ScalerInfo, get_scaler, list_scalers
 from autoscale.scalers.controller import (
