@@ -3,11 +3,17 @@
 A rule with a guard (:attr:`~autoscale.scalers.controller.ScaleRule.has_guard`) gives a limit
 (:meth:`~autoscale.scalers.controller.ScaleRule.guard_limit`); a step whose ``|loss|`` times the
 scale the rule set would pass it takes the largest power of two ``S`` with ``S * |loss| <= limit``
-instead, never below the minimum. Three forms of the same arithmetic:
+instead, never below the minimum. One arithmetic, :func:`guard_scale_host`, in three places:
 
-- :func:`apply_guard`: on the scaler's device, no host sync (the scaler's form);
-- :func:`guard_scale_host`: the same float64 arithmetic on the host, for a CPU scaler;
-- :func:`guarded_scale`: the environments' host twin (a scale kept unless the guard lowers it).
+- :func:`guard_scale_host`: the arithmetic, in float64 on the host (a CPU scaler's form);
+- :func:`apply_guard`: the same ops on the scaler's device, no host sync (float64; float32 on MPS,
+  which has no float64: the one place the forms may differ, and only for a loss whose quotient
+  float32 cannot hold);
+- :func:`guarded_scale`: the environments' and replays' form, :func:`guard_scale_host` itself.
+
+Whether there is a guard at all is decided in one place, :func:`guards`: a rule's limit that is
+None or not positive means no guard (no rule gives one <= 0; the device ops would turn a negative
+limit into NaN), so the scaler and the environments skip the guard alike.
 
 A policy that acts at scale time (:attr:`~autoscale.scalers.controller.ScaleRule.scale_time`)
 decides the step's scale from its loss itself, through the same place in the scaler;
@@ -28,8 +34,14 @@ __all__ = [
     "apply_step_scale",
     "guard_scale_host",
     "guarded_scale",
+    "guards",
     "step_scale_host",
 ]
+
+
+def guards(limit: float | None) -> bool:
+    """Whether a rule's ``limit`` guards a step: a positive limit does; None or <= 0 does not."""
+    return limit is not None and limit > 0
 
 
 def apply_guard(
@@ -77,21 +89,10 @@ def guard_scale_host(limit: float, loss: float, min_scale: float, max_scale: flo
 
 
 def guarded_scale(scale: float, loss: float, limit: float | None, min_scale: float) -> float:
-    """The scale a step with ``loss`` takes under a rule's guard ``limit``: ``scale``, or the
-    largest power of two ``S`` with ``S * |loss| <= limit`` where that is lower (never below
-    ``min_scale``). The environments' host twin of :func:`apply_guard`.
-
-    The two agree wherever a rule's limit is positive; for a limit <= 0 (which no rule gives)
-    this keeps ``scale`` and :func:`guard_scale_host` gives ``min_scale``."""
-    if limit is None or loss != loss or loss == 0:
-        return scale
-    ratio = limit / abs(loss)
-    if not ratio < math.inf:  # an infinite loss gives 0 here; a tiny one, inf
-        return scale
-    if ratio <= 0:
-        return scale
-    g = 2.0 ** math.floor(math.log2(ratio))
-    return max(g, min_scale) if g < scale else scale
+    """The scale a step with ``loss`` takes under a rule's guard ``limit`` when the rule set
+    ``scale``: :func:`guard_scale_host` where :func:`guards` (the environments' and replays' form
+    of what :func:`apply_guard` does on the scaler's device), else ``scale``."""
+    return guard_scale_host(limit, loss, min_scale, scale) if guards(limit) else scale
 
 
 def step_scale_host(rule: Any, scale: float, loss: float, bounds: Any) -> float:

@@ -33,7 +33,7 @@ from autoscale.scalers.controller import (
     positive_finite,
 )
 from autoscale.scalers.grad_reader import GradReader
-from autoscale.scalers.loss_guard import apply_guard, apply_step_scale
+from autoscale.scalers.loss_guard import apply_guard, apply_step_scale, guards
 from autoscale.scalers.ranks import RankAgreement
 from autoscale.scalers.unscale import InverseScale
 
@@ -235,7 +235,7 @@ class LossScaler(torch.amp.GradScaler):
         set it from the loss (``scale_time``)."""
         rule = self.guard_rule if self.guard_rule is not None else self.rule
         limit = rule.guard_limit() if rule.has_guard and not rule.scale_time else None
-        if limit is None and not rule.scale_time:
+        if not guards(limit) and not rule.scale_time:
             return
         if self._scale is None:
             self._lazy_init_scale_growth_tracker(loss.device)

@@ -17,7 +17,7 @@ from autoscale.scalers.checkpoint import STATE_VERSION, read_state, write_state
 from autoscale.scalers.controller import ScaleBounds, ScaleController, f32
 from autoscale.scalers.grad_reader import GradReader
 from autoscale.scalers.grad_stats import AbsMax, grad_stats
-from autoscale.scalers.loss_guard import apply_guard, guard_scale_host, guarded_scale
+from autoscale.scalers.loss_guard import apply_guard, guard_scale_host, guarded_scale, guards
 from autoscale.scalers.ranks import RankAgreement
 from autoscale.scalers.rules import TorchRule
 from autoscale.scalers.unscale import InverseScale, unscale_reading_amax
@@ -99,6 +99,28 @@ def test_the_three_forms_of_the_guard_agree_for_positive_limits():
         scale = torch.full((), set_scale)
         assert apply_guard(scale, torch.tensor(loss), limit, min_scale, set_scale, None) is None
         assert scale.item() == f32(host)
+
+
+def test_a_limit_that_is_not_positive_is_no_guard_in_every_form():
+    """The one decision of whether a step is guarded (``guards``): the host forms keep the set
+    scale, and the scaler never runs the device ops (they would give NaN for a negative limit)."""
+    for limit in (None, 0.0, -1.0, -math.inf):
+        assert not guards(limit)
+        assert guarded_scale(2.0**12, 3.0, limit, 1.0) == 2.0**12
+    assert guards(1e-30) and guards(math.inf)
+
+    from autoscale.scalers import LossScaler
+    from autoscale.scalers.rules import TorchRule
+
+    class Negative(TorchRule):
+        has_guard = True
+
+        def guard_limit(self):
+            return -1.0
+
+    scaler = LossScaler(Negative(), "cpu", init_scale=2.0**12, min_scale=1.0)
+    scaler.scale(torch.tensor(5.0, requires_grad=True))
+    assert scaler.get_scale() == 2.0**12 and not scaler._guarded
 
 
 def test_guard_edges():
