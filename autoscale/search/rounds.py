@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autoscale.search.budget import format_duration
 from autoscale.search.candidates import AUTO, TORCH, Candidate
@@ -29,6 +29,7 @@ from autoscale.search.export import (
 from autoscale.search.loop import TrialLoop
 from autoscale.search.plan import GATE_CANDIDATES, Plan
 from autoscale.search.report import comparison_table, draw_comparison, member_table
+from autoscale.search.session import Session
 from autoscale.search.space import parametric_families
 from autoscale.search.storage import file_lock, mask_url
 from autoscale.search.study import study_note
@@ -39,9 +40,6 @@ from autoscale.search.trials import (
     write_note,
 )
 from autoscale.search.validate import Validated
-
-if TYPE_CHECKING:
-    from autoscale.search.runner import SearchRunner
 
 __all__ = ["RoundState", "Rounds", "search_stop", "CANDIDATES_PER_ROUND", "MAX_ROUNDS"]
 
@@ -71,7 +69,7 @@ class Rounds:
 
     def __init__(
         self,
-        runner: SearchRunner,
+        session: Session,
         study: Any,
         plan: Plan,
         bench: Any,
@@ -80,14 +78,11 @@ class Rounds:
         store: Any,
         workdir: Path,
     ) -> None:
-        self.runner = runner
-        self.cfg, self.budget, self.ledger = runner.cfg, runner.budget, runner.ledger
-        self.result, self.counts, self.gate = runner.result, runner.counts, runner.gate
-        self.folder, self.worker, self.min_search_s = (
-            runner.folder,
-            runner.worker,
-            runner.min_search_s,
-        )
+        self.session = session
+        self.cfg, self.budget, self.ledger = session.cfg, session.budget, session.ledger
+        self.result, self.counts, self.gate = session.result, session.counts, session.gate
+        self.folder, self.worker = session.folder, session.worker
+        self.min_search_s = session.min_search_s
         self.study, self.plan, self.bench, self.recorder = study, plan, bench, recorder
         self.validator, self.store, self.workdir = validator, store, workdir
         self.validated: dict[str, Validated] = {}
@@ -100,14 +95,14 @@ class Rounds:
         self.choice: Any = None  # the last pick (autoscale.search.choose.Choice)
 
     def say(self, phase: str, text: str) -> None:
-        self.runner.say(phase, text)
+        self.session.say(phase, text)
 
     def warn(self, text: str) -> None:
-        self.runner.warn(text)
+        self.session.warn(text)
 
     @property
     def out(self) -> Callable[[str], None]:
-        return self.runner.out
+        return self.session.out
 
     def run(self) -> None:
         """Search, validate, pick and export; then again while a round fits in the time left,

@@ -31,7 +31,6 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +46,9 @@ from autoscale.search.gate import GATE_STEPS, NoHarmCheck, gate_proxy, gate_work
 from autoscale.search.plan import Plan, make_plan
 from autoscale.search.replan import MIN_HORIZON, SLOW, least_after_record, pace_of, replan
 from autoscale.search.rounds import Rounds
+from autoscale.search.session import SearchConfig, SearchResult, Session
 from autoscale.search.space import searched_families
 from autoscale.search.storage import (
-    DEFAULT_STORAGE,
     artifact_store,
     artifacts_dir,
     mask_url,
@@ -81,55 +80,6 @@ from autoscale.training.threads import fit_threads
 __all__ = ["SearchConfig", "SearchResult", "SearchRunner", "PHASES", "rules_torch_first"]
 
 PHASES = ("measure", "plan", "record", "search", "validate", "export")
-
-
-@dataclass
-class SearchConfig:
-    """What ``autoscale search`` was asked for (strings already turned into objects).
-
-    Attributes:
-        base: The env spec or suite of the workloads (reshaped by the plan).
-        explicit: The user named the workload (``--env``/``--model``/``--scenario``); a study
-            that exists must then have those workloads, else its own are adopted.
-        families: The rule families searched (``--family``; None: every family that adapts, a
-            fixed scale only when asked for). ``torch`` is always validated: it is the reference.
-    """
-
-    base: Any
-    study: str
-    export: str
-    explicit: bool = True
-    space: str = "parametric"
-    storage: str = DEFAULT_STORAGE
-    n_trials: int | None = None
-    seed: int = 0
-    force: bool = False
-    artifacts: str | None = None
-    policy_dir: str | None = None
-    progress: bool = True
-    command: str = ""
-    budget_text: str = ""
-    families: tuple[str, ...] | None = None
-
-
-@dataclass
-class SearchResult:
-    """What a search did (this worker's share of the study)."""
-
-    study: str
-    plan: Plan | None
-    trials: dict[str, int]
-    winner: str | None = None
-    builtin: bool = False
-    exported: Path | None = None
-    table: str = ""
-    wall_s: float = 0.0
-    budget_s: float = 0.0
-    rounds: int = 0
-    stopped_early: str | None = None
-    answer: list[str] = field(default_factory=list)
-    replanned: list[str] = field(default_factory=list)
-    ledger: Ledger = field(default_factory=Ledger)
 
 
 def _print(text: str) -> None:
@@ -233,7 +183,21 @@ class SearchRunner:
                 worker=self.worker,
                 progress=cfg.progress,
             )
-            Rounds(self, study, plan, bench, recorder, validator, store, workdir).run()
+            session = Session(
+                cfg,
+                self.budget,
+                self.ledger,
+                self.result,
+                self.counts,
+                self.gate,
+                self.folder,
+                self.worker,
+                self.min_search_s,
+                self.say,
+                self.warn,
+                self.out,
+            )
+            Rounds(session, study, plan, bench, recorder, validator, store, workdir).run()
         self.result.wall_s = self.budget.elapsed()
         return self.result
 
