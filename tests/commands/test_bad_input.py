@@ -69,10 +69,10 @@ SPECS = {
     "every.yaml": _spec("scenario_params: {every: 8}", "scenario_params: {every: 0}"),
     "leak.yaml": _spec("- {seed: 100, start: 0}", "- {seed: 0, start: 0}"),
     "suite-left.yaml": _suite("validation: {workloads: [autoencoder]", "validation: {workloads: [autoencodr]"),
-    "suite-exclude.yaml": _suite("exclude: [cnn/preference]", "exclude: [cnn/preference, mlp/clen]"),
+    "suite-exclude.yaml": _suite("exclude: [cnn/preference,", "exclude: [mlp/clen, cnn/preference,"),
     "suite-none.yaml": _suite(
-        "test: {workloads: [cnn]}",
-        "test: {workloads: [gpt2-tiny, mlp, cnn]}",
+        "test: {workloads: [cnn],",
+        "test: {workloads: [gpt2-tiny, mlp, cnn],",
     ),
     "suite-member.yaml": _suite("mlp: {model: mlp, batch_size: 32}", "mlp: {model: mlp, batch_size: 0}"),
     "suite-key.yaml": _suite("  split:", "  leftout: {}\n  split:"),

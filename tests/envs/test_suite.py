@@ -101,21 +101,37 @@ def test_the_older_left_out_form_loads_as_test_members():
         load_spec({**old, "suite": {**old["suite"], "split": {"test": {"workloads": ["ae"]}}}})
 
 
-def test_the_shipped_suite_crosses_four_workloads_with_five_scenarios():
+def test_the_shipped_suite_crosses_four_workloads_with_six_scenarios():
     suite = load_spec("suite")
     models = {m.workload.model for m in suite.members + suite.left_out}
     scenarios = {m.workload.scenario for m in suite.members + suite.left_out}
     cnn = str((ROOT / "experiments" / "workloads" / "cnn.py").resolve()) + ":make"
     assert models == {"gpt2-tiny", "mlp", "autoencoder", cnn}  # the CNN read from envs/'s folder
-    assert scenarios == {"clean", "bad-batches", "small-grads", "moving", "preference"}
-    assert len(suite.members) + len(suite.left_out) == 19  # a user workload takes no preference
+    assert scenarios == {
+        "clean",
+        "bad-batches",
+        "small-grads",
+        "moving",
+        "preference",
+        "rl-finetune",
+    }
+    # a user workload takes no preference; RL fine-tuning samples from gpt2-tiny alone
+    assert len(suite.members) + len(suite.left_out) == 20
     assert "cnn/preference" not in {m.name for m in suite.left_out}
+    assert [m.name for m in suite.left_out if m.workload.scenario == "rl-finetune"] == [
+        "gpt2-tiny/rl-finetune"
+    ]
     # validation and test each hold a workload no train member has, and test one no other has
     train, val, test = suite.members, suite.validation, suite.test
     assert all(m.workload.model not in ("autoencoder", cnn) for m in train)
     assert all(m.workload.scenario != "preference" for m in train)
     assert {m.workload.model for m in val} - {m.workload.model for m in train} == {"autoencoder"}
     assert {m.workload.model for m in test} - {m.workload.model for m in train + val} == {cnn}
+    assert {m.workload.scenario for m in val} - {m.workload.scenario for m in train} == {
+        "preference"
+    }
+    seen = {m.workload.scenario for m in train + val}
+    assert {m.workload.scenario for m in test} - seen == {"rl-finetune"}
     for m in suite.members:
         train = {i.seed for i in m.instances["train"]}
         assert train.isdisjoint(i.seed for i in m.instances["test"])
