@@ -146,6 +146,16 @@ class SuiteSpec:
             left_out=tuple(fn(m) for m in self.left_out),
         )
 
+    def with_episode_steps(self, steps: int) -> SuiteSpec:
+        """The suite (left-out members too) with real-step episodes of ``steps`` steps; the
+        replay horizon is raised to ``steps`` where it was shorter, never lowered."""
+
+        def shape(m: EnvSpec) -> EnvSpec:
+            ep = replace(m.episode, steps=steps, horizon=max(steps, m.episode.horizon))
+            return replace(m, episode=ep)
+
+        return self.replace_members(shape)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain primitives; ``SuiteSpec.from_dict(s.to_dict()) == s`` (members in full)."""
         return {

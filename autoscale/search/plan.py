@@ -51,7 +51,6 @@ __all__ = [
     "fit_gate",
     "fit_validation",
     "validate_cost",
-    "with_steps",
 ]
 
 RECORD_SHARE = 0.50  # at most this share of the working budget records traces (replay trials cost
@@ -305,7 +304,7 @@ def make_plan(
             )
     smallest = shape_suite(suite, _horizons(suite)[-1], 1, 1)
     rec = rec_cost(smallest, smallest.episode.steps)
-    val = validate_cost(with_steps(smallest, VALIDATION_LADDER[-1]), timings, 3)
+    val = validate_cost(smallest.with_episode_steps(VALIDATION_LADDER[-1]), timings, 3)
     need = max(rec / RECORD_SHARE, (rec + val + gate_min) / REAL_SHARE)
     key, slowest = timings.slowest()
     about = "about" if timings.complete else "more than"
@@ -346,12 +345,6 @@ def fit_gate(
     return dataclasses.replace(gate, workloads=tuple(kept)), tuple(cuts)
 
 
-def with_steps(suite: SuiteSpec, steps: int) -> SuiteSpec:
-    return suite.replace_members(
-        lambda m: dataclasses.replace(m, episode=dataclasses.replace(m.episode, steps=steps))
-    )
-
-
 def fit_validation(
     shaped: SuiteSpec, t: Timings, left_s: float, n_rules: int
 ) -> tuple[SuiteSpec, bool, float] | None:
@@ -365,7 +358,7 @@ def fit_validation(
         for steps in ladder:
             if all_rules and steps < min(MIN_STEPS_ALL_RULES, top):
                 break
-            validation = with_steps(shaped, steps)
+            validation = shaped.with_episode_steps(steps)
             cost = validate_cost(validation, t, scalers)
             if cost <= left_s:
                 return validation, all_rules, cost

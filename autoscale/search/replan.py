@@ -36,7 +36,6 @@ from autoscale.search.plan import (
     fit_gate,
     fit_validation,
     validate_cost,
-    with_steps,
 )
 
 __all__ = ["MIN_HORIZON", "SLOW", "least_after_record", "pace_of", "recorded_suite", "replan"]
@@ -62,7 +61,7 @@ def least_after_record(plan: Plan, cached_gate: Callable[[Any, int], bool]) -> f
     """Seconds the least useful end of a search needs after recording, at the measured step
     times: ``torch`` and one candidate validated on the shortest episodes of each member's first
     test instance, and one candidate's no-harm check."""
-    shortest = with_steps(_firsts(plan.validation), VALIDATION_LADDER[-1])
+    shortest = _firsts(plan.validation).with_episode_steps(VALIDATION_LADDER[-1])
     return validate_cost(shortest, plan.timings, 2) + plan.gate.cost(plan.timings, 1, cached_gate)
 
 
@@ -132,11 +131,11 @@ def replan(
     all_rules = plan.all_rules_real
     if not keep_validation:
         steps = min(plan.steps, suite.episode.steps)
-        validation = with_steps(recorded_suite(plan.validation, traces, plan.horizon), steps)
+        validation = recorded_suite(plan.validation, traces, plan.horizon).with_episode_steps(steps)
         room = min(VALIDATE_SHARE * budget_s, left_s - gate_min - min_search_s)
         choice = fit_validation(suite, timings, room, len(plan.rules) + 1)  # + auto
         if choice is None:  # the least: torch and the candidate on the shortest episodes
-            validation = with_steps(suite, min(VALIDATION_LADDER[-1], suite.episode.steps))
+            validation = suite.with_episode_steps(min(VALIDATION_LADDER[-1], suite.episode.steps))
             all_rules = False
         else:
             validation, all_rules, _ = choice
