@@ -236,7 +236,7 @@ def test_the_pick_skips_what_fails_the_check_and_exports_the_next_that_clears_au
     assert choice.winner is not None and choice.winner.key == "trial:5"
     assert [v.passed for v in choice.verdicts] == [False, True]
     assert said[0].startswith("3 fails the no-harm check") and "5 passed" in said[1]
-    assert choice.why.startswith("5 beat auto by 0.1600 on the objective") and choice.why.endswith(
+    assert choice.why.startswith("5 beat auto by 0.3200 on the objective") and choice.why.endswith(
         "and passed the no-harm check"
     )
     stored = study.user_attrs[GATE_PREFIX + "trial:3"]
