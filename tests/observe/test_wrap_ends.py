@@ -55,6 +55,18 @@ def test_a_lookup_of_torch_before_its_import_leaves_the_wrap_in_place(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_program_that_imports_autoscale_before_torch_is_wrapped(tmp_path):
+    # autoscale's own import imports torch, where the wrap could not import autoscale yet
+    code = (
+        "import autoscale\nimport torch\nprint('TYPE', type(torch.amp.GradScaler('cpu')).__name__)"
+    )
+    out = _wrap("--", sys.executable, "-c", code, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert _lines(out.stdout, "TYPE") == ["TYPE LossScaler"]
+    assert "could not install" not in out.stderr
+
+
+@pytest.mark.slow
 def test_transformers_imported_first_is_wrapped(tmp_path):
     pytest.importorskip("transformers")
     out = _wrap(

@@ -17,16 +17,23 @@ import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_installed = []  # once per process
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
     """Finds ``torch`` with the other finders and wraps its loader, so that the wrap installs when
     torch's module is executed: the import itself, not a lookup. ``importlib.util.find_spec("torch")``
     (``transformers``, ``datasets``, ``accelerate`` ask it at import) executes nothing, so the finder
-    stays on ``sys.meta_path`` until an import has run torch."""
+    stays on ``sys.meta_path`` until the wrap is installed.
+
+    A program that imports autoscale before torch (its integrations, ``get_scaler``) imports torch
+    from inside autoscale's own import, where the wrap cannot import autoscale yet: autoscale's
+    loader is wrapped too, and the wrap installs once autoscale's import has finished."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch" or "torch" in sys.modules:
+        if name not in _WAITS_FOR or "torch" in sys.modules and name == "torch":
+            return None
+        if name == "autoscale" and "torch" in sys.modules:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -41,28 +48,39 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
         return spec
 
 
+_WAITS_FOR = ("torch", "autoscale")
+
+
 class _Loader(importlib.abc.Loader):
-    """torch's own loader, and the wrap's install once it has executed torch."""
+    """torch's (or autoscale's) own loader, and the wrap's install once it has executed it."""
 
     def __init__(self, inner, finder):
         self.inner = inner
         self.finder = finder
 
-    def __getattr__(self, name):  # resource readers and the like: torch's own loader answers
+    def __getattr__(self, name):  # resource readers and the like: the module's own loader answers
         return getattr(self.inner, name)
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
 
     def exec_module(self, module):
-        # the module keeps torch's own loader (importlib.resources, pickle and torch read it)
+        # the module keeps its own loader (importlib.resources, pickle and torch read it)
         module.__loader__ = self.inner
         if module.__spec__ is not None:
             module.__spec__.loader = self.inner
         self.inner.exec_module(module)
+        inside = module.__name__ != "autoscale" and _initializing("autoscale")
+        if "torch" not in sys.modules or inside:
+            return  # autoscale first, torch from inside it: its loader installs when it is done
         if self.finder in sys.meta_path:
             sys.meta_path.remove(self.finder)
         _install()
+
+
+def _initializing(name):
+    spec = getattr(sys.modules.get(name), "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
 
 
 def _chain():
@@ -75,6 +93,9 @@ def _chain():
 
 
 def _install():
+    if _installed:
+        return
+    _installed.append(True)
     try:
         from autoscale.observe.wrap import install
 
