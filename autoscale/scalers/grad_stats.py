@@ -16,7 +16,8 @@ pass has evicted the caches) and few passes over the gradients:
 Sharded gradients (FSDP2's DTensors) are read as this rank's shard (:func:`local_grad`): each
 rank's statistics are of its own elements, and the agreement across ranks
 (:mod:`~autoscale.scalers.ranks`) takes the max of the amaxes and the sum of the squares and
-counts, which are those of the whole gradient. A reshape of a sharded DTensor is no view of it.
+counts, which are those of the whole gradient. One-pass unscaling is not used for them: GradScaler's
+unscale of DTensors agrees the found-inf flag across ranks by itself.
 """
 
 from __future__ import annotations
