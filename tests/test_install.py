@@ -104,6 +104,33 @@ def test_a_missing_module_that_no_extra_installs_is_not_hidden():
     )
 
 
+@pytest.mark.slow  # a subprocess importing torch: seconds
+def test_the_report_loads_without_the_search_extra():
+    """``autoscale report`` reads records through ``autoscale.envs`` (specs and traces), which
+    loads Gymnasium only with its environments."""
+    code = textwrap.dedent(
+        """
+        import importlib.abc, sys
+
+        class Without(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] in ("gymnasium", "optuna", "stable_baselines3"):
+                    raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+
+        sys.meta_path.insert(0, Without())
+        import autoscale.envs
+        from autoscale.report import write_report
+        try:
+            autoscale.envs.LossScaleEnv
+        except ModuleNotFoundError as exc:
+            print("LossScaleEnv needs", exc.name)
+        """
+    )
+    out = _run(sys.executable, "-c", code, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == "LossScaleEnv needs gymnasium\n"
+
+
 TRAIN = textwrap.dedent(
     """
     import torch
