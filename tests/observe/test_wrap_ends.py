@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import autoscale
 from autoscale.observe import read_record
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -87,8 +88,16 @@ def test_pythons_that_skip_the_wrap_are_named(tmp_path):
             + (" or sitecustomize" if flag == "-I" else "")
             + f", which the wrap needs: the run was not wrapped; run it without {flag})"
         ]
+    show = "import os, autoscale; print('PATH', os.environ['PYTHONPATH']); print('AT', os.path.realpath(autoscale.__file__))"
     no_torch = _wrap("--", sys.executable, "-c", "pass", cwd=tmp_path)
     assert "the command's Python never imported torch" in no_torch.stderr
+    shown = _wrap("--", sys.executable, "-c", show, cwd=tmp_path)
+    # a checkout (an editable install) lends the package only, not its root (tests, experiments)
+    checkout = str(Path(autoscale.__file__).resolve().parents[1])
+    (path,) = _lines(shown.stdout, "PATH")
+    assert checkout not in path.split()[1].split(os.pathsep)
+    (at,) = _lines(shown.stdout, "AT")
+    assert Path(at.split()[1]).resolve() == Path(autoscale.__file__).resolve()
     autocast = "import torch\nwith torch.autocast('cpu', dtype=torch.float16): pass"
     bare = _wrap("--", sys.executable, "-c", autocast, cwd=tmp_path)
     assert "it ran under fp16 autocast" in bare.stderr and "never scaled" in bare.stderr
