@@ -3,8 +3,8 @@ what it writes however it ends.
 
 Inside a program run by ``autoscale wrap`` (:mod:`autoscale.observe.wrap` calls :func:`start`
 once torch is imported), each process keeps a summary file in the launcher's folder: written at
-once (the process imported torch), again as soon as a scaler is built, every few seconds while
-its steps are written, and at exit. So a process killed by SIGKILL still tells the launcher that
+once (the process imported torch), again as soon as a scaler is built, each time a batch of its
+steps is written (every 32 steps or 10 seconds), and at exit. So a process killed by SIGKILL still tells the launcher that
 it built a scaler, and at least how many steps it took.
 
 SIGTERM, SIGHUP (and SIGINT where the program set it to the default action) write every step
@@ -80,8 +80,9 @@ def process_rank() -> tuple[int | None, str]:
 
 
 class ProgressSink:
-    """A watch's sink that rewrites this process's summary (at most every ``every_s`` seconds)
-    as steps are written: after a SIGKILL the launcher still knows the steps up to then."""
+    """A watch's sink that rewrites this process's summary as steps are written (at most every
+    ``every_s`` seconds; a small JSON file per batch of 32 steps by default): after a SIGKILL the
+    launcher still knows the steps up to then."""
 
     def __init__(self, every_s: float = 0.0) -> None:
         self.every_s = every_s
