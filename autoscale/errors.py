@@ -67,7 +67,8 @@ class TorchVersionError(AutoscaleError, ImportError):
 
 #: The top-level modules each optional extra of pyproject installs, so that a command whose module
 #: is missing can name the extra to install. The base install (torch, NumPy, PyYAML, tqdm,
-#: matplotlib) runs the scalers, ``wrap``, ``report``, ``run``, ``compare`` and ``doctor``.
+#: matplotlib) runs the scalers, ``wrap`` and ``report``, and ``run``, ``compare`` and ``doctor`` on
+#: the models that are not Hugging Face's.
 EXTRA_OF_MODULE: dict[str, str] = {
     "optuna": "search",
     "optuna_dashboard": "search",
