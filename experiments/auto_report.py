@@ -32,13 +32,22 @@ def build_report(result, manifest, extras: dict, argv) -> list[str]:
     selection, the long runs of every candidate that got them, and the pick's evidence on fresh
     seeds; ``manifest`` is the exported ``auto``'s (None: nothing shipped)."""
     r = result
-    if manifest is None:
+    if manifest is None and r.chosen is not None:
         head = [
             *report_head("# The general policy `auto`: not built", argv, r.timings),
-            "No candidate meets the bar on every member (skip rate at most torch's + 0.5 points, "
-            "eval loss within seed noise, precision loss lower where torch underflows), on the test "
-            "instances and again on fresh seeds, and does no harm (the no-harm check's clean runs, "
-            "long runs of every member), so nothing was exported.",
+            f"The build chose **{r.chosen}** on the train and validation members, but it does harm "
+            "on a test member (read only after the choice; see its verdict below), so nothing was "
+            "exported. The next candidate is not tried: test members that chose it would no "
+            "longer measure it.",
+            "",
+        ]
+    elif manifest is None:
+        head = [
+            *report_head("# The general policy `auto`: not built", argv, r.timings),
+            "No candidate meets the bar on every train and validation member (skip rate at most "
+            "torch's + 0.5 points, eval loss within seed noise, precision loss lower where torch "
+            "underflows), on the test instances and again on fresh seeds, and does no harm (the "
+            "no-harm check's clean runs, long runs of those members), so nothing was exported.",
             "",
         ]
     else:
@@ -51,31 +60,51 @@ def build_report(result, manifest, extras: dict, argv) -> list[str]:
     members = r.searched + r.left_out
     lines = [*head, *selection_report(r)]
     for name, long in r.long_runs.items():
-        lines += long_table(long.runs, long.harm, name, members, r.settings.long_steps)
+        ran = [m for m in members if m in long.runs]
+        lines += long_table(long.runs, long.harm, name, ran, r.settings.long_steps)
     if r.evidence is not None:
         shown = [s for s in r.evidence if s != "torch"] + ["torch"]
         ev_obj = objective_of(r.evidence, r.searched, r.weights)
-        ev_zero = objective_of(r.evidence, r.left_out, r.weights)
+        on_val = objective_of(r.evidence, r.validation, r.weights) if r.validation else {}
         lines += [
             "",
-            "## Evidence: fresh seeds (test seeds + 1000), real steps",
+            "## Evidence: fresh seeds (test seeds + 1000) of the train and validation members, "
+            "real steps",
             "",
-            "objective, searched members: "
+            "objective, train members: "
             + ", ".join(f"{s} {ev_obj[s]:+.4f}" for s in shown if s != "torch")
-            + "; left-out members: "
-            + ", ".join(f"{s} {ev_zero[s]:+.4f}" for s in shown if s != "torch")
+            + (
+                "; validation members: "
+                + ", ".join(f"{s} {on_val[s]:+.4f}" for s in shown if s != "torch")
+                if on_val
+                else ""
+            )
             + " (torch: 0).",
             "",
-            *table(r.evidence, members, set(r.left_out), r.weights, shown),
+            *table(r.evidence, r.chosen_on, set(r.left_out), r.weights, shown),
             *confirm_lines(r.evidence_acceptance),
         ]
     return lines
 
 
+def _objective_cells(s: str, objective, validation, test) -> str:
+    """Markdown cells: ``s``'s objective on the train, validation and test members ("-" where a
+    suite has none of a kind, or where a build from before the split did not measure it)."""
+    return " | ".join(
+        f"{by[s]:+.4f}" if by and s in by else "-" for by in (objective, validation, test)
+    )
+
+
+OBJECTIVE_HEAD = (
+    "objective, train members | objective, validation members (ranks) | "
+    "objective, test members (read after the choice)"
+)
+
+
 def selection_report(r) -> list[str]:
     """The report's agents, candidates and selection table (whether or not anything shipped)."""
     agent_runs, same_as_builtin, ranked = r.agent_runs, r.same_as_builtin, r.ranked
-    objective, zero_shot, accept, verdicts = r.objective, r.zero_shot, r.acceptance, r.verdicts
+    objective, accept, verdicts = r.objective, r.acceptance, r.verdicts
     scalers = [s for s in r.candidates if s != "torch"] + ["torch"]
     lines = [
         "Agents (SB3, replay episodes of "
@@ -100,8 +129,11 @@ def selection_report(r) -> list[str]:
         "",
         "## Selection: test instances (seeds 100-102), real steps",
         "",
-        "| candidate | objective, searched members | objective, left-out members (zero-shot) | bar met on | no-harm |",
-        "|---|---|---|---|---|",
+        f"Ranked by the objective on the {r.ranked_on} members; the test members were read once, "
+        "after the choice, to report (and to stop a choice that harms one from shipping).",
+        "",
+        f"| candidate | {OBJECTIVE_HEAD} | bar met on | no-harm |",
+        "|---|---|---|---|---|---|",
     ]
     for s in ranked:
         met = sum(r["met"] for r in accept[s].values())
@@ -110,9 +142,8 @@ def selection_report(r) -> list[str]:
             gate_text = "-" if met < len(accept[s]) else NOT_REACHED
         else:
             gate_text = "passed" if v["passed"] else "; ".join(v["reasons"])
-        lines.append(
-            f"| {s} | {objective[s]:+.4f} | {zero_shot[s]:+.4f} | {met} of {len(accept[s])} | {gate_text} |"
-        )
+        cells = _objective_cells(s, objective, r.objective_validation, r.objective_test)
+        lines.append(f"| {s} | {cells} | {met} of {len(accept[s])} | {gate_text} |")
     lines += ["", *table(r.cards, r.searched + r.left_out, set(r.left_out), r.weights, scalers)]
     for s in ranked:
         lines += confirm_lines(accept[s], f"{s}: e")
@@ -125,8 +156,12 @@ NOT_REACHED = (
 )
 
 
-def not_built_block(objective, zero_shot, accept, verdicts, ranked) -> list[str]:
-    """The results block when no candidate ships: each candidate's objective and where it missed."""
+def not_built_block(
+    objective, zero_shot, accept, verdicts, ranked, validation=None, test=None
+) -> list[str]:
+    """The results block when no candidate ships: each candidate's objective and where it missed
+    (``validation``, ``test``: the objectives on those members, where the build measured them;
+    ``zero_shot`` stands in for both in a build from before the split)."""
     lines = [
         "Regenerated by `python experiments/build_auto.py` ([auto.md](auto.md)). "
         "**`auto` is not shipped**: no candidate meets the bar on every member (skip rate at most "
@@ -137,21 +172,33 @@ def not_built_block(objective, zero_shot, accept, verdicts, ranked) -> list[str]
         "`amax-history` skips several times more steps than `torch`). Until one ships, search "
         "your own workload, or keep `torch` where losses spike.",
         "",
-        "| candidate | objective, searched members | objective, left-out members | bar missed on |",
-        "|---|---|---|---|",
-    ]
+        *(
+            ["| candidate | objective, searched members | objective, left-out members | "
+             "bar missed on |", "|---|---|---|---|"]
+            if validation is None
+            else [f"| candidate | {OBJECTIVE_HEAD} | bar missed on |", "|---|---|---|---|---|"]
+        ),
+    ]  # fmt: skip
     for s in ranked:
         misses = [m for m, r in accept[s].items() if not r["met"]]
         v = verdicts.get(s)
         if v is not None and not misses and not v["passed"]:
-            fresh = [r for r in v["reasons"] if r.startswith(("on fresh seeds", "long runs"))]
+            fresh = [
+                r
+                for r in v["reasons"]
+                if r.startswith(("on fresh seeds", "long runs", "on test members"))
+            ]
             misses = fresh or ["the no-harm check"]
         elif v is None and not misses:
             misses = [NOT_REACHED]
-        lines.append(
-            f"| `{s}` | {objective[s]:+.4f} | {zero_shot[s]:+.4f} | {', '.join(misses) or '-'} |"
+        cells = (
+            f"{objective[s]:+.4f} | {zero_shot[s]:+.4f}"
+            if validation is None
+            else _objective_cells(s, objective, validation, test)
         )
-    lines += ["| `torch` | +0.0000 | +0.0000 | (the reference) |"]
+        lines.append(f"| `{s}` | {cells} | {', '.join(misses) or '-'} |")
+    zeros = "+0.0000 | +0.0000" + ("" if validation is None else " | +0.0000")
+    lines += [f"| `torch` | {zeros} | (the reference) |"]
     return lines
 
 
@@ -192,8 +239,11 @@ def shipped_block(
     evidence, accept, pick, timings, agent_runs, long_runs, searched, left, weights, selection
 ) -> list[str]:
     """The results block of a shipped ``auto``: the selection's ranking (``selection``: objective,
-    zero-shot objective and acceptance of every candidate on the test instances), its evidence on
-    fresh seeds (``accept``: its bar there, confirmations included) and its long runs."""
+    zero-shot objective and acceptance of every candidate on the test instances, then, from a
+    build with the split, the validation and test objectives), its evidence on fresh seeds
+    (``accept``: its bar there, confirmations included; the members it was chosen on) and its
+    long runs."""
+    left = [m for m in left if m in evidence["torch"]]  # fresh seeds: no test member
     reused = [n for n, r in agent_runs.items() if r["reused"]]
     took = (
         f"built from scratch in {timings['total'] / 60:.0f} min"
@@ -249,26 +299,55 @@ def shipped_block(
         f"| `auto` | {objective[pick]:+.4f} | {zero_shot[pick]:+.4f} |",
         f"| `amax-history` | {objective['amax-history']:+.4f} | {zero_shot['amax-history']:+.4f} |",
         "| `torch` | +0.0000 | +0.0000 |",
-        *selection_lines(*selection, pick),
+        *test_lines(selection, pick),
+        *selection_lines(*selection[:3], pick, *selection[3:]),
     ]
 
 
-def selection_lines(objective, zero_shot, accept, pick) -> list[str]:
-    """Markdown: every candidate's objective and bar on the test instances (the selection)."""
-    ranked = sorted((s for s in objective if s != "torch"), key=lambda s: objective[s])
+def test_lines(selection, pick) -> list[str]:
+    """Markdown: what shipped on the test members next to the best of the others (empty for a
+    build from before the split, or a suite without test members)."""
+    test = selection[4] if len(selection) > 4 else None
+    if not test:
+        return []
+    others = [s for s in test if s not in (pick, "torch")]
+    best = min(others, key=test.__getitem__) if others else None
+    return [
+        "",
+        f"On the test members (read once, after the choice): `auto` {test[pick]:+.4f}"
+        + (f", the best of the others `{best}` {test[best]:+.4f}" if best else "")
+        + " (torch: 0).",
+    ]
+
+
+def selection_lines(objective, zero_shot, accept, pick, validation=None, test=None) -> list[str]:
+    """Markdown: every candidate's objective and bar on the test instances (the selection), in
+    the order that ranked them: the validation objective's, or, for a build from before the
+    split (``validation`` None), the searched members'."""
+    by = validation or objective
+    ranked = sorted((s for s in objective if s != "torch"), key=lambda s: by[s])
+    if validation is None:
+        head = (
+            "| candidate | objective, searched members | objective, left-out members | bar met on |"
+        )
+        cells = {s: f"{objective[s]:+.4f} | {zero_shot[s]:+.4f}" for s in ranked}
+        sep = "|---|---|---|---|"
+    else:
+        head = f"| candidate | {OBJECTIVE_HEAD} | bar met on |"
+        cells = {s: _objective_cells(s, objective, validation, test) for s in ranked}
+        sep = "|---|---|---|---|---|"
     return [
         "",
         "The selection, on the test instances (seeds 100-102; RL agents `rl-*`, parametric rules "
-        "otherwise), in the objective's order. Bar met on: members that pass on their three "
-        "episodes, or on confirming ones; only candidates the ranking reached before the pick got "
-        "those:",
+        f"otherwise), in the {'validation ' if validation else ''}objective's order. Bar met on: "
+        "members that pass on their three episodes, or on confirming ones; only candidates the "
+        "ranking reached before the pick got those:",
         "",
-        "| candidate | objective, searched members | objective, left-out members | bar met on |",
-        "|---|---|---|---|",
+        head,
+        sep,
         *(
-            f"| `{s}`{' (auto)' if s == pick else ''} | {objective[s]:+.4f} | "
-            f"{zero_shot[s]:+.4f} | {sum(r['met'] for r in accept[s].values())} of "
-            f"{len(accept[s])} |"
+            f"| `{s}`{' (auto)' if s == pick else ''} | {cells[s]} | "
+            f"{sum(r['met'] for r in accept[s].values())} of {len(accept[s])} |"
             for s in ranked
         ),
         *(line for s in ranked for line in confirm_lines(accept[s], f"`{s}`: e")),

@@ -1,7 +1,8 @@
 """Build the general policy ``auto`` from scratch, with its evidence.
 
 The build is :class:`autoscale.build.AutoBuild` (what it records, trains, ranks and how it decides
-what ships: its docstring); this driver sets its paths, runs it, exports the pick to policies/auto
+what ships: its docstring; envs/suite.yaml's split says which members train, which choose and
+which only report); this driver sets its paths, runs it, exports the pick to policies/auto
 and writes experiments/results/auto.md, auto_selection.json, auto_evidence.json and the block
 between the auto markers of experiments/results/README.md.
 
@@ -45,7 +46,13 @@ def readme_only() -> int:
     from autoscale.build.suite_eval import load_cards
 
     sel = json.loads((RESULTS / "auto_selection.json").read_text())
-    shipped = [s for s, v in sel["verdicts"].items() if v["passed"]]
+    # since the split the file names what shipped; before it, the one candidate that passed
+    shipped = (
+        sel["shipped"]
+        if "shipped" in sel
+        else [s for s, v in sel["verdicts"].items() if v["passed"]]
+    )
+    split = (sel["validation"], sel["test"]) if "validation" in sel else ()
     if shipped:  # the last build shipped its pick (else policies/auto is an earlier build's)
         from autoscale.envs.suite import load_spec
         from autoscale.scalers.policies import read_manifest
@@ -57,12 +64,13 @@ def readme_only() -> int:
             evidence, extra["acceptance"], extra["pick"], sel["timings"], sel["agents"],
             manifest.scorecard["long_runs"], manifest.workload["members"],
             manifest.workload["left_out"], suite.reward,
-            (sel["objective"], sel["zero_shot"], sel["acceptance"]),
+            (sel["objective"], sel["zero_shot"], sel["acceptance"], *split),
         )  # fmt: skip
     else:
-        ranked = sorted((s for s in sel["objective"] if s != "torch"), key=sel["objective"].get)
+        rank_by = sel.get("validation") or sel["objective"]
+        ranked = sorted((s for s in sel["objective"] if s != "torch"), key=rank_by.get)
         block = not_built_block(
-            sel["objective"], sel["zero_shot"], sel["acceptance"], sel["verdicts"], ranked
+            sel["objective"], sel["zero_shot"], sel["acceptance"], sel["verdicts"], ranked, *split
         )
     write_readme_block(RESULTS_PAGE, START, END, block)
     print("\n".join(block))
@@ -135,6 +143,10 @@ def main(argv=None) -> int:
         zero_shot=result.zero_shot, verdicts=result.verdicts, timings=result.timings,
         agents=result.agent_runs, acceptance=result.acceptance,
         confirmed={k: cards_dict(v) for k, v in result.confirmed.items() if v},
+        validation=result.objective_validation, test=result.objective_test,
+        ranked_on=result.ranked_on, chosen=result.chosen, shipped=result.pick,
+        members={"train": result.searched, "validation": result.validation, "test": result.test},
+        test_confirmed=cards_dict(result.test_confirmed),
     )  # fmt: skip
     if result.evidence is not None:
         save_cards(
@@ -146,19 +158,26 @@ def main(argv=None) -> int:
         block = shipped_block(
             result.evidence, result.evidence_acceptance, result.pick, result.timings,
             result.agent_runs, manifest.scorecard["long_runs"], result.searched, result.left_out,
-            result.weights, (result.objective, result.zero_shot, result.acceptance),
+            result.weights,
+            (result.objective, result.zero_shot, result.acceptance, result.objective_validation,
+             result.objective_test),
         )  # fmt: skip
     else:
         block = not_built_block(
-            result.objective, result.zero_shot, result.acceptance, result.verdicts, result.ranked
-        )
+            result.objective, result.zero_shot, result.acceptance, result.verdicts, result.ranked,
+            result.objective_validation, result.objective_test,
+        )  # fmt: skip
     if not write_readme_block(RESULTS_PAGE, START, END, block):
         print(f"{RESULTS_PAGE} has no {START} ... {END} markers; its block was not written")
     print("\n".join(block))
     print("took " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in result.timings.items()))
     if manifest is None:
-        print("no candidate meets the bar everywhere and passes the no-harm check: auto not built "
-              f"(report: {RESULTS / 'auto.md'})")  # fmt: skip
+        why = (
+            f"the choice, {result.chosen}, does harm on a test member"
+            if result.chosen is not None
+            else "no candidate meets the bar everywhere and passes the no-harm check"
+        )
+        print(f"{why}: auto not built (report: {RESULTS / 'auto.md'})")
         return 1
     return 0
 

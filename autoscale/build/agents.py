@@ -17,8 +17,9 @@ RUNS: tuple[tuple[str, int | None], ...] = (("ppo", None), ("dqn", None), ("ppo"
 
 
 def rl_suite(suite, horizon: int, history: int):
-    """The searched members with ``horizon``-step episodes of ``history`` stacked vectors; one
-    train instance per member held out to select the agent on (SB3's EvalCallback)."""
+    """The train members with ``horizon``-step episodes of ``history`` stacked vectors; one
+    train instance per member held out to select the agent on (SB3's EvalCallback). Validation
+    and test members are dropped: an agent never learns where the build chooses or reports."""
 
     def shape(m):
         train = m.instances["train"]

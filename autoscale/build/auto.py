@@ -1,17 +1,27 @@
 """The build of the general policy ``auto``: what ships, decided in one place.
 
-1. Record long traces of the train instances of every searched member of the suite.
+The suite's members come in three kinds (:class:`~autoscale.envs.suite.SuiteSpec`): *train*
+members (the search and the agents learn there), *validation* members (the build chooses there)
+and *test* members (read once, after the choice, to report). A user runs ``auto`` on a workload
+no suite has, so the choice is made on members no candidate trained on; and the members that
+report it must be members nothing chose on, or they stop measuring.
+
+1. Record long traces of the train instances of every train member of the suite.
 2. Train RL agents on their replay (:mod:`autoscale.build.agents`).
 3. Candidates: those agents, the suite search's pick when there is one, the built-in
    ``amax-history`` and any parametric ``extras``; ``torch`` is the reference. Each runs real steps
-   of every member's *test* instances (left-out members too); the objective against torch on the
-   searched members ranks them.
-4. :func:`choose`: in the objective's order, the first candidate that meets the bar on every member
-   (:mod:`autoscale.training.bar`, with paired confirmation of a member missed on eval loss alone),
-   passes the search's no-harm check and does no harm in long runs of every member is measured
-   again on fresh seeds (never used for training or selection), and ships only if it meets the bar
-   there too.
-5. :meth:`AutoBuild.export`: the pick as ``<dest>/auto``, its evidence in the manifest.
+   of the *test* instances of every train and validation member; the objective against torch on
+   the validation members ranks them (on the train members where a suite has no validation one).
+4. :func:`choose`: in that order, the first candidate that meets the bar on every train and
+   validation member (:mod:`autoscale.training.bar`, with paired confirmation of a member missed
+   on eval loss alone), passes the search's no-harm check and does no harm in long runs of those
+   members is measured again on fresh seeds (never used for training or selection), and is the
+   choice only if it meets the bar there too.
+5. Only then the test members: every candidate runs their test instances (the test objective,
+   reported); the choice is judged there by the same bar and long runs, and ships only if it does
+   no harm there either. A choice that harms a test member ships nothing: the next candidate is
+   not tried, since test members that picked it would no longer measure it.
+6. :meth:`AutoBuild.export`: what ships as ``<dest>/auto``, its evidence in the manifest.
 
 ``experiments/build_auto.py`` drives it and writes the reports.
 """
@@ -27,13 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from autoscale.build import suite_eval as ev
+from autoscale.build.result import BuildResult, LongRuns
 from autoscale.training.bar import first_passing
 
 EVIDENCE_SEED_OFFSET = 1000  # fresh seeds: the test seeds + 1000
 # first seeds of the confirming episodes at selection and on fresh seeds: apart from the train
 # (0-2), test (100-102) and fresh (1100-1102) seeds, and from the seeds experiments/eval_noise.py
 # has looked at (2000-2011)
-CONFIRM_SEEDS = {"selection": 5000, "evidence": 6000}
+CONFIRM_SEEDS = {"selection": 5000, "evidence": 6000, "test": 7000}
 LONG_RUN_SEED = 100
 REFERENCE = "amax-history"  # the built-in rule every build ranks and reports beside its pick
 
@@ -95,7 +106,8 @@ def choose(
 
 
 def fresh_seeds(suite):
-    """The suite with every member's test instances moved to fresh seeds (test seed + 1000)."""
+    """The suite with every member's test instances moved to fresh seeds (test seed + 1000); the
+    build measures its choice there on the train and validation members."""
     from autoscale.envs.spec import InstanceSpec
 
     def shape(m):
@@ -106,60 +118,6 @@ def fresh_seeds(suite):
         return dataclasses.replace(m, instances={**m.instances, "test": test})
 
     return suite.replace_members(shape)
-
-
-@dataclasses.dataclass
-class LongRuns:
-    """One candidate's long runs of every member next to torch's, and the harm found per member."""
-
-    runs: dict[str, dict[str, Any]]
-    harm: dict[str, list[str]]
-
-
-@dataclasses.dataclass
-class BuildResult:
-    """Everything a build measured and decided, for its reports."""
-
-    settings: BuildSettings
-    searched: list[str]
-    left_out: list[str]
-    weights: Any
-    candidates: list[str]  # in the order they ran, torch last
-    agent_runs: dict[str, dict]
-    same_as_builtin: str | None  # the built-in rule the suite search exported as itself
-    cards: dict[str, dict[str, list]]  # the selection: scaler -> member -> scorecards
-    objective: dict[str, float]
-    zero_shot: dict[str, float]
-    acceptance: dict[str, dict[str, dict]]
-    confirmed: dict[str, dict[str, dict[str, list]]]  # scaler -> member -> more episodes
-    ranked: list[str]
-    verdicts: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    long_runs: dict[str, LongRuns] = dataclasses.field(default_factory=dict)
-    evidence: dict[str, dict[str, list]] | None = None  # fresh seeds: pick, REFERENCE, torch
-    evidence_acceptance: dict[str, dict] | None = None
-    evidence_confirmed: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)
-    pick: str | None = None
-    timings: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def long_summary(self, scaler: str) -> dict[str, dict]:
-        """Member -> {scaler, torch} -> skip rate, eval loss, precision loss, kept, zeroed steps of
-        ``scaler``'s long runs (empty when it had none)."""
-        long = self.long_runs.get(scaler)
-        if long is None:
-            return {}
-        return {
-            m: {
-                who: {
-                    "skip_rate": run[who]["card"].skip_rate,
-                    "eval_loss": run[who]["card"].eval_loss,
-                    "precision_loss": run[who]["card"].precision_loss,
-                    "kept": ev.kept_share(run[who]),
-                    "zeroed_steps": ev.zeroed_steps(run[who]),
-                }
-                for who in (scaler, "torch")
-            }
-            for m, run in long.runs.items()
-        }
 
 
 class AutoBuild:
@@ -195,7 +153,8 @@ class AutoBuild:
         self._check = None  # the no-harm check, built at its first use
 
     def run(self) -> BuildResult:
-        """Record, train, select, choose; the pick is exported by :meth:`export`."""
+        """Record, train, select, choose, then read the test members; the pick is exported by
+        :meth:`export`."""
         s, t_all = self.settings, time.monotonic()
         timings: dict[str, float] = {}
         self.cache.mkdir(parents=True, exist_ok=True)
@@ -208,41 +167,50 @@ class AutoBuild:
             self.suite, traces, s, self.cache / "policies", timings, self.log
         )
         same_as_builtin = self._candidates()
-        t0 = time.monotonic()
-        cards = ev.held_out(self.suite, self.factories, s.steps)
-        timings["select"] = time.monotonic() - t0
         searched = [m.name for m in self.suite.members]
-        left = [m.name for m in self.suite.left_out]
+        validation = [m.name for m in self.suite.validation]
+        test = [m.name for m in self.suite.test]
+        t0 = time.monotonic()
+        cards = ev.held_out(self.suite, self.factories, s.steps, members=searched + validation)
+        timings["select"] = time.monotonic() - t0
         weights = self.suite.reward
         names = [n for n in self.factories if n != "torch"]
         objective = ev.objective_of(cards, searched, weights)
+        on_validation = ev.objective_of(cards, validation, weights) if validation else {}
+        rank_by = on_validation or objective
         result = BuildResult(
             settings=s,
             searched=searched,
-            left_out=left,
+            left_out=[m.name for m in self.suite.left_out],
             weights=weights,
             candidates=list(self.factories),
             agent_runs=agent_runs,
             same_as_builtin=same_as_builtin,
             cards=cards,
             objective=objective,
-            zero_shot=ev.objective_of(cards, left, weights),
+            zero_shot=ev.objective_of(cards, validation, weights) if validation else {},
             acceptance={n: ev.acceptance(cards, n) for n in names},
             confirmed={},
-            ranked=sorted(names, key=lambda n: objective[n]),
+            ranked=sorted(names, key=lambda n: rank_by[n]),
+            validation=validation,
+            test=test,
+            objective_validation=on_validation,
+            ranked_on="validation" if validation else "train",
             timings=timings,
         )
-        self.log("objective (searched members): "
-                  + ", ".join(f"{n} {objective[n]:+.4f}" for n in result.ranked))  # fmt: skip
+        self.log(f"objective ({result.ranked_on} members, ranks): "
+                  + ", ".join(f"{n} {rank_by[n]:+.4f}" for n in result.ranked))  # fmt: skip
         timings["no-harm"] = timings["long runs"] = 0.0
         checks = [
             lambda n: self._meets_the_bar(result, n),
             lambda n: self._passes_the_check(result, n),
             lambda n: self._no_harm_in_long_runs(result, n),
         ]
-        result.pick, result.verdicts = choose(
+        result.chosen, result.verdicts = choose(
             result.ranked, checks, lambda n: self._on_fresh_seeds(result, n)
         )
+        result.pick = result.chosen
+        self._on_test_members(result)  # the choice is fixed: now, and only now, the test members
         timings["total"] = time.monotonic() - t_all
         return result
 
@@ -329,16 +297,21 @@ class AutoBuild:
         self.log(verdict.summary())
         return list(verdict.reasons)
 
-    def _no_harm_in_long_runs(self, r: BuildResult, name: str) -> list[str]:
+    def _no_harm_in_long_runs(
+        self, r: BuildResult, name: str, members: list[str] | None = None
+    ) -> list[str]:
+        """Long runs of ``members`` (default: the train and validation ones), kept in
+        ``r.long_runs`` beside any earlier ones of ``name``; the reason when one is harmed."""
         if self.settings.long_steps <= 0:
             return []
-        members = r.searched + r.left_out
+        members = r.chosen_on if members is None else members
         pair = {name: self.factories[name], "torch": self.factories["torch"]}
         t0 = time.monotonic()
         runs = ev.long_runs(self.suite, members, pair, self.settings.long_steps, LONG_RUN_SEED)
         r.timings["long runs"] += time.monotonic() - t0
         harm = ev.long_harm(runs, name, ev.seed_noise(r.cards, members))
-        r.long_runs[name] = LongRuns(runs, harm)
+        before = r.long_runs.get(name, LongRuns({}, {}))
+        r.long_runs[name] = LongRuns({**before.runs, **runs}, {**before.harm, **harm})
         harmed = [m for m in members if harm[m]]
         if harmed:
             reason = f"long runs: worse than torch on {', '.join(harmed)}"
@@ -352,7 +325,9 @@ class AutoBuild:
         t0 = time.monotonic()
         fresh = fresh_seeds(self.suite)
         keep = dict.fromkeys((pick, REFERENCE, "torch"))
-        r.evidence = ev.held_out(fresh, {k: self.factories[k] for k in keep}, self.settings.steps)
+        r.evidence = ev.held_out(
+            fresh, {k: self.factories[k] for k in keep}, self.settings.steps, members=r.chosen_on
+        )
         r.evidence_acceptance, r.evidence_confirmed = self._confirm_loss(
             fresh, r.evidence, pick, CONFIRM_SEEDS["evidence"]
         )
@@ -363,6 +338,43 @@ class AutoBuild:
             self.log(f"{pick}: {reason}")
             return [reason]
         return []
+
+    def _on_test_members(self, r: BuildResult) -> None:
+        """After the choice: every candidate on the test members' test instances (the test
+        objective, reported beside the others), and the choice judged there by the bar and long
+        runs. A choice that harms a test member ships nothing (``r.pick`` None, the reason in its
+        verdict); nothing here changes which candidate was chosen."""
+        if not r.test:
+            return
+        t0 = time.monotonic()
+        cards = ev.held_out(self.suite, self.factories, self.settings.steps, members=r.test)
+        r.timings["test"] = time.monotonic() - t0
+        for scaler, by in cards.items():
+            r.cards[scaler].update(by)
+        r.objective_test = ev.objective_of(cards, r.test, r.weights)
+        r.zero_shot = ev.objective_of(r.cards, r.left_out, r.weights)
+        for name in r.acceptance:
+            if name != r.chosen:  # a screen only, reported: nothing was chosen on it
+                r.acceptance[name].update(ev.acceptance(cards, name))
+        self.log("objective (test members, after the choice): "
+                  + ", ".join(f"{n} {r.objective_test[n]:+.4f}" for n in r.ranked))  # fmt: skip
+        if r.chosen is None:
+            return
+        accept, r.test_confirmed = self._confirm_loss(
+            self.suite, cards, r.chosen, CONFIRM_SEEDS["test"]
+        )
+        r.acceptance[r.chosen].update(accept)
+        reasons = [
+            f"on test members misses the bar on {m}" for m, a in accept.items() if not a["met"]
+        ]
+        reasons += [
+            f"on test members: {why}" for why in self._no_harm_in_long_runs(r, r.chosen, r.test)
+        ]
+        if reasons:
+            self.log(f"{r.chosen}: chosen, but {'; '.join(reasons)}: nothing ships")
+            verdict = r.verdicts[r.chosen]
+            r.verdicts[r.chosen] = {"passed": False, "reasons": [*verdict["reasons"], *reasons]}
+            r.pick = None
 
     def export(self, r: BuildResult, dest_root: Path, built_by: str):
         """Write ``r.pick`` as ``dest_root/auto`` (an extra rule with its parameters, an agent's or
@@ -395,20 +407,32 @@ class AutoBuild:
         else:  # a built-in rule
             export_parametric(pick, bounds, "auto", out_dir=dest_root, force=True)
         ev_obj = ev.objective_of(r.evidence, r.searched, r.weights)
-        ev_zero = ev.objective_of(r.evidence, r.left_out, r.weights)
+        on_validation = ev.objective_of(r.evidence, r.validation, r.weights) if r.validation else {}
         scorecard = {
             "objective": OBJECTIVE_DOC,
             "selection": {
                 "instances": "test instances (seeds 100-102) of every member",
                 "steps": r.settings.steps,
+                "ranked_on": f"{r.ranked_on} members",
                 "objective_searched": r.objective,
                 "objective_left_out": r.zero_shot,
+                "objective_validation": r.objective_validation,
+                "objective_test": r.objective_test,
             },
             "evidence": {
-                "instances": "fresh seeds (test seeds + 1000), never used for training or selection",
+                "instances": "fresh seeds (test seeds + 1000) of the train and validation members, "
+                "never used for training or selection",
                 "steps": r.settings.steps,
                 "objective_searched": ev_obj[pick],
-                "objective_left_out": ev_zero[pick],
+                # left out of training and measured here: the validation members
+                **(
+                    {
+                        "objective_left_out": on_validation[pick],
+                        "objective_validation": on_validation[pick],
+                    }
+                    if on_validation
+                    else {}
+                ),
                 "members": member_summary(r.evidence[pick], r.evidence["torch"], r.weights),
                 "bar_met_on": [m for m, a in r.evidence_acceptance.items() if a["met"]],
                 "bar_missed_on": [m for m, a in r.evidence_acceptance.items() if not a["met"]],
@@ -426,6 +450,8 @@ class AutoBuild:
             "suite": self.suite.name,
             "members": r.searched,
             "left_out": r.left_out,
+            "validation": r.validation,
+            "test": r.test,
             "built_by": built_by,
         }
         manifest = dataclasses.replace(

@@ -1,9 +1,10 @@
 """Judging policies on a suite: the ``auto`` build (:mod:`autoscale.build.auto`) and the suite's
 reproduction (experiments/reproduce.py) share it.
 
-* :func:`held_out`: real-step episodes of every member's *test* instances (never searched or
-  trained on), searched and left-out members alike, for each scaler; the scorecards, the regret
-  against ``torch`` on the same episodes, and the suite objective;
+* :func:`held_out`: real-step episodes of the *test* instances (never searched or trained on) of
+  the chosen members (all by default: train, validation and test members alike), for each
+  scaler; the scorecards, the regret against ``torch`` on the same episodes, and the suite
+  objective;
 * :func:`acceptance`: the bar (:mod:`autoscale.training.bar`, the one definition the search's
   no-harm check uses too) on every member's held-out episodes, and :func:`confirm`: more paired
   episodes of a member where three could not tell a difference in eval loss from seed noise;
@@ -36,14 +37,19 @@ def with_steps(suite, steps: int):
 
 
 def held_out(
-    suite, factories: dict[str, Callable[[], Any]], steps: int, progress: bool = True
+    suite,
+    factories: dict[str, Callable[[], Any]],
+    steps: int,
+    progress: bool = True,
+    members: str | list[str] = "all",
 ) -> dict[str, dict[str, list]]:
-    """Scaler -> member -> scorecards of the member's test instances (real steps)."""
+    """Scaler -> member -> scorecards of the member's test instances (real steps), for
+    ``members`` (a list of names, or what :class:`~autoscale.envs.suite_env.SuiteEnv` takes)."""
     from autoscale.envs.episodes import drive_episode
     from autoscale.envs.suite_env import SuiteEnv
 
     shaped = with_steps(suite, steps)
-    env = SuiteEnv(shaped, "test", members="all")
+    env = SuiteEnv(shaped, "test", members=members)
     out: dict[str, dict[str, list]] = {name: {} for name in factories}
     bar = None
     if progress:

@@ -1,5 +1,6 @@
-"""The ``auto`` build (:mod:`autoscale.build`): what decides what ships, and a whole build of a
-tiny suite on real steps, from traces to the exported policy."""
+"""The ``auto`` build (:mod:`autoscale.build`): what decides what ships, a whole build of a tiny
+suite on real steps, from traces to the exported policy, and the proof that its test members
+never influence the choice."""
 
 from __future__ import annotations
 
@@ -70,14 +71,81 @@ def test_fresh_seeds_are_the_test_seeds_moved_by_a_thousand():
 
 
 def _tiny_suite():
+    """One member of each kind, as envs/suite.yaml splits them: mlp/clean trains, autoencoder/clean
+    validates, cnn/clean tests."""
     from autoscale.envs.suite import load_spec
 
     suite = load_spec(ROOT / "envs" / "suite.yaml")
+    keep = ("autoencoder/clean", "cnn/clean")
     return dataclasses.replace(
         suite,
         members=tuple(m for m in suite.members if m.name == "mlp/clean"),
-        left_out=tuple(m for m in suite.left_out if m.name == "autoencoder/clean"),
+        left_out=tuple(m for m in suite.left_out if m.name in keep),
     )
+
+
+TINY = BuildSettings(
+    timesteps=64, horizon=16, history=2, steps=8, gate_steps=16, long_steps=16, confirm_episodes=2
+)
+EXTRAS = dict([parse_extra("torch:growth_interval=2000")])
+
+
+class ReadWatch:
+    """Every real training run a build starts (each real step of every stage goes through
+    :class:`~autoscale.training.TrainingRun`), by the suite member whose workload it trains. Fails
+    the build the moment a test member's workload runs before :func:`choose` has returned."""
+
+    def __init__(self, suite, monkeypatch):
+        from autoscale.build import auto
+        from autoscale.training import TrainingRun
+
+        self.test = {self._key(m.workload): m.name for m in suite.test}
+        self.chosen = False
+        self.after_choice: list[str] = []  # test members' runs, in order
+        real_init, real_choose = TrainingRun.__init__, auto.choose
+
+        def init(run, spec, *args, **kwargs):
+            member = self.test.get(self._key(spec))
+            if member is not None:
+                if not self.chosen:
+                    pytest.fail(f"test member {member} evaluated before choose returned")
+                self.after_choice.append(member)
+            real_init(run, spec, *args, **kwargs)
+
+        def choose_then_open(*args, **kwargs):
+            out = real_choose(*args, **kwargs)
+            self.chosen = True
+            return out
+
+        monkeypatch.setattr(TrainingRun, "__init__", init)
+        monkeypatch.setattr(auto, "choose", choose_then_open)
+
+    @staticmethod
+    def _key(workload):
+        return workload.model, workload.scenario, repr(sorted(workload.scenario_params.items()))
+
+
+@pytest.fixture(scope="module")
+def first_build(tmp_path_factory):
+    """A whole build of the tiny suite from scratch (traces, agents, choice, test members), its
+    test members' reads watched; ``(folder, build, result, reads)``."""
+    tmp = tmp_path_factory.mktemp("auto")
+    with pytest.MonkeyPatch.context() as mp:
+        reads = ReadWatch(_tiny_suite(), mp)
+        build = AutoBuild(
+            _tiny_suite(), TINY, tmp / "cache", extras=EXTRAS, log=lambda t: None,
+            no_harm_cache=tmp / "no-harm",
+        )  # fmt: skip
+        result = build.run()
+    return tmp, build, result, reads
+
+
+def _again(tmp, **kw) -> AutoBuild:
+    """The same build, its agents reused from the first one's ledger."""
+    return AutoBuild(
+        _tiny_suite(), dataclasses.replace(TINY, reuse_agents=True), tmp / "cache", extras=EXTRAS,
+        log=lambda t: None, no_harm_cache=tmp / "no-harm", **kw,
+    )  # fmt: skip
 
 
 def test_a_bad_extra_candidate_is_refused_before_anything_runs(tmp_path):
@@ -92,47 +160,45 @@ def test_a_bad_extra_candidate_is_refused_before_anything_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_tiny_build_ships_the_first_candidate_through_every_check(tmp_path):
-    """A whole build on real steps (one searched and one left-out member, tiny budgets). A copy
-    of torch's own rule is among the candidates, so at least it passes every check: the build
-    must ship the first in the objective's order that does, with its evidence in the manifest."""
+def test_a_tiny_build_ships_the_first_candidate_through_every_check(first_build):
+    """A whole build on real steps (one train, one validation and one test member, tiny
+    budgets). A copy of torch's own rule is among the candidates, so at least it passes every
+    check: the build must ship the first in the validation objective's order that does, with its
+    evidence in the manifest."""
     from autoscale.scalers import get_scaler
     from autoscale.scalers.policies import read_manifest
 
-    settings = BuildSettings(
-        timesteps=64, horizon=16, history=2, steps=8, gate_steps=16, long_steps=16,
-        confirm_episodes=2,
-    )  # fmt: skip
-    extras = dict([parse_extra("torch:growth_interval=2000")])
-    lines: list[str] = []
-    build = AutoBuild(
-        _tiny_suite(), settings, tmp_path / "cache", extras=extras, log=lines.append,
-        no_harm_cache=tmp_path / "no-harm",
-    )  # fmt: skip
-    result = build.run()
-
-    assert result.searched == ["mlp/clean"] and result.left_out == ["autoencoder/clean"]
+    tmp_path, build, result, _ = first_build
+    assert result.searched == ["mlp/clean"]
+    assert result.left_out == ["autoencoder/clean", "cnn/clean"]
+    assert result.validation == ["autoencoder/clean"] and result.test == ["cnn/clean"]
     agents = {"rl-ppo-h2", "rl-dqn-h2", "rl-ppo-h1"}
     agents |= {f"{n}-now" for n in agents}  # each also acting at scale time
     assert set(result.ranked) == agents | {"amax-history", "torch(growth_interval=2000)"}
     for name in ("rl-ppo-h1-now", "rl-dqn-h2-now"):  # they act at scale time, with drops
         p = read_manifest(tmp_path / "cache" / "policies" / name).parameters
         assert p["scale_time"] is True and p["action"]["drops"] == [4.0, 8.0, 12.0, 16.0]
-    assert result.ranked == sorted(result.ranked, key=result.objective.__getitem__)
-    assert result.pick is not None
+    assert result.ranked_on == "validation"
+    assert result.ranked == sorted(result.ranked, key=result.objective_validation.__getitem__)
+    # every candidate has its objective on each kind of member, and the test one is reported
+    for kind in (result.objective, result.objective_validation, result.objective_test):
+        assert set(kind) == set(result.ranked) | {"torch"} and kind["torch"] == 0.0
+    assert result.pick is not None and result.pick == result.chosen
     # everything ranked before the pick failed a check and says why; nothing after it was judged
     at = result.ranked.index(result.pick)
     for name in result.ranked[:at]:
         assert not result.verdicts[name]["passed"] and result.verdicts[name]["reasons"]
     assert set(result.verdicts) == set(result.ranked[: at + 1])
     assert result.verdicts[result.pick] == {"passed": True, "reasons": []}
-    # the pick met the bar on the test instances and on fresh seeds, every member
+    # the pick met the bar on the test instances of every member, test members included, and
+    # on fresh seeds of the members it was chosen on
+    assert set(result.acceptance[result.pick]) == {"mlp/clean", "autoencoder/clean", "cnn/clean"}
     assert all(a["met"] for a in result.acceptance[result.pick].values())
     assert set(result.evidence_acceptance) == {"mlp/clean", "autoencoder/clean"}
     assert all(a["met"] for a in result.evidence_acceptance.values())
     assert set(result.evidence) == {result.pick, "amax-history", "torch"}
     long = result.long_runs[result.pick]
-    assert set(long.runs) == {"mlp/clean", "autoencoder/clean"}
+    assert set(long.runs) == {"mlp/clean", "autoencoder/clean", "cnn/clean"}
     assert all(card["torch"]["card"].steps == 16 for card in long.runs.values())
     assert not any(long.harm.values())
     assert any((tmp_path / "no-harm").rglob("torch-*.json"))  # torch's runs, cached there
@@ -141,21 +207,85 @@ def test_a_tiny_build_ships_the_first_candidate_through_every_check(tmp_path):
     again = read_manifest(tmp_path / "policies" / "auto")
     assert again.name == "auto" and again.workload["built_by"] == "a test"
     assert again.workload["members"] == ["mlp/clean"]
+    assert again.workload["validation"] == ["autoencoder/clean"]
+    assert again.workload["test"] == ["cnn/clean"]
+    assert again.scorecard["selection"]["objective_test"] == pytest.approx(result.objective_test)
     assert again.scorecard["evidence"]["bar_met_on"] == ["mlp/clean", "autoencoder/clean"]
-    assert set(again.scorecard["long_runs"]["members"]) == {"mlp/clean", "autoencoder/clean"}
+    assert set(again.scorecard["long_runs"]["members"]) == {
+        "mlp/clean", "autoencoder/clean", "cnn/clean",
+    }  # fmt: skip
     assert again.scorecard == manifest.scorecard
     scaler = get_scaler(str(tmp_path / "policies" / "auto"), device="cpu")
     assert scaler.get_scale() == pytest.approx(65536.0)
 
     # a second build with the same settings reuses the agents from the ledger, and, on the same
     # seeds, ranks and decides the same
-    again_build = AutoBuild(
-        _tiny_suite(), dataclasses.replace(settings, reuse_agents=True), tmp_path / "cache",
-        extras=extras, log=lines.append, no_harm_cache=tmp_path / "no-harm",
-    )  # fmt: skip
-    second = again_build.run()
+    second = _again(tmp_path).run()
     assert set(second.agent_runs) == agents
     assert all(r["reused"] for r in second.agent_runs.values())
     assert "train rl-ppo-h2" not in second.timings
     assert second.objective == result.objective and second.pick == result.pick
     assert second.verdicts == result.verdicts
+
+
+def _changed_test_cards(monkeypatch, test: list[str], change):
+    """Make the build read, for its test members, ``change(scaler, card)`` in place of each of
+    their real scorecards: their scores change, nothing else does."""
+    from autoscale.build import suite_eval
+
+    real = suite_eval.held_out
+
+    def held_out(suite, factories, steps, progress=True, members="all"):
+        cards = real(suite, factories, steps, progress, members)
+        for scaler, by in cards.items():
+            for m in set(by) & set(test):
+                by[m] = [change(scaler, c) for c in by[m]]
+        return cards
+
+    monkeypatch.setattr(suite_eval, "held_out", held_out)
+
+
+@pytest.mark.slow
+def test_test_members_are_read_only_after_the_choice_and_never_change_it(first_build, monkeypatch):
+    """The build reads a test member only once :func:`choose` has returned (:class:`ReadWatch`
+    fails it otherwise), and then for every candidate; test scores that would rank another
+    candidate first leave the choice as it was; a choice that misses the bar on a test member
+    ships nothing, rather than the next candidate."""
+    tmp, _, first, reads = first_build
+    assert reads.chosen and set(reads.after_choice) == {"cnn/clean"}  # read, and only after
+    assert set(first.cards["torch"]) == {"mlp/clean", "autoencoder/clean", "cnn/clean"}
+    pick = first.pick
+    assert pick is not None
+
+    def others_lead(scaler, card):
+        """Every other candidate perfect on the test member, the pick a little worse than it
+        was, torch far worse (so the pick still meets the bar there)."""
+        if scaler == "torch":
+            r = dataclasses.replace
+            return r(card, skip_rate=card.skip_rate + 0.5, precision_loss=card.precision_loss + 0.5)
+        if scaler == pick:
+            return dataclasses.replace(card, precision_loss=card.precision_loss + 0.01)
+        return dataclasses.replace(card, skip_rate=0.0, precision_loss=0.0)
+
+    with monkeypatch.context() as mp:
+        reads = ReadWatch(_tiny_suite(), mp)
+        _changed_test_cards(mp, first.test, others_lead)
+        second = _again(tmp).run()
+    assert set(reads.after_choice) == {"cnn/clean"}
+    on_test = second.objective_test
+    assert all(on_test[s] < on_test[pick] for s in second.ranked if s != pick)  # test: anyone else
+    assert second.objective_validation == first.objective_validation
+    assert second.ranked == first.ranked and second.chosen == first.chosen
+    assert second.pick == pick and second.verdicts == first.verdicts  # ships what it did
+
+    # the choice skipping more than torch on the test member: still the choice, nothing ships
+    def pick_skips(scaler, card):
+        return dataclasses.replace(card, skip_rate=card.skip_rate + 0.2) if scaler == pick else card
+
+    with monkeypatch.context() as mp:
+        ReadWatch(_tiny_suite(), mp)
+        _changed_test_cards(mp, first.test, pick_skips)
+        third = _again(tmp).run()
+    assert third.chosen == pick and third.pick is None
+    assert set(third.verdicts) == set(first.verdicts)  # the next candidate was not tried
+    assert "on test members misses the bar on cnn/clean" in third.verdicts[pick]["reasons"]
