@@ -10,6 +10,7 @@ import math
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -110,7 +111,7 @@ def _whole_gradient(model: torch.nn.Module, device: torch.device) -> tuple[float
         return float(full.abs().max()), float(full.square().mean().sqrt())
     mine = torch.cat([_local(g).reshape(-1) for g in grads]).double()
     amax = mine.abs().max().reshape(1).to(device)
-    sums = torch.stack([mine.square().sum(), torch.tensor(float(mine.numel()))]).to(device)
+    sums = torch.stack([mine.square().sum(), mine.new_tensor(float(mine.numel()))]).to(device)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX)
     dist.all_reduce(sums)
     return float(amax), float((sums[0] / sums[1]).sqrt())
@@ -151,6 +152,28 @@ def scenarios(rank: int, device: torch.device, names: list[str], offload: bool) 
                 rank, fsdp2(device, offload=True), scaler, device
             )
     return results
+
+
+def assert_ranks_agree(runs: list[dict], whole_rms: bool) -> None:
+    """Each rank's run skipped the last rank's bad batch and its overflowing shard, and no other
+    step, with one scale on every rank; its amax (and with ``whole_rms`` its RMS: FSDP1's shards
+    are padded, zeros count in theirs) is the whole gradient's, not its shard's."""
+    clean = sorted(set(range(STEPS)) - {BAD_BATCH, SHARD_INF})
+    for run in runs:
+        assert run["skipped"] == [BAD_BATCH, SHARD_INF]
+        assert run["scales"] == runs[0]["scales"]
+        for step in clean:
+            assert run["amax"][step] == pytest.approx(run["true_amax"][step], rel=1e-6)
+            if whole_rms:
+                assert run["rms"][step] == pytest.approx(run["true_rms"][step], rel=1e-4)
+    assert len({runs[0]["true_amax"][step] for step in clean}) == len(clean)  # a reading per step
+
+
+def assert_same_training(ours: dict, theirs: dict) -> None:
+    """The same skipped steps, scales and final weights, bit for bit."""
+    assert ours["skipped"] == theirs["skipped"]
+    assert ours["scales"] == theirs["scales"]
+    assert ours["weights"] == theirs["weights"]
 
 
 def _worker(

@@ -24,6 +24,8 @@ from tests.integrations.fsdp_helpers import (
     BAD_BATCH,
     SHARD_INF,
     STEPS,
+    assert_ranks_agree,
+    assert_same_training,
     run_ranks,
     scaler_names,
 )
@@ -41,17 +43,8 @@ def ranks(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])
 @pytest.mark.parametrize("name", scaler_names())
 def test_every_scaler_trains_fsdp_and_the_ranks_agree(ranks, kind, name):
-    r0, r1 = ranks[0][f"{kind}-{name}"], ranks[1][f"{kind}-{name}"]
     # rank 1's bad batch and rank 1's overflowing shard: both ranks skip both steps
-    assert r0["skipped"] == r1["skipped"] == [BAD_BATCH, SHARD_INF]
-    assert r0["scales"] == r1["scales"]
-    clean = sorted(set(range(STEPS)) - {BAD_BATCH, SHARD_INF})
-    for r in (r0, r1):  # the statistics of the whole gradient, not of this rank's shard
-        for step in clean:
-            assert r["amax"][step] == pytest.approx(r["true_amax"][step], rel=1e-6)
-            if kind == "fsdp2":  # (FSDP1's shards are padded: zeros count in its RMS)
-                assert r["rms"][step] == pytest.approx(r["true_rms"][step], rel=1e-4)
-    assert len({r0["true_amax"][step] for step in clean}) == len(clean)  # a reading per step
+    assert_ranks_agree([r[f"{kind}-{name}"] for r in ranks], whole_rms=kind == "fsdp2")
 
 
 def test_fsdp1_float16_loss_and_gradients_under_auto(ranks):
@@ -66,10 +59,7 @@ def test_fsdp1_float16_loss_and_gradients_under_auto(ranks):
 @pytest.mark.parametrize("tag", ["", "-fp16"])
 def test_the_torch_rule_is_sharded_grad_scaler_bit_for_bit(ranks, tag):
     for r in ranks:
-        theirs, ours = r[f"sharded{tag}"], r[f"torch-as-sharded{tag}"]
-        assert ours["skipped"] == theirs["skipped"]
-        assert ours["scales"] == theirs["scales"]
-        assert ours["weights"] == theirs["weights"]
+        assert_same_training(r[f"torch-as-sharded{tag}"], r[f"sharded{tag}"])
     if tag:  # the float16 loss times 2^16 overflows in float16: ShardedGradScaler's own skip
         assert ranks[0]["sharded-fp16"]["skipped"][0] == 0
 
