@@ -423,12 +423,10 @@ class LossScaler(torch.amp.GradScaler):
         return write_state(self.name, self._host_scale, knobs, self.controller)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (or a plain or sharded GradScaler's: the scale and tracker),
-        the scale clamped into this scaler's own bounds, with a warning where bounds differ or the
-        scale was clamped. A state another rule or policy saved carries its scale over and this
-        rule's own memory starts fresh (one warning says so). ConfigError for a state of a newer
-        autoscale, or with a missing or malformed entry (see
-        :func:`~autoscale.scalers.checkpoint.read_state`)."""
+        """Restore :meth:`state_dict` or any GradScaler's, the scale clamped into this scaler's
+        bounds (a warning where they differ); another rule's state gives its scale, this rule's
+        memory starts fresh (one warning). ConfigError: a newer autoscale's state, a missing or
+        malformed entry (:func:`~autoscale.scalers.checkpoint.read_state`)."""
         if not self._enabled:
             return
         loaded = read_state(state_dict, self.name, self.controller.bounds)

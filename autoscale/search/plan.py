@@ -38,6 +38,7 @@ from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import BudgetError
 from autoscale.search.budget import format_duration
+from autoscale.search.gate import gate_label
 from autoscale.search.timing import GatePlan, Timings
 
 __all__ = [
@@ -161,7 +162,7 @@ class Plan:
             f"{members}{tr} train + {te} test instances; replay episodes of {self.horizon} steps "
             f"({'early and late in ' + str(self.trace_steps) + '-step runs' if windows > 1 else 'from the start of each run'}), "
             f"validation on {self.steps} real steps; {self.space} space; no-harm check: "
-            f"{self.gate.steps}-step clean runs of {', '.join(w.model for w in self.gate.workloads)}; "
+            f"{self.gate.steps}-step runs of {', '.join(map(gate_label, self.gate.workloads))}; "
             f"estimates: record {format_duration(self.record_s)}, search {format_duration(self.search_s)}, "
             f"validate {format_duration(self.validate_s)}, no-harm {format_duration(self.gate_s)}"
         )

@@ -298,7 +298,7 @@ def _eval_estimate(workload: Any, step_s: float) -> float:
 # ---------------------------------------------------------------------- the no-harm check's share
 @dataclass(frozen=True)
 class GatePlan:
-    """The no-harm check: long clean runs of ``workloads`` next to ``torch``.
+    """The no-harm check: long runs of ``workloads`` (clean, and one drifting) next to ``torch``.
 
     Attributes:
         workloads: Clean workloads (``mlp`` and each model the search runs).
