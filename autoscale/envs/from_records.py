@@ -13,6 +13,7 @@ import numpy as np
 
 from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.errors import ConfigError
+from autoscale.scalers.controller import FP16_MAX
 
 __all__ = ["suite_from_records", "trace_from_record"]
 
@@ -57,7 +58,7 @@ def trace_from_record(record, name: str = "run") -> Trace:
         threshold=np.asarray(col("threshold"), dtype=np.float64),
         nonfinite=np.asarray(col("loss_nonfinite", False), dtype=bool),
         loss=np.asarray(col("loss"), dtype=np.float64),
-        amax=np.asarray([nan if s["found_inf"] else s["amax"] for s in steps], dtype=np.float64),
+        amax=np.asarray([_amax(s) for s in steps], dtype=np.float64),
         rms=np.asarray([nan if s["found_inf"] else s["rms"] for s in steps], dtype=np.float64),
         scale=np.asarray(col("scale"), dtype=np.float64),
         hist=hist,
@@ -71,6 +72,20 @@ def trace_from_record(record, name: str = "run") -> Trace:
         "scaler": record.meta.get("scaler"),
     }
     return Trace(spec, {name: inst}, np.asarray(HIST_EDGES, dtype=np.float64), FEATURE_VERSION)
+
+
+def _amax(step: dict[str, Any]) -> float:
+    """A recorded step's gradient amax as replay gives it to a rule. A step that overflowed in the
+    run has no amax of its own; where its threshold is known (``log2(65504 / amax)``), the amax
+    it implies, so that a replay at a scale that clears the threshold shows the rule a clean step
+    (a NaN would read as an overflow). A step whose loss was non-finite keeps NaN: it fails at
+    every scale."""
+    if not step["found_inf"]:
+        return step["amax"]
+    t = step.get("threshold")
+    if step.get("loss_nonfinite") or t is None or not math.isfinite(t):
+        return math.nan
+    return FP16_MAX * 2.0**-t
 
 
 def suite_from_records(records: list, horizon: int | None = None) -> tuple[Any, dict[str, Trace]]:
