@@ -88,7 +88,9 @@ def choose(
     """
     choice = Choice(None)
     real = [v for v in ranked if v.real]
-    choice.unchecked += [f"{v.label} (validated on replay only)" for v in ranked if not v.real]
+    replayed = [v.label for v in ranked if not v.real]
+    if replayed:
+        choice.unchecked.append(f"{', '.join(replayed)} (validated on replay only)")
     reference = next((v for v in real if v.key == TORCH), None)
     choice.bar = next((v for v in real if v.key == AUTO), None)
     if reference is None or choice.bar is None:
