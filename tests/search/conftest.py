@@ -18,7 +18,7 @@ import pytest
 
 from tests.training.conftest import torch  # noqa: F401  (sets one intra-op thread)
 
-SEARCH_BUDGET_S = 60.0
+SEARCH_BUDGET_S = 90.0  # the smallest plan of mlp with its no-harm runs (clean and drifting) fits
 RULES = ("torch", "deepspeed", "megatron", "jmp", "fairseq", "metaseq", "amax-history")
 
 
@@ -99,14 +99,14 @@ class Searched:
 
 @pytest.fixture(scope="session")
 def searched(tmp_path_factory) -> Searched:
-    """``autoscale search --model mlp --budget 60s``, the other defaults, in a fresh folder."""
+    """``autoscale search --model mlp --budget 90s``, the other defaults, in a fresh folder."""
     root = tmp_path_factory.mktemp("search60")
     run = run_cli(
         "search",
         "--model",
         "mlp",
         "--budget",
-        "60s",
+        "90s",
         "--quiet",
         cwd=root,
         timeout=SEARCH_BUDGET_S + 120,
