@@ -61,14 +61,13 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     from autoscale.agents.evaluate import evaluate_scalers
-    from autoscale.build import suite_eval as se
     from autoscale.envs.episodes import scaler_for
     from autoscale.envs.spec import InstanceSpec
     from autoscale.envs.suite import load_spec
     from autoscale.errors import ConfigError
     from autoscale.training.bar import mean
 
-    suite = se.with_steps(load_spec(ROOT / "envs" / "suite.yaml"), args.steps)
+    suite = load_spec(ROOT / "envs" / "suite.yaml").with_episode_steps(args.steps)
     try:
         member = suite.member(args.member)
     except (ConfigError, KeyError) as exc:

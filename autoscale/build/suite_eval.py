@@ -26,16 +26,6 @@ from typing import Any
 from autoscale.training import bar
 
 
-def with_steps(suite, steps: int):
-    """``suite`` (left-out members too) with real-step episodes of ``steps`` steps."""
-
-    def shape(m):
-        ep = dataclasses.replace(m.episode, steps=steps, horizon=max(steps, m.episode.horizon))
-        return dataclasses.replace(m, episode=ep)
-
-    return suite.replace_members(shape)
-
-
 def held_out(
     suite,
     factories: dict[str, Callable[[], Any]],
@@ -48,7 +38,7 @@ def held_out(
     from autoscale.envs.episodes import drive_episode
     from autoscale.envs.suite_env import SuiteEnv
 
-    shaped = with_steps(suite, steps)
+    shaped = suite.with_episode_steps(steps)
     env = SuiteEnv(shaped, "test", members=members)
     out: dict[str, dict[str, list]] = {name: {} for name in factories}
     bar = None
@@ -124,7 +114,7 @@ def confirm(
     from autoscale.agents.evaluate import evaluate_scalers
     from autoscale.envs.spec import InstanceSpec
 
-    m = with_steps(suite, steps).member(member)
+    m = suite.with_episode_steps(steps).member(member)
     starts = [i.start for i in m.instances["test"]]
     test = tuple(
         InstanceSpec(f"confirm{first_seed + k}", first_seed + k, starts[k % len(starts)])
