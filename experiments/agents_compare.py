@@ -77,12 +77,12 @@ def main(argv=None) -> int:
     from suite_pages import table
 
     from autoscale.agents.train import train_agent
-    from autoscale.build.agents import rl_suite, with_scale_time
-    from autoscale.build.auto import AutoBuild, BuildSettings
-    from autoscale.build.suite_eval import acceptance, held_out, objective_of, save_cards
     from autoscale.envs.episodes import scaler_for
     from autoscale.envs.suite import load_spec
     from autoscale.scalers import find_policy
+    from autoscale.selection.agents import rl_suite, with_scale_time
+    from autoscale.selection.auto import AutoBuild, BuildSettings
+    from autoscale.selection.suite_eval import acceptance, held_out, objective_of, save_cards
 
     suite = load_spec(ROOT / "envs" / "suite.yaml")
     timings: dict[str, float] = {}

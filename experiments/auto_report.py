@@ -10,7 +10,7 @@ import sys
 
 from suite_pages import table
 
-from autoscale.build.suite_eval import kept_share, objective_of, zeroed_steps
+from autoscale.selection.suite_eval import kept_share, objective_of, zeroed_steps
 from autoscale.training.bar import mean
 
 
@@ -28,7 +28,7 @@ def report_head(title: str, argv, timings: dict) -> list[str]:
 
 
 def build_report(result, manifest, extras: dict, argv) -> list[str]:
-    """experiments/results/auto.md of a build (:class:`autoscale.build.BuildResult`): its
+    """experiments/results/auto.md of a build (:class:`autoscale.selection.BuildResult`): its
     selection, the long runs of every candidate that got them, and the pick's evidence on fresh
     seeds; ``manifest`` is the exported ``auto``'s (None: nothing shipped)."""
     r = result

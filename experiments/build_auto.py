@@ -1,6 +1,6 @@
 """Build the general policy ``auto`` from scratch, with its evidence.
 
-The build is :class:`autoscale.build.AutoBuild` (what it records, trains, ranks and how it decides
+The build is :class:`autoscale.selection.AutoBuild` (what it records, trains, ranks and how it decides
 what ships: its docstring; envs/suite.yaml's split says which members train, which choose and
 which only report); this driver sets its paths, runs it, exports the pick to policies/auto
 and writes experiments/results/auto.md, auto_selection.json, auto_evidence.json and the block
@@ -43,7 +43,7 @@ def readme_only() -> int:
     """Rewrite the results block from the last run's saved results."""
     import json
 
-    from autoscale.build.suite_eval import load_cards
+    from autoscale.selection.suite_eval import load_cards
 
     sel = json.loads((RESULTS / "auto_selection.json").read_text())
     # since the split the file names what shipped; before it, the one candidate that passed
@@ -78,7 +78,7 @@ def readme_only() -> int:
 
 
 def main(argv=None) -> int:
-    from autoscale.build.auto import BuildSettings, parse_extra
+    from autoscale.selection.auto import BuildSettings, parse_extra
 
     d = BuildSettings()
     p = argparse.ArgumentParser(
@@ -108,9 +108,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from autoscale.build.auto import AutoBuild
-    from autoscale.build.suite_eval import save_cards
     from autoscale.envs.suite import load_spec
+    from autoscale.selection.auto import AutoBuild
+    from autoscale.selection.suite_eval import save_cards
 
     torch.set_num_threads(1)
     settings = BuildSettings(

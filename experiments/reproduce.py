@@ -97,7 +97,7 @@ def main(argv=None) -> int:
 
     import suite_pages as pages
 
-    from autoscale.build import suite_eval as se
+    from autoscale.selection import suite_eval as se
 
     if args.readme_only:
         report = json.loads((RESULTS / "suite.json").read_text())

@@ -1,12 +1,12 @@
 """Markdown tables, plots and README blocks of suite results (experiments/reproduce.py and
-experiments/build_auto.py); the judging itself is :mod:`autoscale.build.suite_eval`."""
+experiments/build_auto.py); the judging itself is :mod:`autoscale.selection.suite_eval`."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from autoscale.build.suite_eval import regrets_of
+from autoscale.selection.suite_eval import regrets_of
 from autoscale.training.bar import mean
 
 

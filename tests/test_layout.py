@@ -26,7 +26,7 @@ LAYERS = {
     "envs": 3,
     "agents": 4,
     "search": 5,
-    "build": 5.5,
+    "selection": 5.5,
     "report": 5,
     "commands": 6,
     "cli": 6,

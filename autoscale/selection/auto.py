@@ -7,12 +7,12 @@ no suite has, so the choice is made on members no candidate trained on; and the 
 report it must be members nothing chose on, or they stop measuring.
 
 1. Record long traces of the train instances of every train member of the suite.
-2. Train RL agents on their replay (:mod:`autoscale.build.agents`).
+2. Train RL agents on their replay (:mod:`autoscale.selection.agents`).
 3. Candidates: those agents, the suite search's pick when there is one, the built-in
    ``amax-history`` and any parametric ``extras``; ``torch`` is the reference. Each runs real steps
    of the *test* instances of every train and validation member; the objective against torch on
    the validation members ranks them (on the train members where a suite has no validation one).
-4. :func:`choose`: in that order, the first candidate that meets the bar on every train and
+4. :func:`what_ships`: in that order, the first candidate that meets the bar on every train and
    validation member (:mod:`autoscale.training.bar`, with paired confirmation of a member missed
    on eval loss alone), passes the search's no-harm check and does no harm in long runs of those
    members is measured again on fresh seeds (never used for training or selection), and is the
@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from autoscale.build import suite_eval as ev
-from autoscale.build.result import BuildResult, LongRuns
+from autoscale.selection import suite_eval as ev
+from autoscale.selection.result import BuildResult, LongRuns
 from autoscale.training.bar import first_passing
 
 EVIDENCE_SEED_OFFSET = 1000  # fresh seeds: the test seeds + 1000
@@ -84,7 +84,7 @@ def parse_extra(text: str) -> tuple[str, tuple[str, dict[str, float | int]]]:
     return label, (rule, params)
 
 
-def choose(
+def what_ships(
     ranked: Sequence[str],
     checks: Sequence[Callable[[str], list[str]]],
     on_fresh_seeds: Callable[[str], list[str]],
@@ -161,7 +161,7 @@ class AutoBuild:
         t0 = time.monotonic()
         traces = self.record()
         timings["record"] = time.monotonic() - t0
-        from autoscale.build.agents import train_agents
+        from autoscale.selection.agents import train_agents
 
         self.agents, agent_runs = train_agents(
             self.suite, traces, s, self.cache / "policies", timings, self.log
@@ -206,7 +206,7 @@ class AutoBuild:
             lambda n: self._passes_the_check(result, n),
             lambda n: self._no_harm_in_long_runs(result, n),
         ]
-        result.chosen, result.verdicts = choose(
+        result.chosen, result.verdicts = what_ships(
             result.ranked, checks, lambda n: self._on_fresh_seeds(result, n)
         )
         result.pick = result.chosen
@@ -216,8 +216,8 @@ class AutoBuild:
 
     def record(self):
         """Traces of every train instance, twice the horizon long (early and late in the run)."""
-        from autoscale.build.agents import rl_suite
         from autoscale.search.traces import load_traces
+        from autoscale.selection.agents import rl_suite
 
         h = self.settings.horizon
         traces, stats = load_traces(

@@ -1,4 +1,4 @@
-"""The ``auto`` build (:mod:`autoscale.build`): what decides what ships, a whole build of a tiny
+"""The ``auto`` build (:mod:`autoscale.selection`): what decides what ships, a whole build of a tiny
 suite on real steps, from traces to the exported policy, and the proof that its test members
 never influence the choice."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from autoscale.build.auto import AutoBuild, BuildSettings, choose, fresh_seeds, parse_extra
+from autoscale.selection.auto import AutoBuild, BuildSettings, fresh_seeds, parse_extra, what_ships
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def _stage(fails: set[str], ran: list[str], name: str):
 def test_choose_ships_the_first_through_every_check_when_fresh_seeds_agree():
     ran: list[str] = []
     checks = [_stage({"a"}, ran, "bar"), _stage({"b"}, ran, "long")]
-    pick, verdicts = choose(["a", "b", "c", "d"], checks, _stage(set(), ran, "fresh"))
+    pick, verdicts = what_ships(["a", "b", "c", "d"], checks, _stage(set(), ran, "fresh"))
     assert pick == "c"
     assert verdicts == {
         "a": {"passed": False, "reasons": ["bar fails a"]},
@@ -39,13 +39,15 @@ def test_choose_ships_the_first_through_every_check_when_fresh_seeds_agree():
 def test_choose_ships_nothing_when_the_pick_misses_on_fresh_seeds():
     """Fresh seeds are spent once: the next candidate is not tried on seeds already seen."""
     ran: list[str] = []
-    pick, verdicts = choose(["a", "b"], [_stage(set(), ran, "bar")], _stage({"a"}, ran, "fresh"))
+    pick, verdicts = what_ships(
+        ["a", "b"], [_stage(set(), ran, "bar")], _stage({"a"}, ran, "fresh")
+    )
     assert pick is None
     assert verdicts == {"a": {"passed": False, "reasons": ["fresh fails a"]}}
     assert ran == ["bar:a", "fresh:a"]
     # nothing passes: nothing is measured on fresh seeds
     ran.clear()
-    assert choose(["a"], [_stage({"a"}, ran, "bar")], _stage(set(), ran, "fresh"))[0] is None
+    assert what_ships(["a"], [_stage({"a"}, ran, "bar")], _stage(set(), ran, "fresh"))[0] is None
     assert ran == ["bar:a"]
 
 
@@ -93,22 +95,22 @@ EXTRAS = dict([parse_extra("torch:growth_interval=2000")])
 class ReadWatch:
     """Every real training run a build starts (each real step of every stage goes through
     :class:`~autoscale.training.TrainingRun`), by the suite member whose workload it trains. Fails
-    the build the moment a test member's workload runs before :func:`choose` has returned."""
+    the build the moment a test member's workload runs before :func:`~autoscale.selection.auto.what_ships` has returned."""
 
     def __init__(self, suite, monkeypatch):
-        from autoscale.build import auto
+        from autoscale.selection import auto
         from autoscale.training import TrainingRun
 
         self.test = {self._key(m.workload): m.name for m in suite.test}
         self.chosen = False
         self.after_choice: list[str] = []  # test members' runs, in order
-        real_init, real_choose = TrainingRun.__init__, auto.choose
+        real_init, real_choose = TrainingRun.__init__, auto.what_ships
 
         def init(run, spec, *args, **kwargs):
             member = self.test.get(self._key(spec))
             if member is not None:
                 if not self.chosen:
-                    pytest.fail(f"test member {member} evaluated before choose returned")
+                    pytest.fail(f"test member {member} evaluated before what_ships returned")
                 self.after_choice.append(member)
             real_init(run, spec, *args, **kwargs)
 
@@ -118,7 +120,7 @@ class ReadWatch:
             return out
 
         monkeypatch.setattr(TrainingRun, "__init__", init)
-        monkeypatch.setattr(auto, "choose", choose_then_open)
+        monkeypatch.setattr(auto, "what_ships", choose_then_open)
 
     @staticmethod
     def _key(workload):
@@ -231,7 +233,7 @@ def test_a_tiny_build_ships_the_first_candidate_through_every_check(first_build)
 def _changed_test_cards(monkeypatch, test: list[str], change):
     """Make the build read, for its test members, ``change(scaler, card)`` in place of each of
     their real scorecards: their scores change, nothing else does."""
-    from autoscale.build import suite_eval
+    from autoscale.selection import suite_eval
 
     real = suite_eval.held_out
 
@@ -247,7 +249,7 @@ def _changed_test_cards(monkeypatch, test: list[str], change):
 
 @pytest.mark.slow
 def test_test_members_are_read_only_after_the_choice_and_never_change_it(first_build, monkeypatch):
-    """The build reads a test member only once :func:`choose` has returned (:class:`ReadWatch`
+    """The build reads a test member only once :func:`~autoscale.selection.auto.what_ships` has returned (:class:`ReadWatch`
     fails it otherwise), and then for every candidate; test scores that would rank another
     candidate first leave the choice as it was; a choice that misses the bar on a test member
     ships nothing, rather than the next candidate."""

@@ -51,7 +51,7 @@ def train_agents(
 ) -> tuple[dict[str, Path], dict[str, dict]]:
     """The agents (name -> exported folder under ``folder``) and what each training run was
     (steps, seconds, best eval reward, and whether this build reused it). ``settings`` is a
-    :class:`~autoscale.build.auto.BuildSettings`; with ``reuse_agents`` an agent that
+    :class:`~autoscale.selection.auto.BuildSettings`; with ``reuse_agents`` an agent that
     ``folder/agents.json`` lists with the same settings is taken as it is."""
     from autoscale.agents.train import train_agent
 

@@ -1,12 +1,12 @@
 """What one ``auto`` build measured and decided (:class:`BuildResult`), for its reports and its
-export; the build itself is :mod:`autoscale.build.auto`."""
+export; the build itself is :mod:`autoscale.selection.auto`."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from autoscale.build import suite_eval as ev
+from autoscale.selection import suite_eval as ev
 
 __all__ = ["BuildResult", "LongRuns"]
 
@@ -23,7 +23,7 @@ class LongRuns:
 class BuildResult:
     """Everything a build measured and decided, for its reports."""
 
-    settings: Any  # the build's BuildSettings (autoscale.build.auto)
+    settings: Any  # the build's BuildSettings (autoscale.selection.auto)
     searched: list[str]  # the train members
     left_out: list[str]  # the validation and test members
     weights: Any
@@ -46,7 +46,9 @@ class BuildResult:
     evidence: dict[str, dict[str, list]] | None = None  # fresh seeds: choice, REFERENCE, torch
     evidence_acceptance: dict[str, dict] | None = None
     evidence_confirmed: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)
-    chosen: str | None = None  # what :func:`choose` returned, before the test members
+    chosen: str | None = (
+        None  # what :func:`~autoscale.selection.auto.what_ships` returned, before the test members
+    )
     test_confirmed: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)
     pick: str | None = None  # what ships: the choice, unless it harms a test member
     timings: dict[str, float] = dataclasses.field(default_factory=dict)

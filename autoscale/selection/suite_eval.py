@@ -1,4 +1,4 @@
-"""Judging policies on a suite: the ``auto`` build (:mod:`autoscale.build.auto`) and the suite's
+"""Judging policies on a suite: the ``auto`` build (:mod:`autoscale.selection.auto`) and the suite's
 reproduction (experiments/reproduce.py) share it.
 
 * :func:`held_out`: real-step episodes of the *test* instances (never searched or trained on) of
