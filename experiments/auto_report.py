@@ -296,6 +296,8 @@ def shipped_block(
         *rows,
         *confirm_lines(accept),
         "",
+        "On the fresh seeds above (the selection below ran on the test seeds, so its numbers differ):",
+        "",
         "| | objective, searched members | objective, left-out members |",
         "|---|---|---|",
         f"| `auto` | {objective[pick]:+.4f} | {zero_shot[pick]:+.4f} |",
