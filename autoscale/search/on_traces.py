@@ -7,13 +7,19 @@ is replay, and says so (terminal, study note, manifest):
 
 1. **search**: parametric rule families with their knobs, scored on the train windows' replay
    against ``torch`` with the suite search's objective (the built-in rules' defaults first);
-2. **validate**: the best trials and every built-in rule on the test windows' replay;
-3. **no harm**: the pick replayed over the whole of each run, judged on its clean steps (a
-   finite loss and a known overflow threshold: not every gradient flushed to zero), next to
-   ``torch``: it may skip at most 0.5 points more of those steps
-   and must not lose more gradient elements below fp16's range; otherwise the next candidate;
-4. **export** the pick as a parametric policy (torch alone at run time) and write the report of
-   the first run with it among the counterfactuals.
+2. **validate**: the best trials, every built-in rule and ``auto`` on the test windows' replay;
+3. **export**: ``auto`` is the bar, as in the workload search: a candidate ranked above it counts
+   only when its lead over ``auto`` is more than the seed noise (paired window by window), and a
+   fixed scale only when asked for (``--family``); it is replayed over the whole of each run,
+   judged on its clean steps (a finite loss and a known overflow threshold: not every gradient
+   flushed to zero), next to ``torch``: it may skip at most 0.5 points more of those steps and
+   must not lose more gradient elements below fp16's range; otherwise the next candidate. When
+   none clears the bar, ``auto`` itself is exported under the requested name (checked the same
+   way; ``torch``'s rule where it harms the runs). The pick is written with the report of the
+   first run with it among the counterfactuals.
+
+Phases are named and numbered as the workload search's (``[2/6 plan]``, ``[4/6 search]``,
+``[5/6 validate]``, ``[6/6 export]``: there is nothing to measure or record).
 
 The budget is wall clock: the search takes what the later phases do not need (they cost seconds).
 Interrupting keeps every finished trial in the study; the same command resumes it.
@@ -35,6 +41,7 @@ __all__ = ["TraceSearch", "TraceSearchConfig"]
 NO_HARM_SKIP = 0.005  # at most this much more of the clean steps skipped than torch
 NO_HARM_PRECISION = 0.005  # at most this much more precision loss than torch (absolute)
 CANDIDATES = 5  # best trials validated
+AUTO = "auto"  # the shipped general policy: the bar a searched policy must clear
 REPLAY_NOTE = (
     "validated on the replay of held-out windows of the recorded runs (no real steps: a record "
     "cannot be trained again); the no-harm check is the replay of the runs' clean steps"
@@ -61,7 +68,8 @@ class TraceSearchConfig:
 
 @dataclass
 class Candidate:
-    """A validated candidate: a trial's tuned rule or a built-in rule with its defaults."""
+    """A validated candidate: a trial's tuned rule, a built-in rule with its defaults, or ``auto``
+    (``rule`` names the scaler; ``cards``: its test windows' replay by member)."""
 
     label: str
     rule: str
@@ -69,6 +77,7 @@ class Candidate:
     test_objective: float
     trial: Any = None
     no_harm: dict[str, Any] | None = None
+    cards: dict[str, list] | None = None
 
 
 class TraceSearch:
@@ -81,7 +90,15 @@ class TraceSearch:
         self.out = out or (lambda s: print(s, flush=True))
 
     def say(self, phase: str, text: str) -> None:
-        self.out(f"[{phase}] {text}")
+        """A phase's line, named and numbered as the workload search's (no measure or record:
+        the records are the steps)."""
+        from autoscale.search.runner import PHASES
+
+        self.out(
+            f"[{PHASES.index(phase) + 1}/{len(PHASES)} {phase}] {text}"
+            if phase in PHASES
+            else f"[{phase}] {text}"
+        )
 
     def run(self) -> dict[str, Any]:
         import optuna
@@ -133,7 +150,7 @@ class TraceSearch:
                 )
             write_note(study, _note(name, records, suite, windows))
         self.say(
-            "1/4 plan",
+            "plan",
             f"{len(records)} record(s), {sum(len(r.steps) for r in records)} steps; windows of {h} "
             f"steps: {_windows_text(windows)}; "
             f"study '{name}' in {mask_url(cfg.storage)}; {REPLAY_NOTE}",
@@ -178,7 +195,7 @@ class TraceSearch:
         }
         best = study.best_trial
         self.say(
-            "2/4 search",
+            "search",
             f"{len(done)} trials ({states['COMPLETE']} complete, {states['PRUNED']} pruned, "
             f"{states['FAIL']} failed) on the train windows' replay; best: trial {best.number} "
             f"({best.user_attrs.get('policy', {}).get('rule')}), objective {best.value:+.4f}",
@@ -186,23 +203,13 @@ class TraceSearch:
         t_val = time.monotonic()
         candidates = self._validate(study, bench, families)
         self.say(
-            "3/4 validate",
+            "validate",
             f"in {time.monotonic() - t_val:.1f}s, on the test windows' replay (objective vs torch, "
             "lower is better): "
             + ", ".join(f"{c.label} {c.test_objective:+.4f}" for c in candidates[:6]),
         )
         t_exp = time.monotonic()
-        pick = None
-        for c in candidates:
-            c.no_harm = _no_harm(records, c)
-            if c.no_harm["passed"]:
-                pick = c
-                break
-            self.say("4/4 no harm", f"{c.label} refused: {c.no_harm['why']}")
-        if pick is None:
-            raise ConfigError(
-                "no candidate passed the no-harm check on the runs' clean steps; nothing exported"
-            )
+        pick, why = self._pick(candidates, records, bench, suite)
         path = self._export(study, suite, pick, records)
         from autoscale.report import write_report
         from autoscale.report.page import compare_names
@@ -210,8 +217,8 @@ class TraceSearch:
         report = write_report(records[0], Path(path) / "report.html", [*compare_names(), path.name])
         nh = pick.no_harm
         self.say(
-            "4/4 export",
-            f"{pick.label} passed the no-harm check on the clean steps (replay: skipped "
+            "export",
+            f"{why}; {pick.label} passed the no-harm check on the clean steps (replay: skipped "
             f"{100 * nh['skip_rate']:.2f}% vs torch {100 * nh['torch_skip_rate']:.2f}%, below fp16 "
             f"range {100 * nh['precision_loss']:.2f}% vs {100 * nh['torch_precision_loss']:.2f}%); "
             f"exported to {path}; report {report} (in {time.monotonic() - t_exp:.1f}s)",
@@ -245,24 +252,68 @@ class TraceSearch:
             if key in seen:
                 continue
             seen.add(key)
-            test = (t.user_attrs.get("scores") or {}).get("test_replay") or {}
-            value = test.get("objective")
-            if value is None:
-                cards, _ = bench.run("test", lambda p=pol: bench.scaler(p["rule"], **p["params"]))
-                value = bench.objective("test", cards)
-            out.append(
-                Candidate(f"{pol['rule']}, trial {t.number}", pol["rule"], pol["params"], value, t)
-            )
+            cards, _ = bench.run("test", lambda p=pol: bench.scaler(p["rule"], **p["params"]))
+            value = bench.objective("test", cards)
+            label = f"{pol['rule']}, trial {t.number}"
+            out.append(Candidate(label, pol["rule"], pol["params"], value, t, cards=cards))
             if len(out) >= CANDIDATES:
                 break
-        for rule in families:
+        for rule in dict.fromkeys(["torch", *families, AUTO]):  # the rules, and auto: the bar
             cards, _ = bench.run("test", lambda r=rule: bench.scaler(r))
-            out.append(Candidate(rule, rule, {}, bench.objective("test", cards)))
-        out.sort(key=lambda c: (c.test_objective, c.trial is not None))
+            out.append(Candidate(rule, rule, {}, bench.objective("test", cards), cards=cards))
+        # on a tie: auto first, then the rules, then trials
+        out.sort(key=lambda c: (c.test_objective, c.rule != AUTO, c.trial is not None))
         return out
 
+    def _pick(self, candidates: list[Candidate], records, bench, suite) -> tuple[Candidate, str]:
+        """What is exported, and why: the first candidate ranked above ``auto`` whose lead over
+        it is more than the seed noise, that the user may get (a fixed scale only when asked
+        for) and that passes the no-harm check; else ``auto`` (checked too); else ``torch``."""
+        from autoscale.scalers.registry import rule_class
+        from autoscale.search.objective import lead
+
+        auto = next(c for c in candidates if c.rule == AUTO)
+        best_lead = None
+        for c in candidates:
+            if c is auto:
+                break
+            ld = lead(c.cards, auto.cards, bench.reference_for("test", c.cards), suite.reward)
+            best_lead = best_lead or (c, ld)
+            cls = rule_class(c.rule)
+            if not ld.clear or (
+                cls is not None and not cls.adapts and c.rule not in (self.cfg.families or ())
+            ):
+                continue
+            c.no_harm = _no_harm(records, c)
+            if c.no_harm["passed"]:
+                return (
+                    c,
+                    f"{c.label} beat auto by {ld.lead:.4f} on the test windows' replay, more than the seed noise ({ld.noise:.4f})",
+                )
+            self.say("export", f"{c.label} refused: {c.no_harm['why']}")
+        if best_lead is None:
+            why = "auto is the best found for these records: no candidate ranked above it"
+        else:
+            c, ld = best_lead
+            why = (
+                f"auto is the best found for these records: the best ({c.label}) led it by "
+                f"{ld.lead:.4f}, within the seed noise ({ld.noise:.4f})"
+                if not ld.clear
+                else "auto is the best found for these records: no candidate that led it passed"
+            )
+        auto.no_harm = _no_harm(records, auto)
+        if auto.no_harm["passed"]:
+            return auto, why
+        self.say("export", f"auto refused: {auto.no_harm['why']}")
+        torch = next(c for c in candidates if c.rule == "torch")
+        torch.no_harm = _no_harm(records, torch)
+        return (
+            torch,
+            f"auto harms these runs ({auto.no_harm['why']}): torch's own rule, the reference",
+        )
+
     def _export(self, study, suite, pick: Candidate, records) -> Path:
-        from autoscale.search.export import export_rule, export_trial
+        from autoscale.search.export import export_policy, export_rule, export_trial
 
         name = self.cfg.export or study.study_name
         provenance = {
@@ -281,6 +332,8 @@ class TraceSearch:
             scorecard=scorecard,
             provenance=provenance,
         )
+        if pick.rule == AUTO:
+            return Path(export_policy(study, AUTO, name, **kw))
         if pick.trial is None:
             return Path(export_rule(study, pick.rule, name, **kw))
         return Path(export_trial(study, pick.trial, name, store=None, **kw))

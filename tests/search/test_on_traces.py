@@ -56,6 +56,9 @@ def test_search_on_a_record_exports_a_policy_and_its_report(
     assert main(["search", "--traces", "run", "--budget", "40s", "--n-trials", "40"]) == 0
     out = capsys.readouterr().out
     assert "validated on the replay of held-out windows" in out
+    assert "[2/6 plan]" in out and "[4/6 search]" in out and "[5/6 validate]" in out
+    export = next(line for line in out.splitlines() if line.startswith("[6/6 export]"))
+    assert "auto is the best found for these records" in export or "beat auto by" in export
     policy = tmp_path / "policies" / "run-traces"
     manifest = read_manifest(policy)
     assert manifest.kind == "parametric"
