@@ -35,11 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from autoscale.errors import ConfigError
+from autoscale.training.bar import SKIP_POINTS
 
 __all__ = ["TraceSearch", "TraceSearchConfig"]
 
-NO_HARM_SKIP = 0.005  # at most this much more of the clean steps skipped than torch
-NO_HARM_PRECISION = 0.005  # at most this much more precision loss than torch (absolute)
+# the no-harm check's limits, the bar's (autoscale/training/bar.py), as the workload search's
+# check applies them to long real runs: skips and precision loss at most 0.5 points above torch's
+NO_HARM_SKIP = SKIP_POINTS
+NO_HARM_PRECISION = SKIP_POINTS
 CANDIDATES = 5  # best trials validated
 AUTO = "auto"  # the shipped general policy: the bar a searched policy must clear
 REPLAY_NOTE = (
