@@ -14,9 +14,9 @@ CPU: Accelerate (checked on 1.15) accepts ``mixed_precision="fp16"`` on a CPU ac
 ``prepare`` wraps the model's forward in ``torch.autocast("cpu", dtype=torch.float16)`` and its
 ``clip_grad_norm_`` unscales first, on torch's CPU autocast and CPU GradScaler kernels.
 
-Under FSDP the scaler replaces Accelerate's ``ShardedGradScaler`` (FSDP1) or ``GradScaler`` (FSDP2);
-LossScaler reduces the found-inf flag over the process group itself, so every rank skips the same
-steps. DeepSpeed and Megatron-LM scale inside their engines: use
+Under FSDP the scaler replaces Accelerate's ``ShardedGradScaler`` (FSDP1, as a
+:class:`~autoscale.scalers.sharded.ShardedLossScaler` with its semantics) or ``GradScaler`` (FSDP2);
+either reduces the found-inf flag over the process group, so every rank skips the same steps. DeepSpeed and Megatron-LM scale inside their engines: use
 :func:`autoscale.integrations.deepspeed.deepspeed_config` there.
 """
 
@@ -92,6 +92,10 @@ def install_scaler(
             "install_scaler(accelerator, 'torch', init_scale=..., growth_interval=...)"
         )
     built = resolve_scaler(scaler, accelerator.device.type, overrides)
+    if _sharded(accelerator.scaler):  # FSDP1: its semantics (fp16, offloaded gradients) kept
+        from autoscale.scalers.sharded import as_sharded
+
+        built = as_sharded(built)
     accelerator.scaler = built
     # Off only where Accelerate refused fp16 itself (CPU); it gates autocast and unscale-before-clip.
     accelerator.native_amp = True
@@ -117,3 +121,8 @@ def make_accelerator(
     accelerator = Accelerator(**accelerator_kwargs)
     install_scaler(accelerator, scaler, **(scaler_overrides or {}))
     return accelerator
+
+
+def _sharded(scaler: Any) -> bool:
+    """Whether Accelerate built FSDP1's ``ShardedGradScaler`` (without importing FSDP for it)."""
+    return any(c.__name__ == "ShardedGradScaler" for c in type(scaler).__mro__)

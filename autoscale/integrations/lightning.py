@@ -10,8 +10,9 @@ autocast runs on CPU too.
 ``FSDPPrecision(precision, scaler=...)`` cannot take a scaler in Lightning 2.6: its ``__init__``
 checks ``self.precision`` before setting it (a ``ValueError`` for any scaler) and then builds a
 ``ShardedGradScaler`` regardless. :func:`fsdp_precision_plugin` builds the plugin without one and
-sets ``plugin.scaler`` afterwards. LossScaler reduces the found-inf flag over the process group
-itself, so every rank skips the same steps, as ShardedGradScaler would.
+sets ``plugin.scaler`` afterwards, as a :class:`~autoscale.scalers.sharded.ShardedLossScaler`: the
+rule with ShardedGradScaler's semantics (fp16 losses and gradients, CPU-offloaded ones, the
+found-inf flag all-reduced), so every rank skips the same steps.
 
 Imports ``lightning.pytorch``, or ``pytorch_lightning`` when only that is installed.
 """
@@ -125,7 +126,9 @@ def fsdp_precision_plugin(
 
         trainer = L.Trainer(strategy="fsdp", plugins=[fsdp_precision_plugin("deepspeed")])
     """
-    built = resolve_scaler(scaler, device, overrides)
+    from autoscale.scalers.sharded import as_sharded
+
+    built = as_sharded(resolve_scaler(scaler, device, overrides))
     with warnings.catch_warnings():  # the ShardedGradScaler built here is replaced at once
         warnings.filterwarnings(
             "ignore", message=".*GradScaler is enabled, but CUDA is not available"

@@ -193,3 +193,17 @@ def test_fused_optimizer_scheduler_held_by_step_was_skipped():
         if not accelerator.scaler.step_was_skipped:
             scheduler.step()
     assert scheduler.last_epoch == 4 and accelerator.scaler.skipped == 2
+
+
+def test_in_place_of_fsdp1s_sharded_scaler_it_keeps_its_semantics():
+    """Accelerate's FSDP1 plugin builds a ShardedGradScaler (fp16 and CPU-offloaded gradients);
+    the scaler installed in its place is one too, with the rule's decisions."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    accelerator.scaler = ShardedGradScaler("cpu")  # what FSDP1's plugin leaves there
+    built = install_scaler(accelerator, "auto")
+    assert isinstance(built, ShardedGradScaler) and isinstance(built, LossScaler)
+    assert accelerator.scaler is built and built.name == "auto"
+    plain = Accelerator(mixed_precision="fp16", cpu=True)
+    assert not isinstance(install_scaler(plain, "auto"), ShardedGradScaler)

@@ -89,6 +89,10 @@ def test_fsdp_plugin_holds_the_scaler():
     )
     assert isinstance(plugin, FSDPPrecision) and plugin.precision == "16-mixed"
     assert isinstance(plugin.scaler.rule, autoscale.scalers.DeepSpeedRule)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    # FSDP1's semantics (fp16 and offloaded gradients), where the plugin would build one
+    assert isinstance(plugin.scaler, ShardedGradScaler)
     state = plugin.state_dict()
     assert state["scale"] == 2.0**10 and state["autoscale"]["rule"] == "deepspeed"
     other = fsdp_precision_plugin("deepspeed", device="cpu")
