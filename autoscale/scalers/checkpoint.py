@@ -12,7 +12,8 @@ its scale carries over, and the loading rule's own memory (a tracker, a history,
 features) starts fresh, since another rule's memory means nothing to it; one warning says so.
 This is what observing a run with ``autoscale wrap --`` and resuming it with ``--scaler auto``
 needs. Inside a wrapped program (:func:`load_as_gradscaler`) a state that GradScaler would load
-never raises here either: an ``"autoscale"`` entry that cannot be used is set aside with a warning.
+never raises here either: an ``"autoscale"`` entry that cannot be used is set aside with a warning,
+and a scale of 0, inf or NaN (a dead run's) continues from the nearest usable one.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def read_state(state_dict: Any, name: str, bounds: ScaleBounds) -> LoadedState:
 
     Raises:
         ConfigError: a state of a newer autoscale, or with a missing or malformed entry (named
-            in the message; inside a wrapped program only a bad scale).
+            in the message; inside a wrapped program only a scale that is not a number).
         RuntimeError: an empty state (GradScaler's message: saved from a disabled scaler).
     """
     if not isinstance(state_dict, dict):
@@ -98,10 +99,16 @@ def read_state(state_dict: Any, name: str, bounds: ScaleBounds) -> LoadedState:
     try:
         scale = positive_finite("scale", scale)
     except ConfigError:
-        raise ConfigError(
+        msg = (
             f"scaler state has scale {scale!r}, not a positive finite number; the checkpoint "
             "is corrupt or was saved after the scale reached 0 or inf"
-        ) from None
+        )
+        if not _lenient["on"] or not isinstance(scale, int | float):
+            raise ConfigError(msg) from None
+        # GradScaler loads it (and its run is dead); a wrapped program continues from the
+        # nearest scale that is not: the minimum for 0, the maximum for inf, 2^16 for NaN
+        scale = bounds.clamp(2.0**16 if scale != scale else max(float(scale), 0.0))
+        warnings.warn(f"{msg}; continuing from {scale:g}", stacklevel=3)
     ours = state_dict.get("autoscale")
     if ours is not None:
         try:

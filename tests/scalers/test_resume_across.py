@@ -5,6 +5,7 @@ every autoscale rule and policy) loads into every autoscale scaler. Observing a 
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from pathlib import Path
 
@@ -104,3 +105,24 @@ def test_a_corrupt_autoscale_entry_loads_as_gradscalers_only_inside_a_wrapped_pr
     text = " | ".join(str(w.message) for w in seen)
     assert "format 99" in text and "loaded as a GradScaler's state" in text
     assert "starts fresh" in text and fresh.get_scale() == state["scale"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "continues"), [(0.0, "minimum"), (math.inf, "maximum"), (math.nan, "2^16")]
+)
+def test_a_dead_runs_scale_raises_outside_a_wrap_and_continues_inside_one(saved, bad, continues):
+    """GradScaler loads a scale of 0, inf or NaN (its run is dead); outside a wrap autoscale says
+    the checkpoint is corrupt, inside one it must not raise: the nearest usable scale."""
+    state = {**saved["auto"], "scale": bad}
+    with pytest.raises(ConfigError, match="not a positive finite number"):
+        make("auto").load_state_dict(state)
+    load_as_gradscaler(True)
+    try:
+        fresh = make("auto")
+        with pytest.warns(UserWarning, match="not a positive finite number.*continuing from"):
+            fresh.load_state_dict(state)
+    finally:
+        load_as_gradscaler(False)
+    bounds = fresh.controller.bounds
+    want = {"minimum": bounds.min_scale, "maximum": bounds.max_scale, "2^16": 2.0**16}[continues]
+    assert fresh.get_scale() == want and math.isfinite(fresh.get_scale())
