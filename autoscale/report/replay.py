@@ -88,8 +88,11 @@ class RecordReplay:
         self.limits = LIMITS.format(
             how="were measured from every fp16 tensor of each backward"
             if measured
-            else "were estimated from the parameter gradients' amax (activation gradients inside "
-            "the backward can overflow first, so replayed scales may look safer than they were)"
+            else "were estimated from the parameter gradients' amax, which can err either way: "
+            "activation gradients inside the backward can overflow first (replayed scales look "
+            "safer than they were), and gradients summed over accumulated micro-batches or "
+            "computed in fp32 (LayerNorm, embeddings) can be larger than any fp16 tensor of the "
+            "backward (replay marks steps overflowed that ran fine)"
         )
 
     def precision_at(self, log2_scales: np.ndarray) -> np.ndarray:
