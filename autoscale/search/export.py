@@ -122,26 +122,41 @@ def top_candidates(
     k: int,
     warn: Callable[[str], None],
     skip: set[int] | None = None,
+    one_of: str | None = None,
 ) -> list[tuple[Any, Callable[[], Any]]]:
     """The ``k`` best complete trials (by their train objective) with distinct policies, each
     with a factory of its scaler; enqueued built-in defaults (validated as rules) and trials in
-    ``skip`` are passed over, and so is a trial whose policy cannot be loaded here."""
+    ``skip`` are passed over, and so is a trial whose policy cannot be loaded here. ``one_of``: a
+    policy kind (``neural``: an agent) of which the best is added when none of the ``k`` is one,
+    so that a kind in the race reaches validation on real steps."""
     import json
 
     seen, out = set(), []
-    for t in sorted(complete, key=lambda t: t.value):
-        if "policy" not in t.user_attrs or t.user_attrs.get("baseline") or t.number in (skip or ()):
-            continue
+    ranked = [
+        t
+        for t in sorted(complete, key=lambda t: t.value)
+        if "policy" in t.user_attrs
+        and not t.user_attrs.get("baseline")
+        and t.number not in (skip or ())
+    ]
+    kind = [t for t in ranked if t.user_attrs["policy"].get("kind") == one_of]
+
+    def add(t: Any) -> None:
         key = json.dumps(t.user_attrs["policy"], sort_keys=True)
         if key in seen:
-            continue
+            return
         seen.add(key)
         try:
             out.append((t, trial_factory(t, suite, store, workdir)))
         except ConfigError as exc:
             warn(str(exc))
+
+    for t in ranked:
         if len(out) == k:
             break
+        add(t)
+    if kind and not any(c.user_attrs["policy"].get("kind") == one_of for c, _ in out):
+        add(kind[0])  # the kind's best, beside the k
     return out
 
 

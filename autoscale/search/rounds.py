@@ -249,8 +249,11 @@ class Rounds:
         with self.ledger.track("bk:optuna"):
             complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         done = {c.number for c in map(Candidate.parse, validated) if c.is_trial}
+        # an agent in the race reaches validation: the best one, where none has yet
+        kinds = {study.trials[n].user_attrs.get("policy", {}).get("kind") for n in done}
+        agent = "neural" if plan.space != "parametric" and "neural" not in kinds else None
         candidates = top_candidates(
-            complete, plan.suite, self.store, self.workdir, k, self.warn, skip=done
+            complete, plan.suite, self.store, self.workdir, k, self.warn, skip=done, one_of=agent
         )
         trials = {t.number: t for t, _ in candidates}
         order = []
@@ -372,17 +375,12 @@ class Rounds:
 
         if v.key.is_policy:
             return None
-        if v.key.is_rule:
-            family = v.key.name
-        else:
-            family = self.study.trials[v.key.number].user_attrs.get("policy", {}).get("rule")
+        trial = None if v.key.is_rule else self.study.trials[v.key.number]
+        family = v.key.name if trial is None else trial.user_attrs.get("policy", {}).get("rule")
         cls = rule_class(family) if family else None
         if cls is None or cls.adapts or family in (self.cfg.families or ()):
             return None
-        return (
-            f"'{family}' cannot follow gradients that drift over a whole run "
-            f"(ask for it with --family {family})"
-        )
+        return f"'{family}' cannot follow drifting gradients (ask for it with --family {family})"
 
     def _export(self, chosen: Validated | None, reference: Validated) -> None:
         study, plan, store = self.study, self.plan, self.store

@@ -278,11 +278,13 @@ class _Objective:
         policy: dict,
         text: str,
         cards_of: Callable[[str], dict[str, list[Scorecard]] | None] | None = None,
+        prune: bool = True,
     ) -> float:
         """Score ``factory``'s scalers on the train replay, reporting as it goes; ``cards_of``
         (which -> member -> scorecards, or None) gives them at once where it can (the vectorised
         replay): the same cards, reported at the same points, and step records replayed only for
-        the plots of a detailed trial."""
+        the plots of a detailed trial. ``prune=False``: reported, never pruned (a trained agent:
+        pruning it now would save only its replay and lose the agent)."""
         import optuna
 
         bench = self.bench
@@ -311,7 +313,7 @@ class _Objective:
             if i not in checkpoints and not card.diverged:
                 continue
             trial.report(bench.objective("train", cards), i)
-            if card.diverged or trial.should_prune():  # a diverging policy is not run further
+            if card.diverged or (prune and trial.should_prune()):  # diverged: not run further
                 self.recorder.record(
                     trial,
                     policy=policy,
@@ -464,6 +466,7 @@ class RLObjective(_Objective):
             if cfg["scale_time"]:
                 shown["scale_time"] = True
             text = describe_params(cfg["algo"], shown)
-            return self.score(trial, lambda: self.bench.scaler(str(path)), policy, text)
+            factory = lambda: self.bench.scaler(str(path))  # noqa: E731
+            return self.score(trial, factory, policy, text, prune=False)
         finally:
             shutil.rmtree(folder, ignore_errors=True)

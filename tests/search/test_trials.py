@@ -16,7 +16,7 @@ from autoscale.scalers import LossScaler, get_scaler
 from autoscale.scalers.policies import read_manifest
 from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Ledger
-from autoscale.search.export import export_trial, trial_factory
+from autoscale.search.export import export_trial, top_candidates, trial_factory
 from autoscale.search.loop import TrialLoop
 from autoscale.search.plan import shape_suite
 from autoscale.search.space import parametric_families
@@ -139,7 +139,8 @@ def test_rl_trial_on_a_suite_stores_its_policy_and_exports_it_later(setup, scale
     loop = TrialLoop(study, ledger, worker="test:1", warn=print, counts=counts, n_trials=1)
     loop.run(objective_fn, time.monotonic() + 60)
     (trial,) = study.get_trials()
-    assert counts["complete"] + counts["pruned"] == 1 and trial.state != TrialState.FAIL
+    # a trained agent is scored whole, never pruned: pruning then would save only its replay
+    assert counts["complete"] == 1 and trial.state == TrialState.COMPLETE
     policy = trial.user_attrs["policy"]
     assert policy["kind"] == "neural" and policy["algo"] in ("ppo", "a2c", "dqn")
     assert policy["scale_time"] is scale_time
@@ -158,6 +159,20 @@ def test_rl_trial_on_a_suite_stores_its_policy_and_exports_it_later(setup, scale
     assert m.workload["study"] == f"rl-{scale_time}" and m.workload["trial"] == trial.number
     assert m.workload["suite"] == suite.name and len(m.workload["members"]) == 2
     assert isinstance(get_scaler(str(path), device="cpu"), LossScaler)
+
+    # beside better parametric trials, the best agent still reaches validation (one_of)
+    params = ParametricObjective(bench, recorder, ledger, parametric_families())
+    for rule in ("amax-history", "amax-loss", "torch"):
+        study.enqueue_trial({"rule": rule})
+    TrialLoop(study, ledger, worker="test:1", warn=print, counts=counts, n_trials=4).run(
+        params, time.monotonic() + 60
+    )
+    done = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(done) >= 3
+    plain = top_candidates(done, suite, store, work / "c1", 1, print)
+    picked = top_candidates(done, suite, store, work / "c2", 1, print, one_of="neural")
+    assert trial.number in [t.number for t, _ in picked]
+    assert [t.number for t, _ in picked][: len(plain)] == [t.number for t, _ in plain]
 
 
 def test_loop_fails_a_raising_trial_and_goes_on(setup):
