@@ -28,13 +28,17 @@ Interrupting keeps every finished trial in the study; the same command resumes i
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from autoscale.errors import ConfigError
+from autoscale.search.candidates import AUTO as AUTO_KEY
+from autoscale.search.candidates import TORCH, Candidate
+from autoscale.search.validate import Validated
 from autoscale.training.bar import SKIP_POINTS
 
 __all__ = ["TraceSearch", "TraceSearchConfig"]
@@ -70,17 +74,15 @@ class TraceSearchConfig:
 
 
 @dataclass
-class Candidate:
-    """A validated candidate: a trial's tuned rule, a built-in rule with its defaults, or ``auto``
-    (``rule`` names the scaler; ``cards``: its test windows' replay by member)."""
+class ReplayValidated(Validated):
+    """A scaler validated on the test windows' replay (``real`` False): its key (a trial of the
+    study, a built-in rule, or ``auto``), the rule and parameters it replays with, its objective
+    against ``torch`` there, and its no-harm replay once checked."""
 
-    label: str
-    rule: str
-    params: dict[str, Any]
-    test_objective: float
-    trial: Any = None
+    rule: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+    test_objective: float = math.nan
     no_harm: dict[str, Any] | None = None
-    cards: dict[str, list] | None = None
 
 
 class TraceSearch:
@@ -240,12 +242,12 @@ class TraceSearch:
             "ledger": ledger,
         }
 
-    def _validate(self, study, bench, families) -> list[Candidate]:
+    def _validate(self, study, bench, families) -> list[ReplayValidated]:
         complete = [
             t for t in study.trials if t.state.name == "COMPLETE" and "policy" in t.user_attrs
         ]
         complete.sort(key=lambda t: t.value)
-        out: list[Candidate] = []
+        out: list[ReplayValidated] = []
         seen = set()
         for t in complete:
             pol = t.user_attrs["policy"]
@@ -258,24 +260,31 @@ class TraceSearch:
             cards, _ = bench.run("test", lambda p=pol: bench.scaler(p["rule"], **p["params"]))
             value = bench.objective("test", cards)
             label = f"{pol['rule']}, trial {t.number}"
-            out.append(Candidate(label, pol["rule"], pol["params"], value, t, cards=cards))
+            key = Candidate.trial(t.number)
+            out.append(
+                ReplayValidated(key, label, cards, False, None, pol["rule"], pol["params"], value)
+            )
             if len(out) >= CANDIDATES:
                 break
         for rule in dict.fromkeys(["torch", *families, AUTO]):  # the rules, and auto: the bar
             cards, _ = bench.run("test", lambda r=rule: bench.scaler(r))
-            out.append(Candidate(rule, rule, {}, bench.objective("test", cards), cards=cards))
+            key = AUTO_KEY if rule == AUTO else Candidate.rule(rule)
+            value = bench.objective("test", cards)
+            out.append(ReplayValidated(key, rule, cards, False, None, rule, {}, value))
         # on a tie: auto first, then the rules, then trials
-        out.sort(key=lambda c: (c.test_objective, c.rule != AUTO, c.trial is not None))
+        out.sort(key=lambda c: (c.test_objective, not c.key.is_policy, c.key.is_trial))
         return out
 
-    def _pick(self, candidates: list[Candidate], records, bench, suite) -> tuple[Candidate, str]:
+    def _pick(
+        self, candidates: list[ReplayValidated], records, bench, suite
+    ) -> tuple[ReplayValidated, str]:
         """What is exported, and why: the first candidate ranked above ``auto`` whose lead over
         it is more than the seed noise, that the user may get (a fixed scale only when asked
         for) and that passes the no-harm check; else ``auto`` (checked too); else ``torch``."""
         from autoscale.scalers.registry import rule_class
         from autoscale.search.objective import lead
 
-        auto = next(c for c in candidates if c.rule == AUTO)
+        auto = next(c for c in candidates if c.key == AUTO_KEY)
         best_lead = None
         for c in candidates:
             if c is auto:
@@ -308,14 +317,14 @@ class TraceSearch:
         if auto.no_harm["passed"]:
             return auto, why
         self.say("export", f"auto refused: {auto.no_harm['why']}")
-        torch = next(c for c in candidates if c.rule == "torch")
+        torch = next(c for c in candidates if c.key == TORCH)
         torch.no_harm = _no_harm(records, torch)
         return (
             torch,
             f"auto harms these runs ({auto.no_harm['why']}): torch's own rule, the reference",
         )
 
-    def _export(self, study, suite, pick: Candidate, records) -> Path:
+    def _export(self, study, suite, pick: ReplayValidated, records) -> Path:
         from autoscale.search.export import export_policy, export_rule, export_trial
 
         name = self.cfg.export or study.study_name
@@ -335,11 +344,11 @@ class TraceSearch:
             scorecard=scorecard,
             provenance=provenance,
         )
-        if pick.rule == AUTO:
-            return Path(export_policy(study, AUTO, name, **kw))
-        if pick.trial is None:
-            return Path(export_rule(study, pick.rule, name, **kw))
-        return Path(export_trial(study, pick.trial, name, store=None, **kw))
+        if pick.key.is_policy:
+            return Path(export_policy(study, pick.key.name, name, **kw))
+        if pick.key.is_rule:
+            return Path(export_rule(study, pick.key.name, name, **kw))
+        return Path(export_trial(study, study.trials[pick.key.number], name, store=None, **kw))
 
 
 def _windows_text(windows: dict[str, dict[str, int]]) -> str:
@@ -365,7 +374,7 @@ def _note(name, records, suite, windows) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _no_harm(records, c: Candidate) -> dict[str, Any]:
+def _no_harm(records, c: ReplayValidated) -> dict[str, Any]:
     """The candidate and torch replayed over each whole run, judged on its clean steps."""
     import numpy as np
 
