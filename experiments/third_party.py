@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 AUTOSCALE = [sys.executable, "-m", "autoscale"]
+DEVICE = "cpu"  # --device: cuda runs the same scripts in the GPU tier
 
 
 def _text() -> str:
@@ -72,7 +73,7 @@ def nanogpt(repo: Path, work: Path) -> Workload:
     def command(run: Path, long: bool) -> list[str]:
         iters = 2000 if long else 40
         return [
-            sys.executable, "train.py", "--dataset=pydoc_char", "--device=cpu", "--compile=False",
+            sys.executable, "train.py", "--dataset=pydoc_char", f"--device={DEVICE}", "--compile=False",
             "--dtype=float16", "--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64",
             "--batch_size=8", "--gradient_accumulation_steps=1", "--eval_interval=20",
             "--eval_iters=5", "--log_interval=1", "--warmup_iters=5",
@@ -123,14 +124,15 @@ def run_clm(script: Path, work: Path) -> Workload:
             "--tokenizer_name", str(base / "tiny"), "--train_file", str(base / "train.txt"),
             "--do_train", "--block_size", "64", "--per_device_train_batch_size", "8",
             "--logging_steps", "1", "--fp16", "--report_to", "none", "--save_strategy", "no",
-            "--seed", "0", "--use_cpu", "--max_steps", "2000" if long else "30",
+            "--seed", "0", *(["--use_cpu"] if DEVICE == "cpu" else []),
+            "--max_steps", "2000" if long else "30",
             "--output_dir", str(run / "out"),
         ]  # fmt: skip
 
     def losses(run: Path, out: str) -> list[float]:
         state = run / "out" / "trainer_state.json"
-        if not state.exists():
-            return []
+        if not state.exists():  # stopped before the Trainer saved its state: the printed rows
+            return [float(x) for x in re.findall(r"\{'loss': '([^']+)'", out)]
         return [h["loss"] for h in json.loads(state.read_text())["log_history"] if "loss" in h]
 
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -167,7 +169,7 @@ def lightning(repo: Path, work: Path) -> Workload:
 
     env = {
         "PL_TRAINER_PRECISION": "16-mixed",
-        "PL_TRAINER_ACCELERATOR": "cpu",
+        "PL_TRAINER_ACCELERATOR": "cpu" if DEVICE == "cpu" else "gpu",
         "PL_TRAINER_LOG_EVERY_N_STEPS": "1",
         "PL_TRAINER_LIMIT_VAL_BATCHES": "2",
         "PL_TRAINER_LIMIT_TEST_BATCHES": "2",
@@ -197,7 +199,7 @@ def timm(repo: Path, work: Path, python: str) -> Workload:
         return [
             python, str(repo / "train.py"), "--data-dir", str(data), "--model", "test_resnet",
             "--num-classes", "2", "--img-size", "32", "-b", "8", "--epochs", "200" if long else "1",
-            "--amp", "--amp-dtype", "float16", "--device", "cpu", "--workers", "1",
+            "--amp", "--amp-dtype", "float16", "--device", DEVICE, "--workers", "1",
             "--log-interval", "1", "--seed", "0", "--output", str(run / "out"),
             "--sched", "cosine", "--warmup-epochs", "0", "--no-prefetcher",
         ]  # fmt: skip
@@ -209,7 +211,12 @@ def timm(repo: Path, work: Path, python: str) -> Workload:
 
 
 def _exit_lines(out: str) -> list[str]:
-    return [line for line in out.splitlines() if line.startswith("autoscale wrap:")]
+    # a progress bar may leave the cursor mid-line (tqdm ends its lines with \r only)
+    return [
+        line[line.index("autoscale wrap:") :]
+        for line in out.splitlines()
+        if "autoscale wrap:" in line
+    ]
 
 
 def _run(argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> tuple[int, str]:
@@ -306,7 +313,12 @@ def main() -> int:
     ap.add_argument(
         "--timm-python", default=sys.executable, help="a Python whose torch has torchvision"
     )
+    ap.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"), help="where the scripts train"
+    )
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     args.work.mkdir(parents=True, exist_ok=True)
     loads = []
     if args.nanogpt:
