@@ -142,7 +142,8 @@ def run_clm(script: Path, work: Path) -> Workload:
 def lightning(repo: Path, work: Path) -> Workload:
     """Lightning's examples/pytorch/basics/transformer.py as shipped, its Trainer's defaults set
     the way Lightning reads them from the environment (PL_TRAINER_*): precision 16-mixed, a few
-    steps, every step logged. Its WikiText2 demo reads ./data/wikitext-2.txt when present (else
+    steps, every step logged (on a CPU Lightning replaces 16-mixed by bf16-mixed, with a warning).
+    Its WikiText2 demo reads ./data/wikitext-2.txt when present (else
     downloads): here a 1,000-word-vocabulary slice of the pydoc text, repeated. The losses are
     the train_loss scalars of its TensorBoard log."""
     data = work / "lightning-data"
