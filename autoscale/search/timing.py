@@ -90,10 +90,11 @@ def _model_label(key: str) -> str:
 
 def workload_key(workload: Any) -> str:
     """What the step time depends on: the workload without its scenario's knobs and seed (a
-    preference loss runs two forward passes, so its scenario counts)."""
+    preference loss runs two forward passes, RL fine-tuning samples and scores completions first,
+    so those scenarios count)."""
     d = workload.to_dict()
     keep = ("model", "dtype", "device", "batch_size", "seq_len", "grad_accum", "data", "init")
-    extra = "+pref" if d["scenario"] == "preference" else ""
+    extra = {"preference": "+pref", "rl-finetune": "+rlft"}.get(d["scenario"], "")
     return "/".join(str(d[k]) for k in keep if d.get(k) is not None) + extra
 
 
