@@ -131,9 +131,11 @@ def _check_one_study(tmp_path, storage: str, study: str, outs: list[str]) -> Non
     assert sum(recorded) == int(shapes[0][0])  # each trace recorded once, by one worker
     manifest = read_manifest(tmp_path / "policies" / study)
     assert manifest.workload["study"] == study
-    if "trial" in manifest.workload:  # else a built-in rule won and was exported as itself
+    if "trial" in manifest.workload:  # a trial cleared auto
         assert s.trials[manifest.workload["trial"]].state == TrialState.COMPLETE
-    else:
+    elif "exported_policy" in manifest.workload:  # nothing cleared auto: auto itself
+        assert manifest.workload["exported_policy"] == "auto"
+    else:  # a built-in rule cleared auto and was exported as itself
         assert manifest.family == manifest.workload["builtin_rule"]
 
 
