@@ -53,7 +53,9 @@ def test_ninety_second_search_spends_its_budget_and_exports_a_loadable_policy(se
     study = _study(searched.url, searched.study)
     attrs = study.user_attrs
     assert attrs["versions"]["optuna"] == optuna.__version__ and "torch" in attrs["versions"]
-    assert attrs["budget"]["seconds"] == SEARCH_BUDGET_S and attrs["command"].startswith("autoscale search")
+    assert attrs["budget"]["seconds"] == SEARCH_BUDGET_S and attrs["command"].startswith(
+        "autoscale search"
+    )
     assert attrs["plan"]["horizon"] >= 64 and attrs["plan"]["gate"]["steps"] >= 1000
 
     policy = searched.root / "policies" / searched.study
