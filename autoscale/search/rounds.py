@@ -185,7 +185,7 @@ class Rounds:
         ranked = rank(validated, reference, self.plan.suite.reward)
         chosen = self._choose(ranked)
         key = AUTO if chosen is None else chosen.key
-        if key != state.exported and (chosen is not None or self.choice.bar is None):
+        if key != state.exported:  # None only where auto had no real validation: auto itself
             self._export(chosen, reference)
             state.exported = key
         self._report(ranked, reference, state.exported)
