@@ -7,7 +7,7 @@ and writes experiments/results/auto.md, auto_selection.json, auto_evidence.json 
 between the auto markers of experiments/results/README.md.
 
     python experiments/build_auto.py [--timesteps 300000] [--horizon 512] [--steps 256]
-                                     [--long-steps 2000] [--reuse-agents]
+                                     [--long-steps 2000] [--reuse-agents] [--knobs]
 
 Prints how long each part took, and the total. ``--reuse-agents`` takes the agents an earlier run
 trained with the same settings (experiments/.cache/auto/policies, listed in agents.json there)
@@ -100,6 +100,8 @@ def main(argv=None) -> int:
                    help="take agents trained with these settings before")  # fmt: skip
     p.add_argument("--no-scale-time", action="store_true",
                    help="train no agent acting at scale time (rl-...-now)")  # fmt: skip
+    p.add_argument("--knobs", action="store_true",
+                   help="train the agents under scenario knobs drawn per episode (rl-...-knobs)")  # fmt: skip
     p.add_argument("--readme-only", action="store_true",
                    help="rewrite the results block from experiments/results/auto_*.json and stop")  # fmt: skip
     args = p.parse_args(argv)
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
         timesteps=args.timesteps, horizon=args.horizon, history=args.history, steps=args.steps,
         seed=args.seed, gate_steps=args.gate_steps, long_steps=args.long_steps,
         confirm_episodes=args.confirm_episodes, reuse_agents=args.reuse_agents,
-        scale_time=not args.no_scale_time,
+        scale_time=not args.no_scale_time, knobs=args.knobs,
     )  # fmt: skip
     t_all = time.monotonic()
     suite = load_spec(ROOT / "envs" / "suite.yaml")

@@ -13,7 +13,7 @@ from autoscale.envs.spec import EnvSpec
 from autoscale.envs.suite import SuiteSpec, load_spec
 from autoscale.errors import ConfigError, unknown_name
 
-__all__ = ["ALGOS", "AgentResult", "train_agent", "default_hyperparams"]
+__all__ = ["ALGOS", "AgentResult", "train_agent", "default_hyperparams", "saved_agent"]
 
 # algorithm -> action modes it supports
 ALGOS: dict[str, tuple[str, ...]] = {
@@ -116,6 +116,8 @@ def train_agent(
     export_name: str | None = None,
     export_dir: str | None = None,
     force: bool = False,
+    knobs: Any = None,
+    init: str | Path | None = None,
 ) -> AgentResult:
     """Train an SB3 agent; evaluate it on the test instances during training; export the best.
 
@@ -135,6 +137,13 @@ def train_agent(
         export_name: Export the best model as ``policies/NAME`` (nothing is overwritten without
             ``force``; the name is checked before training starts).
         export_dir: Folder to export into (default: the first policy directory).
+        force: Replace an existing export of that name.
+        knobs: Replay only: scenario knobs drawn per training episode
+            (:class:`~autoscale.envs.knobs.Knobs`); the episodes that select the best model
+            are replayed as recorded.
+        init: A saved SB3 model (zip) of ``algo`` to go on training (fine-tuning) instead of a
+            new one; its observation and action spaces must be the spec's episodes'. Its own
+            hyperparameters are kept unless ``hyperparams`` names them.
     """
     from stable_baselines3.common.callbacks import CallbackList, EvalCallback
     from stable_baselines3.common.monitor import Monitor
@@ -182,13 +191,20 @@ def train_agent(
 
     train_env = Monitor(make_env(spec, "train", replay))
     if replay is not None:  # episodes start anywhere in longer traces: the whole life of a run
-        _set_random_offset(train_env.unwrapped)
+        _set_replay(train_env.unwrapped, random_offset=True, knobs=knobs)
+    elif knobs is not None:
+        raise ConfigError(
+            "knobs apply to replayed episodes: give the traces to train on (--replay)"
+        )
     eval_env = Monitor(make_env(spec, "test", replay))
     n_eval = len(instance_names(eval_env.unwrapped))
     params = {**default_hyperparams(algo, spec.episode.steps), **(hyperparams or {})}
-    model = _sb3_class(algo)(
-        "MlpPolicy", train_env, seed=seed, verbose=0, tensorboard_log=tensorboard, **params
-    )
+    if init is not None:
+        model = _load_model(algo, init, train_env, seed, tensorboard, hyperparams or {})
+    else:
+        model = _sb3_class(algo)(
+            "MlpPolicy", train_env, seed=seed, verbose=0, tensorboard_log=tensorboard, **params
+        )
     if tensorboard is None:  # SB3's default logger makes an empty SB3-<time> folder in /tmp
         from stable_baselines3.common.logger import Logger
 
@@ -226,20 +242,56 @@ def train_agent(
     )
     if export_name:
         result.policy_dir = export_agent(
-            model, spec, export_name, export_dir=export_dir, force=force, replay=replay
-        )
+            model, spec, export_name, export_dir=export_dir, force=force, replay=replay,
+            knobs=knobs,
+        )  # fmt: skip
     return result
 
 
-def _set_random_offset(env: Any) -> None:
+def saved_agent(algo: str, path):
+    """The SB3 ``algo`` model saved at ``path``, without an environment (to export or predict)."""
+    return _sb3_class(algo).load(path)
+
+
+def _load_model(algo: str, path, env, seed: int, tensorboard, hyperparams: dict[str, Any]):
+    """The SB3 model saved at ``path``, on ``env``, to train further.
+
+    Raises:
+        ConfigError: not a saved ``algo`` model, or its spaces are not ``env``'s.
+    """
+    cls = _sb3_class(algo)
+    try:
+        model = cls.load(path, env=env, tensorboard_log=tensorboard, **hyperparams)
+    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"cannot go on training {path} as a {algo} agent here: {first}") from exc
+    model.set_random_seed(seed)
+    if "learning_rate" in hyperparams:  # load() keeps the saved schedule otherwise
+        from stable_baselines3.common.utils import get_schedule_fn
+
+        model.lr_schedule = get_schedule_fn(hyperparams["learning_rate"])
+    return model
+
+
+def _set_replay(env: Any, **options: Any) -> None:
+    """Set replay options (``random_offset``, ``knobs``) on ``env`` or every member env of a suite."""
     for member in getattr(env, "envs", {}).values() or [env]:
-        member.random_offset = True
+        for k, v in options.items():
+            setattr(member, k, v)
 
 
 def export_agent(
-    model: Any, spec: EnvSpec | SuiteSpec, name: str, *, export_dir=None, force=False, replay=None
+    model: Any,
+    spec: EnvSpec | SuiteSpec,
+    name: str,
+    *,
+    export_dir=None,
+    force=False,
+    replay=None,
+    knobs=None,
 ) -> Path:
-    """Export ``model`` and record its test-set scorecard (mean over instances) in the manifest."""
+    """Export ``model`` and record its test-set scorecard (mean over instances) in the manifest
+    (and, in ``workload.knobs``, the knob ranges it trained under)."""
     from autoscale.agents.export import export_neural
 
     ep = spec.episode
@@ -252,6 +304,8 @@ def export_agent(
     else:
         workload = {**spec.workload.to_dict(), "env": spec.name}
     workload["trained_on"] = "replay" if replay is not None else "real steps"
+    if knobs is not None:
+        workload["knobs"] = knobs.to_dict()
     path = export_neural(
         model,
         name,

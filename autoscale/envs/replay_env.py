@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from autoscale.envs.base import ScaleEnvBase, step_reward
+from autoscale.envs.knobs import EpisodeKnobs, Knobs, weighted
 from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.errors import ConfigError
@@ -163,6 +164,9 @@ class ReplayEnv(ScaleEnvBase):
         trace: A :class:`Trace` or the path of one (``autoscale record``).
         instances: ``"train"``, ``"test"`` or instance names; each must be in the trace.
         random_offset: Start episodes at random points of longer traces.
+        knobs: Scenario knobs drawn per episode (:class:`~autoscale.envs.knobs.Knobs`): a loss
+            weight that moves over the episode, a spike, bad batches, applied to the recorded
+            steps; ``info["knobs"]`` at reset says what was drawn (None: as recorded).
     """
 
     def __init__(
@@ -171,6 +175,7 @@ class ReplayEnv(ScaleEnvBase):
         trace: str | Trace,
         instances: str | list[str] = "train",
         random_offset: bool = False,
+        knobs: Knobs | None = None,
     ) -> None:
         super().__init__(spec, instances)
         self.trace = trace if isinstance(trace, Trace) else Trace.load(trace)
@@ -180,6 +185,8 @@ class ReplayEnv(ScaleEnvBase):
                 f"has {self.env_spec.workload.to_dict()}; record a trace for this spec"
             )
         self.random_offset = random_offset
+        self.knobs = knobs
+        self._knobs: EpisodeKnobs | None = None  # this episode's draw
         self._scales = np.arange(TABLE_LO, TABLE_HI + 1, dtype=np.float64)
         from autoscale.training.run import MIN_NORMAL
 
@@ -231,7 +238,8 @@ class ReplayEnv(ScaleEnvBase):
         offset = (options or {}).get("offset")
         self._requested_offset = None if offset is None else int(offset)
         obs, info = super().reset(seed=seed, options=options)
-        return obs, {**info, "offset": self._offset}
+        drawn = self._knobs.drawn if self._knobs is not None else None
+        return obs, {**info, "offset": self._offset, "knobs": drawn}
 
     def _start(self, instance: InstanceSpec) -> tuple[float, dict[str, Any]]:
         self._cur = self._tables[instance.name]
@@ -266,6 +274,9 @@ class ReplayEnv(ScaleEnvBase):
                 kept[i + 1] = (scale, self.features.state_dict())
         self.records = []
         self._episode_records = None
+        self._knobs = (
+            self.knobs.draw(self.np_random, self.episode_steps) if self.knobs is not None else None
+        )
         return scale, self.features.state_dict()
 
     def _stats(self, cols: dict[str, list], i: int, scale: float) -> StepStats:
@@ -279,6 +290,13 @@ class ReplayEnv(ScaleEnvBase):
         # _stats inlined, with log2(scale) taken once: this runs once a replayed step
         i = self._offset + self._t
         nonfinite, threshold, loss, amax, rms, row = self._cur[1][i]
+        gain = 0.0
+        if self._knobs is not None:  # the step under this episode's loss weight (knobs.py)
+            gain = self._knobs.gain[self._t]
+            if self._knobs.bad[self._t]:
+                nonfinite, loss = True, math.inf
+            amax, rms, loss = weighted(amax, rms, loss, gain)
+            threshold -= gain
         guarded = False
         if self.guard_rule is not None:  # the rule's scale for this step, from its loss
             step_scale = step_scale_host(self.guard_rule, scale, loss, self.bounds)
@@ -289,7 +307,7 @@ class ReplayEnv(ScaleEnvBase):
             precision = math.nan
         else:
             stats = _make_stats(i, scale, False, amax, rms, loss, True, guarded)
-            pos = log2_scale - TABLE_LO  # clipped to [0, span] (as min(max(pos, 0.0), span))
+            pos = log2_scale + gain - TABLE_LO  # clipped to [0, span] (as min(max(pos, 0.0), span))
             if pos < 0.0:
                 pos = 0.0
             elif pos > TABLE_SPAN:
@@ -305,7 +323,12 @@ class ReplayEnv(ScaleEnvBase):
         return stats, precision, False
 
     def _peek_loss(self) -> float:
-        return self._cur[1][self._offset + self._t][2]  # the loss the scaler saw, next step
+        loss = self._cur[1][self._offset + self._t][2]  # the loss the scaler saw, next step
+        if self._knobs is not None:
+            if self._knobs.bad[self._t]:
+                return math.inf
+            loss = weighted(0.0, 0.0, loss, self._knobs.gain[self._t])[2]
+        return loss
 
     def step(self, action):
         """:meth:`ScaleEnvBase.step` in one frame: the same step, books, observation, reward and

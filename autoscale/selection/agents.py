@@ -41,6 +41,11 @@ def with_scale_time(suite):
     )
 
 
+def agent_name(algo: str, history: int, now: bool, knobs: bool) -> str:
+    """``rl-ALGO-hHISTORY``, ``-now`` acting at scale time, ``-knobs`` trained under drawn knobs."""
+    return f"rl-{algo}-h{history}" + ("-now" if now else "") + ("-knobs" if knobs else "")
+
+
 def train_agents(
     suite,
     traces,
@@ -48,30 +53,40 @@ def train_agents(
     folder: Path,
     timings: dict[str, float],
     log: Callable[[str], Any] = print,
+    runs: list[tuple[str, int | None, bool]] | None = None,
 ) -> tuple[dict[str, Path], dict[str, dict]]:
     """The agents (name -> exported folder under ``folder``) and what each training run was
     (steps, seconds, best eval reward, and whether this build reused it). ``settings`` is a
     :class:`~autoscale.selection.auto.BuildSettings`; with ``reuse_agents`` an agent that
-    ``folder/agents.json`` lists with the same settings is taken as it is."""
+    ``folder/agents.json`` lists with the same settings is taken as it is. ``runs``: (algorithm,
+    history or None for the settings', acting at scale time) to train (default: :data:`RUNS`,
+    each also at scale time where ``settings.scale_time``); with ``settings.knobs`` each trains
+    under the scenario knobs drawn per episode (:class:`~autoscale.envs.knobs.Knobs`)."""
     from autoscale.agents.train import train_agent
+    from autoscale.envs.knobs import Knobs
 
     folder.mkdir(parents=True, exist_ok=True)
     out, info = {}, {}
     ledger = folder / "agents.json"
     known = json.loads(ledger.read_text()) if ledger.is_file() else {}
     common = {"timesteps": settings.timesteps, "horizon": settings.horizon, "seed": settings.seed}
-    runs = [(a, h, False) for a, h in RUNS]
-    runs += [(a, h, True) for a, h in RUNS] if settings.scale_time else []
+    knobs = Knobs() if settings.knobs else None
+    if runs is None:
+        runs = [(a, h, False) for a, h in RUNS]
+        runs += [(a, h, True) for a, h in RUNS] if settings.scale_time else []
     for algo, history, now in runs:
         history = settings.history if history is None else history
-        name = f"rl-{algo}-h{history}" + ("-now" if now else "")
+        name = agent_name(algo, history, now, knobs is not None)
         mine = {**common, "history": history, **({"scale_time": True} if now else {})}
+        if knobs is not None:
+            mine["knobs"] = knobs.to_dict()
         entry = known.get(name)
         if (
             settings.reuse_agents
             and entry is not None
             and entry["settings"] == mine
             and (folder / name / "policy.yaml").is_file()
+            and (folder / f"{name}.sb3.zip").is_file()
         ):
             out[name], info[name] = folder / name, {**entry, "reused": True}
             log(f"{name}: reused from {folder / name} (trained by an earlier run: "
@@ -90,11 +105,13 @@ def train_agents(
             export_dir=str(folder),
             force=True,
             eval_freq=max(settings.horizon * 8, settings.timesteps // 10),
+            knobs=knobs,
         )
         timings[f"train {name}"] = time.monotonic() - t0
         log(f"{name}: {result.timesteps} steps in {result.wall_s:.0f} s, best eval reward "
             f"{result.best_eval_reward:.3f}")  # fmt: skip
         out[name] = result.policy_dir
+        result.model.save(folder / f"{name}.sb3.zip")  # to go on training: the shipped agent
         known[name] = {
             "settings": mine,
             "timesteps": result.timesteps,

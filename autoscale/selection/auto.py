@@ -55,7 +55,8 @@ class BuildSettings:
     episodes, ``history`` stacked vectors), real steps per held-out episode (``steps``), the
     no-harm check's (``gate_steps``), the long runs' (``long_steps``, 0: none), and the paired
     episodes more of a member missed on eval loss alone (``confirm_episodes``, 0: none); with
-    ``scale_time``, each agent also trained to act when the loss is scaled, seeing it."""
+    ``scale_time``, each agent also trained to act when the loss is scaled, seeing it; with
+    ``knobs``, every agent trained under scenario knobs drawn per replayed episode."""
 
     timesteps: int = 300_000
     horizon: int = 512
@@ -67,6 +68,7 @@ class BuildSettings:
     confirm_episodes: int = 12
     reuse_agents: bool = False
     scale_time: bool = True  # also train each agent acting at scale time (``rl-...-now``)
+    knobs: bool = False  # train the agents under scenario knobs drawn per episode (``-knobs``)
 
 
 def parse_extra(text: str) -> tuple[str, tuple[str, dict[str, float | int]]]:
