@@ -90,6 +90,13 @@ class SearchCommand(Command):
             help="search only this rule family (repeatable; default: every family whose scale "
             "adapts: a fixed scale, static, only when named here)",
         )
+        s.add_argument(
+            "--no-warm-start",
+            dest="warm_start",
+            action="store_false",
+            help="with --space rl|both: train every agent from nothing (default: the first "
+            "fine-tunes the general agent shipped with autoscale)",
+        )
         s.add_argument("--n-trials", type=int, help="stop this worker after N trials")
         s.add_argument("--seed", type=int, default=0, help="seed of the sampler and the agents")
         st = parser.add_argument_group("storage and export")
@@ -153,6 +160,7 @@ class SearchCommand(Command):
             command=shlex.join(["autoscale", *sys.argv[1:]]) if sys.argv else "autoscale search",
             budget_text=args.budget,
             families=tuple(args.family) if args.family else None,
+            warm_start=args.warm_start,
         )
         runner = SearchRunner(cfg, budget)
         try:

@@ -29,7 +29,7 @@ from autoscale.search.timing import Timings
 from autoscale.search.validate import Validated
 from autoscale.training.scorecard import json_safe
 
-__all__ = ["Choice", "choose", "GATE_PREFIX"]
+__all__ = ["Choice", "choose", "refusal", "horizon_refusal", "GATE_PREFIX"]
 
 GATE_PREFIX = "no-harm-v2:"  # v2: the check's long runs include a drifting one
 
@@ -117,7 +117,10 @@ def choose(
             choice.why = _beats(v, ld) + " and passed the no-harm check"
             return choice
     best = next((k for k in choice.leads if k not in choice.refused), None)
-    if best is None:
+    if best is None and choice.refused:
+        key, why = next(iter(choice.refused.items()))
+        lost = f"{_label(real, key)} led it beyond the seed noise, but {why}"
+    elif best is None:
         lost = "no candidate ranked above it on these episodes"
     elif choice.leads[best].clear:
         lost = "no candidate that led it beyond the seed noise passed the no-harm check"
@@ -183,3 +186,44 @@ def _verdict(
     if fresh:
         say(verdict.summary())
     return verdict
+
+
+def horizon_refusal(bench: Any, factory: Callable[[], Any], bar: Callable[[], Any]) -> str | None:
+    """Why a lead over ``auto`` on the real-step episodes does not count, or None: it must also
+    hold on the replay of the same held-out runs at the plan's horizon (every test window, early
+    and late in a run, by ``LEAD_FLOOR`` at least). A budget may afford only short real-step
+    episodes, whose differences are mostly how each rule starts; a policy runs for a whole run."""
+    from autoscale.search.objective import LEAD_FLOOR
+
+    mine = bench.objective("test", bench.run("test", factory)[0])
+    cards, records = bench.run("test", bar)
+    theirs = bench.objective("test", cards)
+    if theirs - mine > LEAD_FLOOR:
+        return None
+    steps = max(len(r) for r in records.values())
+    return (
+        f"its lead does not hold on the {steps}-step replay of the same held-out runs "
+        f"(objective {mine:+.4f}, auto {theirs:+.4f})"
+    )
+
+
+def refusal(
+    v: Validated,
+    study: Any,
+    families: tuple[str, ...] | None,
+    bench: Any,
+    factories: dict[str, Callable[[], Any]],
+) -> str | None:
+    """Why the user may not get ``v``, or None: a rule family that cannot adapt (a fixed scale)
+    that the search was not asked for (``families``: ``--family``), or a lead over ``auto`` that
+    does not hold over the horizon (:func:`horizon_refusal`)."""
+    from autoscale.scalers.registry import rule_class
+
+    if v.key.is_policy:
+        return None
+    trial = None if v.key.is_rule else study.trials[v.key.number]
+    family = v.key.name if trial is None else trial.user_attrs.get("policy", {}).get("rule")
+    cls = rule_class(family) if family else None
+    if cls is not None and not cls.adapts and family not in (families or ()):
+        return f"'{family}' cannot follow drifting gradients (ask for it with --family {family})"
+    return horizon_refusal(bench, factories[v.key], factories[AUTO])

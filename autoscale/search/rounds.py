@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autoscale.search.agent_trials import RLObjective
 from autoscale.search.budget import format_duration
 from autoscale.search.candidates import AUTO, TORCH, Candidate
-from autoscale.search.choose import choose
+from autoscale.search.choose import choose, refusal
 from autoscale.search.export import (
     card_summary,
     export_policy,
@@ -35,7 +36,6 @@ from autoscale.search.storage import file_lock, mask_url
 from autoscale.search.study import study_note
 from autoscale.search.trials import (
     ParametricObjective,
-    RLObjective,
     store_artifact,
     write_note,
 )
@@ -216,8 +216,9 @@ class Rounds:
             self._trials(objective_fn, until)
         if plan.space in ("rl", "both"):
             objective_fn = RLObjective(
-                bench, recorder, self.ledger, stop_at=stop, seed=self.cfg.seed, workdir=self.workdir
-            )
+                bench, recorder, self.ledger, stop_at=stop, seed=self.cfg.seed,
+                workdir=self.workdir, warm_start=self.cfg.warm_start, warn=self.warn,
+            )  # fmt: skip
             self._trials(objective_fn, stop - RLObjective.MIN_TRIAL_S / 2)
         c = {k: self.counts[k] - before[k] for k in self.counts}
         self.say(
@@ -273,15 +274,18 @@ class Rounds:
         if not order:
             return False
         t0 = time.monotonic()
-        results = validator.run(
-            order,
-            # a margin more than the check's own 1.2: steps that run slower than the timings
-            # (a machine busier now) would otherwise leave the check a few seconds short
-            self.budget.end - 1.4 * self.gate.cost(plan.timings, 1),
-            on_done=lambda v: self._note_validated(
-                trials.get(v.key.number) if v.key.is_trial else None, v
-            ),
-        )
+
+        def note(v: Validated) -> None:
+            self._note_validated(trials.get(v.key.number) if v.key.is_trial else None, v)
+
+        # torch and auto in any time left (no answer without them; exporting auto needs no
+        # check), the rest where a pick's check still fits after them, with a margin over the
+        # check's own 1.2 (a machine busier now would leave the check a few seconds short)
+        first_two = [o for o in order if o[0] in (TORCH, AUTO)]
+        results = validator.run(first_two, self.budget.end, on_done=note) if first_two else {}
+        rest = [o for o in order if o[0] not in (TORCH, AUTO)]
+        gate_at = self.budget.end - 1.4 * self.gate.cost(plan.timings, 1)
+        results.update(validator.run(rest, gate_at, on_done=note) if rest else {})
         validated.update(results)
         if not results and not first:  # a later round that fitted nothing says nothing new
             validator.skipped.clear()
@@ -348,7 +352,7 @@ class Rounds:
             weights=plan.suite.reward,
             stop_at=self.budget.end,
             say=lambda text: self.say("export", text),
-            refuse=self._refuse,
+            refuse=lambda v: refusal(v, self.study, self.cfg.families, self.bench, self.factories),
         )
         self.choice = choice
         for key, why in choice.refused.items():
@@ -367,20 +371,6 @@ class Rounds:
                 f"{choice.why}: exporting auto, the shipped general policy, unmeasured here",
             )
         return choice.winner
-
-    def _refuse(self, v: Validated) -> str | None:
-        """Why the user may not get ``v``: a rule family that cannot adapt (a fixed scale) that the
-        search was not asked for (``--family``)."""
-        from autoscale.scalers.registry import rule_class
-
-        if v.key.is_policy:
-            return None
-        trial = None if v.key.is_rule else self.study.trials[v.key.number]
-        family = v.key.name if trial is None else trial.user_attrs.get("policy", {}).get("rule")
-        cls = rule_class(family) if family else None
-        if cls is None or cls.adapts or family in (self.cfg.families or ()):
-            return None
-        return f"'{family}' cannot follow drifting gradients (ask for it with --family {family})"
 
     def _export(self, chosen: Validated | None, reference: Validated) -> None:
         study, plan, store = self.study, self.plan, self.store

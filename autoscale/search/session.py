@@ -27,6 +27,8 @@ class SearchConfig:
             that exists must then have those workloads, else its own are adopted.
         families: The rule families searched (``--family``; None: every family that adapts, a
             fixed scale only when asked for). ``torch`` is always validated: it is the reference.
+        warm_start: The study's first RL trial fine-tunes the shipped general agent
+            (:mod:`autoscale.agents.warm`) instead of training one from nothing.
     """
 
     base: Any
@@ -44,6 +46,7 @@ class SearchConfig:
     command: str = ""
     budget_text: str = ""
     families: tuple[str, ...] | None = None
+    warm_start: bool = True
 
 
 @dataclass

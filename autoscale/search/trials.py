@@ -1,4 +1,5 @@
-"""Trials on replay: the parametric and the RL objective, and what each trial leaves in the study.
+"""Trials on replay: the parametric objective (the RL one: :mod:`~autoscale.search.agent_trials`),
+and what each trial leaves in the study.
 
 A trial is tuned on the train episodes' replay of every member of the suite: it reports its running
 objective to the pruner as it goes (:func:`report_points`), and is also scored on the test
@@ -14,11 +15,7 @@ sampler); one that raises is failed by the loop.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import shutil
-import tempfile
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +24,7 @@ from autoscale.search.bench import REFERENCE_RULE, Episode, ReplayBench
 from autoscale.search.budget import Ledger
 from autoscale.search.objective import mean_cost, objective_terms
 from autoscale.search.plots import trajectory_svg
-from autoscale.search.space import suggest_parametric, suggest_rl
+from autoscale.search.space import suggest_parametric
 from autoscale.training.scorecard import Scorecard, json_safe
 
 __all__ = [
@@ -35,7 +32,6 @@ __all__ = [
     "write_note",
     "TrialRecorder",
     "ParametricObjective",
-    "RLObjective",
     "trial_note",
     "member_summary",
     "worker_id",
@@ -259,7 +255,7 @@ def report_points(n: int) -> set[int]:
     return {max(1, round(n * f)) for f in (1 / 3, 2 / 3)} - {n}
 
 
-class _Objective:
+class Objective:
     """Shared by both spaces: score a policy on the train replay, reporting for the pruner."""
 
     def __init__(self, bench: ReplayBench, recorder: TrialRecorder, ledger: Ledger) -> None:
@@ -368,7 +364,7 @@ class _ReplayedRecords(Mapping):
         return len(self.episodes)
 
 
-class ParametricObjective(_Objective):
+class ParametricObjective(Objective):
     """A rule family and its knobs (:func:`~autoscale.search.space.suggest_parametric`)."""
 
     def __init__(
@@ -390,83 +386,3 @@ class ParametricObjective(_Objective):
             if self.vectorised
             else None,
         )
-
-
-class RLObjective(_Objective):
-    """An SB3 agent trained on the train replay (one train instance held out to select the
-    agent on), under a per-trial deadline; its exported policy is kept as an artifact."""
-
-    MIN_TRIAL_S, MAX_TRIAL_S = 10.0, 300.0
-
-    def __init__(self, bench, recorder, ledger, *, stop_at: float, seed: int, workdir: Path):
-        super().__init__(bench, recorder, ledger)
-        self.stop_at, self.seed, self.workdir = stop_at, seed, workdir
-        self.rate = 800.0  # environment steps per second; updated from each trial
-
-    def trial_seconds(self) -> float:
-        left = self.stop_at - time.monotonic()
-        return min(max(left / 3, self.MIN_TRIAL_S), self.MAX_TRIAL_S, left)
-
-    def __call__(self, trial: Any) -> float:
-        from autoscale.agents.train import export_agent, train_agent
-
-        suite, traces = self.bench.suite, self.bench.traces
-        guarded = any(m.episode.guard is not None for m in suite.members)
-        cfg = suggest_rl(trial, suite.episode.action.mode, scale_time=not guarded)
-
-        def held_out(member):  # one train instance selects the agent; the test set stays unseen
-            train = member.instances["train"]
-            return dataclasses.replace(
-                member,
-                instances={"train": train[:-1], "test": train[-1:]},
-                reward=dataclasses.replace(
-                    member.reward, precision=member.reward.precision * cfg["precision_x"]
-                ),
-                episode=member.episode.at_scale_time() if cfg["scale_time"] else member.episode,
-            )
-
-        rl_spec = dataclasses.replace(
-            suite, members=tuple(held_out(m) for m in suite.members), left_out=()
-        )
-        seconds = self.trial_seconds()
-        timesteps = max(4 * suite.episode.steps, int(self.rate * seconds))
-        folder = Path(tempfile.mkdtemp(dir=self.workdir, prefix=f"trial-{trial.number}-"))
-        try:
-            with self.ledger.track("work:rl"):
-                t0 = time.monotonic()
-                result = train_agent(
-                    rl_spec,
-                    cfg["algo"],
-                    timesteps,
-                    replay=traces,
-                    seed=self.seed + trial.number,
-                    hyperparams=cfg["hyperparams"],
-                    deadline=t0 + seconds,
-                )
-                done = int(getattr(result.model, "num_timesteps", timesteps))
-                self.rate = max(50.0, done / max(1e-3, time.monotonic() - t0))
-                path = export_agent(
-                    result.model, rl_spec, "policy", export_dir=folder, replay=traces
-                )
-            with self.ledger.track("bk:artifacts"):
-                archive = shutil.make_archive(str(folder / "policy"), "zip", path)
-                artifact = store_artifact(
-                    self.recorder.store, Path(archive), trial, "application/zip"
-                )
-            policy = {
-                "kind": "neural",
-                "algo": cfg["algo"],
-                "hyperparams": cfg["hyperparams"],
-                "reward_precision_x": cfg["precision_x"],
-                "scale_time": cfg["scale_time"],
-                "timesteps": done,
-                "artifact_id": artifact,
-            }
-            shown = {**cfg["hyperparams"], "steps": done}
-            if cfg["scale_time"]:
-                shown["scale_time"] = True
-            text = describe_params(cfg["algo"], shown)
-            factory = lambda: self.bench.scaler(str(path))  # noqa: E731
-            return self.score(trial, factory, policy, text, prune=False)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)

@@ -137,3 +137,45 @@ def test_a_machine_that_turns_slower_after_measuring_gets_a_re_planned_search_in
     assert elapsed <= 1.05 * 60, f"{elapsed:.1f} s\n{text}"
     if "stopping with" not in text:  # the budget is spent, or the search says why not (as the
         assert elapsed >= 0.9 * 60, f"{elapsed:.1f} s\n{text}"  # 60 s CLI search's test holds)
+
+
+def test_torch_and_auto_are_validated_even_where_no_check_would_fit_after_them(
+    tmp_path, monkeypatch
+):
+    """The no-harm check turns out dearer than planned (here: ten times, from the recording on):
+    no candidate's check fits any more, so no candidate is validated, but torch and auto still
+    are, on real steps: without them there is no answer, and exporting auto needs no check."""
+    import time
+
+    from autoscale.search import gate as gate_mod
+
+    real_cost, real_traces = gate_mod.NoHarmCheck.cost, runner_mod.load_traces
+    dear = [False]
+
+    def cost(self, *a, **kw):
+        return real_cost(self, *a, **kw) * (10.0 if dear[0] else 1.0)
+
+    def traces(*a, **kw):
+        dear[0] = True
+        return real_traces(*a, **kw)
+
+    monkeypatch.setattr(gate_mod.NoHarmCheck, "cost", cost)
+    monkeypatch.setattr(runner_mod, "load_traces", traces)
+    said: list[str] = []
+    cfg = SearchConfig(
+        base_spec(model="mlp"),
+        study="dear",
+        export="dear",
+        storage=f"sqlite:///{tmp_path / 'db.sqlite'}",
+        policy_dir=str(tmp_path / "policies"),
+        progress=False,
+    )
+    budget = Budget.from_process_start(0.0)
+    budget = dataclasses.replace(budget, seconds=60.0, start=time.monotonic(), reserve=3.0)
+    result = SearchRunner(cfg, budget, out=said.append).run()
+    text = "\n".join(said)
+    first = next(line for line in said if line.startswith("[5/6 validate]"))
+    assert "0 candidate(s); auto;" in first, text  # auto on real steps, no candidate
+    assert "could not be validated" not in text, text
+    assert result.exported is not None, text
+    assert any(line.startswith("why: auto is the best found") for line in result.answer), result.answer

@@ -14,6 +14,7 @@ from optuna.samplers import BaseSampler
 from autoscale.envs.suite import as_suite
 from autoscale.scalers import LossScaler, get_scaler
 from autoscale.scalers.policies import read_manifest
+from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Ledger
 from autoscale.search.export import export_trial, top_candidates, trial_factory
@@ -23,7 +24,7 @@ from autoscale.search.space import parametric_families
 from autoscale.search.storage import artifact_store, open_storage
 from autoscale.search.study import fail_worker_trials, study_kwargs
 from autoscale.search.traces import load_traces
-from autoscale.search.trials import ParametricObjective, RLObjective, TrialRecorder
+from autoscale.search.trials import ParametricObjective, TrialRecorder
 from autoscale.search.workload import base_spec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -389,3 +390,20 @@ def test_vectorised_parametric_trials_report_what_scalar_ones_do(setup):
     assert repr(seen[True]) == repr(seen[False])
     assert len({v for _, v, _, _ in seen[True]}) > 1
     assert set(used) == set(VECTOR_RULES)  # every family went through the vectorised replay
+
+
+def test_a_lead_must_hold_over_the_horizons_replay(setup):
+    """A lead over auto on short real-step episodes counts only where it holds on the replay of
+    the same held-out runs: here auto leads torch there (torch ratchets down on bad batches), so
+    auto's lead over torch would hold and torch's over auto would not."""
+    from autoscale.search.choose import horizon_refusal
+
+    root, suite, traces = setup
+    bench = ReplayBench(suite, traces)
+    auto, torch = (lambda: bench.scaler("auto")), (lambda: bench.scaler("torch"))
+    assert horizon_refusal(bench, auto, torch) is None
+    why = horizon_refusal(bench, torch, auto)
+    assert why.startswith(
+        f"its lead does not hold on the {HORIZON}-step replay of the same held-out runs (objective +"
+    ), why
+    assert horizon_refusal(bench, auto, auto) is not None  # no lead at all

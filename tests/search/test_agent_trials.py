@@ -1,0 +1,107 @@
+"""The study's first RL trial fine-tunes the general agent shipped with autoscale; the trials after
+it sample their own; an agent that cannot act on the search's episodes is said so, and agents
+start from nothing."""
+
+from __future__ import annotations
+
+import time
+
+import optuna
+import pytest
+
+from autoscale.agents import warm as warm_mod
+from autoscale.search.agent_trials import RLObjective
+from autoscale.search.budget import Ledger
+from autoscale.search.loop import TrialLoop
+from tests.search.test_trials import _parts, _study, setup  # noqa: F401  (setup: a fixture)
+
+TrialState = optuna.trial.TrialState
+
+
+def _ship(suite, traces, folder, action=None):
+    """A general agent, trained briefly on the suite's replay, shipped into ``folder``."""
+    import dataclasses
+
+    from autoscale.agents.train import train_agent
+
+    spec = dataclasses.replace(
+        suite,
+        members=tuple(
+            dataclasses.replace(
+                m, instances={"train": m.instances["train"][:1], "test": m.instances["train"][1:]}
+            )
+            for m in suite.members
+        ),
+    )
+    result = train_agent(
+        spec, "ppo", 64, replay=traces, seed=3, hyperparams={"n_steps": 32, "batch_size": 16}
+    )
+    zip_path = folder / "trained.zip"
+    result.model.save(zip_path)
+    return warm_mod.ship_agent(
+        zip_path, name="general-test", algo="ppo", history=1, scale_time=False,
+        action=action or suite.episode.action.to_dict(), info={"trained_on": "the test suite"},
+        folder=folder,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_first_rl_trial_fine_tunes_the_shipped_agent(setup, tmp_path, monkeypatch):  # noqa: F811
+    root, suite, traces = setup
+    agent = _ship(suite, traces, tmp_path / "warm")
+    assert warm_mod.shipped_agent(tmp_path / "warm") == agent
+    monkeypatch.setattr(warm_mod, "WARM_DIR", tmp_path / "warm")
+    ledger = Ledger()
+    bench, _, recorder, work = _parts(root, suite, traces, ledger)
+    study = _study(root, "warm")
+    said: list[str] = []
+    objective_fn = RLObjective(
+        bench, recorder, ledger, stop_at=time.monotonic() + 8, seed=0, workdir=work,
+        warm_start=True, warn=said.append,
+    )  # fmt: skip
+    counts = {"complete": 0, "pruned": 0, "failed": 0}
+    TrialLoop(study, ledger, worker="t:w", warn=said.append, counts=counts, n_trials=2).run(
+        objective_fn, time.monotonic() + 120
+    )
+    first, second = study.get_trials()
+    assert first.state == second.state == TrialState.COMPLETE, said
+    assert first.user_attrs["warm_start"] == "general-test"
+    assert first.user_attrs["policy"]["warm_start"] == "general-test"
+    assert first.user_attrs["policy"]["algo"] == "ppo" and first.params == {}  # not sampled
+    before = first.user_attrs["warm_before"]
+    assert isinstance(before, float) and before == before  # the agent as shipped, scored
+    assert "warm_start" not in second.user_attrs and "algo" in second.params  # sampled, cold
+    assert said == []
+
+
+def test_an_agent_of_other_actions_is_refused_in_a_line_and_agents_start_cold(
+    setup,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    root, suite, traces = setup
+    other = {**suite.episode.action.to_dict(), "deltas": [-1.0, 0.0, 1.0]}
+    _ship(suite, traces, tmp_path / "warm", action=other)
+    monkeypatch.setattr(warm_mod, "WARM_DIR", tmp_path / "warm")
+    ledger = Ledger()
+    bench, _, recorder, work = _parts(root, suite, traces, ledger)
+    study = _study(root, "cold")
+    said: list[str] = []
+    objective_fn = RLObjective(
+        bench, recorder, ledger, stop_at=time.monotonic() + 3, seed=0, workdir=work,
+        warm_start=True, warn=said.append,
+    )  # fmt: skip
+    counts = {"complete": 0, "pruned": 0, "failed": 0}
+    TrialLoop(study, ledger, worker="t:c", warn=said.append, counts=counts, n_trials=1).run(
+        objective_fn, time.monotonic() + 60
+    )
+    (trial,) = study.get_trials()
+    assert "warm_start" not in trial.user_attrs and "algo" in trial.params
+    assert len(said) == 1 and said[0].startswith("agents start from nothing: ")
+    assert "general-test" in said[0] and "\n" not in said[0]
+
+
+def test_nothing_ships_when_a_file_is_missing(tmp_path):
+    assert warm_mod.shipped_agent(tmp_path) is None
+    (tmp_path / "general.yaml").write_text("name: x\n")
+    assert warm_mod.shipped_agent(tmp_path) is None  # no model beside it
