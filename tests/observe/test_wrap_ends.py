@@ -113,6 +113,9 @@ def _until(mode: str, sig: int, rec: Path, *, to_child: bool = False, at: int = 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as from a terminal: a test run under nohup would pass on SIGHUP ignored, and a program
+        # that ignores it (the wrap keeps that, as without it) never ends by it
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )
     pid, printed = None, -1
     for line in proc.stdout:
