@@ -11,8 +11,11 @@ build ranks by), and the bar on each member.
 
     OMP_NUM_THREADS=1 python experiments/knob_agents.py [--timesteps 300000] [--steps 256]
                                                         [--agent ppo:1:now ...] [--reuse-agents]
+                                                        [--ship]
 
-Writes experiments/results/knob_agents.md and .json. Agents and traces are cached with the
+Writes experiments/results/knob_agents.md and .json; with ``--ship``, the agent that leads on the
+validation members ships as the general agent a search's first RL trial starts from
+(autoscale/agents/warm/). Agents and traces are cached with the
 build's (experiments/.cache/auto), so a build with ``--reuse-agents`` takes them.
 """
 
@@ -48,6 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=d.steps, help="real steps of each held-out episode")
     p.add_argument("--agent", action="append", default=[], help="ALGO:HISTORY[:now] (repeatable)")
     p.add_argument("--reuse-agents", action="store_true")
+    p.add_argument("--ship", action="store_true",
+                   help="ship the agent that leads on validation as autoscale/agents/warm/general")  # fmt: skip
     args = p.parse_args(argv)
     try:
         runs = [parse_agent(a) for a in (args.agent or DEFAULT_AGENTS)]
@@ -70,12 +75,15 @@ def main(argv=None) -> int:
     base = BuildSettings(timesteps=args.timesteps, steps=args.steps, reuse_agents=args.reuse_agents)
     traces = AutoBuild(suite, base, CACHE).record()
     timings["record"] = time.monotonic() - t0
-    agents, info = {}, {}
+    from autoscale.selection.agents import agent_name
+
+    agents, info, how = {}, {}, {}
     for knobs in (False, True):
         s = BuildSettings(**{**base.__dict__, "knobs": knobs})
         got, runs_info = train_agents(suite, traces, s, CACHE / "policies", timings, runs=runs)
         agents.update(got)
         info.update(runs_info)
+        how.update({agent_name(a, h, now, knobs): (a, h, now) for a, h, now in runs})
     member = suite.members[0]
     factories = {n: (lambda p=p: scaler_for(str(p), member)) for n, p in agents.items()}
     factories["auto"] = lambda: scaler_for("auto", member)
@@ -84,9 +92,10 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     cards = ev.held_out(suite, factories, args.steps, members=validation)
     timings["validation"] = time.monotonic() - t0
+    ev.save_cards(cards, CACHE / "knob_agents_cards.json")  # kept before anything reads them
     objective = ev.objective_of(cards, validation, suite.reward)
     misses = {
-        n: sorted(m for m, r in ev.acceptance(cards, n).items() if not r["passed"])
+        n: sorted(m for m, r in ev.acceptance(cards, n).items() if not r["met"])
         for n in factories
         if n != "torch"
     }
@@ -104,11 +113,35 @@ def main(argv=None) -> int:
         "agents": info,
         "timings": timings,
     }
+    if args.ship:
+        out["shipped"] = ship_best(objective, agents, how, suite, out["command"])
     (RESULTS / "knob_agents.json").write_text(json.dumps(out, indent=1, default=float) + "\n")
     lines = report(out)
     (RESULTS / "knob_agents.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def ship_best(objective, agents, how, suite, command) -> str:
+    """Ship the agent with the best validation objective as the general agent searches start
+    from (autoscale/agents/warm/)."""
+    from autoscale.agents.warm import ship_agent
+
+    best = min(agents, key=objective.get)
+    algo, history, now = how[best]
+    episode = suite.members[0].episode
+    action = (episode.at_scale_time() if now else episode).action.to_dict()
+    ship_agent(
+        CACHE / "policies" / f"{best}.sb3.zip", name=best, algo=algo, history=history,
+        scale_time=now, action=action,
+        info={
+            "trained": f"{command.strip()}: the suite's train members' replay"
+            + (", scenario knobs drawn per episode" if best.endswith("-knobs") else ""),
+            "validation_objective": round(float(objective[best]), 4),
+            "auto_validation_objective": round(float(objective["auto"]), 4),
+        },
+    )  # fmt: skip
+    return best
 
 
 def report(out: dict) -> list[str]:
@@ -150,6 +183,9 @@ def report(out: dict) -> list[str]:
                 f"- `{knob}` {obj[knob]:+.4f} vs `{plain}` {obj[plain]:+.4f}: "
                 f"{'better' if diff < 0 else 'worse'} by {abs(diff):.4f}"
             )
+    if out.get("shipped"):
+        lines += ["", f"Shipped as the general agent searches start from (autoscale/agents/warm/): "
+                  f"`{out['shipped']}`, the best on validation."]  # fmt: skip
     t = out["timings"]
     lines += ["", "Time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in t.items()) + "."]
     return lines

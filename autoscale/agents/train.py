@@ -262,10 +262,13 @@ def _load_model(algo: str, path, env, seed: int, tensorboard, hyperparams: dict[
     cls = _sb3_class(algo)
     try:
         model = cls.load(path, env=env, tensorboard_log=tensorboard, **hyperparams)
-    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+    except (ValueError, KeyError, OSError, RuntimeError, TypeError, AttributeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"cannot go on training {path} as a {algo} agent here: {first}") from exc
     model.set_random_seed(seed)
+    if hasattr(model, "exploration_schedule"):  # DQN: go on exploring as it ended, not from 1.0
+        eps = float(model.exploration_final_eps)
+        model.exploration_schedule = lambda progress_remaining: eps
     if "learning_rate" in hyperparams:  # load() keeps the saved schedule otherwise
         from stable_baselines3.common.utils import get_schedule_fn
 

@@ -105,3 +105,22 @@ def test_nothing_ships_when_a_file_is_missing(tmp_path):
     assert warm_mod.shipped_agent(tmp_path) is None
     (tmp_path / "general.yaml").write_text("name: x\n")
     assert warm_mod.shipped_agent(tmp_path) is None  # no model beside it
+
+
+def test_a_dqn_agent_goes_on_from_where_it_ended_not_from_random_actions(
+    tiny_spec, tiny_trace, tmp_path
+):
+    """Fine-tuning a trained DQN keeps its final exploration (a fresh run would start from 1.0:
+    random actions, the shipped agent's knowledge thrown away for the first part of the budget);
+    a model of other spaces is refused in one line."""
+    from autoscale.agents.train import train_agent
+    from autoscale.errors import ConfigError
+
+    first = train_agent(tiny_spec, "dqn", 64, replay=tiny_trace, seed=0)
+    first.model.save(tmp_path / "dqn.zip")
+    again = train_agent(tiny_spec, "dqn", 32, replay=tiny_trace, seed=1, init=tmp_path / "dqn.zip")
+    eps = first.model.exploration_final_eps
+    assert again.model.exploration_rate == pytest.approx(eps) and eps < 0.5
+    with pytest.raises(ConfigError, match="cannot go on training .* as a ppo agent here") as e:
+        train_agent(tiny_spec, "ppo", 32, replay=tiny_trace, init=tmp_path / "dqn.zip")
+    assert "\n" not in str(e.value)
