@@ -7,7 +7,7 @@ import math
 import optuna
 import pytest
 
-from autoscale.scalers import get_scaler
+from autoscale.scalers import make_scaler
 from autoscale.search.budget import Ledger
 from autoscale.search.candidates import Candidate
 from autoscale.search.choose import GATE_PREFIX, choose
@@ -32,7 +32,7 @@ def check(tmp_path_factory):
 
 
 def scaler(name, **kw):
-    return lambda: get_scaler(name, device="cpu", **SCALE, **kw)
+    return lambda: make_scaler(name, device="cpu", **SCALE, **kw)
 
 
 def test_the_check_runs_long_clean_runs_and_a_drifting_one_with_a_schedule():
@@ -169,9 +169,9 @@ def test_a_clear_lead_of_a_fixed_scale_is_refused_unless_asked_for(check):
     }
     assert choice.winner.key == "policy:auto"
     assert "no candidate that led it beyond the seed noise passed" not in choice.why
-    assert (
-        choice.why
-        == "auto is the best found for this run: no candidate ranked above it on these episodes"
+    assert choice.why == (
+        f"auto is the best found for this run: static led it beyond the seed noise, but "
+        f"{refuse('rule:static')}"
     )
 
 

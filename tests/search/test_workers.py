@@ -11,7 +11,7 @@ import time
 import optuna
 import pytest
 
-from autoscale.scalers import LossScaler, get_scaler
+from autoscale.scalers import LossScaler, make_scaler
 from autoscale.scalers.policies import read_manifest
 from autoscale.search.storage import open_storage
 from tests.search.conftest import run_cli, spawn
@@ -68,7 +68,9 @@ def test_interrupt_keeps_finished_trials_and_resume_continues_the_study(tmp_path
         not list((tmp_path / "policies").glob(".*")) if (tmp_path / "policies").exists() else True
     )
     first = RECORD_LINE.search(out)
-    assert first and first.group(3) == "0" and first.group(2) == first.group(1)
+    # nothing was cached before; on a loaded machine the recording may leave instances out (the
+    # steps ran slower than measured: the plan says so), so only those recorded are counted
+    assert first and first.group(3) == "0" and 0 < int(first.group(2)) <= int(first.group(1))
 
     # The resume keeps the study's stored plan and re-times it on this machine: a loaded machine
     # measures slower steps, so its budget is generous (the stored plan needs a fraction of it)
@@ -81,7 +83,10 @@ def test_interrupt_keeps_finished_trials_and_resume_continues_the_study(tmp_path
     assert "(resuming)" in resumed.out and "this worker ran 12 trials" in resumed.out
     m = RECORD_LINE.search(resumed.out)
     assert m and m.group(1) == first.group(1)
-    assert m.group(2) == "0" and m.group(3) == m.group(1)  # traces were not recorded again
+    # every trace the first run recorded comes from the cache, none is recorded again (a busy
+    # machine's first run may have left some out; those may be recorded now)
+    assert int(m.group(3)) == int(first.group(2))
+    assert int(m.group(2)) + int(m.group(3)) <= int(m.group(1))
     final = _snapshot(url, study)
     for number, entry in after.items():
         if entry[0] == TrialState.COMPLETE:
@@ -90,7 +95,7 @@ def test_interrupt_keeps_finished_trials_and_resume_continues_the_study(tmp_path
     new = [n for n in final if n not in after]
     assert new and min(new) == max(after) + 1  # the same study, numbering continued
     assert sorted(final) == list(range(len(final)))
-    assert isinstance(get_scaler(str(tmp_path / "policies" / study), device="cpu"), LossScaler)
+    assert isinstance(make_scaler(str(tmp_path / "policies" / study), device="cpu"), LossScaler)
 
 
 def _two_workers(tmp_path, storage: str, study: str) -> list[str]:
