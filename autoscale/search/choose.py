@@ -7,7 +7,9 @@ real-step test episodes by the objective against ``torch``
 something better than ``auto`` for my run?". Walking down the ranking, a candidate above ``auto``
 counts only when its lead over ``auto`` is more than the seed noise
 (:func:`~autoscale.search.objective.lead`: paired episode by episode), and only when the user may
-get it (a family that cannot adapt, a fixed scale, only when asked for); then it runs the no-harm
+get it (a family that cannot adapt, a fixed scale, only when asked for; a lead that holds on the
+horizon's replay of the same held-out runs, not only on the short real-step episodes a budget
+affords: :func:`refusal`); then it runs the no-harm
 check (:mod:`autoscale.search.gate`): screened on replay of ``torch``'s long runs first, then its
 own long runs. The first that passes is the pick. When none does, ``auto`` is: it is checked too
 (where time allows), and where it harms this run, ``torch``, the reference, is the pick.

@@ -5,6 +5,7 @@ rank, two scalers in one program, Pythons that skip the wrap. Subprocesses, as i
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,6 +104,14 @@ def test_pythons_that_skip_the_wrap_are_named(tmp_path):
     assert "it ran under fp16 autocast" in bare.stderr and "never scaled" in bare.stderr
 
 
+def _as_from_a_terminal() -> None:
+    """SIGHUP and SIGINT at their defaults, as a command started from a terminal has them: a test
+    run under nohup, or as a background job of a script, would pass them on ignored, and a program
+    that ignores a signal (the wrap keeps that, as without it) never ends by it."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _until(mode: str, sig: int, rec: Path, *, to_child: bool = False, at: int = 300):
     """Run until_signal.py wrapped; send ``sig`` (to the launcher, or to the program) once it
     has printed step ``at``. Returns (exit status, steps printed, stderr)."""
@@ -113,9 +122,7 @@ def _until(mode: str, sig: int, rec: Path, *, to_child: bool = False, at: int = 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # as from a terminal: a test run under nohup would pass on SIGHUP ignored, and a program
-        # that ignores it (the wrap keeps that, as without it) never ends by it
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
+        preexec_fn=_as_from_a_terminal,
     )
     pid, printed = None, -1
     for line in proc.stdout:
@@ -127,7 +134,8 @@ def _until(mode: str, sig: int, rec: Path, *, to_child: bool = False, at: int = 
                 os.kill(pid, sig) if to_child else proc.send_signal(sig)
                 break
     rest, err = proc.communicate(timeout=300)
-    steps = [int(line.split()[1]) for line in rest.splitlines() if line.startswith("STEP")]
+    # the signal may cut the last line short ("STEP" without its number): whole lines only
+    steps = [int(m.group(1)) for m in re.finditer(r"^STEP (\d+)$", rest, re.MULTILINE)]
     return proc.returncode, max([printed, *steps]) + 1, rest, err
 
 

@@ -74,6 +74,7 @@ def test_the_first_rl_trial_fine_tunes_the_shipped_agent(setup, tmp_path, monkey
     assert said == []
 
 
+@pytest.mark.slow
 def test_an_agent_of_other_actions_is_refused_in_a_line_and_agents_start_cold(
     setup,  # noqa: F811
     tmp_path,
