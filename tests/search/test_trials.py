@@ -12,7 +12,7 @@ import pytest
 from optuna.samplers import BaseSampler
 
 from autoscale.envs.suite import as_suite
-from autoscale.scalers import LossScaler, get_scaler
+from autoscale.scalers import LossScaler, make_scaler
 from autoscale.scalers.policies import read_manifest
 from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
@@ -92,10 +92,9 @@ def test_the_bench_replays_early_and_late_episodes_of_every_member(setup):
     # a late episode starts where the recorded run was, not at the initial scale
     late = next(e for e in train if e.offset == HORIZON)
     _, recs = bench.episode("train", lambda: bench.scaler("torch"), late)
-    assert (
-        recs[0].scale == traces[late.member].instance(late.instance.split(":")[1]).scale[HORIZON]
-        or True
-    )
+    recorded = traces[late.member].instance(late.instance.split(":")[1]).scale
+    assert recorded[HORIZON - 1] < suite.episode.init_scale  # torch halved on the bad batches
+    assert recs[0].scale == recorded[HORIZON - 1]  # the scale the run had there, carried on
     assert len(recs) == HORIZON
 
 
@@ -159,7 +158,7 @@ def test_rl_trial_on_a_suite_stores_its_policy_and_exports_it_later(setup, scale
     assert m.kind == "neural" and m.name == f"rl-policy-{scale_time}"
     assert m.workload["study"] == f"rl-{scale_time}" and m.workload["trial"] == trial.number
     assert m.workload["suite"] == suite.name and len(m.workload["members"]) == 2
-    assert isinstance(get_scaler(str(path), device="cpu"), LossScaler)
+    assert isinstance(make_scaler(str(path), device="cpu"), LossScaler)
 
     # beside better parametric trials, the best agent still reaches validation (one_of)
     params = ParametricObjective(bench, recorder, ledger, parametric_families())
