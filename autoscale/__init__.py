@@ -33,7 +33,7 @@ def get_scaler(
 ) -> LossScaler:
     """Build the scaler registered (or exported) as ``name``: a drop-in ``torch.amp.GradScaler``.
 
-    As :func:`autoscale.scalers.catalog.get_scaler` (which builds it), plus:
+    As :func:`autoscale.scalers.make_scaler` (which builds it), plus:
 
     Args:
         record: A folder to record every step to (``autoscale report`` reads it; see
@@ -44,7 +44,7 @@ def get_scaler(
 
         scaler = autoscale.get_scaler("auto", record="runs/x")
     """
-    scaler = _catalog.get_scaler(name, device, **overrides)
+    scaler = _catalog.make_scaler(name, device, **overrides)
     if record is not None or log:
         from autoscale.observe import watch_scaler
 

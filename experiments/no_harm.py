@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from autoscale.scalers import get_scaler
+    from autoscale.scalers import make_scaler
     from autoscale.search.budget import Ledger
     from autoscale.search.gate import NoHarmCheck, gate_workloads
     from autoscale.search.timing import GatePlan
@@ -49,14 +49,14 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     for name in names:
         path = str(Path(args.policies) / name)
-        probe = get_scaler(path, device="cpu")
+        probe = make_scaler(path, device="cpu")
         scale = {
             "init_scale": probe.init_scale,
             "min_scale": probe.min_scale,
             "max_scale": probe.max_scale,
         }
         check = NoHarmCheck(gate, folder, Ledger(), scale)
-        verdict = check.check(lambda path=path: get_scaler(path, device="cpu"), name)
+        verdict = check.check(lambda path=path: make_scaler(path, device="cpu"), name)
         verdicts[name] = verdict.to_dict()
         for model, runs in verdict.runs.items():
             c, t = runs["candidate"][0], runs["torch"][0]

@@ -204,9 +204,9 @@ def main(argv=None) -> int:
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
         members = [suite.member(m) for m in args.members.split(",")]
-        from autoscale.scalers import get_scaler
+        from autoscale.scalers import make_scaler
 
-        get_scaler(args.rule, device="cpu")
+        make_scaler(args.rule, device="cpu")
     except (ValueError, ConfigError) as exc:
         print(f"preference_anatomy.py: error: {exc}", file=sys.stderr)
         return 2

@@ -51,7 +51,7 @@ class CompareCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from tqdm.auto import tqdm
 
-        from autoscale.scalers import get_scaler
+        from autoscale.scalers import make_scaler
         from autoscale.training import TrainingRun, summarize
         from autoscale.training.report import format_comparison, plot_comparison
 
@@ -62,7 +62,7 @@ class CompareCommand(Command):
         if not names:
             raise ConfigError("--scalers needs at least one scaler name (autoscale list shows all)")
         for name in names:  # fail on a bad name before any training
-            get_scaler(name, device="cpu", **overrides)
+            make_scaler(name, device="cpu", **overrides)
         plan = [(name, spec, name, overrides) for name in names]
         if args.bf16_reference:
             plan.append((BF16_REFERENCE, spec.replace(dtype="bf16"), "static", {"init_scale": 1.0}))

@@ -31,10 +31,10 @@ class ReportCommand(Command):
         record = read_record(args.run)
         names = [s.strip() for s in args.scalers.split(",") if s.strip()] if args.scalers else None
         if names:
-            from autoscale.scalers import get_scaler
+            from autoscale.scalers import make_scaler
 
             for name in names:
-                get_scaler(name, device="cpu")  # an unknown name: one line before any work
+                make_scaler(name, device="cpu")  # an unknown name: one line before any work
         path = write_report(record, args.out, names)
         for note in record.notes:
             print(f"autoscale report: note: {note}")

@@ -10,7 +10,7 @@ from typing import Any
 from autoscale.envs.base import ScaleEnvBase
 from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.suite import SuiteSpec
-from autoscale.scalers.catalog import get_scaler
+from autoscale.scalers.catalog import make_scaler
 from autoscale.scalers.scaler import LossScaler
 
 __all__ = [
@@ -91,7 +91,7 @@ def scaler_for(name: str, spec: Any, **overrides: Any) -> LossScaler:
         "max_scale": ep.max_scale,
         **overrides,
     }
-    return get_scaler(name, device="cpu", **kw)
+    return make_scaler(name, device="cpu", **kw)
 
 
 def drive_episode(env: ScaleEnvBase, scaler: LossScaler, instance: str, offset: int | None = None):

@@ -7,7 +7,7 @@ from typing import Any
 
 from autoscale.envs.base import ScaleEnvBase
 from autoscale.envs.spec import EnvSpec, InstanceSpec
-from autoscale.scalers.catalog import get_scaler
+from autoscale.scalers.catalog import make_scaler
 from autoscale.scalers.controller import StepStats
 from autoscale.scalers.features import FeatureExtractor
 
@@ -71,7 +71,7 @@ class LossScaleEnv(ScaleEnvBase):
         super().__init__(spec, instances)
         self.warmup = warmup
         self.record = record
-        get_scaler(warmup, device="cpu")  # fail early on an unknown rule
+        make_scaler(warmup, device="cpu")  # fail early on an unknown rule
         self._cache: dict[str, tuple[Any, Any, dict[str, Any], float]] = {}
         self.run = None
         self.records: list[Any] = []
@@ -93,7 +93,7 @@ class LossScaleEnv(ScaleEnvBase):
             min_scale=ep.min_scale,
             max_scale=ep.max_scale,
         )
-        rule = get_scaler(
+        rule = make_scaler(
             self.warmup,
             device="cpu",
             init_scale=ep.init_scale,

@@ -273,7 +273,7 @@ def record_trace(
     the scale used: it is stored as that scale minus one bit) and few gradients underflow.
     """
     from autoscale.envs.loss_scale_env import LossScaleEnv
-    from autoscale.scalers.catalog import get_scaler
+    from autoscale.scalers.catalog import make_scaler
     from autoscale.scalers.features import FEATURE_VERSION
     from autoscale.training import HIST_EDGES
 
@@ -296,7 +296,7 @@ def record_trace(
         run, snap, start_features, scale = env.prepare(inst)
         start_scale = scale
         run.restore(snap)
-        rule = get_scaler(
+        rule = make_scaler(
             RECORD_RULE["name"],
             device="cpu",
             margin=RECORD_RULE["margin"],

@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from autoscale.errors import ConfigError
-from autoscale.scalers.catalog import get_scaler
+from autoscale.scalers.catalog import make_scaler
 from autoscale.scalers.scaler import LossScaler
 
 __all__ = ["resolve_scaler"]
 
 
 def resolve_scaler(scaler: str | LossScaler, device: str, overrides: dict[str, Any]) -> LossScaler:
-    """The scaler an integration installs: ``get_scaler(scaler, device, **overrides)`` for a name,
+    """The scaler an integration installs: ``make_scaler(scaler, device, **overrides)`` for a name,
     the object itself for a built :class:`LossScaler` (checked against ``device``).
 
     Raises:
@@ -20,7 +20,7 @@ def resolve_scaler(scaler: str | LossScaler, device: str, overrides: dict[str, A
             something that is neither a name nor a LossScaler (a plain GradScaler, say).
     """
     if isinstance(scaler, str):
-        return get_scaler(scaler, device=device, **overrides)
+        return make_scaler(scaler, device=device, **overrides)
     if not isinstance(scaler, LossScaler):
         raise ConfigError(
             f"scaler must be a registered scaler name or an autoscale LossScaler, got {type(scaler).__name__}; "
@@ -29,12 +29,12 @@ def resolve_scaler(scaler: str | LossScaler, device: str, overrides: dict[str, A
     if overrides:
         raise ConfigError(
             f"overrides {sorted(overrides)} apply to a scaler name, not to the built scaler {scaler!r}; "
-            f"pass get_scaler('{scaler.name}', {', '.join(f'{k}=...' for k in overrides)}) or the name"
+            f"pass autoscale.get_scaler('{scaler.name}', {', '.join(f'{k}=...' for k in overrides)}) or the name"
         )
     built_for = getattr(scaler, "_device", device)
     if built_for != device:
         raise ConfigError(
             f"scaler {scaler!r} was built for device '{built_for}', but training runs on '{device}'; "
-            f"build it with get_scaler('{scaler.name}', device='{device}') or pass its name"
+            f"build it with autoscale.get_scaler('{scaler.name}', device='{device}') or pass its name"
         )
     return scaler

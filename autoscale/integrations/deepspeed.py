@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from autoscale.errors import ConfigError
-from autoscale.scalers.catalog import get_scaler
+from autoscale.scalers.catalog import make_scaler
 from autoscale.scalers.neural import deepspeed_refusal
 from autoscale.scalers.policies import find_policy, read_manifest
 from autoscale.scalers.registry import build_scaler, rule_class
@@ -108,7 +108,7 @@ def _scaler(what: str | os.PathLike | LossScaler, overrides: dict[str, Any]) -> 
         manifest = read_manifest(path)
         if manifest.kind != "parametric":
             raise deepspeed_refusal(manifest.name, manifest.kind)
-    return get_scaler(name, device="cpu", **overrides)
+    return make_scaler(name, device="cpu", **overrides)
 
 
 def _base(base_config: dict[str, Any] | str | os.PathLike | None) -> dict[str, Any]:

@@ -63,9 +63,9 @@ class WrapPlan:
                 f"command '{self.command[0]}' not found (not a file or on PATH); check its name or give its path"
             )
         if self.scaler is not None:
-            from autoscale.scalers import get_scaler
+            from autoscale.scalers import make_scaler
 
-            get_scaler(self.scaler, device="cpu")  # unknown names and broken policies fail here
+            make_scaler(self.scaler, device="cpu")  # unknown names and broken policies fail here
         if isinstance(self.hist_every, bool) or self.hist_every < 0:
             raise ConfigError(f"--hist-every must be an integer >= 0, got {self.hist_every!r}")
         from autoscale.observe.live import check_log_spec

@@ -29,7 +29,7 @@ import torch
 
 from autoscale.observe import lifecycle, watch_scaler
 from autoscale.observe.on_import import when_imported
-from autoscale.scalers import LossScaler, get_scaler
+from autoscale.scalers import LossScaler, make_scaler
 from autoscale.scalers.checkpoint import load_as_gradscaler
 
 __all__ = ["ENV", "install", "installed"]
@@ -141,7 +141,7 @@ def _build(
         group = given.pop("process_group", None)
         scaler = sharded_scaler(name, device=device, process_group=group, **build)
     else:
-        scaler = get_scaler(name, device=device, **build)
+        scaler = make_scaler(name, device=device, **build)
     ignored, kept = [], []
     for knob in _KNOBS:
         if knob not in given:

@@ -23,7 +23,7 @@ import numpy as np
 from autoscale.envs.from_records import trace_from_record
 from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.observe import RunRecord
-from autoscale.scalers import StepStats, get_scaler
+from autoscale.scalers import StepStats, make_scaler
 from autoscale.scalers.loss_guard import step_scale_host
 
 __all__ = ["LIMITS", "Outcome", "RecordReplay"]
@@ -124,7 +124,7 @@ class RecordReplay:
         """Replay the scaler ``name`` (a rule or an exported policy; ``params`` override its
         parameters) from the run's first scale."""
         params = {"init_scale": float(self.inst.start_scale), **params}
-        scaler = get_scaler(name, device="cpu", **params)
+        scaler = make_scaler(name, device="cpu", **params)
         rule, ctrl = scaler.rule, scaler.controller
         min_scale = ctrl.bounds.min_scale
         t = self.inst

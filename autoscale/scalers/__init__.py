@@ -10,7 +10,7 @@ from autoscale.scalers.torch_compat import check_torch
 
 check_torch()  # before the modules below import torch's private members
 
-from autoscale.scalers.catalog import ScalerInfo, get_scaler, list_scalers
+from autoscale.scalers.catalog import ScalerInfo, list_scalers, make_scaler
 from autoscale.scalers.controller import (
     FP16_MAX,
     FP16_MIN_NORMAL,
@@ -53,7 +53,7 @@ __all__ = [
     "StepStats",
     "default_device",
     "find_policy",
-    "get_scaler",
+    "make_scaler",
     "list_scalers",
     "policy_dirs",
     "read_manifest",

@@ -1,4 +1,4 @@
-"""Every scaler by name: ``get_scaler(name)`` looks among the rules (built-in, registered, and
+"""Every scaler by name: ``make_scaler(name)`` looks among the rules (built-in, registered, and
 installed plugins: :mod:`~autoscale.scalers.registry`), then the exported policies
 (:mod:`~autoscale.scalers.policies`, loaded by the policy kinds of
 :mod:`~autoscale.scalers.parametric` and :mod:`~autoscale.scalers.neural`); ``list_scalers()`` lists
@@ -22,7 +22,7 @@ from autoscale.scalers.registry import (
 )
 from autoscale.scalers.scaler import LossScaler
 
-__all__ = ["ScalerInfo", "get_scaler", "list_scalers"]
+__all__ = ["ScalerInfo", "list_scalers", "make_scaler"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class ScalerInfo:
         return not self.description.startswith("UNUSABLE")
 
 
-def get_scaler(name: str, device: str | None = None, **overrides: Any) -> LossScaler:
+def make_scaler(name: str, device: str | None = None, **overrides: Any) -> LossScaler:
     """Build the scaler registered (or exported) as ``name``.
 
     Args:
@@ -76,7 +76,7 @@ def get_scaler(name: str, device: str | None = None, **overrides: Any) -> LossSc
 
 
 def list_scalers() -> list[ScalerInfo]:
-    """Every scaler ``get_scaler`` can build: rules, plugins (broken ones marked UNUSABLE), then
+    """Every scaler ``make_scaler`` can build: rules, plugins (broken ones marked UNUSABLE), then
     exported policies (corrupt ones marked UNUSABLE)."""
     names = rule_names()
     infos = [

@@ -24,7 +24,7 @@ from typing import Any
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from autoscale.errors import ConfigError
-from autoscale.scalers.catalog import get_scaler
+from autoscale.scalers.catalog import make_scaler
 from autoscale.scalers.controller import ScaleRule
 from autoscale.scalers.scaler import LossScaler
 
@@ -81,7 +81,7 @@ def as_sharded(scaler: LossScaler, process_group: Any = None) -> ShardedLossScal
 def sharded_scaler(
     name: str, device: str | None = None, *, process_group: Any = None, **overrides: Any
 ) -> ShardedLossScaler:
-    """:func:`autoscale.scalers.get_scaler` (any rule or exported policy) as a
+    """:func:`autoscale.scalers.make_scaler` (any rule or exported policy) as a
     :class:`ShardedLossScaler`, for FSDP1 where a program builds ``ShardedGradScaler``.
 
     Example::
@@ -93,5 +93,5 @@ def sharded_scaler(
             "identical_grads=True does not hold for sharded gradients (each rank holds its own "
             "shard); leave it out: the ranks agree on the found-inf flag"
         )
-    scaler = get_scaler(name, device, process_group=process_group, **overrides)
+    scaler = make_scaler(name, device, process_group=process_group, **overrides)
     return as_sharded(scaler, process_group)

@@ -217,14 +217,14 @@ class NoHarmCheck:
 
         from autoscale.envs.spec import EnvSpec
         from autoscale.envs.traces import Trace, instance_trace
-        from autoscale.scalers import get_scaler
+        from autoscale.scalers import make_scaler
         from autoscale.scalers.features import FEATURE_VERSION, FeatureExtractor
         from autoscale.training import HIST_EDGES, TrainingRun
 
         w = workload.replace(seed=seed)
         run = TrainingRun(
             w,
-            get_scaler("torch", device=_device(w), collect_stats=True, **self.scale_kw),
+            make_scaler("torch", device=_device(w), collect_stats=True, **self.scale_kw),
             record=True,
         )
         with self.ledger.track("work:gate"):

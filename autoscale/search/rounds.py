@@ -374,7 +374,7 @@ class Rounds:
 
     def _export(self, chosen: Validated | None, reference: Validated) -> None:
         study, plan, store = self.study, self.plan, self.store
-        from autoscale.scalers import get_scaler
+        from autoscale.scalers import make_scaler
         from autoscale.search.answer import answer_lines, evidence
 
         cfg, choice = self.cfg, self.choice
@@ -410,7 +410,7 @@ class Rounds:
                 trial = study.trials[key.number]
                 path = export_trial(study, trial, cfg.export, suite=plan.suite, store=store, **kw)
                 how = policy_label(trial)
-            get_scaler(str(path), device="cpu")  # it loads
+            make_scaler(str(path), device="cpu")  # it loads
         self.result.exported, self.result.winner = path, f"{cfg.export} ({how})"
         self.result.builtin = key.is_named
         self.say("export", f"{path} ({how}); use it with autoscale.get_scaler('{cfg.export}')")

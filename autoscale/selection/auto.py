@@ -383,7 +383,7 @@ class AutoBuild:
         the suite search's folder renamed, or a built-in rule with its defaults; the episode's
         scale bounds with it), its selection, evidence, no-harm verdict and long runs in the
         manifest; check that it loads. Returns the manifest."""
-        from autoscale.scalers import get_scaler
+        from autoscale.scalers import make_scaler
         from autoscale.scalers.policies import read_manifest, staged_policy, write_manifest
         from autoscale.search.export import export_parametric
         from autoscale.search.objective import OBJECTIVE_DOC
@@ -460,5 +460,5 @@ class AutoBuild:
             manifest, workload=workload, scorecard=json.loads(json.dumps(scorecard, default=float))
         )
         write_manifest(dest_root / "auto", manifest)
-        get_scaler(str(dest_root / "auto"), device="cpu")  # it loads
+        make_scaler(str(dest_root / "auto"), device="cpu")  # it loads
         return manifest

@@ -58,7 +58,7 @@ class TrainingRun:
 
     Args:
         spec: The workload.
-        scaler: A registered scaler name (built with ``get_scaler(name, device=...,
+        scaler: A registered scaler name (built with ``make_scaler(name, device=...,
             collect_stats=True, **scaler_overrides)``) or a :class:`LossScaler` instance (its
             ``collect_stats`` is switched on).
         record: Also record, per step, the log2 histogram of the gradients and the max |x| over
@@ -144,9 +144,9 @@ class TrainingRun:
 
     def _make_scaler(self, scaler: LossScaler | str, overrides: dict[str, Any]) -> LossScaler:
         if isinstance(scaler, str):
-            from autoscale.scalers import get_scaler
+            from autoscale.scalers import make_scaler
 
-            return get_scaler(scaler, device=self.device.type, collect_stats=True, **overrides)
+            return make_scaler(scaler, device=self.device.type, collect_stats=True, **overrides)
         if not isinstance(scaler, LossScaler):
             raise ConfigError(
                 f"scaler must be a registered name or a LossScaler, got {type(scaler).__name__}"
@@ -157,7 +157,7 @@ class TrainingRun:
             )
         if not scaler.is_enabled():
             raise ConfigError(
-                "TrainingRun needs an enabled scaler; for no scaling use get_scaler('static', init_scale=1)"
+                "TrainingRun needs an enabled scaler; for no scaling use make_scaler('static', init_scale=1)"
             )
         if scaler.device != self.device.type:
             raise ConfigError(

@@ -36,13 +36,13 @@ def test_fused_step_equals_the_generic_step():
 
 def test_a_guarded_step_is_the_generic_one():
     """With a rule's per-step guard set, step lowers scales as the generic path does."""
-    from autoscale.scalers.catalog import get_scaler
+    from autoscale.scalers.catalog import make_scaler
 
     spec = pin_spec()
     trace = pin_trace(spec)
     fast, generic = (ReplayEnv(spec, trace, instances="test") for _ in range(2))
     for env in (fast, generic):
-        rule = get_scaler("amax-loss", device="cpu", guard_history=2, guard_margin=4.0)
+        rule = make_scaler("amax-loss", device="cpu", guard_history=2, guard_margin=4.0)
         env.set_guard(rule.controller.rule)
         env.reset(options={"instance": "test-s7-t0"})
         for t in range(40):  # the rule's ratios from clean steps, so that its guard bites

@@ -244,7 +244,7 @@ def test_the_suite_env_draws_episodes_over_every_member(tiny_spec):
 def test_train_agent_accepts_a_suite_on_replay(tmp_path):
     from autoscale.agents.train import train_agent
     from autoscale.envs.traces import load_suite_traces, record_suite
-    from autoscale.scalers import get_scaler
+    from autoscale.scalers import make_scaler
     from autoscale.scalers.policies import read_manifest
 
     suite = load_spec(tiny_suite())
@@ -261,7 +261,7 @@ def test_train_agent_accepts_a_suite_on_replay(tmp_path):
         "mlp/clean", "mlp/bad-batches",
     ]  # fmt: skip
     assert "trained on suite tiny-suite (2 members)" in m.describe()
-    assert get_scaler(str(result.policy_dir), device="cpu").name == "suite-ppo"
+    assert make_scaler(str(result.policy_dir), device="cpu").name == "suite-ppo"
 
 
 def test_a_workload_file_in_a_spec_is_read_from_the_spec_s_folder(tmp_path, monkeypatch):

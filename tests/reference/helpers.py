@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from autoscale.scalers import StepStats, get_scaler
+from autoscale.scalers import StepStats, make_scaler
 
 N_STEPS = 10_000
 SEEDS = (0, 1, 2, 3, 4, 5)
@@ -36,7 +36,7 @@ def our_scales(
     each step's found-inf flag and returns the next scale, clamped to ``[min_scale, max_scale]``,
     as ``update()`` does.
     """
-    s = get_scaler(
+    s = make_scaler(
         rule,
         device="cpu",
         init_scale=init_scale,

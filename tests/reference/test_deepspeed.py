@@ -15,7 +15,7 @@ import torch
 
 from autoscale.errors import MinimumLossScaleError
 from autoscale.integrations.deepspeed import deepspeed_config
-from autoscale.scalers import get_scaler
+from autoscale.scalers import make_scaler
 from tests.reference.helpers import (
     TOP,
     describe_difference,
@@ -124,7 +124,7 @@ def test_the_minimum_aborts_deepspeed_and_ours_only_with_raise_at_min():
     assert mine[:abort] == scales and mine[abort:] == [1.0, 1.0, 1.0]  # stays at the minimum
 
     # the same steps trained for real: raise_at_min=True raises at DeepSpeed's step, not before
-    scaler = get_scaler(
+    scaler = make_scaler(
         "deepspeed", device="cpu", init_scale=init, min_scale=min_scale, raise_at_min=True
     )
     model = tiny_model()
@@ -146,7 +146,7 @@ def test_consecutive_hysteresis_at_the_minimum_absorbs_instead_of_aborting():
     assert ours(overflows, 4.0, 1000, 2, True, 1.0) == theirs
     with pytest.raises(Exception, match="Current loss scale already at minimum"):
         upstream(overflows, 4.0, 1000, 2, False, 1.0, raise_at_min=True)
-    scaler = get_scaler(
+    scaler = make_scaler(
         "deepspeed",
         device="cpu",
         init_scale=4.0,
@@ -207,7 +207,7 @@ def parsed(fp16: dict):
 def test_exported_block_builds_a_deepspeed_scaler_with_our_parameters(case):
     rule = case.split("-")[0]
     params = EXPORTED[case]
-    s = get_scaler(rule, device="cpu", **params)
+    s = make_scaler(rule, device="cpu", **params)
     fp16 = deepspeed_fp16_config(rule, params)
     assert deepspeed_config(rule, **params)["fp16"] == fp16  # the integration writes the same
     config, scaler = parsed(fp16)
@@ -264,7 +264,7 @@ def test_static_block_builds_a_static_scaler():
     assert (
         scaler.cur_scale
         == 512.0
-        == get_scaler("static", device="cpu", init_scale=512.0).get_scale()
+        == make_scaler("static", device="cpu", init_scale=512.0).get_scale()
     )
     scaler.update_scale(True)
     assert scaler.cur_scale == 512.0

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from autoscale.errors import MinimumLossScaleError
-from autoscale.scalers import get_scaler
+from autoscale.scalers import make_scaler
 from tests.reference.helpers import (
     TOP,
     describe_difference,
@@ -118,7 +118,7 @@ def test_same_scale_sequence_as_fairseq_until_its_minimum(case):
     """Step for step the same scale, up to the step where fairseq aborts at its minimum; there
     ours is at the minimum (fairseq restored the scale before it and stopped training)."""
     args = CASES[case]
-    floor = get_scaler("fairseq", device="cpu", min_scale=args[4]).min_scale  # float32, rounded up
+    floor = make_scaler("fairseq", device="cpu", min_scale=args[4]).min_scale  # float32, rounded up
     seen = {"up": 0, "down": 0, "held_on_overflow": 0, "aborted": 0, "compared": 0}
     for name, overflows in sequences(LEVELS):
         mine = ours(overflows, *args)
@@ -155,7 +155,7 @@ def test_fairseq_aborts_one_overflow_before_ours_with_raise_at_min():
     assert stop.value.step == 3 and stop.value.scales == [4.0, 4.0, 2.0]  # 2 -> 1 is refused
     assert ours(overflows, init, 2.0, 1000, 0.0, min_scale) == [4.0, 4.0, 2.0, 1.0, 1.0, 1.0]
 
-    scaler = get_scaler("fairseq", device="cpu", init_scale=init, min_scale=1.0, raise_at_min=True)
+    scaler = make_scaler("fairseq", device="cpu", init_scale=init, min_scale=1.0, raise_at_min=True)
     model = tiny_model()
     done = []
     with pytest.raises(MinimumLossScaleError):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from autoscale.scalers import LossScaler, get_scaler
+from autoscale.scalers import LossScaler, make_scaler
 from autoscale.scalers.policies import read_manifest
 from tests.search.faults import (
     FaultRecord,
@@ -131,7 +131,7 @@ def _assert_whole_export(tmp_path, study: str) -> None:
     folder = tmp_path / "policies"
     manifest = read_manifest(folder / study)
     assert manifest.workload["study"] == study
-    assert isinstance(get_scaler(str(folder / study), device="cpu"), LossScaler)
+    assert isinstance(make_scaler(str(folder / study), device="cpu"), LossScaler)
     assert hidden_entries(folder) == []  # no staging or backup folder left behind
 
 

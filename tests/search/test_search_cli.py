@@ -11,7 +11,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 import optuna
 import pytest
 
-from autoscale.scalers import LossScaler, get_scaler
+from autoscale.scalers import LossScaler, make_scaler
 from autoscale.scalers.policies import read_manifest
 from autoscale.search.budget import parse_budget
 from autoscale.search.export import study_suites
@@ -79,11 +79,11 @@ def test_ninety_second_search_spends_its_budget_and_exports_a_loadable_policy(se
         assert study.trials[manifest.workload["trial"]].state == optuna.trial.TrialState.COMPLETE
         assert "beat auto by" in evidence["why"] and "passed the no-harm check" in evidence["why"]
     assert manifest.family != "static"  # a fixed scale only when asked for (--family static)
-    scaler = get_scaler(str(policy), device="cpu")
+    scaler = make_scaler(str(policy), device="cpu")
     assert isinstance(scaler, LossScaler) and scaler.name == searched.study
     assert (
         scaler.rule.params()
-        == get_scaler(manifest.family, device="cpu", **manifest.parameters).rule.params()
+        == make_scaler(manifest.family, device="cpu", **manifest.parameters).rule.params()
     )
 
 
@@ -170,7 +170,7 @@ def test_export_command_exports_best_and_named_trials(searched):
     assert study.trials[m.workload["trial"]].state == optuna.trial.TrialState.COMPLETE
     assert m.scorecard["evaluated_on"].startswith("real steps")
     assert isinstance(
-        get_scaler(str(searched.root / "policies" / "from-cli"), device="cpu"), LossScaler
+        make_scaler(str(searched.root / "policies" / "from-cli"), device="cpu"), LossScaler
     )
     again = run_cli(
         "export", "--study", searched.study, "--name", "from-cli", "--trial", "0", cwd=searched.root
@@ -315,4 +315,4 @@ def test_a_search_beside_a_busy_process_without_omp_num_threads_ends_in_budget(t
     assert measured, run.out[:2000]
     threads, cores, busy = int(measured[1]), int(measured[2]), float(measured[3])
     assert busy >= 0.5 and threads <= max(1, cores - 1)  # the busy core is left to its owner
-    get_scaler(str(tmp_path / "policies" / "mlp-bad-batches-parametric"), device="cpu")
+    make_scaler(str(tmp_path / "policies" / "mlp-bad-batches-parametric"), device="cpu")

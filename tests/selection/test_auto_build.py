@@ -167,7 +167,7 @@ def test_a_tiny_build_ships_the_first_candidate_through_every_check(first_build)
     budgets). A copy of torch's own rule is among the candidates, so at least it passes every
     check: the build must ship the first in the validation objective's order that does, with its
     evidence in the manifest."""
-    from autoscale.scalers import get_scaler
+    from autoscale.scalers import make_scaler
     from autoscale.scalers.policies import read_manifest
 
     tmp_path, build, result, _ = first_build
@@ -217,7 +217,7 @@ def test_a_tiny_build_ships_the_first_candidate_through_every_check(first_build)
         "mlp/clean", "autoencoder/clean", "cnn/clean",
     }  # fmt: skip
     assert again.scorecard == manifest.scorecard
-    scaler = get_scaler(str(tmp_path / "policies" / "auto"), device="cpu")
+    scaler = make_scaler(str(tmp_path / "policies" / "auto"), device="cpu")
     assert scaler.get_scale() == pytest.approx(65536.0)
 
     # a second build with the same settings reuses the agents from the ledger, and, on the same

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from autoscale.errors import ConfigError
-from autoscale.scalers import get_scaler
+from autoscale.scalers import make_scaler
 from autoscale.training import TrainingRun, WorkloadSpec
 from autoscale.training.data import EVAL_FRACTION, byte_tokens, load_text
 from autoscale.training.models import build_model
@@ -135,7 +135,7 @@ def test_unreadable_data(tmp_path):
 
 
 def test_scaler_instance_and_overrides():
-    scaler = get_scaler("torch", device="cpu", init_scale=2.0**10)
+    scaler = make_scaler("torch", device="cpu", init_scale=2.0**10)
     assert scaler.collect_stats is False
     run = TrainingRun(WorkloadSpec(model="mlp"), scaler)
     assert run.scaler is scaler and scaler.collect_stats is True
