@@ -261,6 +261,9 @@ class Rounds:
         for t, factory in candidates:
             factories[Candidate.trial(t.number)] = factory
             order.append((Candidate.trial(t.number), policy_label(t), factory))
+        kinds = [t.user_attrs.get("policy", {}).get("kind") for t, _ in candidates]
+        if agent and "neural" in kinds[1:] and kinds[0] != "neural":  # the agent after the best
+            order.insert(1, order.pop(kinds.index("neural")))
         rules = [
             (Candidate.rule(r), r, factories[Candidate.rule(r)])
             for r in plan.rules
@@ -268,9 +271,10 @@ class Rounds:
         ]
         bar = [] if self._bar_real() else [(AUTO, AUTO.name, factories[AUTO])]
         # torch first (every objective is measured against it), auto (the bar a candidate must
-        # clear), then the best candidate, the other rules, the other candidates
+        # clear), the best candidate (and the best agent), the other rules, the other candidates
         rules = rules[:1] + bar + rules[1:]
-        order = rules[:2] + order[:1] + rules[2:] + order[1:]
+        n = 2 if agent else 1
+        order = rules[:2] + order[:n] + rules[2:] + order[n:]
         if not order:
             return False
         t0 = time.monotonic()

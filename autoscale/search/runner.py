@@ -36,6 +36,7 @@ from typing import Any
 
 from autoscale.envs.suite import SuiteSpec, as_suite
 from autoscale.errors import BudgetError
+from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Budget, Ledger, format_duration
 from autoscale.search.export import (
@@ -105,6 +106,8 @@ class SearchRunner:
         self.worker = worker_id()
         self.counts = {"complete": 0, "pruned": 0, "failed": 0}
         self.min_search_s = max(2.0, 0.02 * budget.seconds)
+        if cfg.space != "parametric":  # the first round holds one RL trial (the warm start)
+            self.min_search_s = max(self.min_search_s, 2.5 * RLObjective.MIN_TRIAL_S)
         self.result = SearchResult(
             cfg.study, None, self.counts, budget_s=budget.seconds, ledger=self.ledger
         )
