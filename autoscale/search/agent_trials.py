@@ -42,6 +42,20 @@ class RLObjective(Objective):
         self.warm = shipped_agent() if warm_start else None
         self.warn = warn or (lambda text: None)
 
+    @staticmethod
+    def fits(suite: Any, warn: Callable[[str], Any] | None = None) -> bool:
+        """Whether agents can train on ``suite``'s recorded train instances: one of them selects
+        the agent, so every member needs two (a re-plan under load may have kept one); ``warn``
+        says why not."""
+        if min(len(m.instances["train"]) for m in suite.members) >= 2:
+            return True
+        if warn is not None:
+            warn(
+                "no RL trials: an agent needs two recorded train instances per member (one "
+                "selects it), and the plan kept one; the parametric search takes their time"
+            )
+        return False
+
     def trial_seconds(self) -> float:
         left = self.stop_at - time.monotonic()
         return min(max(left / 3, self.MIN_TRIAL_S), self.MAX_TRIAL_S, left)

@@ -208,13 +208,14 @@ class Rounds:
             return
         t0 = time.monotonic()
         before = dict(self.counts)
+        rl = plan.space in ("rl", "both") and RLObjective.fits(
+            bench.suite, self.warn if first else None
+        )
         if plan.space in ("parametric", "both"):
             objective_fn = ParametricObjective(bench, recorder, self.ledger, self.families)
-            until = (
-                stop if plan.space == "parametric" else t0 + (1 - RL_SHARE_OF_BOTH) * (stop - t0)
-            )
+            until = stop if not rl else t0 + (1 - RL_SHARE_OF_BOTH) * (stop - t0)
             self._trials(objective_fn, until)
-        if plan.space in ("rl", "both"):
+        if rl:
             objective_fn = RLObjective(
                 bench, recorder, self.ledger, stop_at=stop, seed=self.cfg.seed,
                 workdir=self.workdir, warm_start=self.cfg.warm_start, warn=self.warn,

@@ -125,3 +125,23 @@ def test_a_dqn_agent_goes_on_from_where_it_ended_not_from_random_actions(
     with pytest.raises(ConfigError, match="cannot go on training .* as a ppo agent here") as e:
         train_agent(tiny_spec, "ppo", 32, replay=tiny_trace, init=tmp_path / "dqn.zip")
     assert "\n" not in str(e.value)
+
+
+def test_one_recorded_train_instance_per_member_is_no_ground_for_agents(setup):  # noqa: F811
+    """A re-plan under load may keep one train instance per member: an agent needs two (one
+    selects it), so the search runs no RL trial and says why once, instead of failing every RL
+    trial it starts (a 5-minute search under load failed 128 of them)."""
+    import dataclasses
+
+    _, suite, _ = setup
+    one = dataclasses.replace(
+        suite,
+        members=tuple(
+            dataclasses.replace(m, instances={**m.instances, "train": m.instances["train"][:1]})
+            for m in suite.members
+        ),
+    )
+    said: list[str] = []
+    assert RLObjective.fits(suite, said.append) and said == []
+    assert not RLObjective.fits(one, said.append)
+    assert len(said) == 1 and said[0].startswith("no RL trials: an agent needs two")
