@@ -45,25 +45,30 @@ def _ship(suite, traces, folder, action=None):
     )  # fmt: skip
 
 
+def _warm_trials(root, suite, traces, name: str, n: int, seconds: float) -> tuple[list, list[str]]:
+    """``n`` RL trials of a new study with the warm start on; (its trials, what was said)."""
+    ledger = Ledger()
+    bench, _, recorder, work = _parts(root, suite, traces, ledger)
+    study = _study(root, name)
+    said: list[str] = []
+    objective_fn = RLObjective(
+        bench, recorder, ledger, stop_at=time.monotonic() + seconds, seed=0, workdir=work,
+        warm_start=True, warn=said.append,
+    )  # fmt: skip
+    counts = {"complete": 0, "pruned": 0, "failed": 0}
+    TrialLoop(study, ledger, worker=f"t:{name}", warn=said.append, counts=counts, n_trials=n).run(
+        objective_fn, time.monotonic() + 120
+    )
+    return study.get_trials(), said
+
+
 @pytest.mark.slow
 def test_the_first_rl_trial_fine_tunes_the_shipped_agent(setup, tmp_path, monkeypatch):  # noqa: F811
     root, suite, traces = setup
     agent = _ship(suite, traces, tmp_path / "warm")
     assert warm_mod.shipped_agent(tmp_path / "warm") == agent
     monkeypatch.setattr(warm_mod, "WARM_DIR", tmp_path / "warm")
-    ledger = Ledger()
-    bench, _, recorder, work = _parts(root, suite, traces, ledger)
-    study = _study(root, "warm")
-    said: list[str] = []
-    objective_fn = RLObjective(
-        bench, recorder, ledger, stop_at=time.monotonic() + 8, seed=0, workdir=work,
-        warm_start=True, warn=said.append,
-    )  # fmt: skip
-    counts = {"complete": 0, "pruned": 0, "failed": 0}
-    TrialLoop(study, ledger, worker="t:w", warn=said.append, counts=counts, n_trials=2).run(
-        objective_fn, time.monotonic() + 120
-    )
-    first, second = study.get_trials()
+    (first, second), said = _warm_trials(root, suite, traces, "warm", 2, 8)
     assert first.state == second.state == TrialState.COMPLETE, said
     assert first.user_attrs["warm_start"] == "general-test"
     assert first.user_attrs["policy"]["warm_start"] == "general-test"
@@ -84,19 +89,7 @@ def test_an_agent_of_other_actions_is_refused_in_a_line_and_agents_start_cold(
     other = {**suite.episode.action.to_dict(), "deltas": [-1.0, 0.0, 1.0]}
     _ship(suite, traces, tmp_path / "warm", action=other)
     monkeypatch.setattr(warm_mod, "WARM_DIR", tmp_path / "warm")
-    ledger = Ledger()
-    bench, _, recorder, work = _parts(root, suite, traces, ledger)
-    study = _study(root, "cold")
-    said: list[str] = []
-    objective_fn = RLObjective(
-        bench, recorder, ledger, stop_at=time.monotonic() + 3, seed=0, workdir=work,
-        warm_start=True, warn=said.append,
-    )  # fmt: skip
-    counts = {"complete": 0, "pruned": 0, "failed": 0}
-    TrialLoop(study, ledger, worker="t:c", warn=said.append, counts=counts, n_trials=1).run(
-        objective_fn, time.monotonic() + 60
-    )
-    (trial,) = study.get_trials()
+    (trial,), said = _warm_trials(root, suite, traces, "cold", 1, 3)
     assert "warm_start" not in trial.user_attrs and "algo" in trial.params
     assert len(said) == 1 and said[0].startswith("agents start from nothing: ")
     assert "general-test" in said[0] and "\n" not in said[0]

@@ -110,17 +110,7 @@ def test_a_machine_that_turns_slower_after_measuring_gets_a_re_planned_search_in
     monkeypatch.setattr(runner_mod, "measure_all", measured)
     monkeypatch.setattr(run_mod.TrainingRun, "step", step)
     said: list[str] = []
-    cfg = SearchConfig(
-        base_spec(model="mlp"),
-        study="bent",
-        export="bent",
-        storage=f"sqlite:///{tmp_path / 'db.sqlite'}",
-        policy_dir=str(tmp_path / "policies"),
-        progress=False,
-    )
-    budget = Budget.from_process_start(0.0)
-    budget = dataclasses.replace(budget, seconds=60.0, start=time.monotonic(), reserve=3.0)
-    result = SearchRunner(cfg, budget, out=said.append).run()
+    cfg, budget, result = _mlp_search_in_60s(tmp_path, "bent", said)
     text = "\n".join(said)
     assert result.replanned, text
     assert any(line.startswith("[2/6 plan] re-planned: ") for line in said), text
@@ -146,7 +136,6 @@ def test_torch_and_auto_are_validated_even_where_no_check_would_fit_after_them(
     """The no-harm check turns out dearer than planned (here: ten times, from the recording on):
     no candidate's check fits any more, so no candidate is validated, but torch and auto still
     are, on real steps: without them there is no answer, and exporting auto needs no check."""
-    import time
 
     from autoscale.search import gate as gate_mod
 
@@ -163,17 +152,7 @@ def test_torch_and_auto_are_validated_even_where_no_check_would_fit_after_them(
     monkeypatch.setattr(gate_mod.NoHarmCheck, "cost", cost)
     monkeypatch.setattr(runner_mod, "load_traces", traces)
     said: list[str] = []
-    cfg = SearchConfig(
-        base_spec(model="mlp"),
-        study="dear",
-        export="dear",
-        storage=f"sqlite:///{tmp_path / 'db.sqlite'}",
-        policy_dir=str(tmp_path / "policies"),
-        progress=False,
-    )
-    budget = Budget.from_process_start(0.0)
-    budget = dataclasses.replace(budget, seconds=60.0, start=time.monotonic(), reserve=3.0)
-    result = SearchRunner(cfg, budget, out=said.append).run()
+    cfg, budget, result = _mlp_search_in_60s(tmp_path, "dear", said)
     text = "\n".join(said)
     first = next(line for line in said if line.startswith("[5/6 validate]"))
     assert "0 candidate(s); auto;" in first, text  # auto on real steps, no candidate
@@ -182,3 +161,20 @@ def test_torch_and_auto_are_validated_even_where_no_check_would_fit_after_them(
     assert any(line.startswith("why: auto is the best found") for line in result.answer), (
         result.answer
     )
+
+
+def _mlp_search_in_60s(tmp_path, study: str, said: list[str]):
+    """A 60-second search of mlp in ``tmp_path``; (its config, budget, result)."""
+    import time
+
+    cfg = SearchConfig(
+        base_spec(model="mlp"),
+        study=study,
+        export=study,
+        storage=f"sqlite:///{tmp_path / 'db.sqlite'}",
+        policy_dir=str(tmp_path / "policies"),
+        progress=False,
+    )
+    budget = Budget.from_process_start(0.0)
+    budget = dataclasses.replace(budget, seconds=60.0, start=time.monotonic(), reserve=3.0)
+    return cfg, budget, SearchRunner(cfg, budget, out=said.append).run()
