@@ -187,9 +187,52 @@ def _amax_cap(params: Sequence[dict], shape: tuple[int, int], w: ReplayWindows) 
     return LaneRule(step)
 
 
+class _GuardMemory:
+    """Per lane, the guard's memory (:class:`~autoscale.scalers.rules.guard.LossGuard`): the
+    amax per ``|loss|`` of its last ``guard_history`` lessons, the ``|loss|`` each was learned at,
+    and the ``|loss|`` of the last ``guard_history`` steps, for ``guard_floor``."""
+
+    def __init__(self, params: Sequence[dict], shape: tuple[int, int]) -> None:
+        length = column(params, "guard_history", np.int64)
+        self.ratios = _Ring(length, shape)  # gradient amax per |loss|
+        self.floor = np.asarray([p.get("guard_floor", 0.0) for p in params], dtype=float)[:, None]
+        self.floored = self.floor[:, 0] > 0  # lanes of candidates with a floor
+        if self.floored.any():
+            self.at_loss = _Ring(length, shape)  # the |loss| of each ratio, slot for slot
+            self.losses = _Ring(length, shape)  # the last steps' |loss|
+
+    def cut(self) -> np.ndarray:
+        """The ``|loss|`` below which a step teaches nothing (0 where there is no floor)."""
+        with np.errstate(over="ignore", under="ignore"):
+            cut = np.where(self.floor > 0, self.losses.top * 2.0**-self.floor, 0.0)
+        return np.where(self.losses.count > 0, cut, 0.0)
+
+    def top(self) -> np.ndarray:
+        """The largest ratio that counts (-inf where none does)."""
+        if not self.floored.any():
+            return self.ratios.top
+        top = self.ratios.top.copy()
+        rows = self.floored
+        counts = self.at_loss.ring[rows] >= self.cut()[rows][..., None]
+        top[rows] = np.where(counts, self.ratios.ring[rows], -np.inf).max(axis=-1)
+        return top
+
+    def see(self, fine: np.ndarray, size: np.ndarray) -> np.ndarray:
+        """Take this step's ``|loss|`` where ``fine``; returns where it may teach the guard."""
+        if not self.floored.any():
+            return fine
+        self.losses.push(fine, np.where(fine, size, 0.0))
+        return fine & (size >= self.cut())
+
+    def push(self, mask: np.ndarray, ratio: np.ndarray, size: np.ndarray) -> None:
+        self.ratios.push(mask, ratio)
+        if self.floored.any():
+            self.at_loss.push(mask, size)
+
+
 def _amax_loss(params: Sequence[dict], shape: tuple[int, int], w: ReplayWindows) -> LaneRule:
     cap = _Cap(params, shape, w, regrows=True)
-    ratios = _Ring(column(params, "guard_history", np.int64), shape)  # gradient amax per |loss|
+    memory = _GuardMemory(params, shape)
     # guard_limit's numerator, as the scalar rule computes it
     room = np.asarray([FP16_MAX * 2.0 ** -p["guard_margin"] for p in params])[:, None]
     min_scale = np.float64(w.min_scale)  # the env's, as ReplayEnv applies the guard
@@ -202,9 +245,9 @@ def _amax_loss(params: Sequence[dict], shape: tuple[int, int], w: ReplayWindows)
 
     def guard(t: int, scale: np.ndarray) -> np.ndarray:
         with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
-            ratio = room / ratios.top / absloss[:, t]  # limit / |loss|
+            ratio = room / memory.top() / absloss[:, t]  # limit / |loss|
         # no guard without ratios, for a NaN or zero loss, or where the ratio is 0 or inf
-        on = (ratios.count > 0) & guardable[:, t] & (ratio < np.inf) & (ratio > 0)
+        on = (memory.ratios.count > 0) & guardable[:, t] & (ratio < np.inf) & (ratio > 0)
         out = scale
         if on.any():
             g = np.ldexp(1.0, floor_log2(ratio[on]))
@@ -218,14 +261,16 @@ def _amax_loss(params: Sequence[dict], shape: tuple[int, int], w: ReplayWindows)
         guarded = lanes["guarded"]
         base = np.where(lanes["base"] == lanes["base"], lanes["base"], scale)
         grad = np.where(over, np.inf, w.amax[:, t])  # the step's stats: inf on an overflow
-        size, fine = absloss[:, t], usable[:, t]
+        size = np.broadcast_to(absloss[:, t], shape)
+        fine = np.broadcast_to(usable[:, t], shape)
+        teaches = memory.see(fine, size)
         bad = ~np.isfinite(grad)
         # a guarded step that overflowed: this loss needed at least twice the room
         missed = bad & guarded & fine
-        seen = ~bad & fine & (grad > 0)
+        seen = ~bad & teaches & (grad > 0)
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
             ratio = np.where(missed, 2.0 * FP16_MAX / (scale * size), grad / size)
-        ratios.push(missed | seen, ratio)
+        memory.push(missed | seen, ratio, size)
         grad = np.where(seen & guarded, 0.0, grad)  # its loss explains its gradients
         bad_loss = np.broadcast_to(loss_bad[:, t], shape)
         out = cap.step(t, np.where(guarded, base, scale), grad, bad_loss, ~missed)

@@ -74,7 +74,11 @@ KNOBS: dict[str, Knob] = {
     "margin": Knob("float", 0.0, 6.0),
 }
 # Searched only for these rules (elsewhere the episode's value is used).
-RULE_KNOBS: dict[str, dict[str, Knob]] = {"static": {"init_scale": Knob("log2", 0, 40)}}
+RULE_KNOBS: dict[str, dict[str, Knob]] = {
+    "static": {"init_scale": Knob("log2", 0, 40)},
+    # 0 keeps every step's lesson; above, near-zero losses teach the guard nothing (LossGuard)
+    "amax-loss": {"guard_floor": Knob("float", 0.0, 24.0)},
+}
 
 
 def parametric_families() -> dict[str, dict[str, Any]]:

@@ -484,3 +484,39 @@ def test_amax_loss_guards_from_the_first_micro_batch():
     assert first == 2.0**6
     second = scaler.scale(torch.tensor(2.0**-8)).item() / 2.0**-8  # would want the set 2^10
     assert second == first
+
+
+def test_a_guard_floor_keeps_near_zero_losses_from_teaching_the_guard():
+    """A loss that cancels to near zero while its gradients do not teaches a guard with a floor
+    nothing; the floor follows the last guard_history steps' largest |loss|; its state loads,
+    and a state from before the floor (ratios alone) counts every ratio."""
+    from autoscale.scalers.rules.guard import LEARNED, LossGuard
+
+    def step(i, loss, amax=1e-3):
+        return StepStats(i, 2.0**16, False, amax, amax / 10, loss, loss_seen=True)
+
+    plain, floored = LossGuard(4, 1.0), LossGuard(4, 1.0, guard_floor=12.0)
+    for g in (plain, floored):
+        assert g.observe(2.0**16, step(0, 1e-2)) == LEARNED
+    assert plain.observe(2.0**16, step(1, 1e-8)) == LEARNED  # amax per |loss| 1e5
+    assert floored.observe(2.0**16, step(1, 1e-8)) is None  # 2^20 below 1e-2: a cancellation
+    assert plain.guard_limit() == pytest.approx(FP16_MAX / 2 / 1e5)
+    assert floored.guard_limit() == pytest.approx(FP16_MAX / 2 / 0.1)  # the 1e-2 step alone
+    assert floored.observe(2.0**16, step(2, 1e-2 * 2.0**-11)) == LEARNED  # within 12 bits
+    for i in range(3, 7):  # four steps of small losses: the 1e-2 step leaves the window
+        floored.observe(2.0**16, step(i, 1e-9, amax=1e-6))
+    assert max(floored.losses) == 1e-9
+    # the lessons learned at 1e-2 and 1e-2 * 2^-11 are now far above the window's losses: they
+    # count (a floor only drops lessons learned far *below* the recent losses)
+    assert floored.guard_limit() is not None
+    state = floored.state()
+    fresh = LossGuard(4, 1.0, guard_floor=12.0)
+    fresh.load_state(state, "test")
+    assert fresh.state() == state and fresh.guard_limit() == floored.guard_limit()
+    old = LossGuard(4, 1.0, guard_floor=12.0)
+    old.load_state({"ratios": [0.5, 2.0]}, "test")  # a checkpoint from before the floor
+    assert old.guard_limit() == FP16_MAX / 2 / 2.0
+    with pytest.raises(ConfigError, match="one \\|loss\\| per ratio"):
+        old.load_state({"ratios": [0.5], "ratio_losses": [1.0, 2.0]}, "test")
+    with pytest.raises(ConfigError, match="guard_floor"):
+        LossGuard(4, 1.0, guard_floor=-1.0)

@@ -248,6 +248,11 @@ class AmaxLossRule(AmaxCapRule):
     above it), and each probe that overflows doubles the wait before the next, up to
     ``growth_interval``: in a long run the probes cost a few skipped steps, then one per
     ``growth_interval`` steps, as torch's growth does.
+
+    A loss of terms of both signs can sit near zero while its gradients do not (RL fine-tuning's
+    advantage-weighted ratios); ``guard_floor`` (bits) keeps such a step from teaching the guard
+    an amax per loss that foresees the next step's amax far too large
+    (:class:`~autoscale.scalers.rules.guard.LossGuard`); 0 keeps every step.
     """
 
     description = (
@@ -269,6 +274,7 @@ class AmaxLossRule(AmaxCapRule):
         capped_margin: float = 0.0,
         guard_history: int = 16,
         guard_margin: float = 1.0,
+        guard_floor: float = 0.0,
     ) -> None:
         super().__init__(
             history_len=history_len,
@@ -278,8 +284,9 @@ class AmaxLossRule(AmaxCapRule):
             probe_after=probe_after,
             capped_margin=capped_margin,
         )
-        self.guard = LossGuard(guard_history, guard_margin)
+        self.guard = LossGuard(guard_history, guard_margin, guard_floor)
         self.guard_margin, self.guard_history = self.guard.guard_margin, self.guard.guard_history
+        self.guard_floor = self.guard.guard_floor
         self.wait = self.probe_after  # clean steps before the next probe of the cap
         self.base = math.nan  # the scale next_scale set last (before any guard)
 

@@ -7,6 +7,15 @@ last ``guard_history`` clean steps, and gives the limit a step's ``scale * |loss
 scaler applies it on the device when the loss is scaled (no host sync); the environments apply
 the host twin (:func:`~autoscale.scalers.loss_guard.guarded_scale`).
 
+A loss that sums terms of both signs can sit near zero while its gradients do not (GRPO-style
+RL fine-tuning: at the first optimizer step of each rollout the importance ratio is exactly 1 and
+the loss is a mean of advantages normalised to zero, about 1e-8, with gradients of 1e-3;
+``experiments/results/rl_finetune.md``). Such a step's amax per ``|loss|`` is about 10^5 and says
+nothing of the next step's gradients, yet foresees an amax 10^5 too large at it. With
+``guard_floor`` set, a step whose ``|loss|`` lies more than ``guard_floor`` bits below the largest
+``|loss|`` of the last ``guard_history`` steps teaches the guard nothing, and remembered ratios
+learned at such a loss do not count towards the limit; 0 (the default) keeps every one.
+
 ``amax-loss`` hosts one; so can an agent: an environment given ``episode.guard`` applies it to
 the agent's scales and learns it from every step, and the exported policy carries it, so the
 agent sets the base scale and its growth while the guard takes each spike.
@@ -34,20 +43,38 @@ class LossGuard:
     Args:
         guard_history: Clean steps whose amax per ``|loss|`` it remembers.
         guard_margin: Bits the foreseen amax stays below fp16's maximum.
+        guard_floor: Bits below the recent largest ``|loss|`` under which a step's loss is taken
+            for a cancellation, not a size (the module's docstring); 0: never.
     """
 
     has_guard = True
 
-    def __init__(self, guard_history: int = 16, guard_margin: float = 1.0) -> None:
+    def __init__(
+        self, guard_history: int = 16, guard_margin: float = 1.0, guard_floor: float = 0.0
+    ) -> None:
         self.guard_margin = check_bits("guard_margin", guard_margin)
         self.guard_history = check_interval("guard_history", guard_history)
+        self.guard_floor = check_bits("guard_floor", guard_floor)
         self.ratios: deque[float] = deque(maxlen=self.guard_history)  # gradient amax per |loss|
+        self.ratio_losses: deque[float] = deque(maxlen=self.guard_history)  # |loss| of each
+        self.losses: deque[float] = deque(maxlen=self.guard_history)  # recent steps' |loss|
+
+    def _cut(self) -> float:
+        """The ``|loss|`` below which a step teaches nothing (0: every one teaches)."""
+        if not self.guard_floor or not self.losses:
+            return 0.0
+        return max(self.losses) * 2.0**-self.guard_floor
 
     def guard_limit(self) -> float | None:
-        """The largest ``scale * |loss|`` a step may take (None before any clean step)."""
-        if not self.ratios:
+        """The largest ``scale * |loss|`` a step may take (None before any clean step, or where
+        the ``guard_floor`` leaves no remembered ratio)."""
+        if not self.guard_floor:  # every lesson counts
+            return FP16_MAX * 2.0**-self.guard_margin / max(self.ratios) if self.ratios else None
+        cut = self._cut()
+        counted = [r for r, m in zip(self.ratios, self.ratio_losses) if m >= cut]
+        if not counted:
             return None
-        return FP16_MAX * 2.0**-self.guard_margin / max(self.ratios)
+        return FP16_MAX * 2.0**-self.guard_margin / max(counted)
 
     def observe(self, scale: float, stats: StepStats) -> str | None:
         """Learn from one step taken at ``scale``: :data:`SHORT` when a guarded step overflowed
@@ -56,31 +83,66 @@ class LossGuard:
         None."""
         loss = abs(stats.loss) if stats.loss_seen else math.nan
         usable = 0.0 < loss < math.inf
+        if usable:
+            self.losses.append(loss)
         if stats.found_inf or not math.isfinite(stats.grad_amax):
             if stats.guarded and usable:
-                self.ratios.append(2.0 * FP16_MAX / (scale * loss))
+                self._remember(2.0 * FP16_MAX / (scale * loss), loss)
                 return SHORT
             return None
-        if usable and stats.grad_amax > 0:
-            self.ratios.append(stats.grad_amax / loss)
+        if usable and stats.grad_amax > 0 and loss >= self._cut():
+            self._remember(stats.grad_amax / loss, loss)
             return LEARNED
         return None
 
+    def _remember(self, ratio: float, loss: float) -> None:
+        self.ratios.append(ratio)
+        self.ratio_losses.append(loss)
+
     def params(self) -> dict[str, Any]:
-        return {"guard_history": self.guard_history, "guard_margin": self.guard_margin}
+        return {
+            "guard_history": self.guard_history,
+            "guard_margin": self.guard_margin,
+            "guard_floor": self.guard_floor,
+        }
 
     def state(self) -> dict[str, Any]:
-        return {"ratios": [float(r) for r in self.ratios]}
+        return {
+            "ratios": [float(r) for r in self.ratios],
+            "ratio_losses": [float(m) for m in self.ratio_losses],
+            "losses": [float(m) for m in self.losses],
+        }
 
     def load_state(self, state: dict[str, Any], owner: str) -> None:
         """Restore :meth:`state`; ``owner`` names the rule or policy in errors."""
-        ratios = state.get("ratios", [])
-        if not isinstance(ratios, list) or not all(
-            isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < math.inf
-            for r in ratios
-        ):
+        ratios = _positives(state, "ratios", [], owner, inf=False)
+        # a checkpoint from before guard_floor: its ratios count whatever their loss
+        ratio_losses = _positives(state, "ratio_losses", [math.inf] * len(ratios), owner)
+        if len(ratio_losses) != len(ratios):
             raise ConfigError(
-                f"{owner}: state 'ratios' must be a list of positive numbers, got "
-                f"{ratios!r}; the checkpoint was not written by this rule"
+                f"{owner}: state 'ratio_losses' must hold one |loss| per ratio, got "
+                f"{len(ratio_losses)} for {len(ratios)}; the checkpoint was not written by this rule"
             )
-        self.ratios = deque((float(r) for r in ratios), maxlen=self.guard_history)
+        self.ratios = deque(ratios, maxlen=self.guard_history)
+        self.ratio_losses = deque(ratio_losses, maxlen=self.guard_history)
+        losses = _positives(state, "losses", [], owner, inf=False)
+        self.losses = deque(losses, maxlen=self.guard_history)
+
+
+def _positives(
+    state: dict[str, Any], key: str, default: list[float], owner: str, inf: bool = True
+) -> list[float]:
+    """``state[key]``: a list of positive numbers (inf among them only where ``inf``)."""
+    values = state.get(key, default)
+    if not isinstance(values, list) or not all(
+        isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and 0 < v
+        and (v < math.inf or (inf and v == math.inf))
+        for v in values
+    ):
+        raise ConfigError(
+            f"{owner}: state '{key}' must be a list of positive numbers, got "
+            f"{values!r}; the checkpoint was not written by this rule"
+        )
+    return [float(v) for v in values]
