@@ -126,7 +126,9 @@ class AutoBuild:
     """One build of ``auto`` over ``suite``: agents and traces cached under ``cache``, torch's runs
     of the no-harm check under ``no_harm_cache`` (default ``cache/no-harm``); ``searched_pick`` is
     the suite search's exported policy, ranked when it exists; ``extras`` are labelled parametric
-    candidates (:func:`parse_extra`)."""
+    candidates (:func:`parse_extra`). With ``keep_measured`` every held-out episode, confirming
+    set and long run is kept under ``cache/measured`` as it finishes and read back by a build
+    run again (:mod:`autoscale.selection.measured`): a stopped build resumes there."""
 
     def __init__(
         self,
@@ -138,6 +140,7 @@ class AutoBuild:
         no_harm_cache: Path | None = None,
         extras: dict[str, tuple[str, dict]] | None = None,
         log: Callable[[str], Any] = print,
+        keep_measured: bool = True,
     ):
         from autoscale.envs.episodes import scaler_for
 
@@ -151,6 +154,9 @@ class AutoBuild:
             except Exception as exc:
                 raise ValueError(f"{label}: {exc}") from exc
         self.factories: dict[str, Callable[[], Any]] = {}
+        self.identities: dict[str, str] = {}  # what each candidate is, for ``self.measured``
+        self.measured: Any = None  # the real-step measurements kept on disk (measured.py)
+        self.keep_measured = keep_measured
         self.agents: dict[str, Path] = {}
         self._check = None  # the no-harm check, built at its first use
 
@@ -169,11 +175,18 @@ class AutoBuild:
             self.suite, traces, s, self.cache / "policies", timings, self.log
         )
         same_as_builtin = self._candidates()
+        from autoscale.selection.measured import Measured
+
+        if self.keep_measured:
+            self.measured = Measured(self.cache / "measured", self.identities)
         searched = [m.name for m in self.suite.members]
         validation = [m.name for m in self.suite.validation]
         test = [m.name for m in self.suite.test]
         t0 = time.monotonic()
-        cards = ev.held_out(self.suite, self.factories, s.steps, members=searched + validation)
+        cards = ev.held_out(
+            self.suite, self.factories, s.steps, members=searched + validation,
+            measured=self.measured,
+        )  # fmt: skip
         timings["select"] = time.monotonic() - t0
         weights = self.suite.reward
         names = [n for n in self.factories if n != "torch"]
@@ -234,23 +247,33 @@ class AutoBuild:
         from autoscale.envs.episodes import scaler_for
         from autoscale.scalers.policies import read_manifest
 
-        member, f = self.member, self.factories
+        from autoscale.selection.measured import files_hash
+
+        member, f, ids = self.member, self.factories, self.identities
         f.update({n: (lambda p=p: scaler_for(str(p), member)) for n, p in self.agents.items()})
+        ids.update({n: f"policy {files_hash([p])}" for n, p in self.agents.items()})
         same_as_builtin = None
         pick = self.searched_pick
         if pick is not None and (pick / "policy.yaml").is_file():
             same_as_builtin = read_manifest(pick).workload.get("builtin_rule")
             if same_as_builtin is None:
                 f["suite-parametric"] = lambda: scaler_for(str(pick), member)
+                ids["suite-parametric"] = f"policy {files_hash([pick])}"
             else:
                 if same_as_builtin != REFERENCE:
                     f[same_as_builtin] = lambda r=same_as_builtin: scaler_for(r, member)
+                    ids[same_as_builtin] = f"rule {same_as_builtin} {{}}"
                 self.log(f"the suite search's pick is the built-in {same_as_builtin} with its "
                           "defaults: ranked as that rule")  # fmt: skip
         f[REFERENCE] = lambda: scaler_for(REFERENCE, member)
         for label, (rule, params) in self.extras.items():
             f[label] = lambda r=rule, kw=params: scaler_for(r, member, **kw)
+            ids[label] = f"rule {rule} {sorted(params.items())}"
         f["torch"] = lambda: scaler_for("torch", member)
+        ids.update({n: f"rule {n} {{}}" for n in (REFERENCE, "torch")})
+        bounds = member.episode
+        for n in ids:  # every candidate is built with the episode's scale bounds
+            ids[n] += f" {bounds.init_scale} {bounds.min_scale} {bounds.max_scale}"
         return same_as_builtin
 
     def _confirm_loss(self, suite, cards, scaler: str, first_seed: int):
@@ -268,7 +291,9 @@ class AutoBuild:
         for m in todo:
             self.log(f"{scaler}: eval loss on {m} not told from seed noise by three episodes: "
                       f"{n} paired episodes more")  # fmt: skip
-            more[m] = ev.confirm(suite, m, pair, n, first_seed, self.settings.steps)
+            more[m] = ev.confirm(
+                suite, m, pair, n, first_seed, self.settings.steps, measured=self.measured
+            )
         return ev.acceptance(cards, scaler, more), more
 
     def _meets_the_bar(self, r: BuildResult, name: str) -> list[str]:
@@ -309,7 +334,9 @@ class AutoBuild:
         members = r.chosen_on if members is None else members
         pair = {name: self.factories[name], "torch": self.factories["torch"]}
         t0 = time.monotonic()
-        runs = ev.long_runs(self.suite, members, pair, self.settings.long_steps, LONG_RUN_SEED)
+        runs = ev.long_runs(
+            self.suite, members, pair, self.settings.long_steps, LONG_RUN_SEED, self.measured
+        )
         r.timings["long runs"] += time.monotonic() - t0
         harm = ev.long_harm(runs, name, ev.seed_noise(r.cards, members))
         before = r.long_runs.get(name, LongRuns({}, {}))
@@ -328,8 +355,9 @@ class AutoBuild:
         fresh = fresh_seeds(self.suite)
         keep = dict.fromkeys((pick, REFERENCE, "torch"))
         r.evidence = ev.held_out(
-            fresh, {k: self.factories[k] for k in keep}, self.settings.steps, members=r.chosen_on
-        )
+            fresh, {k: self.factories[k] for k in keep}, self.settings.steps, members=r.chosen_on,
+            measured=self.measured,
+        )  # fmt: skip
         r.evidence_acceptance, r.evidence_confirmed = self._confirm_loss(
             fresh, r.evidence, pick, CONFIRM_SEEDS["evidence"]
         )
@@ -349,7 +377,9 @@ class AutoBuild:
         if not r.test:
             return
         t0 = time.monotonic()
-        cards = ev.held_out(self.suite, self.factories, self.settings.steps, members=r.test)
+        cards = ev.held_out(
+            self.suite, self.factories, self.settings.steps, members=r.test, measured=self.measured
+        )
         r.timings["test"] = time.monotonic() - t0
         for scaler, by in cards.items():
             r.cards[scaler].update(by)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from autoscale.selection.measured import Measured
 from autoscale.training import bar
 
 
@@ -32,11 +33,14 @@ def held_out(
     steps: int,
     progress: bool = True,
     members: str | list[str] = "all",
+    measured: Measured | None = None,
 ) -> dict[str, dict[str, list]]:
     """Scaler -> member -> scorecards of the member's test instances (real steps), for
-    ``members`` (a list of names, or what :class:`~autoscale.envs.suite_env.SuiteEnv` takes)."""
+    ``members`` (a list of names, or what :class:`~autoscale.envs.suite_env.SuiteEnv` takes);
+    episodes ``measured`` holds are read back, the others stored there as they finish."""
     from autoscale.envs.episodes import drive_episode
     from autoscale.envs.suite_env import SuiteEnv
+    from autoscale.training.scorecard import Scorecard
 
     shaped = suite.with_episode_steps(steps)
     env = SuiteEnv(shaped, "test", members=members)
@@ -46,9 +50,17 @@ def held_out(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(factories) * len(env.instance_names), desc="held-out", unit="episode")
-    for name, (member, _) in zip(env.instance_names, env.pairs):
+    for name, (member, inst) in zip(env.instance_names, env.pairs):
+        m = shaped.member(member)
         for scaler, factory in factories.items():
-            card, _ = drive_episode(env, factory(), name)
+            at = measured.path(scaler, "episode", m.workload, m.episode, inst) if measured else None
+            stored = measured.get(at) if measured else None
+            if stored is not None:
+                card = Scorecard.from_dict(stored)
+            else:
+                card, _ = drive_episode(env, factory(), name)
+                if measured:
+                    measured.put(at, card.to_dict())
             out[scaler].setdefault(member, []).append(card)
             if bar is not None:
                 bar.update(1)
@@ -107,6 +119,7 @@ def confirm(
     episodes: int,
     first_seed: int,
     steps: int,
+    measured: Measured | None = None,
 ) -> dict[str, list]:
     """Scaler -> scorecards of ``episodes`` more real-step episodes of ``member`` at seeds
     ``first_seed``, ``first_seed + 1``, ... (start points cycling over its test instances'), for
@@ -121,11 +134,31 @@ def confirm(
         for k in range(episodes)
     )
     m = dataclasses.replace(m, instances={**m.instances, "test": test})
-    return evaluate_scalers(m, factories, progress=True)
+    if measured is None:
+        return evaluate_scalers(m, factories, progress=True)
+    from autoscale.training.scorecard import Scorecard
+
+    at = {s: measured.path(s, "confirm", m.workload, m.episode, test) for s in factories}
+    out = {}
+    for scaler, path in at.items():
+        stored = measured.get(path)
+        if stored is not None:
+            out[scaler] = [Scorecard.from_dict(c) for c in stored]
+    todo = {s: f for s, f in factories.items() if s not in out}
+    if todo:
+        for scaler, cards in evaluate_scalers(m, todo, progress=True).items():
+            measured.put(at[scaler], [c.to_dict() for c in cards])
+            out[scaler] = cards
+    return {s: out[s] for s in factories}
 
 
 def long_runs(
-    suite, members: list[str], factories: dict[str, Callable[[], Any]], steps: int, seed: int = 100
+    suite,
+    members: list[str],
+    factories: dict[str, Callable[[], Any]],
+    steps: int,
+    seed: int = 100,
+    measured: Measured | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Member -> scaler -> scorecard, step records, ``kept`` and ``nonzero`` of one long real run
     (the member's workload, ``seed``).
@@ -145,7 +178,13 @@ def long_runs(
         member = suite.member(name)
         out[name] = {}
         for scaler, factory in factories.items():
-            run = TrainingRun(member.workload.replace(seed=seed), factory())
+            workload = member.workload.replace(seed=seed)
+            at = measured.path(scaler, "long", workload, steps) if measured else None
+            stored = measured.get(at) if measured else None
+            if stored is not None:
+                out[name][scaler] = _long_run_from(stored)
+                continue
+            run = TrainingRun(workload, factory())
             params = [p for p in run.model.parameters() if p.requires_grad]
             numel = sum(p.numel() for p in params)
             kept: list[float] = []
@@ -167,7 +206,22 @@ def long_runs(
                 "kept": kept,
                 "nonzero": nonzero,
             }
+            if measured:
+                measured.put(at, _long_run_dict(out[name][scaler]))
     return out
+
+
+def _long_run_dict(run: dict[str, Any]) -> dict[str, Any]:
+    records = [r.to_dict() for r in run["records"]]
+    return {**run, "card": run["card"].to_dict(), "records": records}
+
+
+def _long_run_from(d: dict[str, Any]) -> dict[str, Any]:
+    from autoscale.training.records import StepRecord
+    from autoscale.training.scorecard import Scorecard
+
+    records = [StepRecord.from_dict(r) for r in d["records"]]
+    return {**d, "card": Scorecard.from_dict(d["card"]), "records": records}
 
 
 def kept_share(run: dict[str, Any]) -> float:

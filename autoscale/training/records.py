@@ -74,6 +74,18 @@ class StepRecord:
             out["grad_log2_hist"] = list(self.grad_log2_hist)
         return out
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepRecord:
+        """The record :meth:`to_dict` wrote."""
+        hist = d.get("grad_log2_hist")
+        return cls(
+            **{
+                **d,
+                "stats": StepStats(**d["stats"]),
+                "grad_log2_hist": None if hist is None else tuple(hist),
+            }
+        )
+
 
 @dataclass(frozen=True)
 class Snapshot:

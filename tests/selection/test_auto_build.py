@@ -143,7 +143,9 @@ def first_build(tmp_path_factory):
 
 
 def _again(tmp, **kw) -> AutoBuild:
-    """The same build, its agents reused from the first one's ledger."""
+    """The same build, its agents reused from the first one's ledger (measuring again unless
+    ``keep_measured``)."""
+    kw.setdefault("keep_measured", False)
     return AutoBuild(
         _tiny_suite(), dataclasses.replace(TINY, reuse_agents=True), tmp / "cache", extras=EXTRAS,
         log=lambda t: None, no_harm_cache=tmp / "no-harm", **kw,
@@ -237,8 +239,8 @@ def _changed_test_cards(monkeypatch, test: list[str], change):
 
     real = suite_eval.held_out
 
-    def held_out(suite, factories, steps, progress=True, members="all"):
-        cards = real(suite, factories, steps, progress, members)
+    def held_out(suite, factories, steps, progress=True, members="all", measured=None):
+        cards = real(suite, factories, steps, progress, members, measured)
         for scaler, by in cards.items():
             for m in set(by) & set(test):
                 by[m] = [change(scaler, c) for c in by[m]]
@@ -291,3 +293,53 @@ def test_test_members_are_read_only_after_the_choice_and_never_change_it(first_b
     assert third.chosen == pick and third.pick is None
     assert set(third.verdicts) == set(first.verdicts)  # the next candidate was not tried
     assert "on test members misses the bar on cnn/clean" in third.verdicts[pick]["reasons"]
+
+
+@pytest.mark.slow
+def test_a_build_run_again_reads_its_measurements_back_and_decides_the_same(
+    first_build, monkeypatch
+):
+    """A stopped build resumes: every held-out episode, confirming set and long run the first
+    build finished is read back (no real-step episode runs for them), and the build ranks and
+    decides as it did."""
+    from autoscale.envs import episodes
+
+    tmp, _, first, _ = first_build
+    driven = []
+    real = episodes.drive_episode
+    monkeypatch.setattr(
+        episodes, "drive_episode", lambda *a, **k: driven.append(a[2]) or real(*a, **k)
+    )
+    build = _again(tmp, keep_measured=True)
+    second = build.run()
+    assert driven == [] and build.measured.hits > 0 and build.measured.stored == 0
+    assert second.objective == first.objective and second.objective_test == first.objective_test
+    assert second.ranked == first.ranked and second.pick == first.pick
+    assert second.verdicts == first.verdicts
+    long, again = first.long_runs[first.pick].runs, second.long_runs[second.pick].runs
+    for member, by in long.items():
+        for scaler, run in by.items():
+            back = again[member][scaler]
+            assert repr(back["card"]) == repr(run["card"]) and back["kept"] == run["kept"]
+            assert [r.to_dict() for r in back["records"]] == [r.to_dict() for r in run["records"]]
+
+
+def test_measurements_are_keyed_by_what_decides_them(tmp_path):
+    """Another identity or other settings miss; a candidate without an identity is never
+    stored; a partial file reads as missing."""
+    from autoscale.selection.measured import Measured
+
+    m = Measured(tmp_path, {"a": "rule amax-loss []", "b": "rule amax-loss [('probe_after', 8)]"})
+    at = m.path("a", "episode", 64)
+    assert at is not None and m.get(at) is None
+    m.put(at, {"x": float("nan"), "y": [1.0, float("inf")]})
+    back = m.get(at)
+    assert back["y"] == [1.0, float("inf")] and back["x"] != back["x"]
+    assert m.path("b", "episode", 64) != at and m.path("a", "episode", 128) != at
+    assert m.path("unnamed", "episode", 64) is None
+    m.put(None, {"x": 1})  # not stored, no error
+    other = Measured(tmp_path, m.identities)
+    other.code = "another version"
+    assert other.path("a", "episode", 64) != at
+    at.write_text('{"x": ')  # a file cut short
+    assert m.get(at) is None
