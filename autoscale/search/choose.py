@@ -25,7 +25,7 @@ from typing import Any
 
 from autoscale.search.budget import Ledger, format_duration
 from autoscale.search.candidates import AUTO, TORCH
-from autoscale.search.gate import NoHarmCheck, Verdict
+from autoscale.search.gate import NoHarmCheck, OutOfTime, Verdict
 from autoscale.search.objective import Lead, lead
 from autoscale.search.timing import Timings
 from autoscale.search.validate import Validated
@@ -181,7 +181,11 @@ def _verdict(
                     f"{format_duration(max(0.0, stop_at - time.monotonic()))} left)"
                 )
                 return None
-            verdict = gate.check(factory, v.label)
+            try:
+                verdict = gate.check(factory, v.label, deadline=stop_at)
+            except OutOfTime as exc:  # a machine slower than planned: the check says nothing
+                choice.unchecked.append(f"{v.label} ({exc})")
+                return None
         with ledger.track("bk:attrs"):
             study.set_user_attr(GATE_PREFIX + v.key, json_safe(verdict.to_dict()))
     choice.verdicts.append(verdict)

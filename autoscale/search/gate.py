@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ from autoscale.training.bar import SKIP_POINTS, harm, seed_noise
 from autoscale.training.scorecard import Scorecard
 
 __all__ = [
+    "OutOfTime",
     "GATE_STEPS",
     "SCREEN_MARGIN",
     "gate_workloads",
@@ -58,6 +60,23 @@ GATE_STEPS = 1000
 SCREEN_MARGIN = 0.02  # replay refuses only what skips this much more than torch
 GATE_VERSION = 1
 DRIFT = {"down": 20.0, "up": 8.0}  # bits of the drift run's loss weight: down, then up
+
+
+class OutOfTime(Exception):
+    """A check (or torch's run it needs) reached its deadline before its last step: it says
+    nothing, and nothing of it is kept."""
+
+
+def _until(deadline: float | None) -> Callable[[Any], bool] | None:
+    """A :meth:`TrainingRun.run` callback that stops the run at ``deadline`` (None: never)."""
+    if deadline is None:
+        return None
+    return lambda rec: time.monotonic() < deadline
+
+
+def _finished(card: Any, steps: int, what: str) -> None:
+    if card.steps < steps:
+        raise OutOfTime(f"{what} stopped at the budget's end after {card.steps} of {steps} steps")
 
 
 def gate_workloads(members: list[Any], steps: int = GATE_STEPS) -> tuple[Any, ...]:
@@ -189,8 +208,11 @@ class NoHarmCheck:
         """Whether torch's run of ``workload`` with ``seed`` is in the cache."""
         return (self.cache / f"torch-{self._key(workload, seed)}.json").is_file()
 
-    def reference(self, workload: Any, seed: int) -> tuple[Scorecard, Any]:
-        """torch's scorecard of the run and its recorded trace (run and cached if missing)."""
+    def reference(
+        self, workload: Any, seed: int, deadline: float | None = None
+    ) -> tuple[Scorecard, Any]:
+        """torch's scorecard of the run and its recorded trace (run and cached if missing; a run
+        that reaches ``deadline`` first raises :class:`OutOfTime` and is not cached)."""
         from autoscale.envs.traces import Trace
         from autoscale.search.storage import file_lock
 
@@ -205,14 +227,16 @@ class NoHarmCheck:
                     )
                 except (ConfigError, ValueError, KeyError, TypeError):
                     card_path.unlink(missing_ok=True)  # damaged: run it again
-            card, trace = self._run_torch(workload, seed)
+            card, trace = self._run_torch(workload, seed, deadline)
             trace.save(trace_path)
             tmp = card_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(card.to_dict()))
             tmp.replace(card_path)
         return card, trace
 
-    def _run_torch(self, workload: Any, seed: int) -> tuple[Scorecard, Any]:
+    def _run_torch(
+        self, workload: Any, seed: int, deadline: float | None = None
+    ) -> tuple[Scorecard, Any]:
         import numpy as np
 
         from autoscale.envs.spec import EnvSpec
@@ -228,7 +252,8 @@ class NoHarmCheck:
             record=True,
         )
         with self.ledger.track("work:gate"):
-            card = run.run(self.gate.steps, progress=self.progress)
+            card = run.run(self.gate.steps, progress=self.progress, callback=_until(deadline))
+        _finished(card, self.gate.steps, f"torch's {gate_label(workload)} run")
         spec = self._replay_spec(workload)
         inst = instance_trace(
             f"gate-s{seed}",
@@ -281,21 +306,28 @@ class NoHarmCheck:
                     )
         return Verdict(label, not reasons, reasons, screened=True)
 
-    def check(self, factory: Callable[[], Any], label: str) -> Verdict:
-        """Run the candidate's long clean runs and judge them against torch's."""
+    def check(
+        self, factory: Callable[[], Any], label: str, deadline: float | None = None
+    ) -> Verdict:
+        """Run the candidate's long clean runs and judge them against torch's. A run that reaches
+        ``deadline`` (``time.monotonic()``) before its last step raises :class:`OutOfTime`: a
+        budget's end stops a check rather than letting it overrun."""
         from autoscale.training import TrainingRun
 
         reasons: list[str] = []
         runs: dict[str, dict[str, list[dict]]] = {}
         for w in self.gate.workloads:
-            refs = {s: self.reference(w, s)[0] for s in self.gate.seeds}
+            refs = {s: self.reference(w, s, deadline)[0] for s in self.gate.seeds}
             noise = seed_noise([c.eval_loss for c in refs.values()])
             mine = []
             for seed in self.gate.candidate_seeds:
                 scaler = factory()
                 run = TrainingRun(w.replace(seed=seed), _on_device(scaler, w))
                 with self.ledger.track("work:gate"):
-                    card = run.run(self.gate.steps, progress=self.progress)
+                    card = run.run(
+                        self.gate.steps, progress=self.progress, callback=_until(deadline)
+                    )
+                _finished(card, self.gate.steps, f"its {gate_label(w)} run")
                 mine.append(card)
                 ref = refs[seed]
                 kept = (1.0 - card.precision_loss, 1.0 - ref.precision_loss)

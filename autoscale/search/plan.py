@@ -66,7 +66,8 @@ HORIZON_LADDER = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
 VALIDATION_LADDER = (4096, 2048, 1024, 512, 256, 128, 96, 64, 48, 32, 24, 16, 8)
 MIN_STEPS_ALL_RULES = 16  # shorter validation episodes validate the candidate and torch first
 MAX_SEEDS = 3
-GATE_CANDIDATES = 2  # the no-harm check is planned for this many candidates
+GATE_CANDIDATES = 2  # the no-harm check is planned for this many candidates where it fits:
+CHECK_SHARE = 0.40  # the check of two takes at most this share of the working budget, else one
 
 
 # ---------------------------------------------------------------------- shapes
@@ -247,7 +248,7 @@ def make_plan(
     cached_traces = cached_traces or (lambda s, n: 0.0)
     cached_gate = cached_gate or (lambda w, s: False)
     gate, gate_cuts = fit_gate(gate, timings, work_s, cached_gate)
-    gate_s = gate.cost(timings, GATE_CANDIDATES, cached_gate)
+    gate_s = gate.planned(timings, cached_gate)
     gate_min = gate.cost(timings, 1, cached_gate)
 
     def rec_cost(shaped: SuiteSpec, trace_steps: int) -> float:
@@ -325,7 +326,10 @@ def fit_gate(
     gate: GatePlan, timings: Timings, work_s: float, cached: Callable[[Any, int], bool]
 ) -> tuple[GatePlan, tuple[str, ...]]:
     """``gate`` with each workload whose runs cost more than :data:`GATE_SHARE` of the budget
-    replaced by its tiny proxy (said in the cuts)."""
+    replaced by its tiny proxy, and time kept to check one candidate rather than
+    :data:`GATE_CANDIDATES` where that many would take more than :data:`CHECK_SHARE` of it (said
+    in the cuts: the search gets that time; a second candidate is still checked where the first
+    fails and time is left)."""
     from autoscale.search.gate import gate_proxy
 
     kept: list[Any] = []
@@ -343,7 +347,14 @@ def fit_gate(
             )
         else:
             kept.append(w)
-    return dataclasses.replace(gate, workloads=tuple(kept)), tuple(cuts)
+    gate = dataclasses.replace(gate, workloads=tuple(kept), checked=GATE_CANDIDATES)
+    if GATE_CANDIDATES > 1 and gate.planned(timings, cached) > CHECK_SHARE * work_s:
+        cuts.append(
+            f"time to check {GATE_CANDIDATES} candidates ({format_duration(gate.planned(timings, cached))}): "
+            "planned for one"
+        )
+        gate = dataclasses.replace(gate, checked=1)
+    return gate, tuple(cuts)
 
 
 def fit_validation(

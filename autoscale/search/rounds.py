@@ -28,7 +28,7 @@ from autoscale.search.export import (
     top_candidates,
 )
 from autoscale.search.loop import TrialLoop
-from autoscale.search.plan import GATE_CANDIDATES, Plan
+from autoscale.search.plan import Plan
 from autoscale.search.report import comparison_table, draw_comparison, member_table
 from autoscale.search.session import Session
 from autoscale.search.space import parametric_families
@@ -120,7 +120,7 @@ class Rounds:
             n_rules += not self._bar_real()  # the bar
             k = CANDIDATES_PER_ROUND if first else 1
             after = validator.cost(k + (n_rules if first else 0)) + 1.2 * self.gate.cost(
-                plan.timings, GATE_CANDIDATES if first else 1
+                plan.timings, plan.gate.checked if first else 1
             )
             if not first and self.budget.left() < after + min_search:
                 self._tail()

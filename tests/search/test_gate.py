@@ -256,3 +256,41 @@ def test_no_time_for_the_check_means_no_export_of_that_candidate(check):
     assert choice.winner.key == "policy:auto"  # the bar, the shipped policy
     assert "its no-harm check did not fit in the time left" in choice.why
     assert choice.unchecked and "no-harm check needs" in choice.unchecked[0]
+
+
+def test_a_check_that_reaches_the_budgets_end_stops_there_and_says_so(
+    check, tmp_path, monkeypatch
+):
+    """A machine slower than planned: the check fits its estimate but its runs reach the
+    deadline; they stop there, the candidate is not exported (no verdict is stored for it), and
+    a torch run cut short is not cached."""
+    import time
+
+    from autoscale.search.gate import OutOfTime
+
+    with pytest.raises(OutOfTime, match=r"stopped at the budget's end after \d+ of 400 steps"):
+        check.check(scaler("amax-history"), "amax-history", deadline=time.monotonic() + 0.3)
+    fresh = NoHarmCheck(check.gate, tmp_path, Ledger(), SCALE)  # torch's runs not cached here
+    w = fresh.gate.workloads[0]
+    with pytest.raises(OutOfTime, match="torch's mlp run"):
+        fresh.reference(w, 0, deadline=time.monotonic() + 0.3)
+    assert not fresh.cached(w, 0)
+
+    torch = validated("rule:torch", 0.125, 0.3)
+    auto = validated("policy:auto", 0.0, 0.05)
+    best = validated("trial:5", 0.0, 0.0)
+    factories = {"trial:5": scaler("amax-history"), "policy:auto": scaler("auto")}
+    # auto's verdict is stored (no runs for it); the candidate's screen passes at once and its
+    # check is estimated at microseconds: it starts, and its 800 real steps reach the deadline
+    study = study_with(True)
+    screened = Verdict("trial 5", True, [], screened=True)
+    monkeypatch.setattr(check, "screen", lambda factory, label: screened)
+    timings = Timings({workload_key(w): Timing(1e-6, 0.0, 0.0, 4) for w in check.gate.workloads})
+    rows = [torch, auto, best]
+    choice = choose(
+        study, rank({v.key: v for v in rows}, torch, REWARD), factories, check, timings, Ledger(),
+        weights=REWARD, stop_at=time.monotonic() + 0.2, say=lambda t: None,
+    )  # fmt: skip
+    assert choice.winner.key == "policy:auto"
+    assert any("stopped at the budget's end" in u for u in choice.unchecked), choice.unchecked
+    assert GATE_PREFIX + "trial:5" not in study.user_attrs
