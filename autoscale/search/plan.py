@@ -61,13 +61,15 @@ REAL_SHARE = 0.80  # recording + validation + the no-harm check fit in this shar
 VALIDATE_SHARE = 0.30  # validation takes at most this share
 VALIDATED_CANDIDATES = 3  # validation is planned for every rule and this many candidates
 MIN_SEARCH_SHARE = 0.10  # the search keeps at least this share of the working budget
-RL_MIN_SEARCH_S = 12.0  # RL is tried with room for one trial of 10 s (the warm start) beside parametric ones
+# RL is tried where the search leaves room for the warm start: an RL trial starts only before the
+# search's last 5 s (RLObjective.MIN_TRIAL_S / 2), after the parametric trials' share (30%), so
+# 8 s leave it about 5 s to fine-tune the shipped agent; it exports and scores it after that
+RL_MIN_SEARCH_S = 8.0
 HORIZON_LADDER = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
 VALIDATION_LADDER = (4096, 2048, 1024, 512, 256, 128, 96, 64, 48, 32, 24, 16, 8)
 MIN_STEPS_ALL_RULES = 16  # shorter validation episodes validate the candidate and torch first
 MAX_SEEDS = 3
-GATE_CANDIDATES = 2  # the no-harm check is planned for this many candidates where it fits:
-CHECK_SHARE = 0.40  # the check of two takes at most this share of the working budget, else one
+GATE_CANDIDATES = 2  # the no-harm check is planned for this many candidates
 
 
 # ---------------------------------------------------------------------- shapes
@@ -248,7 +250,7 @@ def make_plan(
     cached_traces = cached_traces or (lambda s, n: 0.0)
     cached_gate = cached_gate or (lambda w, s: False)
     gate, gate_cuts = fit_gate(gate, timings, work_s, cached_gate)
-    gate_s = gate.planned(timings, cached_gate)
+    gate_s = gate.cost(timings, GATE_CANDIDATES, cached_gate)
     gate_min = gate.cost(timings, 1, cached_gate)
 
     def rec_cost(shaped: SuiteSpec, trace_steps: int) -> float:
@@ -326,10 +328,7 @@ def fit_gate(
     gate: GatePlan, timings: Timings, work_s: float, cached: Callable[[Any, int], bool]
 ) -> tuple[GatePlan, tuple[str, ...]]:
     """``gate`` with each workload whose runs cost more than :data:`GATE_SHARE` of the budget
-    replaced by its tiny proxy, and time kept to check one candidate rather than
-    :data:`GATE_CANDIDATES` where that many would take more than :data:`CHECK_SHARE` of it (said
-    in the cuts: the search gets that time; a second candidate is still checked where the first
-    fails and time is left)."""
+    replaced by its tiny proxy (said in the cuts)."""
     from autoscale.search.gate import gate_proxy
 
     kept: list[Any] = []
@@ -347,14 +346,7 @@ def fit_gate(
             )
         else:
             kept.append(w)
-    gate = dataclasses.replace(gate, workloads=tuple(kept), checked=GATE_CANDIDATES)
-    if GATE_CANDIDATES > 1 and gate.planned(timings, cached) > CHECK_SHARE * work_s:
-        cuts.append(
-            f"time to check {GATE_CANDIDATES} candidates ({format_duration(gate.planned(timings, cached))}): "
-            "planned for one"
-        )
-        gate = dataclasses.replace(gate, checked=1)
-    return gate, tuple(cuts)
+    return dataclasses.replace(gate, workloads=tuple(kept)), tuple(cuts)
 
 
 def fit_validation(

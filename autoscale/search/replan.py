@@ -29,6 +29,7 @@ from typing import Any
 
 from autoscale.envs.suite import SuiteSpec
 from autoscale.search.plan import (
+    GATE_CANDIDATES,
     VALIDATE_SHARE,
     VALIDATION_LADDER,
     Plan,
@@ -123,7 +124,7 @@ def replan(
     gate, gate_cuts = fit_gate(plan.gate, timings, max(left_s, 1.0), cached_gate)
     cuts += [f"{c} ({why})" for c in gate_cuts if c not in plan.cuts]
     gate_min = gate.cost(timings, 1, cached_gate)
-    gate_s = gate.planned(timings, cached_gate)
+    gate_s = gate.cost(timings, GATE_CANDIDATES, cached_gate)
     # a study with validation results keeps its validation whole (episode length and test
     # instances): real steps need no traces, and results of two lengths must not mix
     validation = plan.validation

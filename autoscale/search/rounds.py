@@ -28,7 +28,7 @@ from autoscale.search.export import (
     top_candidates,
 )
 from autoscale.search.loop import TrialLoop
-from autoscale.search.plan import Plan
+from autoscale.search.plan import GATE_CANDIDATES, Plan
 from autoscale.search.report import comparison_table, draw_comparison, member_table
 from autoscale.search.session import Session
 from autoscale.search.space import parametric_families
@@ -120,7 +120,7 @@ class Rounds:
             n_rules += not self._bar_real()  # the bar
             k = CANDIDATES_PER_ROUND if first else 1
             after = validator.cost(k + (n_rules if first else 0)) + 1.2 * self.gate.cost(
-                plan.timings, plan.gate.checked if first else 1
+                plan.timings, GATE_CANDIDATES if first else 1
             )
             if not first and self.budget.left() < after + min_search:
                 self._tail()
@@ -285,11 +285,16 @@ class Rounds:
 
         # torch and auto in any time left (no answer without them; exporting auto needs no
         # check), the rest where a pick's check still fits after them, with a margin over the
-        # check's own 1.2 (a machine busier now would leave the check a few seconds short)
+        # check's own 1.2 (a machine busier now would leave the check a few seconds short).
+        # Where no check fits any more, the rest in any time left too: a candidate that leads
+        # auto on the user's held-out steps cannot be exported unchecked, but the user learns
+        # of it (the answer names it), and an agent in the race reaches real steps
         first_two = [o for o in order if o[0] in (TORCH, AUTO)]
         results = validator.run(first_two, self.budget.end, on_done=note) if first_two else {}
         rest = [o for o in order if o[0] not in (TORCH, AUTO)]
         gate_at = self.budget.end - 1.4 * self.gate.cost(plan.timings, 1)
+        if gate_at <= time.monotonic():
+            gate_at = self.budget.end
         results.update(validator.run(rest, gate_at, on_done=note) if rest else {})
         validated.update(results)
         if not results and not first:  # a later round that fitted nothing says nothing new

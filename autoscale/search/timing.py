@@ -306,19 +306,12 @@ class GatePlan:
         steps: Real steps of each run (>= 1000).
         seeds: Seeds of ``torch`` (at least two: their spread is the seed noise).
         candidate_seeds: Seeds each candidate runs (the first of ``seeds``).
-        checked: Candidates the plan keeps time to check (a second one is checked where the
-            first fails and time is left).
     """
 
     workloads: tuple[Any, ...]
     steps: int
     seeds: tuple[int, ...] = (0, 1)
     candidate_seeds: tuple[int, ...] = (0,)
-    checked: int = 2
-
-    def planned(self, timings: Timings, cached: Callable[[Any, int], bool]) -> float:
-        """Seconds of the check as planned: :meth:`cost` for ``checked`` candidates."""
-        return self.cost(timings, self.checked, cached)
 
     def cost(self, timings: Timings, candidates: int, cached: Callable[[Any, int], bool]) -> float:
         """Seconds for ``candidates`` candidates and the ``torch`` runs not cached yet."""
@@ -335,5 +328,4 @@ class GatePlan:
             "steps": self.steps,
             "seeds": list(self.seeds),
             "candidate_seeds": list(self.candidate_seeds),
-            "checked": self.checked,
         }

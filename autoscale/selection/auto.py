@@ -246,7 +246,6 @@ class AutoBuild:
         """Fill ``self.factories``; returns the built-in rule the suite search exported as itself."""
         from autoscale.envs.episodes import scaler_for
         from autoscale.scalers.policies import read_manifest
-
         from autoscale.selection.measured import files_hash
 
         member, f, ids = self.member, self.factories, self.identities

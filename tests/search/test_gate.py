@@ -258,9 +258,7 @@ def test_no_time_for_the_check_means_no_export_of_that_candidate(check):
     assert choice.unchecked and "no-harm check needs" in choice.unchecked[0]
 
 
-def test_a_check_that_reaches_the_budgets_end_stops_there_and_says_so(
-    check, tmp_path, monkeypatch
-):
+def test_a_check_that_reaches_the_budgets_end_stops_there_and_says_so(check, tmp_path, monkeypatch):
     """A machine slower than planned: the check fits its estimate but its runs reach the
     deadline; they stop there, the candidate is not exported (no verdict is stored for it), and
     a torch run cut short is not cached."""

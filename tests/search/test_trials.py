@@ -353,7 +353,14 @@ def test_vectorised_parametric_trials_report_what_scalar_ones_do(setup):
         knobs("torch", growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
         knobs("amax-history", history_len=3, margin=0.5, backoff_factor=0.5),
         knobs("amax-cap", history_len=16, margin=2.0, backoff_factor=0.7, growth_interval=4),
-        knobs("amax-loss", history_len=4, margin=1.0, backoff_factor=0.6, growth_interval=9, guard_floor=6.0),
+        knobs(
+            "amax-loss",
+            history_len=4,
+            margin=1.0,
+            backoff_factor=0.6,
+            growth_interval=9,
+            guard_floor=6.0,
+        ),
         knobs("static", log2_init_scale=12),
         knobs(
             "deepspeed",
