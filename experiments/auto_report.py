@@ -139,11 +139,11 @@ def selection_report(r) -> list[str]:
         met = sum(r["met"] for r in accept[s].values())
         v = verdicts.get(s)
         if v is None:
-            gate_text = "-" if met < len(accept[s]) else NOT_REACHED
+            no_harm_text = "-" if met < len(accept[s]) else NOT_REACHED
         else:
-            gate_text = "passed" if v["passed"] else "; ".join(v["reasons"])
+            no_harm_text = "passed" if v["passed"] else "; ".join(v["reasons"])
         cells = _objective_cells(s, objective, r.objective_validation, r.objective_test)
-        lines.append(f"| {s} | {cells} | {met} of {len(accept[s])} | {gate_text} |")
+        lines.append(f"| {s} | {cells} | {met} of {len(accept[s])} | {no_harm_text} |")
     lines += ["", *table(r.cards, r.searched + r.left_out, set(r.left_out), r.weights, scalers)]
     for s in ranked:
         lines += confirm_lines(accept[s], f"{s}: e")

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--history", type=int, default=d.history, help="stacked feature vectors")
     p.add_argument("--steps", type=int, default=d.steps, help="real steps of each held-out episode")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--gate-steps", type=int, default=d.gate_steps)
+    p.add_argument("--no-harm-steps", type=int, default=d.no_harm_steps)
     p.add_argument("--long-steps", type=int, default=d.long_steps,
                    help="steps of the pick's long run on every member next to torch's (0: none)")  # fmt: skip
     p.add_argument("--confirm-episodes", type=int, default=d.confirm_episodes,
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     settings = BuildSettings(
         timesteps=args.timesteps, horizon=args.horizon, history=args.history, steps=args.steps,
-        seed=args.seed, gate_steps=args.gate_steps, long_steps=args.long_steps,
+        seed=args.seed, no_harm_steps=args.no_harm_steps, long_steps=args.long_steps,
         confirm_episodes=args.confirm_episodes, reuse_agents=args.reuse_agents,
         scale_time=not args.no_scale_time, knobs=args.knobs,
     )  # fmt: skip

@@ -3,7 +3,7 @@
 Each policy trains long clean runs (a warm-up and a cosine learning-rate decay, nothing wrong with
 the data) of ``mlp`` and ``gpt2-tiny`` next to the ``torch`` rule (GradScaler's defaults) on the
 same seeds, exactly as ``autoscale search`` checks a candidate before exporting it
-(:mod:`autoscale.search.gate`): it fails when it skips more than torch + 0.5% of the steps, ends
+(:mod:`autoscale.search.no_harm`): it fails when it skips more than torch + 0.5% of the steps, ends
 with a held-out loss worse than torch's beyond the seed noise, or diverges.
 
     python experiments/no_harm.py [--steps 1000] [--policies policies] [--out experiments/results/no_harm.md]
@@ -37,12 +37,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from autoscale.scalers import make_scaler
     from autoscale.search.budget import Ledger
-    from autoscale.search.gate import NoHarmCheck, gate_workloads
-    from autoscale.search.timing import GatePlan
+    from autoscale.search.no_harm import NoHarmCheck, no_harm_workloads
+    from autoscale.search.timing import NoHarmPlan
     from autoscale.search.workload import base_spec
 
     members = [base_spec(model=m) for m in args.models.split(",")]
-    gate = GatePlan(gate_workloads(members, args.steps), args.steps)
+    no_harm = NoHarmPlan(no_harm_workloads(members, args.steps), args.steps)
     folder = ROOT / "experiments" / ".cache" / "no-harm"
     names = sorted(d.name for d in Path(args.policies).iterdir() if (d / "policy.yaml").is_file())
     rows, verdicts = [], {}
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
             "min_scale": probe.min_scale,
             "max_scale": probe.max_scale,
         }
-        check = NoHarmCheck(gate, folder, Ledger(), scale)
+        check = NoHarmCheck(no_harm, folder, Ledger(), scale)
         verdict = check.check(lambda path=path: make_scaler(path, device="cpu"), name)
         verdicts[name] = verdict.to_dict()
         for model, runs in verdict.runs.items():
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         "",
         f"`python experiments/no_harm.py {' '.join(argv or sys.argv[1:])}`".replace("  ", " "),
         "",
-        f"Long clean runs ({args.steps} steps, warm-up {gate.workloads[0].scenario_params['warmup']} "
+        f"Long clean runs ({args.steps} steps, warm-up {no_harm.workloads[0].scenario_params['warmup']} "
         f"steps then cosine decay; seed 0) next to torch (GradScaler's defaults) on the same seed; "
         "seed noise = spread of torch's final eval loss over seeds 0 and 1 (at least 0.2% of it). "
         f"Took {time.monotonic() - t0:.0f} s.",

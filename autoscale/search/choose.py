@@ -10,7 +10,7 @@ counts only when its lead over ``auto`` is more than the seed noise
 get it (a family that cannot adapt, a fixed scale, only when asked for; a lead that holds on the
 horizon's replay of the same held-out runs, not only on the short real-step episodes a budget
 affords: :func:`refusal`); then it runs the no-harm
-check (:mod:`autoscale.search.gate`): screened on replay of ``torch``'s long runs first, then its
+check (:mod:`autoscale.search.no_harm`): screened on replay of ``torch``'s long runs first, then its
 own long runs. The first that passes is the pick. When none does, ``auto`` is: it is checked too
 (where time allows), and where it harms this run, ``torch``, the reference, is the pick.
 Verdicts are kept in the study, so a resumed search or another worker does not run them again.
@@ -25,15 +25,15 @@ from typing import Any
 
 from autoscale.search.budget import Ledger, format_duration
 from autoscale.search.candidates import AUTO, TORCH
-from autoscale.search.gate import NoHarmCheck, OutOfTime, Verdict
+from autoscale.search.no_harm import NoHarmCheck, OutOfTime, Verdict
 from autoscale.search.objective import Lead, lead
 from autoscale.search.timing import Timings
 from autoscale.search.validate import Validated
 from autoscale.training.scorecard import json_safe
 
-__all__ = ["Choice", "choose", "refusal", "horizon_refusal", "GATE_PREFIX"]
+__all__ = ["Choice", "choose", "refusal", "horizon_refusal", "VERDICT_PREFIX"]
 
-GATE_PREFIX = "no-harm-v2:"  # v2: the check's long runs include a drifting one
+VERDICT_PREFIX = "no-harm-v2:"  # v2: the check's long runs include a drifting one
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Choice:
 
 
 def _stored(study: Any, key: str) -> Verdict | None:
-    data = study.user_attrs.get(GATE_PREFIX + key)
+    data = study.user_attrs.get(VERDICT_PREFIX + key)
     if not data:
         return None
     return Verdict(**{k: data[k] for k in ("label", "passed", "reasons", "runs", "screened")})
@@ -70,7 +70,7 @@ def choose(
     study: Any,
     ranked: list[Validated],
     factories: dict[str, Callable[[], Any]],
-    gate: NoHarmCheck,
+    no_harm: NoHarmCheck,
     timings: Timings,
     ledger: Ledger,
     *,
@@ -113,7 +113,7 @@ def choose(
             choice.winner = v
             choice.why = _beats(v, ld)
             return choice
-        verdict = _verdict(study, v, factories, gate, timings, ledger, stop_at, say, choice)
+        verdict = _verdict(study, v, factories, no_harm, timings, ledger, stop_at, say, choice)
         if verdict is not None and verdict.passed:
             choice.winner = v
             choice.why = _beats(v, ld) + " and passed the no-harm check"
@@ -132,7 +132,7 @@ def choose(
             f"the best ({_label(real, best)}) led it by {ld.lead:.4f}, within the seed noise "
             f"({ld.noise:.4f} on {ld.episodes} episodes)"
         )
-    verdict = _verdict(study, bar, factories, gate, timings, ledger, stop_at, say, choice)
+    verdict = _verdict(study, bar, factories, no_harm, timings, ledger, stop_at, say, choice)
     if verdict is None or verdict.passed:
         choice.winner = bar
         checked = "" if verdict is not None else " (its no-harm check did not fit in the time left)"
@@ -160,7 +160,7 @@ def _verdict(
     study: Any,
     v: Validated,
     factories: dict[str, Callable[[], Any]],
-    gate: NoHarmCheck,
+    no_harm: NoHarmCheck,
     timings: Timings,
     ledger: Ledger,
     stop_at: float,
@@ -172,9 +172,9 @@ def _verdict(
     fresh = verdict is None
     if verdict is None:
         factory = factories[v.key]
-        verdict = gate.screen(factory, v.label)
+        verdict = no_harm.screen(factory, v.label)
         if verdict.passed:
-            need = 1.2 * gate.cost(timings, 1)
+            need = 1.2 * no_harm.cost(timings, 1)
             if time.monotonic() + need > stop_at:
                 choice.unchecked.append(
                     f"{v.label} (its no-harm check needs ~{format_duration(need)}, "
@@ -182,12 +182,12 @@ def _verdict(
                 )
                 return None
             try:
-                verdict = gate.check(factory, v.label, deadline=stop_at)
+                verdict = no_harm.check(factory, v.label, deadline=stop_at)
             except OutOfTime as exc:  # a machine slower than planned: the check says nothing
                 choice.unchecked.append(f"{v.label} ({exc})")
                 return None
         with ledger.track("bk:attrs"):
-            study.set_user_attr(GATE_PREFIX + v.key, json_safe(verdict.to_dict()))
+            study.set_user_attr(VERDICT_PREFIX + v.key, json_safe(verdict.to_dict()))
     choice.verdicts.append(verdict)
     if fresh:
         say(verdict.summary())

@@ -38,8 +38,8 @@ from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import BudgetError
 from autoscale.search.budget import format_duration
-from autoscale.search.gate import gate_label
-from autoscale.search.timing import GatePlan, Timings
+from autoscale.search.no_harm import no_harm_label
+from autoscale.search.timing import NoHarmPlan, Timings
 
 __all__ = [
     "Plan",
@@ -49,14 +49,14 @@ __all__ = [
     "RECORD_SHARE",
     "REAL_SHARE",
     "HORIZON_LADDER",
-    "fit_gate",
+    "fit_no_harm",
     "fit_validation",
     "validate_cost",
 ]
 
 RECORD_SHARE = 0.50  # at most this share of the working budget records traces (replay trials cost
 # milliseconds: what a search learns is bounded by what it recorded, not by its search time)
-GATE_SHARE = 0.30  # a no-harm workload whose runs need more is checked on its tiny proxy
+NO_HARM_SHARE = 0.30  # a no-harm workload whose runs need more is checked on its tiny proxy
 REAL_SHARE = 0.80  # recording + validation + the no-harm check fit in this share
 VALIDATE_SHARE = 0.30  # validation takes at most this share
 VALIDATED_CANDIDATES = 3  # validation is planned for every rule and this many candidates
@@ -69,7 +69,7 @@ HORIZON_LADDER = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
 VALIDATION_LADDER = (4096, 2048, 1024, 512, 256, 128, 96, 64, 48, 32, 24, 16, 8)
 MIN_STEPS_ALL_RULES = 16  # shorter validation episodes validate the candidate and torch first
 MAX_SEEDS = 3
-GATE_CANDIDATES = 2  # the no-harm check is planned for this many candidates
+CHECKED_CANDIDATES = 2  # the no-harm check is planned for this many candidates
 
 
 # ---------------------------------------------------------------------- shapes
@@ -127,8 +127,8 @@ class Plan:
         space: ``parametric``, ``rl`` or ``both`` (what the budget affords of the asked space).
         rules: The built-in rules validated against.
         timings: The measurements the plan was made from.
-        gate: The no-harm check.
-        record_s, validate_s, gate_s, search_s: Estimated seconds of each phase.
+        no_harm: The no-harm check.
+        record_s, validate_s, no_harm_s, search_s: Estimated seconds of each phase.
         all_rules_real: Whether every rule's real-step validation fits.
         cuts: What the budget could not afford, in words.
     """
@@ -139,10 +139,10 @@ class Plan:
     space: str
     rules: tuple[str, ...]
     timings: Timings
-    gate: GatePlan
+    no_harm: NoHarmPlan
     record_s: float
     validate_s: float
-    gate_s: float
+    no_harm_s: float
     search_s: float
     all_rules_real: bool = True
     cuts: tuple[str, ...] = field(default_factory=tuple)
@@ -165,9 +165,9 @@ class Plan:
             f"{members}{tr} train + {te} test instances; replay episodes of {self.horizon} steps "
             f"({'early and late in ' + str(self.trace_steps) + '-step runs' if windows > 1 else 'from the start of each run'}), "
             f"validation on {self.steps} real steps; {self.space} space; no-harm check: "
-            f"{self.gate.steps}-step runs of {', '.join(map(gate_label, self.gate.workloads))}; "
+            f"{self.no_harm.steps}-step runs of {', '.join(map(no_harm_label, self.no_harm.workloads))}; "
             f"estimates: record {format_duration(self.record_s)}, search {format_duration(self.search_s)}, "
-            f"validate {format_duration(self.validate_s)}, no-harm {format_duration(self.gate_s)}"
+            f"validate {format_duration(self.validate_s)}, no-harm {format_duration(self.no_harm_s)}"
         )
         if self.cuts:
             what += "\n  traded: " + "; ".join(self.cuts)
@@ -185,12 +185,12 @@ class Plan:
             "space": self.space,
             "rules": list(self.rules),
             "timing": self.timings.to_dict(),
-            "gate": self.gate.to_dict(),
+            "no_harm": self.no_harm.to_dict(),
             "estimates_s": {
                 "record": self.record_s,
                 "search": self.search_s,
                 "validate": self.validate_s,
-                "gate": self.gate_s,
+                "no_harm": self.no_harm_s,
             },
             "all_rules_real": self.all_rules_real,
             "cuts": list(self.cuts),
@@ -226,17 +226,17 @@ def make_plan(
     timings: Timings,
     work_s: float,
     *,
-    gate: GatePlan,
+    no_harm: NoHarmPlan,
     space: str = "parametric",
     rules: tuple[str, ...],
     cached_traces: Callable[[SuiteSpec, int], float] | None = None,
-    cached_gate: Callable[[Any, int], bool] | None = None,
+    cached_no_harm: Callable[[Any, int], bool] | None = None,
     stored: tuple[SuiteSpec, SuiteSpec, int] | None = None,
 ) -> Plan:
     """Size the search of ``suite`` to ``work_s`` seconds (see the module docstring).
 
     Args:
-        gate: The no-harm check's workloads and steps (its cost is planned, its torch runs may be
+        no_harm: The no-harm check's workloads and steps (its cost is planned, its torch runs may be
             cached already).
         cached_traces: Share (0..1) of a shaped suite's recording of ``trace_steps`` already in
             the trace cache (a resume or a second worker records less).
@@ -248,10 +248,10 @@ def make_plan(
         BudgetError: not even the smallest shape fits; says what budget would.
     """
     cached_traces = cached_traces or (lambda s, n: 0.0)
-    cached_gate = cached_gate or (lambda w, s: False)
-    gate, gate_cuts = fit_gate(gate, timings, work_s, cached_gate)
-    gate_s = gate.cost(timings, GATE_CANDIDATES, cached_gate)
-    gate_min = gate.cost(timings, 1, cached_gate)
+    cached_no_harm = cached_no_harm or (lambda w, s: False)
+    no_harm, no_harm_cuts = fit_no_harm(no_harm, timings, work_s, cached_no_harm)
+    no_harm_s = no_harm.cost(timings, CHECKED_CANDIDATES, cached_no_harm)
+    no_harm_min = no_harm.cost(timings, 1, cached_no_harm)
 
     def rec_cost(shaped: SuiteSpec, trace_steps: int) -> float:
         return record_cost(shaped, trace_steps, timings) * (
@@ -270,13 +270,13 @@ def make_plan(
             space,
             rules,
             timings,
-            gate,
+            no_harm,
             work_s,
             rec,
             val,
-            gate_s,
+            no_harm_s,
             True,
-            gate_cuts,
+            no_harm_cuts,
         )
     if timings.complete:
         for h, windows, n, k in _shapes(suite):
@@ -284,12 +284,12 @@ def make_plan(
             rec = rec_cost(shaped, windows * h)
             if rec > RECORD_SHARE * work_s:
                 continue
-            real_left = min(REAL_SHARE * work_s - rec - gate_min, VALIDATE_SHARE * work_s)
+            real_left = min(REAL_SHARE * work_s - rec - no_harm_min, VALIDATE_SHARE * work_s)
             choice = fit_validation(shaped, timings, real_left, len(rules) + 1)  # + auto
             if choice is None:
                 continue
             validation, all_rules, val = choice
-            cuts = _cuts(suite, h, windows, n, k, validation, all_rules) + gate_cuts
+            cuts = _cuts(suite, h, windows, n, k, validation, all_rules) + no_harm_cuts
             return _finish(
                 suite,
                 shaped,
@@ -298,18 +298,18 @@ def make_plan(
                 space,
                 rules,
                 timings,
-                gate,
+                no_harm,
                 work_s,
                 rec,
                 val,
-                gate_s,
+                no_harm_s,
                 all_rules,
                 cuts,
             )
     smallest = shape_suite(suite, _horizons(suite)[-1], 1, 1)
     rec = rec_cost(smallest, smallest.episode.steps)
     val = validate_cost(smallest.with_episode_steps(VALIDATION_LADDER[-1]), timings, 3)
-    need = max(rec / RECORD_SHARE, (rec + val + gate_min) / REAL_SHARE)
+    need = max(rec / RECORD_SHARE, (rec + val + no_harm_min) / REAL_SHARE)
     key, slowest = timings.slowest()
     about = "about" if timings.complete else "more than"
     # the search's own models name it; the slowest workload (maybe one of the check's) says why
@@ -319,34 +319,34 @@ def make_plan(
     raise BudgetError(
         f"the budget cannot hold a search of {searched} here: {why}; the "
         f"smallest plan ({smallest.episode.steps}-step episodes, 1 train + 1 test instance per member, "
-        f"validated against torch and auto, with the {gate.steps}-step no-harm check) needs {about} "
+        f"validated against torch and auto, with the {no_harm.steps}-step no-harm check) needs {about} "
         f"{format_duration(1.1 * need + 10)} of budget; give a larger --budget, a GPU, or a smaller --model"
     )
 
 
-def fit_gate(
-    gate: GatePlan, timings: Timings, work_s: float, cached: Callable[[Any, int], bool]
-) -> tuple[GatePlan, tuple[str, ...]]:
-    """``gate`` with each workload whose runs cost more than :data:`GATE_SHARE` of the budget
+def fit_no_harm(
+    no_harm: NoHarmPlan, timings: Timings, work_s: float, cached: Callable[[Any, int], bool]
+) -> tuple[NoHarmPlan, tuple[str, ...]]:
+    """``no_harm`` with each workload whose runs cost more than :data:`NO_HARM_SHARE` of the budget
     replaced by its tiny proxy (said in the cuts)."""
-    from autoscale.search.gate import gate_proxy
+    from autoscale.search.no_harm import no_harm_proxy
 
     kept: list[Any] = []
     cuts = []
-    for w in gate.workloads:
-        single = GatePlan((w,), gate.steps, gate.seeds, gate.candidate_seeds)
-        proxy = gate_proxy(w)
-        cost = single.cost(timings, GATE_CANDIDATES, cached)
-        if proxy is not None and cost > GATE_SHARE * work_s:
-            if all(k.model != proxy.model for k in kept + list(gate.workloads)):
+    for w in no_harm.workloads:
+        single = NoHarmPlan((w,), no_harm.steps, no_harm.seeds, no_harm.candidate_seeds)
+        proxy = no_harm_proxy(w)
+        cost = single.cost(timings, CHECKED_CANDIDATES, cached)
+        if proxy is not None and cost > NO_HARM_SHARE * work_s:
+            if all(k.model != proxy.model for k in kept + list(no_harm.workloads)):
                 kept.append(proxy)
             cuts.append(
-                f"no-harm runs of {w.model} ({format_duration(cost)} for {gate.steps} steps): "
+                f"no-harm runs of {w.model} ({format_duration(cost)} for {no_harm.steps} steps): "
                 f"checked on {proxy.model} instead"
             )
         else:
             kept.append(w)
-    return dataclasses.replace(gate, workloads=tuple(kept)), tuple(cuts)
+    return dataclasses.replace(no_harm, workloads=tuple(kept)), tuple(cuts)
 
 
 def fit_validation(
@@ -398,16 +398,16 @@ def _finish(
     space: str,
     rules: tuple[str, ...],
     timings: Timings,
-    gate: GatePlan,
+    no_harm: NoHarmPlan,
     work_s: float,
     rec: float,
     val: float,
-    gate_s: float,
+    no_harm_s: float,
     all_rules: bool,
     cuts: tuple[str, ...],
 ) -> Plan:
     cuts = list(cuts)
-    search_s = max(0.0, work_s - rec - val - gate_s)
+    search_s = max(0.0, work_s - rec - val - no_harm_s)
     if space in ("rl", "both"):
         reason = None
         if len(shaped.members[0].instances["train"]) < 2 and len(shaped.members) < 2:
@@ -424,10 +424,10 @@ def _finish(
         space,
         rules,
         timings,
-        gate,
+        no_harm,
         rec,
         val,
-        gate_s,
+        no_harm_s,
         search_s,
         all_rules,
         tuple(cuts),

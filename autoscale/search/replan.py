@@ -29,11 +29,11 @@ from typing import Any
 
 from autoscale.envs.suite import SuiteSpec
 from autoscale.search.plan import (
-    GATE_CANDIDATES,
+    CHECKED_CANDIDATES,
     VALIDATE_SHARE,
     VALIDATION_LADDER,
     Plan,
-    fit_gate,
+    fit_no_harm,
     fit_validation,
     validate_cost,
 )
@@ -57,12 +57,14 @@ def _firsts(suite: SuiteSpec) -> SuiteSpec:
     return suite.replace_members(first)
 
 
-def least_after_record(plan: Plan, cached_gate: Callable[[Any, int], bool]) -> float:
+def least_after_record(plan: Plan, cached_no_harm: Callable[[Any, int], bool]) -> float:
     """Seconds the least useful end of a search needs after recording, at the measured step
     times: ``torch`` and one candidate validated on the shortest episodes of each member's first
     test instance, and one candidate's no-harm check."""
     shortest = _firsts(plan.validation).with_episode_steps(VALIDATION_LADDER[-1])
-    return validate_cost(shortest, plan.timings, 2) + plan.gate.cost(plan.timings, 1, cached_gate)
+    return validate_cost(shortest, plan.timings, 2) + plan.no_harm.cost(
+        plan.timings, 1, cached_no_harm
+    )
 
 
 def recorded_suite(suite: SuiteSpec, traces: dict[str, Any], shortest: int) -> SuiteSpec:
@@ -94,7 +96,7 @@ def replan(
     left_s: float,
     budget_s: float,
     min_search_s: float,
-    cached_gate: Callable[[Any, int], bool],
+    cached_no_harm: Callable[[Any, int], bool],
     keep_validation: bool,
 ) -> Plan:
     """The plan for what is left after recording (see the module docstring); ``plan`` itself
@@ -121,10 +123,10 @@ def replan(
         )
     if suite.episode.steps < plan.horizon:
         cuts.append(f"replay horizon {suite.episode.steps} of the planned {plan.horizon} ({why})")
-    gate, gate_cuts = fit_gate(plan.gate, timings, max(left_s, 1.0), cached_gate)
-    cuts += [f"{c} ({why})" for c in gate_cuts if c not in plan.cuts]
-    gate_min = gate.cost(timings, 1, cached_gate)
-    gate_s = gate.cost(timings, GATE_CANDIDATES, cached_gate)
+    no_harm, no_harm_cuts = fit_no_harm(plan.no_harm, timings, max(left_s, 1.0), cached_no_harm)
+    cuts += [f"{c} ({why})" for c in no_harm_cuts if c not in plan.cuts]
+    no_harm_min = no_harm.cost(timings, 1, cached_no_harm)
+    no_harm_s = no_harm.cost(timings, CHECKED_CANDIDATES, cached_no_harm)
     # a study with validation results keeps its validation whole (episode length and test
     # instances): real steps need no traces, and results of two lengths must not mix
     validation = plan.validation
@@ -132,7 +134,7 @@ def replan(
     if not keep_validation:
         steps = min(plan.steps, suite.episode.steps)
         validation = recorded_suite(plan.validation, traces, plan.horizon).with_episode_steps(steps)
-        room = min(VALIDATE_SHARE * budget_s, left_s - gate_min - min_search_s)
+        room = min(VALIDATE_SHARE * budget_s, left_s - no_harm_min - min_search_s)
         choice = fit_validation(suite, timings, room, len(plan.rules) + 1)  # + auto
         if choice is None:  # the least: torch and the candidate on the shortest episodes
             validation = suite.with_episode_steps(min(VALIDATION_LADDER[-1], suite.episode.steps))
@@ -153,10 +155,10 @@ def replan(
         validation=validation,
         trace_steps=min(plan.trace_steps, stats["shortest"]),
         timings=timings,
-        gate=gate,
+        no_harm=no_harm,
         validate_s=val_s,
-        gate_s=gate_s,
-        search_s=max(0.0, left_s - val_s - gate_s),
+        no_harm_s=no_harm_s,
+        search_s=max(0.0, left_s - val_s - no_harm_s),
         all_rules_real=all_rules,
         cuts=plan.cuts + tuple(cuts),
     )

@@ -28,7 +28,7 @@ from autoscale.search.export import (
     top_candidates,
 )
 from autoscale.search.loop import TrialLoop
-from autoscale.search.plan import GATE_CANDIDATES, Plan
+from autoscale.search.plan import CHECKED_CANDIDATES, Plan
 from autoscale.search.report import comparison_table, draw_comparison, member_table
 from autoscale.search.session import Session
 from autoscale.search.space import parametric_families
@@ -80,7 +80,7 @@ class Rounds:
     ) -> None:
         self.session = session
         self.cfg, self.budget, self.ledger = session.cfg, session.budget, session.ledger
-        self.result, self.counts, self.gate = session.result, session.counts, session.gate
+        self.result, self.counts, self.no_harm = session.result, session.counts, session.no_harm
         self.folder, self.worker = session.folder, session.worker
         self.min_search_s = session.min_search_s
         self.study, self.plan, self.bench, self.recorder = study, plan, bench, recorder
@@ -119,13 +119,13 @@ class Rounds:
             n_rules = len(rules_left) if plan.all_rules_real else min(1, len(rules_left))
             n_rules += not self._bar_real()  # the bar
             k = CANDIDATES_PER_ROUND if first else 1
-            after = validator.cost(k + (n_rules if first else 0)) + 1.2 * self.gate.cost(
-                plan.timings, GATE_CANDIDATES if first else 1
+            after = validator.cost(k + (n_rules if first else 0)) + 1.2 * self.no_harm.cost(
+                plan.timings, CHECKED_CANDIDATES if first else 1
             )
             if not first and self.budget.left() < after + min_search:
                 self._tail()
                 break
-            least = validator.cost(2) + 1.2 * self.gate.cost(plan.timings, 1)
+            least = validator.cost(2) + 1.2 * self.no_harm.cost(plan.timings, 1)
             stop = search_stop(time.monotonic(), self.budget.end, after, least, min_search, first)
             self._search(stop, first)
             new = self._validate(first, k)
@@ -292,10 +292,10 @@ class Rounds:
         first_two = [o for o in order if o[0] in (TORCH, AUTO)]
         results = validator.run(first_two, self.budget.end, on_done=note) if first_two else {}
         rest = [o for o in order if o[0] not in (TORCH, AUTO)]
-        gate_at = self.budget.end - 1.4 * self.gate.cost(plan.timings, 1)
-        if gate_at <= time.monotonic():
-            gate_at = self.budget.end
-        results.update(validator.run(rest, gate_at, on_done=note) if rest else {})
+        check_at = self.budget.end - 1.4 * self.no_harm.cost(plan.timings, 1)
+        if check_at <= time.monotonic():
+            check_at = self.budget.end
+        results.update(validator.run(rest, check_at, on_done=note) if rest else {})
         validated.update(results)
         if not results and not first:  # a later round that fitted nothing says nothing new
             validator.skipped.clear()
@@ -356,7 +356,7 @@ class Rounds:
             study,
             ranked,
             self.factories,
-            self.gate,
+            self.no_harm,
             plan.timings,
             self.ledger,
             weights=plan.suite.reward,

@@ -9,7 +9,7 @@
 5. **validate** the best candidates and every built-in rule on real steps of the test instances
    (:mod:`~autoscale.search.validate`, shared between workers through the study);
 6. **export** the best of the ranking that passes the no-harm check
-   (:mod:`~autoscale.search.choose`, :mod:`~autoscale.search.gate`), and print the ranking.
+   (:mod:`~autoscale.search.choose`, :mod:`~autoscale.search.no_harm`), and print the ranking.
 
 The budget is spent: phases 4-6 run in rounds, and a round that ends with time left gives it to
 more trials, more validated candidates and their checks, until less than a round is left (its
@@ -43,7 +43,7 @@ from autoscale.search.export import (
     check_export_target,
     study_suites,
 )
-from autoscale.search.gate import GATE_STEPS, NoHarmCheck, gate_proxy, gate_workloads
+from autoscale.search.no_harm import NO_HARM_STEPS, NoHarmCheck, no_harm_proxy, no_harm_workloads
 from autoscale.search.plan import Plan, make_plan
 from autoscale.search.replan import MIN_HORIZON, SLOW, least_after_record, pace_of, replan
 from autoscale.search.rounds import Rounds
@@ -66,7 +66,7 @@ from autoscale.search.study import (
     study_note,
     wait_for_plan,
 )
-from autoscale.search.timing import GatePlan, Timings, measure_all
+from autoscale.search.timing import NoHarmPlan, Timings, measure_all
 from autoscale.search.traces import cached_share, load_traces
 from autoscale.search.trials import (
     REFERENCE_RULE,
@@ -147,26 +147,26 @@ class SearchRunner:
             f"study '{cfg.study}' in {mask_url(cfg.storage)}" + (" (resuming)" if stored else "")
         )
 
-        gate_plan = GatePlan(gate_workloads(list(base.members)), GATE_STEPS)
-        proxies = [p for p in map(gate_proxy, gate_plan.workloads) if p is not None]
+        no_harm_plan = NoHarmPlan(no_harm_workloads(list(base.members)), NO_HARM_STEPS)
+        proxies = [p for p in map(no_harm_proxy, no_harm_plan.workloads) if p is not None]
         with self.ledger.track("work:measure"):
             self.threads = fit_threads()  # measured with the threads it records with
             timings = measure_all(
-                [m.workload for m in base.members] + list(gate_plan.workloads) + proxies,
+                [m.workload for m in base.members] + list(no_harm_plan.workloads) + proxies,
                 limit_s=max(1.0, min(0.25 * self.budget.seconds, self.budget.left())),
                 step_share_s=max(0.2, 0.01 * self.budget.seconds),
             )
         self.say("measure", f"{timings.describe()}; {self.threads.describe()}")
-        self.gate = NoHarmCheck(
-            gate_plan, self.folder, self.ledger, _scale_kw(base), progress=cfg.progress
+        self.no_harm = NoHarmCheck(
+            no_harm_plan, self.folder, self.ledger, _scale_kw(base), progress=cfg.progress
         )
-        plan = self._plan(base, timings, gate_plan, kept)
+        plan = self._plan(base, timings, no_harm_plan, kept)
         study = self._open_study(storage, stored, plan)
         plan = self.result.plan
         # the check the plan fitted to the budget (a model too slow for long runs is checked on
         # its tiny proxy): its cost decides what the rounds leave time for
-        self.gate = NoHarmCheck(
-            plan.gate, self.folder, self.ledger, _scale_kw(base), progress=cfg.progress
+        self.no_harm = NoHarmCheck(
+            plan.no_harm, self.folder, self.ledger, _scale_kw(base), progress=cfg.progress
         )
 
         with self.ledger.track("work:record"):
@@ -192,7 +192,7 @@ class SearchRunner:
                 self.ledger,
                 self.result,
                 self.counts,
-                self.gate,
+                self.no_harm,
                 self.folder,
                 self.worker,
                 self.min_search_s,
@@ -209,8 +209,8 @@ class SearchRunner:
         :mod:`~autoscale.search.replan`): the instances beyond each member's first ones stop
         where the phases after recording keep their planned time at that pace; the first ones
         (shortened if need be) where the least of those phases keeps its measured time."""
-        after = plan.validate_s + plan.gate_s
-        least = least_after_record(plan, self.gate.cached) + self.min_search_s
+        after = plan.validate_s + plan.no_harm_s
+        least = least_after_record(plan, self.no_harm.cached) + self.min_search_s
 
         def retune(pace: float) -> None:
             before = self.threads.threads
@@ -269,7 +269,7 @@ class SearchRunner:
             left_s=self.budget.left(),
             budget_s=self.budget.seconds,
             min_search_s=self.min_search_s,
-            cached_gate=self.gate.cached,
+            cached_no_harm=self.no_harm.cached,
             keep_validation=any(k.startswith(VALIDATED_PREFIX) for k in attrs),
         )
         if new is plan:
@@ -283,8 +283,8 @@ class SearchRunner:
         self.say("plan", "re-planned: " + ("; ".join(traded) or "steps ran slower than measured"))
         self.result.plan = new
         self.result.replanned = list(traded)
-        self.gate = NoHarmCheck(
-            new.gate, self.folder, self.ledger, _scale_kw(new.suite), progress=self.cfg.progress
+        self.no_harm = NoHarmCheck(
+            new.no_harm, self.folder, self.ledger, _scale_kw(new.suite), progress=self.cfg.progress
         )
         with self.ledger.track("bk:optuna"):
             if changed and not scored:
@@ -303,7 +303,7 @@ class SearchRunner:
         self,
         base: SuiteSpec,
         timings: Timings,
-        gate: GatePlan,
+        no_harm: NoHarmPlan,
         kept: tuple[SuiteSpec, SuiteSpec, int] | None,
     ) -> Plan:
         def cached(shaped: SuiteSpec, steps: int) -> float:
@@ -318,11 +318,11 @@ class SearchRunner:
             base,
             timings,
             self.budget.left(),
-            gate=gate,
+            no_harm=no_harm,
             space=self.cfg.space,
             rules=rules_torch_first(self.cfg.families),
             cached_traces=cached,
-            cached_gate=self.gate.cached,
+            cached_no_harm=self.no_harm.cached,
             stored=kept,
         )
         self.say("plan", plan.describe())
@@ -353,7 +353,7 @@ class SearchRunner:
                 except optuna.exceptions.DuplicatedStudyError:  # another worker was faster
                     study = optuna.load_study(study_name=cfg.study, storage=storage, **kwargs)
                     self.say("plan", "another worker created the study first: adopting its plan")
-                    self._plan(plan.suite, plan.timings, plan.gate, wait_for_plan(study))
+                    self._plan(plan.suite, plan.timings, plan.no_harm, wait_for_plan(study))
             study.set_user_attr(
                 f"worker:{self.worker}",
                 {

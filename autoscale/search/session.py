@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from autoscale.search.budget import Budget, Ledger
-from autoscale.search.gate import NoHarmCheck
+from autoscale.search.no_harm import NoHarmCheck
 from autoscale.search.plan import Plan
 from autoscale.search.storage import DEFAULT_STORAGE
 
@@ -79,7 +79,7 @@ class Session:
         ledger: Where time is counted.
         result: What the search did so far (the rounds fill it in).
         counts: Trials of this worker by state (``complete``, ``pruned``, ``failed``).
-        gate: The no-harm check the plan fitted to the budget.
+        no_harm: The no-harm check the plan fitted to the budget.
         folder: The artifacts folder (locks, caches).
         worker: This worker's id.
         min_search_s: Seconds a round's search keeps at least.
@@ -93,7 +93,7 @@ class Session:
     ledger: Ledger
     result: SearchResult
     counts: dict[str, int]
-    gate: NoHarmCheck
+    no_harm: NoHarmCheck
     folder: Path
     worker: str
     min_search_s: float

@@ -25,7 +25,7 @@ from typing import Any
 from autoscale.search.budget import format_duration
 
 __all__ = [
-    "GatePlan",
+    "NoHarmPlan",
     "RECORD_SLOWDOWN",
     "Timing",
     "Timings",
@@ -298,7 +298,7 @@ def _eval_estimate(workload: Any, step_s: float) -> float:
 
 # ---------------------------------------------------------------------- the no-harm check's share
 @dataclass(frozen=True)
-class GatePlan:
+class NoHarmPlan:
     """The no-harm check: long runs of ``workloads`` (clean, and one drifting) next to ``torch``.
 
     Attributes:

@@ -53,7 +53,7 @@ REFERENCE = "amax-history"  # the built-in rule every build ranks and reports be
 class BuildSettings:
     """How much the build measures: agent training (``timesteps`` of ``horizon``-step replay
     episodes, ``history`` stacked vectors), real steps per held-out episode (``steps``), the
-    no-harm check's (``gate_steps``), the long runs' (``long_steps``, 0: none), and the paired
+    no-harm check's (``no_harm_steps``), the long runs' (``long_steps``, 0: none), and the paired
     episodes more of a member missed on eval loss alone (``confirm_episodes``, 0: none); with
     ``scale_time``, each agent also trained to act when the loss is scaled, seeing it; with
     ``knobs``, every agent trained under scenario knobs drawn per replayed episode."""
@@ -63,7 +63,7 @@ class BuildSettings:
     history: int = 4
     steps: int = 256
     seed: int = 0
-    gate_steps: int = 1000
+    no_harm_steps: int = 1000
     long_steps: int = 2000
     confirm_episodes: int = 12
     reuse_agents: bool = False
@@ -307,14 +307,16 @@ class AutoBuild:
 
     def _passes_the_check(self, r: BuildResult, name: str) -> list[str]:
         from autoscale.search.budget import Ledger
-        from autoscale.search.gate import NoHarmCheck, gate_workloads
-        from autoscale.search.timing import GatePlan
+        from autoscale.search.no_harm import NoHarmCheck, no_harm_workloads
+        from autoscale.search.timing import NoHarmPlan
 
         if self._check is None:
             s, ep = self.settings, self.member.episode
-            gate = GatePlan(gate_workloads(list(self.suite.members), s.gate_steps), s.gate_steps)
+            no_harm = NoHarmPlan(
+                no_harm_workloads(list(self.suite.members), s.no_harm_steps), s.no_harm_steps
+            )
             self._check = NoHarmCheck(
-                gate, self.no_harm_cache, Ledger(),
+                no_harm, self.no_harm_cache, Ledger(),
                 {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale},
             )  # fmt: skip
         t0 = time.monotonic()

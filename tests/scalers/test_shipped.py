@@ -90,13 +90,13 @@ def test_plain_loop_with_torch_alone(name):
 def test_passes_the_no_harm_check_on_a_short_clean_run(name, tmp_path):
     from autoscale.envs.suite import load_spec
     from autoscale.search.budget import Ledger
-    from autoscale.search.gate import NoHarmCheck, gate_workloads
-    from autoscale.search.timing import GatePlan
+    from autoscale.search.no_harm import NoHarmCheck, no_harm_workloads
+    from autoscale.search.timing import NoHarmPlan
 
     torch.set_num_threads(1)
     member = load_spec("suite").members[0]
-    mlp = [w for w in gate_workloads([member], 300) if w.model == "mlp"]
-    check = NoHarmCheck(GatePlan(tuple(mlp), 300), tmp_path, Ledger(), {})
+    mlp = [w for w in no_harm_workloads([member], 300) if w.model == "mlp"]
+    check = NoHarmCheck(NoHarmPlan(tuple(mlp), 300), tmp_path, Ledger(), {})
     verdict = check.check(lambda: autoscale.get_scaler(name, device="cpu"), name)
     assert verdict.passed, verdict.summary()
     run = verdict.runs["mlp"]["candidate"][0]

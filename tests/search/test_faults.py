@@ -79,26 +79,26 @@ def warm_cache(tmp_path_factory) -> Path:
         warm = start_worker(*args, cwd=root, name="warm-again")
         rc = warm.finish()
     assert rc == 0, warm.err[-3000:]
-    _fill_gate_cache(root / "artifacts")
+    _fill_no_harm_cache(root / "artifacts")
     return root / "artifacts"
 
 
-def _fill_gate_cache(folder: Path) -> None:
+def _fill_no_harm_cache(folder: Path) -> None:
     """Run (or find cached) torch's reference runs of the no-harm check, as a search of SPEC
     plans them, so that a search only runs its candidates' own."""
     from autoscale.envs.suite import as_suite, load_spec
     from autoscale.search.budget import Ledger
-    from autoscale.search.gate import GATE_STEPS, NoHarmCheck, gate_workloads
-    from autoscale.search.timing import GatePlan
+    from autoscale.search.no_harm import NO_HARM_STEPS, NoHarmCheck, no_harm_workloads
+    from autoscale.search.timing import NoHarmPlan
 
     base = as_suite(load_spec(str(SPEC)))
     ep = base.episode
     bounds = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
     check = NoHarmCheck(
-        GatePlan(gate_workloads(list(base.members)), GATE_STEPS), folder, Ledger(), bounds
+        NoHarmPlan(no_harm_workloads(list(base.members)), NO_HARM_STEPS), folder, Ledger(), bounds
     )
-    for workload in check.gate.workloads:
-        for seed in check.gate.seeds:
+    for workload in check.no_harm.workloads:
+        for seed in check.no_harm.seeds:
             check.reference(workload, seed)
             assert check.cached(workload, seed)
 
@@ -106,7 +106,7 @@ def _fill_gate_cache(folder: Path) -> None:
 @pytest.fixture
 def cached(warm_cache, tmp_path) -> Path:
     """``tmp_path`` with the warm caches in its artifacts folder."""
-    for part in ("traces", "gate"):
+    for part in ("traces", "no-harm"):
         shutil.copytree(warm_cache / part, tmp_path / "artifacts" / part)
     return tmp_path
 
@@ -270,14 +270,14 @@ def test_damaged_caches_and_a_half_written_policy(cached, request):
     tmp_path = cached
     url = f"sqlite:///{tmp_path / 'autoscale.db'}"
     traces = sorted((tmp_path / "artifacts" / "traces").glob("*.npz"))
-    gate = sorted((tmp_path / "artifacts" / "gate").glob("*.npz"))
-    assert len(traces) >= 2 and gate
+    no_harm = sorted((tmp_path / "artifacts" / "no-harm").glob("*.npz"))
+    assert len(traces) >= 2 and no_harm
     cut = traces[0].read_bytes()
     traces[0].write_bytes(cut[: len(cut) // 2])
     data = bytearray(traces[1].read_bytes())
     data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
     traces[1].write_bytes(bytes(data))
-    gate[0].write_bytes(gate[0].read_bytes()[:100])
+    no_harm[0].write_bytes(no_harm[0].read_bytes()[:100])
     half = tmp_path / "policies" / "damaged"
     half.mkdir(parents=True)
     # cut off in the middle of a mapping, as a copy that did not finish

@@ -4,7 +4,7 @@ import pytest
 
 from autoscale.envs.suite import as_suite, load_spec
 from autoscale.errors import BudgetError
-from autoscale.search.gate import gate_workloads
+from autoscale.search.no_harm import no_harm_workloads
 from autoscale.search.plan import (
     HORIZON_LADDER,
     REAL_SHARE,
@@ -14,7 +14,7 @@ from autoscale.search.plan import (
     validate_cost,
 )
 from autoscale.search.runner import rules_torch_first
-from autoscale.search.timing import GatePlan, Timing, Timings, measure, workload_key
+from autoscale.search.timing import NoHarmPlan, Timing, Timings, measure, workload_key
 from autoscale.search.workload import base_spec
 
 RULES = rules_torch_first()
@@ -25,13 +25,13 @@ def timings_for(
 ) -> Timings:
     """``step_s`` for the suite's workloads, ``small_s`` for the small presets of the no-harm
     check (mlp) and 0.02 s for the gpt2-tiny proxy of a larger language model."""
-    from autoscale.search.gate import gate_proxy
+    from autoscale.search.no_harm import no_harm_proxy
 
-    ideal = list(gate_workloads(list(suite.members)))
+    ideal = list(no_harm_workloads(list(suite.members)))
     workloads = (
         [m.workload for m in suite.members]
         + ideal
-        + [p for p in map(gate_proxy, ideal) if p is not None]
+        + [p for p in map(no_harm_proxy, ideal) if p is not None]
     )
     own = {m.workload.model for m in suite.members}
 
@@ -45,8 +45,10 @@ def timings_for(
 
 def plan_for(spec, step_s, work_s, **kw):
     suite = as_suite(spec)
-    gate = GatePlan(gate_workloads(list(suite.members)), 1000)
-    return make_plan(suite, timings_for(suite, step_s), work_s, gate=gate, rules=RULES, **kw), gate
+    no_harm = NoHarmPlan(no_harm_workloads(list(suite.members)), 1000)
+    return make_plan(
+        suite, timings_for(suite, step_s), work_s, no_harm=no_harm, rules=RULES, **kw
+    ), no_harm
 
 
 def test_the_ladder_reaches_long_horizons():
@@ -70,12 +72,12 @@ def test_fast_model_gets_long_horizon_two_windows_and_extra_seeds():
 
 def test_plan_keeps_recording_and_real_steps_within_their_shares_and_says_what_it_traded():
     spec = base_spec()
-    plan, gate = plan_for(spec, 0.05, 300)
+    plan, no_harm = plan_for(spec, 0.05, 300)
     t = timings_for(as_suite(spec), 0.05)
     rec = record_cost(plan.suite, plan.trace_steps, t)
     assert rec <= RECORD_SHARE * 300
     val = validate_cost(plan.validation, t, 2)
-    assert rec + val + gate.cost(t, 1, lambda w, s: False) <= REAL_SHARE * 300
+    assert rec + val + no_harm.cost(t, 1, lambda w, s: False) <= REAL_SHARE * 300
     assert plan.horizon < 2048
     text = plan.describe()
     assert "traded: " in text and f"replay horizon {plan.horizon} of 2048 steps" in text
@@ -86,7 +88,11 @@ def test_slow_model_gets_short_episodes_and_a_proxy_no_harm_check_and_says_so():
     spec = base_spec(model="gpt2")
     plan, _ = plan_for(spec, 1.5, 0.95 * 7200, space="both")
     assert plan.horizon <= 512 and len(plan.suite.members[0].instances["test"]) >= 1
-    assert [w.model for w in plan.gate.workloads] == ["mlp", "gpt2-tiny", "mlp"]  # mlp drifts too
+    assert [w.model for w in plan.no_harm.workloads] == [
+        "mlp",
+        "gpt2-tiny",
+        "mlp",
+    ]  # mlp drifts too
     text = plan.describe()
     assert "no-harm runs of gpt2" in text and "checked on gpt2-tiny instead" in text
     assert plan.record_s <= RECORD_SHARE * 0.95 * 7200
@@ -96,7 +102,7 @@ def test_gpt2_in_two_hours_gets_64_step_episodes_of_three_train_and_three_test_i
     """GPT-2 124M as measured on a 2-core CPU with emulated fp16 products: 4.6 s a step, a
     recorded step about the same, 15 s to build a run, 5 s to evaluate."""
     suite = as_suite(base_spec(model="gpt2"))
-    gate = GatePlan(gate_workloads(list(suite.members)), 1000)
+    no_harm = NoHarmPlan(no_harm_workloads(list(suite.members)), 1000)
     t = timings_for(suite, 4.6, build_s=15.0, eval_s=5.0)
     t = Timings(
         {
@@ -104,56 +110,62 @@ def test_gpt2_in_two_hours_gets_64_step_episodes_of_three_train_and_three_test_i
             for k, v in t.by_key.items()
         }
     )
-    plan = make_plan(suite, t, 0.95 * 7200, gate=gate, rules=RULES)
+    plan = make_plan(suite, t, 0.95 * 7200, no_harm=no_harm, rules=RULES)
     first = plan.suite.members[0]
     assert plan.horizon >= 64
     assert len(first.instances["train"]) >= 3 and len(first.instances["test"]) >= 3
-    assert plan.record_s + plan.validate_s + plan.gate_s <= REAL_SHARE * 0.95 * 7200
+    assert plan.record_s + plan.validate_s + plan.no_harm_s <= REAL_SHARE * 0.95 * 7200
 
 
 def test_budget_too_small_says_what_budget_would_do():
     spec = base_spec(model="gpt2")
     suite = as_suite(spec)
-    gate = GatePlan(gate_workloads(list(suite.members)), 1000)
+    no_harm = NoHarmPlan(no_harm_workloads(list(suite.members)), 1000)
     with pytest.raises(BudgetError, match=r"1m50s per real step.*needs about \d+h"):
-        make_plan(suite, timings_for(suite, 110.0, 2.4, 130.0), 600, gate=gate, rules=RULES)
+        make_plan(suite, timings_for(suite, 110.0, 2.4, 130.0), 600, no_harm=no_harm, rules=RULES)
     slow = Timings(
         {k: Timing(200.0, 2.4, 0.0, 0, complete=False) for k in timings_for(suite, 1).by_key}
     )
     with pytest.raises(BudgetError, match="more than 3m20s here.*needs more than"):
-        make_plan(suite, slow, 60, gate=gate, rules=RULES)
+        make_plan(suite, slow, 60, no_harm=no_harm, rules=RULES)
 
 
 def test_a_stored_plan_is_kept_as_it_is():
-    first, gate = plan_for(base_spec(model="mlp"), 0.005, 120)
+    first, no_harm = plan_for(base_spec(model="mlp"), 0.005, 120)
     suite = as_suite(base_spec(model="mlp"))
     fast = timings_for(suite, 0.0002)
     stored = (first.suite, first.validation, first.trace_steps)
-    again = make_plan(suite, fast, 3600, gate=gate, rules=RULES, stored=stored)
+    again = make_plan(suite, fast, 3600, no_harm=no_harm, rules=RULES, stored=stored)
     assert again.suite == first.suite and again.validation == first.validation
     assert again.trace_steps == first.trace_steps and again.cuts == ()
     cached = make_plan(
-        suite, fast, 3600, gate=gate, rules=RULES, stored=stored, cached_traces=lambda s, n: 1.0
+        suite,
+        fast,
+        3600,
+        no_harm=no_harm,
+        rules=RULES,
+        stored=stored,
+        cached_traces=lambda s, n: 1.0,
     )
     assert cached.record_s == 0.0
 
 
 def test_a_suite_is_planned_with_each_members_own_step_time():
     suite = load_spec("suite")
-    gate = GatePlan(gate_workloads(list(suite.members)), 1000)
+    no_harm = NoHarmPlan(no_harm_workloads(list(suite.members)), 1000)
     t = timings_for(suite, 0.002)
     slow = {
         k: (Timing(0.05, 0.5, 0.05, 4) if k.startswith("gpt2-tiny") else v)
         for k, v in t.by_key.items()
     }
-    plan = make_plan(suite, Timings(slow), 3600, gate=gate, rules=RULES)
+    plan = make_plan(suite, Timings(slow), 3600, no_harm=no_harm, rules=RULES)
     assert len(plan.suite.members) == len(suite.members) == 8
     assert {m.name for m in plan.validation.members} == {m.name for m in suite.members}
     # the gpt2-tiny members cost 25 times the others: they dominate the recording estimate
     gpt2 = sum(Timings(slow).of(m.workload).step_s for m in plan.suite.members if "gpt2" in m.name)
     assert gpt2 > 0.9 * sum(Timings(slow).of(m.workload).step_s for m in plan.suite.members)
     assert plan.record_s <= RECORD_SHARE * 3600
-    assert {w.model for w in plan.gate.workloads} == {"mlp", "gpt2-tiny"}
+    assert {w.model for w in plan.no_harm.workloads} == {"mlp", "gpt2-tiny"}
 
 
 def test_measure_times_real_and_recorded_steps_of_a_tiny_model():

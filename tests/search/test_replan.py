@@ -50,7 +50,7 @@ def test_a_recording_on_plan_changes_nothing():
         left_s=300,
         budget_s=600,
         min_search_s=12,
-        cached_gate=lambda w, s: False,
+        cached_no_harm=lambda w, s: False,
         keep_validation=False,
     )
     assert same is plan
@@ -68,7 +68,7 @@ def test_slow_steps_scale_the_timings_shorten_validation_and_say_what_was_traded
         left_s=0.25 * 600,
         budget_s=600,
         min_search_s=12,
-        cached_gate=lambda w, s: False,
+        cached_no_harm=lambda w, s: False,
         keep_validation=False,
     )
     member = new.suite.members[0]
@@ -88,8 +88,8 @@ def test_slow_steps_scale_the_timings_shorten_validation_and_say_what_was_traded
     )
     assert all("2.0x slower than measured" in c for c in traded)
     # what is left fits: validation and the check at the scaled times, and the search keeps time
-    gate_min = new.gate.cost(new.timings, 1, lambda w, s: False)
-    assert new.validate_s + gate_min + 12 <= 0.25 * 600
+    no_harm_min = new.no_harm.cost(new.timings, 1, lambda w, s: False)
+    assert new.validate_s + no_harm_min + 12 <= 0.25 * 600
     assert "traded: " in new.describe()
 
 
@@ -104,7 +104,7 @@ def test_a_shorter_first_trace_shortens_the_replay_horizon():
         left_s=200,
         budget_s=600,
         min_search_s=12,
-        cached_gate=lambda w, s: False,
+        cached_no_harm=lambda w, s: False,
         keep_validation=False,
     )
     assert new.horizon == short and new.trace_steps == short
@@ -124,7 +124,7 @@ def test_a_study_with_validation_results_keeps_their_episode_length():
         left_s=60,
         budget_s=600,
         min_search_s=12,
-        cached_gate=lambda w, s: False,
+        cached_no_harm=lambda w, s: False,
         keep_validation=True,
     )
     assert new.steps == plan.steps and new.timings != plan.timings
@@ -144,7 +144,7 @@ def test_validation_results_keep_their_length_and_instances_when_the_traces_ran_
         left_s=200,
         budget_s=600,
         min_search_s=12,
-        cached_gate=lambda w, s: False,
+        cached_no_harm=lambda w, s: False,
         keep_validation=True,
     )
     assert new.horizon == short  # the replay is what was recorded
@@ -156,7 +156,7 @@ def test_helpers():
     assert pace_of({"wall_s": 3.0, "planned_s": 2.0}) == 1.5
     assert pace_of({"wall_s": 0.0, "planned_s": 0.0}) == 1.0
     least = least_after_record(plan, lambda w, s: False)
-    assert 0 < least < plan.validate_s + plan.gate_s
+    assert 0 < least < plan.validate_s + plan.no_harm_s
     traces, _ = _recorded(plan, 1)
     suite = recorded_suite(plan.suite, traces, plan.horizon)
     assert all(len(m.instances["train"]) == 1 for m in suite.members)

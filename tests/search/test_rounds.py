@@ -61,9 +61,13 @@ def test_a_slow_models_search_checks_no_harm_on_the_proxy_the_plan_chose(tmp_pat
     with pytest.raises(_StopAtRecord):
         runner.run()
     plan = runner.result.plan
-    assert [w.model for w in plan.gate.workloads] == ["mlp", "gpt2-tiny", "mlp"]  # mlp drifts too
-    assert runner.gate.gate == plan.gate
-    assert runner.gate.cost(plan.timings) < 0.3 * 7200
+    assert [w.model for w in plan.no_harm.workloads] == [
+        "mlp",
+        "gpt2-tiny",
+        "mlp",
+    ]  # mlp drifts too
+    assert runner.no_harm.no_harm == plan.no_harm
+    assert runner.no_harm.cost(plan.timings) < 0.3 * 7200
 
 
 @pytest.mark.parametrize(
@@ -140,9 +144,9 @@ def test_torch_and_auto_are_validated_even_where_no_check_would_fit_after_them(
     candidates, in the time left: none can be exported unchecked, but a lead over auto on the
     user's held-out steps is worth knowing, and the answer says why auto was exported."""
 
-    from autoscale.search import gate as gate_mod
+    from autoscale.search import no_harm as no_harm_mod
 
-    real_cost, real_traces = gate_mod.NoHarmCheck.cost, runner_mod.load_traces
+    real_cost, real_traces = no_harm_mod.NoHarmCheck.cost, runner_mod.load_traces
     dear = [False]
 
     def cost(self, *a, **kw):
@@ -152,7 +156,7 @@ def test_torch_and_auto_are_validated_even_where_no_check_would_fit_after_them(
         dear[0] = True
         return real_traces(*a, **kw)
 
-    monkeypatch.setattr(gate_mod.NoHarmCheck, "cost", cost)
+    monkeypatch.setattr(no_harm_mod.NoHarmCheck, "cost", cost)
     monkeypatch.setattr(runner_mod, "load_traces", traces)
     said: list[str] = []
     cfg, budget, result = _mlp_search_in_60s(tmp_path, "dear", said)

@@ -56,7 +56,7 @@ def test_ninety_second_search_spends_its_budget_and_exports_a_loadable_policy(se
     assert attrs["budget"]["seconds"] == SEARCH_BUDGET_S and attrs["command"].startswith(
         "autoscale search"
     )
-    assert attrs["plan"]["horizon"] >= 64 and attrs["plan"]["gate"]["steps"] >= 1000
+    assert attrs["plan"]["horizon"] >= 64 and attrs["plan"]["no_harm"]["steps"] >= 1000
 
     policy = searched.root / "policies" / searched.study
     manifest = read_manifest(policy)

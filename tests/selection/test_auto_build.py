@@ -87,7 +87,13 @@ def _tiny_suite():
 
 
 TINY = BuildSettings(
-    timesteps=64, horizon=16, history=2, steps=8, gate_steps=16, long_steps=16, confirm_episodes=2
+    timesteps=64,
+    horizon=16,
+    history=2,
+    steps=8,
+    no_harm_steps=16,
+    long_steps=16,
+    confirm_episodes=2,
 )
 EXTRAS = dict([parse_extra("torch:growth_interval=2000")])
 

@@ -41,24 +41,24 @@ from typing import Any
 
 from autoscale.errors import ConfigError
 from autoscale.search.budget import Ledger
-from autoscale.search.timing import GatePlan, Timings
+from autoscale.search.timing import NoHarmPlan, Timings
 from autoscale.training.bar import SKIP_POINTS, harm, seed_noise
 from autoscale.training.scorecard import Scorecard
 
 __all__ = [
     "OutOfTime",
-    "GATE_STEPS",
+    "NO_HARM_STEPS",
     "SCREEN_MARGIN",
-    "gate_workloads",
-    "gate_label",
-    "gate_proxy",
+    "no_harm_workloads",
+    "no_harm_label",
+    "no_harm_proxy",
     "Verdict",
     "NoHarmCheck",
 ]
 
-GATE_STEPS = 1000
+NO_HARM_STEPS = 1000
 SCREEN_MARGIN = 0.02  # replay refuses only what skips this much more than torch
-GATE_VERSION = 1
+NO_HARM_VERSION = 1
 DRIFT = {"down": 20.0, "up": 8.0}  # bits of the drift run's loss weight: down, then up
 
 
@@ -79,7 +79,7 @@ def _finished(card: Any, steps: int, what: str) -> None:
         raise OutOfTime(f"{what} stopped at the budget's end after {card.steps} of {steps} steps")
 
 
-def gate_workloads(members: list[Any], steps: int = GATE_STEPS) -> tuple[Any, ...]:
+def no_harm_workloads(members: list[Any], steps: int = NO_HARM_STEPS) -> tuple[Any, ...]:
     """The workloads of the check: ``mlp`` and each model of ``members`` (their batch and sequence
     shapes) clean, and ``mlp`` with drifting gradients (:data:`DRIFT` over the run's ``steps``),
     each with a warm-up over the first tenth and a cosine decay over the rest."""
@@ -109,14 +109,14 @@ def gate_workloads(members: list[Any], steps: int = GATE_STEPS) -> tuple[Any, ..
     return (*out.values(), drift)
 
 
-def gate_label(workload: Any) -> str:
+def no_harm_label(workload: Any) -> str:
     """How the check names a workload: its model, with its scenario unless it is clean."""
     return (
         workload.model if workload.scenario == "clean" else f"{workload.model}/{workload.scenario}"
     )
 
 
-def gate_proxy(workload: Any) -> Any | None:
+def no_harm_proxy(workload: Any) -> Any | None:
     """What stands in for ``workload`` in the check when a budget cannot afford its long runs: the
     tiny model of its family (``gpt2-tiny`` for a language model, same dtype and device); None for
     the small presets, which are cheap anyway, and for a user's workload (``module:factory``),
@@ -168,26 +168,31 @@ class Verdict:
 
 
 class NoHarmCheck:
-    """Runs the check of a plan's :class:`GatePlan`, caching ``torch``'s runs in ``folder``.
+    """Runs the check of a plan's :class:`~autoscale.search.timing.NoHarmPlan`, caching ``torch``'s runs in ``folder``.
 
     Args:
-        gate: Workloads, steps and seeds.
-        folder: The artifacts folder (``folder/gate`` keeps torch's runs and traces).
-        ledger: Time spent goes to ``work:gate``.
+        no_harm: Workloads, steps and seeds.
+        folder: The artifacts folder (``folder/no-harm`` keeps torch's runs and traces).
+        ledger: Time spent goes to ``work:no-harm``.
         scale_kw: ``init_scale``/``min_scale``/``max_scale`` the torch reference is built with
             (the episode's, as the candidates are).
     """
 
     def __init__(
         self,
-        gate: GatePlan,
+        no_harm: NoHarmPlan,
         folder: Path,
         ledger: Ledger,
         scale_kw: dict[str, float],
         progress: bool = False,
     ) -> None:
-        self.gate, self.ledger, self.scale_kw, self.progress = gate, ledger, scale_kw, progress
-        self.cache = folder / "gate"
+        self.no_harm, self.ledger, self.scale_kw, self.progress = (
+            no_harm,
+            ledger,
+            scale_kw,
+            progress,
+        )
+        self.cache = folder / "no-harm"
         self.cache.mkdir(parents=True, exist_ok=True)
         self.folder = folder
 
@@ -197,9 +202,9 @@ class NoHarmCheck:
 
         data = {
             "workload": workload.replace(seed=seed).to_dict(),
-            "steps": self.gate.steps,
+            "steps": self.no_harm.steps,
             "scale": self.scale_kw,
-            "version": GATE_VERSION,
+            "version": NO_HARM_VERSION,
             "torch": torch.__version__,
         }
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:20]
@@ -219,7 +224,7 @@ class NoHarmCheck:
         key = self._key(workload, seed)
         card_path = self.cache / f"torch-{key}.json"
         trace_path = self.cache / f"torch-{key}.npz"
-        with file_lock(self.folder / "locks" / f"gate-{key}.lock"):
+        with file_lock(self.folder / "locks" / f"no-harm-{key}.lock"):
             if card_path.is_file() and trace_path.is_file():
                 try:
                     return Scorecard.from_dict(json.loads(card_path.read_text())), Trace.load(
@@ -251,12 +256,12 @@ class NoHarmCheck:
             make_scaler("torch", device=_device(w), collect_stats=True, **self.scale_kw),
             record=True,
         )
-        with self.ledger.track("work:gate"):
-            card = run.run(self.gate.steps, progress=self.progress, callback=_until(deadline))
-        _finished(card, self.gate.steps, f"torch's {gate_label(workload)} run")
+        with self.ledger.track("work:no-harm"):
+            card = run.run(self.no_harm.steps, progress=self.progress, callback=_until(deadline))
+        _finished(card, self.no_harm.steps, f"torch's {no_harm_label(workload)} run")
         spec = self._replay_spec(workload)
         inst = instance_trace(
-            f"gate-s{seed}",
+            f"no-harm-s{seed}",
             seed,
             0,
             run.records,
@@ -277,10 +282,10 @@ class NoHarmCheck:
         return {
             "name": f"no-harm-{workload.model}",
             "workload": workload.to_dict(),
-            "episode": {"steps": self.gate.steps, **self.scale_kw},
+            "episode": {"steps": self.no_harm.steps, **self.scale_kw},
             "instances": {
-                "train": [{"name": f"gate-s{s}", "seed": s} for s in self.gate.seeds[:1]],
-                "test": [{"name": f"gate-s{s}", "seed": s} for s in self.gate.seeds[1:]],
+                "train": [{"name": f"no-harm-s{s}", "seed": s} for s in self.no_harm.seeds[:1]],
+                "test": [{"name": f"no-harm-s{s}", "seed": s} for s in self.no_harm.seeds[1:]],
             },
         }
 
@@ -291,8 +296,8 @@ class NoHarmCheck:
         from autoscale.envs.replay_env import ReplayEnv
 
         reasons = []
-        for w in self.gate.workloads:
-            for seed in self.gate.candidate_seeds:
+        for w in self.no_harm.workloads:
+            for seed in self.no_harm.candidate_seeds:
                 ref, trace = self.reference(w, seed)
                 (inst,) = trace.instances
                 env = ReplayEnv(trace.spec, trace, instances=[inst])
@@ -300,7 +305,7 @@ class NoHarmCheck:
                     card, _ = drive_episode(env, factory(), inst)
                 if card.skip_rate > ref.skip_rate + SCREEN_MARGIN:
                     reasons.append(
-                        f"{gate_label(w)} seed {seed}: replay predicts {100 * card.skip_rate:.2f}% skipped "
+                        f"{no_harm_label(w)} seed {seed}: replay predicts {100 * card.skip_rate:.2f}% skipped "
                         f"steps, torch {100 * ref.skip_rate:.2f}% (+{100 * SKIP_POINTS:.1f}% "
                         "allowed)"
                     )
@@ -316,33 +321,33 @@ class NoHarmCheck:
 
         reasons: list[str] = []
         runs: dict[str, dict[str, list[dict]]] = {}
-        for w in self.gate.workloads:
-            refs = {s: self.reference(w, s, deadline)[0] for s in self.gate.seeds}
+        for w in self.no_harm.workloads:
+            refs = {s: self.reference(w, s, deadline)[0] for s in self.no_harm.seeds}
             noise = seed_noise([c.eval_loss for c in refs.values()])
             mine = []
-            for seed in self.gate.candidate_seeds:
+            for seed in self.no_harm.candidate_seeds:
                 scaler = factory()
                 run = TrainingRun(w.replace(seed=seed), _on_device(scaler, w))
-                with self.ledger.track("work:gate"):
+                with self.ledger.track("work:no-harm"):
                     card = run.run(
-                        self.gate.steps, progress=self.progress, callback=_until(deadline)
+                        self.no_harm.steps, progress=self.progress, callback=_until(deadline)
                     )
-                _finished(card, self.gate.steps, f"its {gate_label(w)} run")
+                _finished(card, self.no_harm.steps, f"its {no_harm_label(w)} run")
                 mine.append(card)
                 ref = refs[seed]
                 kept = (1.0 - card.precision_loss, 1.0 - ref.precision_loss)
-                for why in harm(card, ref, noise, self.gate.steps, *kept):
-                    reasons.append(f"{gate_label(w)} seed {seed}: {why}")
-            runs[gate_label(w)] = {
+                for why in harm(card, ref, noise, self.no_harm.steps, *kept):
+                    reasons.append(f"{no_harm_label(w)} seed {seed}: {why}")
+            runs[no_harm_label(w)] = {
                 "candidate": [c.to_dict() for c in mine],
-                "torch": [refs[s].to_dict() for s in self.gate.candidate_seeds],
+                "torch": [refs[s].to_dict() for s in self.no_harm.candidate_seeds],
                 "noise": noise,
             }
         return Verdict(label, not reasons, reasons, runs)
 
     def cost(self, timings: Timings, candidates: int = 1) -> float:
         """Seconds the check still needs for ``candidates`` candidates (torch cached or not)."""
-        return self.gate.cost(timings, candidates, self.cached)
+        return self.no_harm.cost(timings, candidates, self.cached)
 
 
 def _device(workload: Any) -> str:

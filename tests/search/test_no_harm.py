@@ -10,10 +10,16 @@ import pytest
 from autoscale.scalers import make_scaler
 from autoscale.search.budget import Ledger
 from autoscale.search.candidates import Candidate
-from autoscale.search.choose import GATE_PREFIX, choose
+from autoscale.search.choose import VERDICT_PREFIX, choose
 from autoscale.search.export import rank
-from autoscale.search.gate import NoHarmCheck, Verdict, gate_label, gate_proxy, gate_workloads
-from autoscale.search.timing import GatePlan, Timing, Timings, workload_key
+from autoscale.search.no_harm import (
+    NoHarmCheck,
+    Verdict,
+    no_harm_label,
+    no_harm_proxy,
+    no_harm_workloads,
+)
+from autoscale.search.timing import NoHarmPlan, Timing, Timings, workload_key
 from autoscale.search.validate import Validated
 from autoscale.search.workload import base_spec
 from autoscale.training.scorecard import Scorecard
@@ -27,8 +33,8 @@ EAGER = {"scale_window": 14, "scale_factor": 7.0, "tolerance": 0.32}  # grows ev
 @pytest.fixture(scope="module")
 def check(tmp_path_factory):
     spec = base_spec(model="mlp")
-    gate = GatePlan(gate_workloads([spec], STEPS), STEPS)
-    return NoHarmCheck(gate, tmp_path_factory.mktemp("gate"), Ledger(), SCALE)
+    no_harm = NoHarmPlan(no_harm_workloads([spec], STEPS), STEPS)
+    return NoHarmCheck(no_harm, tmp_path_factory.mktemp("no_harm"), Ledger(), SCALE)
 
 
 def scaler(name, **kw):
@@ -36,7 +42,7 @@ def scaler(name, **kw):
 
 
 def test_the_check_runs_long_clean_runs_and_a_drifting_one_with_a_schedule():
-    w, drift = gate_workloads([base_spec(model="mlp")], 1000)
+    w, drift = no_harm_workloads([base_spec(model="mlp")], 1000)
     assert w.model == "mlp" and w.scenario == "clean"
     assert w.scenario_params == {"warmup": 100, "decay": 900}
     assert drift.model == "mlp" and drift.scenario == "drift"
@@ -47,11 +53,11 @@ def test_the_check_runs_long_clean_runs_and_a_drifting_one_with_a_schedule():
         "up": 8.0,
         "length": 1000,
     }
-    assert [gate_label(x) for x in (w, drift)] == ["mlp", "mlp/drift"]
-    models = [w.model for w in gate_workloads([base_spec(model="gpt2-tiny")], 1000)]
+    assert [no_harm_label(x) for x in (w, drift)] == ["mlp", "mlp/drift"]
+    models = [w.model for w in no_harm_workloads([base_spec(model="gpt2-tiny")], 1000)]
     assert models == ["mlp", "gpt2-tiny", "mlp"]  # mlp and the searched model, mlp drifting
-    assert gate_proxy(base_spec(model="gpt2").workload).model == "gpt2-tiny"
-    assert gate_proxy(w) is None
+    assert no_harm_proxy(base_spec(model="gpt2").workload).model == "gpt2-tiny"
+    assert no_harm_proxy(w) is None
 
 
 @pytest.mark.slow  # long clean runs of mlp
@@ -70,7 +76,7 @@ def test_an_eager_rule_is_refused_on_replay_and_in_real_runs(check):
 
 @pytest.mark.slow  # long clean runs of mlp
 def test_torch_itself_passes_and_its_runs_are_cached(check):
-    assert all(check.cached(w, s) for w in check.gate.workloads for s in check.gate.seeds)
+    assert all(check.cached(w, s) for w in check.no_harm.workloads for s in check.no_harm.seeds)
     verdict = check.check(scaler("torch"), "torch")
     assert verdict.passed and verdict.reasons == []
     timeless = [
@@ -80,7 +86,9 @@ def test_torch_itself_passes_and_its_runs_are_cached(check):
     ]
     assert timeless[0] == timeless[1]  # the same run: CPU training is deterministic
     assert "passed the no-harm check" in verdict.summary()
-    timings = Timings({workload_key(w): Timing(0.01, 0.1, 0.01, 4) for w in check.gate.workloads})
+    timings = Timings(
+        {workload_key(w): Timing(0.01, 0.1, 0.01, 4) for w in check.no_harm.workloads}
+    )
     # candidates only: a clean and a drifting run of mlp
     assert check.cost(timings, 1) == pytest.approx(2 * (0.1 + STEPS * 0.01 + 0.01))
 
@@ -106,7 +114,9 @@ def pick(check, rows, factories, *, study=None, step_s=0.001, stop_at=math.inf, 
     """``choose`` on ``rows`` (torch first), with what it said."""
     study = study or optuna.create_study()
     said = []
-    timings = Timings({workload_key(w): Timing(step_s, 0.1, 0.01, 4) for w in check.gate.workloads})
+    timings = Timings(
+        {workload_key(w): Timing(step_s, 0.1, 0.01, 4) for w in check.no_harm.workloads}
+    )
     ranked = rank({v.key: v for v in rows}, rows[0], REWARD)
     choice = choose(
         study, ranked, factories, check, timings, Ledger(), weights=REWARD, stop_at=stop_at,
@@ -119,7 +129,7 @@ def study_with(auto_passed: bool, reasons=()):
     """A study holding ``auto``'s verdict already (a resumed search): no long runs for it here."""
     study = optuna.create_study()
     verdict = Verdict("auto", auto_passed, list(reasons))
-    study.set_user_attr(GATE_PREFIX + "policy:auto", verdict.to_dict())
+    study.set_user_attr(VERDICT_PREFIX + "policy:auto", verdict.to_dict())
     return study
 
 
@@ -239,7 +249,7 @@ def test_the_pick_skips_what_fails_the_check_and_exports_the_next_that_clears_au
     assert choice.why.startswith("5 beat auto by 0.3200 on the objective") and choice.why.endswith(
         "and passed the no-harm check"
     )
-    stored = study.user_attrs[GATE_PREFIX + "trial:3"]
+    stored = study.user_attrs[VERDICT_PREFIX + "trial:3"]
     assert stored["passed"] is False and stored["reasons"]
     # a second pick reads the stored verdicts: no run, nothing said again
     again, said_again, _ = pick(check, [torch, auto, eager, history], factories, study=study)
@@ -264,12 +274,12 @@ def test_a_check_that_reaches_the_budgets_end_stops_there_and_says_so(check, tmp
     a torch run cut short is not cached."""
     import time
 
-    from autoscale.search.gate import OutOfTime
+    from autoscale.search.no_harm import OutOfTime
 
     with pytest.raises(OutOfTime, match=r"stopped at the budget's end after \d+ of 400 steps"):
         check.check(scaler("amax-history"), "amax-history", deadline=time.monotonic() + 0.3)
-    fresh = NoHarmCheck(check.gate, tmp_path, Ledger(), SCALE)  # torch's runs not cached here
-    w = fresh.gate.workloads[0]
+    fresh = NoHarmCheck(check.no_harm, tmp_path, Ledger(), SCALE)  # torch's runs not cached here
+    w = fresh.no_harm.workloads[0]
     with pytest.raises(OutOfTime, match="torch's mlp run"):
         fresh.reference(w, 0, deadline=time.monotonic() + 0.3)
     assert not fresh.cached(w, 0)
@@ -283,7 +293,7 @@ def test_a_check_that_reaches_the_budgets_end_stops_there_and_says_so(check, tmp
     study = study_with(True)
     screened = Verdict("trial 5", True, [], screened=True)
     monkeypatch.setattr(check, "screen", lambda factory, label: screened)
-    timings = Timings({workload_key(w): Timing(1e-6, 0.0, 0.0, 4) for w in check.gate.workloads})
+    timings = Timings({workload_key(w): Timing(1e-6, 0.0, 0.0, 4) for w in check.no_harm.workloads})
     rows = [torch, auto, best]
     choice = choose(
         study, rank({v.key: v for v in rows}, torch, REWARD), factories, check, timings, Ledger(),
@@ -291,4 +301,4 @@ def test_a_check_that_reaches_the_budgets_end_stops_there_and_says_so(check, tmp
     )  # fmt: skip
     assert choice.winner.key == "policy:auto"
     assert any("stopped at the budget's end" in u for u in choice.unchecked), choice.unchecked
-    assert GATE_PREFIX + "trial:5" not in study.user_attrs
+    assert VERDICT_PREFIX + "trial:5" not in study.user_attrs
