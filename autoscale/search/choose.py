@@ -194,15 +194,24 @@ def _verdict(
     return verdict
 
 
-def horizon_refusal(bench: Any, factory: Callable[[], Any], bar: Callable[[], Any]) -> str | None:
+def horizon_refusal(
+    bench: Any,
+    factory: Callable[[], Any],
+    bar: Callable[[], Any],
+    replays: dict[Any, Any] | None = None,
+) -> str | None:
     """Why a lead over ``auto`` on the real-step episodes does not count, or None: it must also
     hold on the replay of the same held-out runs at the plan's horizon (every test window, early
     and late in a run, by ``LEAD_FLOOR`` at least). A budget may afford only short real-step
-    episodes, whose differences are mostly how each rule starts; a policy runs for a whole run."""
+    episodes, whose differences are mostly how each rule starts; a policy runs for a whole run.
+    ``replays`` keeps ``auto``'s replay per bench: a search weighing many leads replays it once."""
     from autoscale.search.objective import LEAD_FLOOR
 
     mine = bench.objective("test", bench.run("test", factory)[0])
-    cards, records = bench.run("test", bar)
+    replays = {} if replays is None else replays
+    if id(bench) not in replays:  # the bench is kept beside its replay: its id stays its own
+        replays[id(bench)] = (bench, bench.run("test", bar))
+    cards, records = replays[id(bench)][1]
     theirs = bench.objective("test", cards)
     if theirs - mine > LEAD_FLOOR:
         return None
@@ -219,6 +228,7 @@ def refusal(
     families: tuple[str, ...] | None,
     bench: Any,
     factories: dict[str, Callable[[], Any]],
+    replays: dict[Any, Any] | None = None,
 ) -> str | None:
     """Why the user may not get ``v``, or None: a rule family that cannot adapt (a fixed scale)
     that the search was not asked for (``families``: ``--family``), or a lead over ``auto`` that
@@ -232,4 +242,4 @@ def refusal(
     cls = rule_class(family) if family else None
     if cls is not None and not cls.adapts and family not in (families or ()):
         return f"'{family}' cannot follow drifting gradients (ask for it with --family {family})"
-    return horizon_refusal(bench, factories[v.key], factories[AUTO])
+    return horizon_refusal(bench, factories[v.key], factories[AUTO], replays)

@@ -93,6 +93,7 @@ class Rounds:
         self.families = {r: parametric_families()[r] for r in plan.rules}
         self.state = RoundState()
         self.choice: Any = None  # the last pick (autoscale.search.choose.Choice)
+        self.auto_replays: dict[Any, Any] = {}  # auto's horizon replay, once a bench
 
     def say(self, phase: str, text: str) -> None:
         self.session.say(phase, text)
@@ -362,7 +363,9 @@ class Rounds:
             weights=plan.suite.reward,
             stop_at=self.budget.end,
             say=lambda text: self.say("export", text),
-            refuse=lambda v: refusal(v, self.study, self.cfg.families, self.bench, self.factories),
+            refuse=lambda v: refusal(
+                v, self.study, self.cfg.families, self.bench, self.factories, self.auto_replays
+            ),
         )
         self.choice = choice
         for key, why in choice.refused.items():

@@ -413,3 +413,30 @@ def test_a_lead_must_hold_over_the_horizons_replay(setup):
         f"its lead does not hold on the {HORIZON}-step replay of the same held-out runs (objective +"
     ), why
     assert horizon_refusal(bench, auto, auto) is not None  # no lead at all
+
+
+def test_the_horizons_replay_of_auto_runs_once_for_many_leads(setup, monkeypatch):
+    """A search weighs many leads over auto against the same replay of auto: it runs once a
+    bench, and the answers are those of a fresh replay."""
+    from autoscale.search.choose import horizon_refusal
+
+    root, suite, traces = setup
+    bench = ReplayBench(suite, traces)
+    auto, torch = (lambda: bench.scaler("auto")), (lambda: bench.scaler("torch"))
+    runs, depth = [], [0]
+    real = bench.run
+
+    def run(kind, f):  # the outer calls only (a run may call run again)
+        if not depth[0]:
+            runs.append(f)
+        depth[0] += 1
+        try:
+            return real(kind, f)
+        finally:
+            depth[0] -= 1
+
+    monkeypatch.setattr(bench, "run", run)
+    replays: dict = {}
+    first = [horizon_refusal(bench, f, auto, replays) for f in (torch, auto, torch)]
+    assert runs.count(auto) == 2  # once as the bar, once as the candidate weighed against it
+    assert first == [horizon_refusal(bench, f, auto) for f in (torch, auto, torch)]
