@@ -275,7 +275,7 @@ class Rounds:
         # torch first (every objective is measured against it), auto (the bar a candidate must
         # clear), the best candidate (and the best agent), the other rules, the other candidates
         rules = rules[:1] + bar + rules[1:]
-        n = 2 if agent else 1
+        n = 2 if agent and "neural" in kinds else 1  # the best agent beside the best
         order = rules[:2] + order[:n] + rules[2:] + order[n:]
         if not order:
             return False
