@@ -18,6 +18,18 @@ import pytest
 
 from tests.training.conftest import torch  # noqa: F401  (sets one intra-op thread)
 
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items):
+    """Every search test is ``paced``: a search spends a wall-clock budget, plans from the pace it
+    measures and re-plans when the machine slows down, so these tests run alone (the README's
+    test command runs the rest two at a time first)."""
+    for item in items:
+        if HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.paced)
+
+
 SEARCH_BUDGET_S = 90.0  # the smallest plan of mlp with its no-harm runs (clean and drifting) fits
 RULES = ("torch", "deepspeed", "megatron", "jmp", "fairseq", "metaseq", "amax-history")
 
