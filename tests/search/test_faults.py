@@ -263,27 +263,20 @@ def test_postgresql_server_stops_and_restarts(postgres, cached, request):
 
 
 def test_damaged_caches_and_a_half_written_policy(cached, request):
-    """Between two searches the cache is damaged (every trace cut short or overwritten in part,
+    """Between two searches the cache is damaged (two traces cut short or overwritten in part,
     one of torch's no-harm runs cut short) and a policy folder of the study's name is left
     half-written. The search refuses that folder in one line before writing anything; with the
-    folder moved aside it warns once per damaged trace it reads, records those again, and exports.
-
-    Every trace is damaged, not two: the plan follows the pace the search measures, and on a
-    machine busier than when the cache was made it may plan fewer instances and read only some of
-    the cached ones (two damaged by name could then be unread: this test failed twice in four
-    runs beside other work, with no warning at all, and passed alone)."""
+    folder moved aside it warns once per damaged trace, records those again, and exports."""
     tmp_path = cached
     url = f"sqlite:///{tmp_path / 'autoscale.db'}"
     traces = sorted((tmp_path / "artifacts" / "traces").glob("*.npz"))
     no_harm = sorted((tmp_path / "artifacts" / "no-harm").glob("*.npz"))
     assert len(traces) >= 2 and no_harm
-    for k, trace in enumerate(traces):  # cut short, or overwritten in part
-        data = bytearray(trace.read_bytes())
-        if k % 2 == 0:
-            trace.write_bytes(bytes(data[: len(data) // 2]))
-        else:
-            data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
-            trace.write_bytes(bytes(data))
+    cut = traces[0].read_bytes()
+    traces[0].write_bytes(cut[: len(cut) // 2])
+    data = bytearray(traces[1].read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    traces[1].write_bytes(bytes(data))
     no_harm[0].write_bytes(no_harm[0].read_bytes()[:100])
     half = tmp_path / "policies" / "damaged"
     half.mkdir(parents=True)
@@ -304,11 +297,10 @@ def test_damaged_caches_and_a_half_written_policy(cached, request):
     again = start_worker(*_search_args(url, "damaged"), cwd=tmp_path, name="again")
     assert again.finish() == 0, again.err[-3000:]
     warned = [line for line in again.err.splitlines() if line.startswith("warning: cached ")]
-    named = [w.split("'")[1] for w in warned]
-    assert len(named) == len(set(named)) >= 2 and set(named) <= set(map(str, traces)), again.err
+    assert sorted(w.split("'")[1] for w in warned) == sorted(map(str, traces[:2])), again.err
     assert all(w.endswith("; recording it again") for w in warned)
     m = re.search(r"\[3/6 record\] (\d+) instances x \d+ real steps: (\d+) recorded", again.out)
-    assert m and int(m[2]) >= len(named)  # each damaged trace it read, recorded again
+    assert m and int(m[2]) >= 2
     assert "Traceback" not in again.err
     _assert_whole_export(tmp_path, "damaged")
     report(
