@@ -147,8 +147,12 @@ def _fmt_s(s: float) -> str:
     return f"{1000 * s:.0f} ms" if s < 1 else format_duration(s)
 
 
-class _TimeUp(Exception):
-    """Raised by the alarm of :func:`time_limit`."""
+class _TimeUp(BaseException):
+    """Raised by the alarm of :func:`time_limit`.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: code that catches ``Exception`` to carry on
+    (a logging handler's ``emit``, which prints the traceback and returns; a library's fallback)
+    would otherwise swallow the alarm where it lands."""
 
 
 def _importing(frame: Any) -> bool:
@@ -249,7 +253,7 @@ def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: floa
                     t0 = time.perf_counter()
                     run.step()
                     recorded.append(time.perf_counter() - t0)
-        except Exception:
+        except (Exception, _TimeUp):
             if not fired[0]:
                 raise
     if not times:

@@ -232,3 +232,40 @@ def test_a_time_limit_waits_for_an_import_to_end(tmp_path, monkeypatch):
     assert fired[0] and not finished
     assert sys.modules["slow_to_import_mod"].DONE is True
     del sys.modules["slow_to_import_mod"]
+
+
+def test_a_time_limit_that_lands_in_a_log_handler_stops_the_block_without_a_traceback(capfd):
+    """Logging catches ``Exception`` in a handler's ``emit`` and prints a traceback: an alarm
+    that lands while a warning is written (the model build warns of missing weights) must pass
+    through it."""
+    import logging
+    import time
+
+    from autoscale.search.timing import time_limit
+
+    class SlowStream:
+        def write(self, text):  # longer than the limit: the alarm lands here
+            t_end = time.monotonic() + 0.5
+            while time.monotonic() < t_end:
+                pass
+
+        def flush(self):
+            pass
+
+    logger = logging.getLogger("autoscale.test_time_limit_in_a_handler")
+    handler = logging.StreamHandler(SlowStream())
+    logger.addHandler(handler)
+    logger.propagate = False
+    finished = False
+    try:
+        with time_limit(0.05) as fired:
+            logger.warning("a warning written slowly")
+            t_end = time.monotonic() + 60
+            while time.monotonic() < t_end:
+                pass
+            finished = True
+    finally:
+        logger.removeHandler(handler)
+    assert fired[0] and not finished
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err and "_TimeUp" not in err, err
