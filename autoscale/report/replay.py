@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -124,7 +125,10 @@ class RecordReplay:
         """Replay the scaler ``name`` (a rule or an exported policy; ``params`` override its
         parameters) from the run's first scale."""
         params = {"init_scale": float(self.inst.start_scale), **params}
-        scaler = make_scaler(name, device="cpu", **params)
+        return self.replay_scaler(make_scaler(name, device="cpu", **params), name)
+
+    def replay_scaler(self, scaler: Any, name: str) -> Outcome:
+        """Replay a fresh CPU scaler (from its own initial scale) over the run's steps."""
         rule, ctrl = scaler.rule, scaler.controller
         min_scale = ctrl.bounds.min_scale
         t = self.inst

@@ -25,13 +25,13 @@ from typing import Any
 
 from autoscale.search.budget import Ledger, format_duration
 from autoscale.search.candidates import AUTO, TORCH
-from autoscale.search.no_harm import NoHarmCheck, OutOfTime, Verdict
+from autoscale.search.no_harm import Check, OutOfTime, Verdict
 from autoscale.search.objective import Lead, lead
 from autoscale.search.timing import Timings
 from autoscale.search.validate import Validated
 from autoscale.training.scorecard import json_safe
 
-__all__ = ["Choice", "choose", "refusal", "horizon_refusal", "VERDICT_PREFIX"]
+__all__ = ["Choice", "choose", "refusal", "family_refusal", "horizon_refusal", "VERDICT_PREFIX"]
 
 VERDICT_PREFIX = "no-harm-v2:"  # v2: the check's long runs include a drifting one
 
@@ -63,14 +63,17 @@ def _stored(study: Any, key: str) -> Verdict | None:
     data = study.user_attrs.get(VERDICT_PREFIX + key)
     if not data:
         return None
-    return Verdict(**{k: data[k] for k in ("label", "passed", "reasons", "runs", "screened")})
+    return Verdict(
+        **{k: data[k] for k in ("label", "passed", "reasons", "runs", "screened")},
+        where=data.get("where", ""),
+    )
 
 
 def choose(
     study: Any,
     ranked: list[Validated],
     factories: dict[str, Callable[[], Any]],
-    no_harm: NoHarmCheck,
+    no_harm: Check,
     timings: Timings,
     ledger: Ledger,
     *,
@@ -78,6 +81,7 @@ def choose(
     stop_at: float,
     say: Callable[[str], None],
     refuse: Callable[[Validated], str | None] | None = None,
+    replay_counts: bool = False,
 ) -> Choice:
     """Walk ``ranked`` (best first) down to ``auto`` (see the module docstring).
 
@@ -87,16 +91,19 @@ def choose(
         stop_at: ``time.monotonic()`` past which no real check starts (its estimated cost must
             fit before it).
         refuse: Why the user may not get a scaler (None: they may).
+        replay_counts: Replay is all the evidence there is (a search on records, whose check is
+            :class:`~autoscale.search.no_harm_records.RecordsCheck`): replayed rows count.
     """
     choice = Choice(None)
-    real = [v for v in ranked if v.real]
-    replayed = [v.label for v in ranked if not v.real]
+    real = [v for v in ranked if v.real or replay_counts]
+    replayed = [v.label for v in ranked if not (v.real or replay_counts)]
     if replayed:
         choice.unchecked.append(f"{', '.join(replayed)} (validated on replay only)")
     reference = next((v for v in real if v.key == TORCH), None)
     choice.bar = next((v for v in real if v.key == AUTO), None)
     if reference is None or choice.bar is None:
-        choice.why = "auto could not be validated on real steps in the budget"
+        on = "" if replay_counts else " on real steps"
+        choice.why = f"auto could not be validated{on} in the budget"
         return choice
     bar = choice.bar
     for v in real:
@@ -160,7 +167,7 @@ def _verdict(
     study: Any,
     v: Validated,
     factories: dict[str, Callable[[], Any]],
-    no_harm: NoHarmCheck,
+    no_harm: Check,
     timings: Timings,
     ledger: Ledger,
     stop_at: float,
@@ -230,9 +237,17 @@ def refusal(
     factories: dict[str, Callable[[], Any]],
     replays: dict[Any, Any] | None = None,
 ) -> str | None:
-    """Why the user may not get ``v``, or None: a rule family that cannot adapt (a fixed scale)
-    that the search was not asked for (``families``: ``--family``), or a lead over ``auto`` that
-    does not hold over the horizon (:func:`horizon_refusal`)."""
+    """Why the user may not get ``v``, or None: :func:`family_refusal`, or a lead over ``auto``
+    that does not hold over the horizon (:func:`horizon_refusal`)."""
+    if v.key.is_policy:
+        return None
+    why = family_refusal(v, study, families)
+    return why or horizon_refusal(bench, factories[v.key], factories[AUTO], replays)
+
+
+def family_refusal(v: Validated, study: Any, families: tuple[str, ...] | None) -> str | None:
+    """Why the user may not get ``v``'s rule family, or None: a family that cannot adapt (a fixed
+    scale) that the search was not asked for (``families``: ``--family``)."""
     from autoscale.scalers.registry import rule_class
 
     if v.key.is_policy:
@@ -242,4 +257,4 @@ def refusal(
     cls = rule_class(family) if family else None
     if cls is not None and not cls.adapts and family not in (families or ()):
         return f"'{family}' cannot follow drifting gradients (ask for it with --family {family})"
-    return horizon_refusal(bench, factories[v.key], factories[AUTO], replays)
+    return None

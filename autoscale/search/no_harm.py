@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from autoscale.errors import ConfigError
 from autoscale.search.budget import Ledger
@@ -53,6 +53,7 @@ __all__ = [
     "no_harm_label",
     "no_harm_proxy",
     "Verdict",
+    "Check",
     "NoHarmCheck",
 ]
 
@@ -142,6 +143,8 @@ class Verdict:
         reasons: Why it failed, one line per broken rule (empty when it passed).
         runs: Workload model -> {"candidate": [scorecards], "torch": [scorecards]} as dicts.
         screened: Refused on replay, without real runs.
+        where: What the check ran on, where it is not long real runs (a search on records
+            replays the records: :mod:`autoscale.search.no_harm_records`).
     """
 
     label: str
@@ -149,22 +152,44 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)
     runs: dict[str, dict[str, list[dict]]] = field(default_factory=dict)
     screened: bool = False
+    where: str = ""
 
     def summary(self) -> str:
         if self.passed:
             parts = []
             for model, r in self.runs.items():
                 c, t = r["candidate"][0], r["torch"][0]
+                second = (
+                    f"eval loss {c['eval_loss']:.4g} (torch {t['eval_loss']:.4g})"
+                    if "eval_loss" in c
+                    else f"below fp16's range {100 * c['precision_loss']:.2f}% "
+                    f"(torch {100 * t['precision_loss']:.2f}%)"
+                )
                 parts.append(
                     f"{model}: skipped {100 * c['skip_rate']:.2f}% (torch {100 * t['skip_rate']:.2f}%), "
-                    f"eval loss {c['eval_loss']:.4g} (torch {t['eval_loss']:.4g})"
+                    + second
                 )
-            return f"{self.label} passed the no-harm check: " + "; ".join(parts)
-        how = "on replay of torch's long runs" if self.screened else "in long runs"
+            how = f" {self.where}" if self.where else ""
+            return f"{self.label} passed the no-harm check{how}: " + "; ".join(parts)
+        how = self.where or ("on replay of torch's long runs" if self.screened else "in long runs")
         return f"{self.label} fails the no-harm check {how}: " + "; ".join(self.reasons)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+class Check(Protocol):
+    """What :func:`~autoscale.search.choose.choose` asks of a no-harm check: long real runs
+    (:class:`NoHarmCheck`) or the replay of recorded runs
+    (:class:`~autoscale.search.no_harm_records.RecordsCheck`)."""
+
+    def screen(self, factory: Callable[[], Any], label: str) -> Verdict: ...
+
+    def check(
+        self, factory: Callable[[], Any], label: str, deadline: float | None = None
+    ) -> Verdict: ...
+
+    def cost(self, timings: Timings, candidates: int = 1) -> float: ...
 
 
 class NoHarmCheck:

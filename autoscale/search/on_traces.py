@@ -8,15 +8,19 @@ is replay, and says so (terminal, study note, manifest):
 1. **search**: parametric rule families with their knobs, scored on the train windows' replay
    against ``torch`` with the suite search's objective (the built-in rules' defaults first);
 2. **validate**: the best trials, every built-in rule and ``auto`` on the test windows' replay;
-3. **export**: ``auto`` is the bar, as in the workload search: a candidate ranked above it counts
-   only when its lead over ``auto`` is more than the seed noise (paired window by window), and a
-   fixed scale only when asked for (``--family``); it is replayed over the whole of each run,
-   judged on its clean steps (a finite loss and a known overflow threshold: not every gradient
-   flushed to zero), next to ``torch``: it may skip at most 0.5 points more of those steps and
-   must not lose more gradient elements below fp16's range; otherwise the next candidate. When
-   none clears the bar, ``auto`` itself is exported under the requested name (checked the same
-   way; ``torch``'s rule where it harms the runs). The pick is written with the report of the
-   first run with it among the counterfactuals.
+3. **export**: the workload search's pick (:func:`~autoscale.search.choose.choose`), with replay
+   as the evidence: ``auto`` is the bar; a candidate ranked above it counts only when its lead over
+   ``auto`` is more than the seed noise (paired window by window), a fixed scale only when asked
+   for (``--family``), and only when it passes the no-harm check, here the replay of each whole
+   run next to ``torch`` (:class:`~autoscale.search.no_harm_records.RecordsCheck`); otherwise the
+   next candidate. When none clears the bar, ``auto`` itself is exported under the requested name
+   (checked the same way; ``torch``'s rule where it harms the runs). Verdicts are kept in the
+   study, as the workload search keeps them. The pick is written with the report of the first run
+   with it among the counterfactuals.
+
+One study identity check serves both searches (:func:`~autoscale.search.study.check_source`): a
+study of records resumes only from the same records, and a study of a workload is never resumed
+from records, nor the reverse.
 
 Phases are named and numbered as the workload search's (``[2/6 plan]``, ``[4/6 search]``,
 ``[5/6 validate]``, ``[6/6 export]``: there is nothing to measure or record).
@@ -28,27 +32,23 @@ Interrupting keeps every finished trial in the study; the same command resumes i
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from autoscale.errors import ConfigError
 from autoscale.search.candidates import AUTO as AUTO_KEY
 from autoscale.search.candidates import TORCH, Candidate
+from autoscale.search.choose import choose, family_refusal
+from autoscale.search.no_harm_records import WHERE, RecordsCheck, totals
+from autoscale.search.study import check_source, records_id
 from autoscale.search.validate import Validated
-from autoscale.training.bar import SKIP_POINTS
 
 __all__ = ["TraceSearch", "TraceSearchConfig"]
 
-# the no-harm check's limits, the bar's (autoscale/training/bar.py), as the workload search's
-# check applies them to long real runs: skips and precision loss at most 0.5 points above torch's
-NO_HARM_SKIP = SKIP_POINTS
-NO_HARM_PRECISION = SKIP_POINTS
 CANDIDATES = 5  # best trials validated
-AUTO = "auto"  # the shipped general policy: the bar a searched policy must clear
 REPLAY_NOTE = (
     "validated on the replay of held-out windows of the recorded runs (no real steps: a record "
     "cannot be trained again); the no-harm check is the replay of the runs' clean steps"
@@ -71,18 +71,6 @@ class TraceSearchConfig:
     horizon: int | None = None
     command: str = "autoscale search --traces"
     families: tuple[str, ...] | None = None  # --family (None: every family that adapts)
-
-
-@dataclass
-class ReplayValidated(Validated):
-    """A scaler validated on the test windows' replay (``real`` False): its key (a trial of the
-    study, a built-in rule, or ``auto``), the rule and parameters it replays with, its objective
-    against ``torch`` there, and its no-harm replay once checked."""
-
-    rule: str = ""
-    params: dict[str, Any] = field(default_factory=dict)
-    test_objective: float = math.nan
-    no_harm: dict[str, Any] | None = None
 
 
 class TraceSearch:
@@ -139,12 +127,10 @@ class TraceSearch:
             **study_kwargs(cfg.seed, 0, ledger),
         )
         families = searched_families(cfg.families)
-        fresh = "traces" not in study.user_attrs
-        if not fresh:
-            _check_same_records(study, name, records, suite)
-        if fresh:
+        check_source(study.user_attrs, name, records, suite)  # a study of these records, or new
+        if "traces" not in study.user_attrs:
             study.set_user_attr("traces", [str(Path(r.path).resolve()) for r in records])
-            study.set_user_attr("records", _records_id(records))
+            study.set_user_attr("records", records_id(records))
             study.set_user_attr("command", cfg.command)
             study.set_user_attr("validation", REPLAY_NOTE)
             study.set_user_attr("suite", suite.to_dict())
@@ -206,26 +192,49 @@ class TraceSearch:
             f"({best.user_attrs.get('policy', {}).get('rule')}), objective {best.value:+.4f}",
         )
         t_val = time.monotonic()
-        candidates = self._validate(study, bench, families)
+        ranked, factories = self._validate(study, bench, families)
+        torch_row = next(v for v in ranked if v.key == TORCH)
+
+        def value(v: Validated) -> float:
+            return v.objective(torch_row, suite.reward)
+
         self.say(
             "validate",
             f"in {time.monotonic() - t_val:.1f}s, on the test windows' replay (objective vs torch, "
-            "lower is better): "
-            + ", ".join(f"{c.label} {c.test_objective:+.4f}" for c in candidates[:6]),
+            "lower is better): " + ", ".join(f"{v.label} {value(v):+.4f}" for v in ranked[:6]),
         )
         t_exp = time.monotonic()
-        pick, why = self._pick(candidates, records, bench, suite)
-        path = self._export(study, suite, pick, records)
+        check = RecordsCheck(records, ledger)
+        choice = choose(
+            study,
+            ranked,
+            factories,
+            check,
+            None,
+            ledger,
+            weights=suite.reward,
+            stop_at=self.budget.end,
+            say=lambda text: self.say("export", text),
+            refuse=lambda v: family_refusal(v, study, cfg.families),
+            replay_counts=True,
+        )
+        pick = choice.winner
+        if pick is None:  # torch and auto are always replayed: this says what went wrong
+            raise ConfigError(f"nothing to export from study '{name}': {choice.why}")
+        verdict = next((x for x in choice.verdicts if x.label == pick.label), None)
+        if verdict is None:  # torch, the reference, is not checked: its numbers for the card
+            verdict = check.check(factories[pick.key], pick.label)
+        nh = totals(verdict)
+        path = self._export(study, suite, pick, value(pick), nh, records)
         from autoscale.report import write_report
         from autoscale.report.page import compare_names
 
         report = write_report(records[0], Path(path) / "report.html", [*compare_names(), path.name])
-        nh = pick.no_harm
         self.say(
             "export",
-            f"{why}; {pick.label} passed the no-harm check on the clean steps (replay: skipped "
+            f"{choice.why}; {pick.label} {WHERE}'s clean steps: skipped "
             f"{100 * nh['skip_rate']:.2f}% vs torch {100 * nh['torch_skip_rate']:.2f}%, below fp16 "
-            f"range {100 * nh['precision_loss']:.2f}% vs {100 * nh['torch_precision_loss']:.2f}%); "
+            f"range {100 * nh['precision_loss']:.2f}% vs {100 * nh['torch_precision_loss']:.2f}%; "
             f"exported to {path}; report {report} (in {time.monotonic() - t_exp:.1f}s)",
         )
         self.say(
@@ -242,89 +251,45 @@ class TraceSearch:
             "ledger": ledger,
         }
 
-    def _validate(self, study, bench, families) -> list[ReplayValidated]:
+    def _validate(
+        self, study, bench, families
+    ) -> tuple[list[Validated], dict[Candidate, Callable[[], Any]]]:
+        """The best distinct trials, every rule and ``auto`` on the test windows' replay, ranked
+        as the workload search ranks (:func:`~autoscale.search.export.rank`), with a factory of
+        fresh scalers of each."""
+        from autoscale.search.export import rank
+
         complete = [
             t for t in study.trials if t.state.name == "COMPLETE" and "policy" in t.user_attrs
         ]
         complete.sort(key=lambda t: t.value)
-        out: list[ReplayValidated] = []
+        factories: dict[Candidate, Callable[[], Any]] = {}
+        labels: dict[Candidate, str] = {}
         seen = set()
         for t in complete:
             pol = t.user_attrs["policy"]
             if t.user_attrs.get("baseline"):
                 continue  # the rules' defaults are validated as rules below
-            key = json.dumps(pol, sort_keys=True)
-            if key in seen:
+            same = json.dumps(pol, sort_keys=True)
+            if same in seen:
                 continue
-            seen.add(key)
-            cards, _ = bench.run("test", lambda p=pol: bench.scaler(p["rule"], **p["params"]))
-            value = bench.objective("test", cards)
-            label = f"{pol['rule']}, trial {t.number}"
+            seen.add(same)
             key = Candidate.trial(t.number)
-            out.append(
-                ReplayValidated(key, label, cards, False, None, pol["rule"], pol["params"], value)
-            )
-            if len(out) >= CANDIDATES:
+            factories[key] = lambda p=pol: bench.scaler(p["rule"], **p["params"])
+            labels[key] = f"{pol['rule']}, trial {t.number}"
+            if len(factories) >= CANDIDATES:
                 break
-        for rule in dict.fromkeys(["torch", *families, AUTO]):  # the rules, and auto: the bar
-            cards, _ = bench.run("test", lambda r=rule: bench.scaler(r))
-            key = AUTO_KEY if rule == AUTO else Candidate.rule(rule)
-            value = bench.objective("test", cards)
-            out.append(ReplayValidated(key, rule, cards, False, None, rule, {}, value))
-        # on a tie: auto first, then the rules, then trials
-        out.sort(key=lambda c: (c.test_objective, not c.key.is_policy, c.key.is_trial))
-        return out
+        for rule in dict.fromkeys(["torch", *families, AUTO_KEY.name]):  # and auto: the bar
+            key = AUTO_KEY if rule == AUTO_KEY.name else Candidate.rule(rule)
+            factories[key] = lambda r=rule: bench.scaler(r)
+            labels[key] = rule
+        validated = {
+            key: Validated(key, labels[key], bench.run("test", factory)[0], False, None)
+            for key, factory in factories.items()
+        }
+        return rank(validated, validated[TORCH], bench.suite.reward), factories
 
-    def _pick(
-        self, candidates: list[ReplayValidated], records, bench, suite
-    ) -> tuple[ReplayValidated, str]:
-        """What is exported, and why: the first candidate ranked above ``auto`` whose lead over
-        it is more than the seed noise, that the user may get (a fixed scale only when asked
-        for) and that passes the no-harm check; else ``auto`` (checked too); else ``torch``."""
-        from autoscale.scalers.registry import rule_class
-        from autoscale.search.objective import lead
-
-        auto = next(c for c in candidates if c.key == AUTO_KEY)
-        best_lead = None
-        for c in candidates:
-            if c is auto:
-                break
-            ld = lead(c.cards, auto.cards, bench.reference_for("test", c.cards), suite.reward)
-            best_lead = best_lead or (c, ld)
-            cls = rule_class(c.rule)
-            if not ld.clear or (
-                cls is not None and not cls.adapts and c.rule not in (self.cfg.families or ())
-            ):
-                continue
-            c.no_harm = _no_harm(records, c)
-            if c.no_harm["passed"]:
-                return (
-                    c,
-                    f"{c.label} beat auto by {ld.lead:.4f} on the test windows' replay, more than the seed noise ({ld.noise:.4f})",
-                )
-            self.say("export", f"{c.label} refused: {c.no_harm['why']}")
-        if best_lead is None:
-            why = "auto is the best found for these records: no candidate ranked above it"
-        else:
-            c, ld = best_lead
-            why = (
-                f"auto is the best found for these records: the best ({c.label}) led it by "
-                f"{ld.lead:.4f}, within the seed noise ({ld.noise:.4f})"
-                if not ld.clear
-                else "auto is the best found for these records: no candidate that led it passed"
-            )
-        auto.no_harm = _no_harm(records, auto)
-        if auto.no_harm["passed"]:
-            return auto, why
-        self.say("export", f"auto refused: {auto.no_harm['why']}")
-        torch = next(c for c in candidates if c.key == TORCH)
-        torch.no_harm = _no_harm(records, torch)
-        return (
-            torch,
-            f"auto harms these runs ({auto.no_harm['why']}): torch's own rule, the reference",
-        )
-
-    def _export(self, study, suite, pick: ReplayValidated, records) -> Path:
+    def _export(self, study, suite, pick: Validated, value: float, nh, records) -> Path:
         from autoscale.search.export import export_policy, export_rule, export_trial
 
         name = self.cfg.export or study.study_name
@@ -333,8 +298,8 @@ class TraceSearch:
             "validation": REPLAY_NOTE,
         }
         scorecard = {
-            "test_replay_objective": pick.test_objective,
-            "no_harm_replay": pick.no_harm,
+            "test_replay_objective": value,
+            "no_harm_replay": nh,
             "validation": REPLAY_NOTE,
         }
         kw = dict(
@@ -372,82 +337,3 @@ def _note(name, records, suite, windows) -> str:
         f"**Validation: {REPLAY_NOTE}.**",
     ]
     return "\n".join(lines) + "\n"
-
-
-def _no_harm(records, c: ReplayValidated) -> dict[str, Any]:
-    """The candidate and torch replayed over each whole run, judged on its clean steps."""
-    import numpy as np
-
-    from autoscale.report.replay import RecordReplay
-
-    skip = tskip = prec = tprec = 0.0
-    n = 0
-    for rec in records:
-        rp = RecordReplay(rec)
-        # clean: a finite loss, and a threshold the record knows (not every gradient zero)
-        clean = ~rp.inst.nonfinite & np.isfinite(rp.inst.threshold)
-        mine = rp.replay(c.rule, **c.params)
-        ref = rp.replay("torch")
-        k = int(clean.sum())
-        if k == 0:
-            continue
-        n += k
-        skip += float(mine.skipped[clean].sum())
-        tskip += float(ref.skipped[clean].sum())
-        prec += _mean_precision(mine, clean) * k
-        tprec += _mean_precision(ref, clean) * k
-    if n == 0:
-        return {"passed": False, "why": "the runs have no clean step"}
-    res = {
-        "clean_steps": n,
-        "skip_rate": skip / n,
-        "torch_skip_rate": tskip / n,
-        "precision_loss": prec / n,
-        "torch_precision_loss": tprec / n,
-    }
-    why = []
-    if res["skip_rate"] > res["torch_skip_rate"] + NO_HARM_SKIP:
-        why.append(
-            f"skips {100 * res['skip_rate']:.2f}% of the clean steps, torch {100 * res['torch_skip_rate']:.2f}%"
-        )
-    if res["precision_loss"] > res["torch_precision_loss"] + NO_HARM_PRECISION:
-        why.append(
-            f"loses {100 * res['precision_loss']:.2f}% of gradient elements below fp16's range, "
-            f"torch {100 * res['torch_precision_loss']:.2f}%"
-        )
-    res["passed"] = not why
-    res["why"] = "; ".join(why)
-    return res
-
-
-def _mean_precision(outcome, clean) -> float:
-    """Mean share of gradient elements below fp16's range over the clean steps it applied (0
-    when it applied none with a histogram)."""
-    import numpy as np
-
-    p = outcome.precision[clean & ~outcome.skipped]
-    p = p[np.isfinite(p)]
-    return float(p.mean()) if p.size else 0.0
-
-
-def _records_id(records: list[Any]) -> list[list[Any]]:
-    """What a study of records is made from: each record's folder and its number of steps."""
-    return [[str(Path(r.path).resolve()), len(r.steps)] for r in records]
-
-
-def _check_same_records(study: Any, name: str, records: list[Any], suite: Any) -> None:
-    """A study of records resumes only from the records it was made from (its trials and their
-    test-replay scores were measured on them); else one line says how to start another."""
-
-    attrs = study.user_attrs
-    now = _records_id(records)
-    stored = attrs.get("records")
-    same = attrs.get("suite") == suite.to_dict() and (
-        stored == now if stored is not None else attrs.get("traces") == [p for p, _ in now]
-    )
-    if not same:
-        made = ", ".join(attrs.get("traces") or []) or "other records"
-        raise ConfigError(
-            f"study '{name}' was made from other records ({made}, or the same folders holding "
-            f"other steps): pass --study NEW_NAME to search these, or the same records to resume it"
-        )

@@ -57,6 +57,7 @@ from autoscale.search.storage import (
     study_names,
 )
 from autoscale.search.study import (
+    check_source,
     check_workload,
     describe_new_study,
     describe_spec,
@@ -294,6 +295,7 @@ class SearchRunner:
         return new
 
     def _adopt(self, stored: Any) -> tuple[SuiteSpec, SuiteSpec, int]:
+        check_source(stored.user_attrs, self.cfg.study)
         kept = wait_for_plan(stored)
         if self.cfg.explicit:
             check_workload(kept[0], as_suite(self.cfg.base), self.cfg.study)

@@ -24,6 +24,8 @@ __all__ = [
     "study_note",
     "wait_for_plan",
     "check_workload",
+    "check_source",
+    "records_id",
     "fail_stale_trials",
     "fail_worker_trials",
 ]
@@ -179,6 +181,48 @@ def wait_for_plan(study: Any, timeout: float = 60.0) -> tuple[SuiteSpec, SuiteSp
     while "suite" not in study.user_attrs and time.monotonic() < deadline:
         time.sleep(0.5)
     return study_suites(study)
+
+
+def records_id(records: list[Any]) -> list[list[Any]]:
+    """What a study of records is made from: each record's folder and its number of steps."""
+    from pathlib import Path
+
+    return [[str(Path(r.path).resolve()), len(r.steps)] for r in records]
+
+
+def check_source(
+    attrs: dict[str, Any], study: str, records: list[Any] | None = None, suite: Any = None
+) -> None:
+    """A study resumes only from what it was made from, for both sources of episodes: a workload's
+    real steps (``records`` None) or recorded runs (``records`` and their ``suite``). Its trials,
+    and their scores, were measured there; else one line says how to start another."""
+    made = attrs.get("traces")
+    if "suite" not in attrs and made is None:
+        return  # new, or being created by another worker: nothing to compare yet
+    if records is None:
+        if made is not None:
+            raise ConfigError(
+                f"study '{study}' was made from records ({', '.join(made)}): pass --traces with "
+                "them to resume it, or --study NEW_NAME to search a workload"
+            )
+        return
+    if made is None:
+        members = [m.get("name") for m in attrs["suite"].get("members", [])]
+        raise ConfigError(
+            f"study '{study}' was made from a workload's real steps ({', '.join(members)}), not "
+            "records: pass --study NEW_NAME to search these records"
+        )
+    now = records_id(records)
+    stored = attrs.get("records")
+    same = attrs.get("suite") == suite.to_dict() and (
+        stored == now if stored is not None else made == [p for p, _ in now]
+    )
+    if not same:
+        raise ConfigError(
+            f"study '{study}' was made from other records ({', '.join(made) or 'other records'}, "
+            "or the same folders holding other steps): pass --study NEW_NAME to search these, or "
+            "the same records to resume it"
+        )
 
 
 def check_workload(stored: SuiteSpec, asked: SuiteSpec, study: str) -> None:

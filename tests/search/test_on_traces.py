@@ -57,8 +57,11 @@ def test_search_on_a_record_exports_a_policy_and_its_report(
     out = capsys.readouterr().out
     assert "validated on the replay of held-out windows" in out
     assert "[2/6 plan]" in out and "[4/6 search]" in out and "[5/6 validate]" in out
-    export = next(line for line in out.splitlines() if line.startswith("[6/6 export]"))
-    assert "auto is the best found for these records" in export or "beat auto by" in export
+    exports = [line for line in out.splitlines() if line.startswith("[6/6 export]")]
+    assert any("passed the no-harm check on the replay of the whole records" in e for e in exports)
+    export = exports[-1]
+    assert "auto is the best found for this run" in export or "beat auto by" in export
+    assert "on the replay of the whole records's clean steps: skipped" in export
     policy = tmp_path / "policies" / "run-traces"
     manifest = read_manifest(policy)
     assert manifest.kind == "parametric"
@@ -72,8 +75,17 @@ def test_search_on_a_record_exports_a_policy_and_its_report(
     assert scaler.name == "run-traces"
     import optuna
 
+    from autoscale.search.choose import VERDICT_PREFIX
+
     study = optuna.load_study(study_name="run-traces", storage="sqlite:///autoscale.db")
     assert "replay" in study.user_attrs["validation"]
+    # the workload search's pick: its verdicts kept in the study, auto's among them when it won
+    verdicts = {k: v for k, v in study.user_attrs.items() if k.startswith(VERDICT_PREFIX)}
+    assert verdicts and all(
+        v["where"] == "on the replay of the whole records" for v in verdicts.values()
+    )
+    if "auto is the best found" in export:
+        assert verdicts[VERDICT_PREFIX + "policy:auto"]["passed"]
     # the same command resumes the study: its trials are kept
     before = len(study.trials)
     monkeypatch.setattr(autoscale, "IMPORT_TIME", __import__("time").monotonic())
@@ -125,3 +137,65 @@ def test_a_study_made_from_other_records_is_refused_not_resumed(tmp_path, monkey
     )
     assert "pass --study NEW_NAME" in last
     assert len(study.trials) == 0 and not (tmp_path / "policies").exists()
+
+
+def test_the_records_check_refuses_what_harms_the_runs_and_pools_what_passes(tmp_path):
+    """The no-harm check of a search on records: each whole run replayed next to torch."""
+    from autoscale.search.budget import Ledger
+    from autoscale.search.no_harm_records import RecordsCheck, totals
+
+    rec = read_record(_record(tmp_path / "run", steps=300))
+    check = RecordsCheck([rec, rec], Ledger())
+    torch = check.check(lambda: autoscale.get_scaler("torch", device="cpu"), "torch")
+    assert torch.passed and len(torch.runs) == 1  # one folder, twice: one entry
+    run = next(iter(torch.runs.values()))
+    assert run["candidate"] == run["torch"] and run["candidate"][0]["clean_steps"] > 250
+    assert check.cost(None, 2) == 2 * check.run_s > 0
+    # a fixed scale far too small for gradients weighted by 2^-10: most elements lost to underflow
+    tiny = check.check(lambda: autoscale.get_scaler("static", device="cpu", init_scale=1.0), "tiny")
+    assert not tiny.passed
+    assert any("below fp16's range" in r for r in tiny.reasons), tiny.reasons
+    assert tiny.summary().startswith(
+        "tiny fails the no-harm check on the replay of the whole records"
+    )
+    # one far too large: every step overflows
+    huge = check.check(
+        lambda: autoscale.get_scaler("static", device="cpu", init_scale=2.0**40), "huge"
+    )
+    assert not huge.passed and any("skips 100.00% of the clean steps" in r for r in huge.reasons)
+    pooled = totals(torch)
+    assert pooled["passed"] and pooled["skip_rate"] == pooled["torch_skip_rate"]
+    assert pooled["clean_steps"] == run["candidate"][0]["clean_steps"]
+
+
+def test_a_study_is_resumed_only_from_its_own_kind_of_source(tmp_path, monkeypatch, capsys):
+    """One identity check for both searches: records do not resume a workload's study, and a
+    workload search does not resume a study of records."""
+    import optuna
+
+    from autoscale.search.storage import open_storage
+
+    monkeypatch.chdir(tmp_path)
+    run = _record(tmp_path / "run", steps=400)
+    suite, _ = suite_from_records([run])
+    storage = open_storage("autoscale.db")
+    work = optuna.create_study(study_name="mlp-study", storage=storage)
+    work.set_user_attr("suite", {"name": "mlp", "members": [{"name": "mlp/bad-batches"}]})
+    assert main(["search", "--traces", "run", "--study", "mlp-study", "--budget", "1m"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (
+        "autoscale search: error: study 'mlp-study' was made from a workload's real steps "
+        "(mlp/bad-batches), not records: pass --study NEW_NAME to search these records"
+    )
+    assert len(work.trials) == 0 and "traces" not in work.user_attrs
+    recs = optuna.create_study(study_name="run-traces", storage=storage)
+    recs.set_user_attr("traces", [str(run.resolve())])
+    recs.set_user_attr("suite", suite.to_dict())
+    rc = main(["search", "--model", "mlp", "--study", "run-traces", "--budget", "1m", "--quiet"])
+    assert rc == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (
+        f"autoscale search: error: study 'run-traces' was made from records ({run.resolve()}): "
+        "pass --traces with them to resume it, or --study NEW_NAME to search a workload"
+    )
+    assert len(recs.trials) == 0 and not (tmp_path / "policies").exists()

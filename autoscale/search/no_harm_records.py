@@ -1,0 +1,118 @@
+"""The no-harm check of a search on records: the candidate and ``torch`` replayed over each whole
+recorded run, judged on its clean steps.
+
+A record cannot be trained again, so where the workload search runs long real runs
+(:class:`~autoscale.search.no_harm.NoHarmCheck`) this check replays the records: each run's clean
+steps (a finite loss and a known overflow threshold: not every gradient flushed to zero), the
+candidate as it was validated (a fresh scaler from its factory) next to ``torch``. On any run, the candidate may skip at most
+:data:`~autoscale.training.bar.SKIP_POINTS` more of those steps than ``torch`` and lose at most as
+many points more of gradient elements below fp16's range. It has the check's interface (``screen``,
+``check``, ``cost``), so :func:`~autoscale.search.choose.choose` picks for both searches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from autoscale.search.budget import Ledger
+from autoscale.search.no_harm import Verdict
+from autoscale.training.bar import SKIP_POINTS
+
+__all__ = ["RecordsCheck", "WHERE", "totals"]
+
+WHERE = "on the replay of the whole records"
+PRECISION_POINTS = SKIP_POINTS  # the bar's margin, for gradient elements below fp16's range
+
+
+class RecordsCheck:
+    """Replays candidates over ``records`` (:class:`~autoscale.observe.RunRecord`).
+
+    Args:
+        records: The runs.
+        ledger: Time spent goes to ``work:no-harm``.
+    """
+
+    def __init__(self, records: list[Any], ledger: Ledger) -> None:
+        from autoscale.report.replay import RecordReplay
+
+        self.ledger = ledger
+        self.replays = [RecordReplay(r) for r in records]
+        self._torch: dict[int, Any] = {}
+        self.run_s = 0.0  # measured seconds of one candidate's replay of every run
+
+    def screen(self, factory: Callable[[], Any], label: str) -> Verdict:
+        """Nothing cheaper than :meth:`check` screens a replay: it passes."""
+        return Verdict(label, True, screened=True)
+
+    def cost(self, timings: Any = None, candidates: int = 1) -> float:
+        """Seconds of ``candidates`` checks (measured on the first; ``timings`` unused)."""
+        return candidates * self.run_s
+
+    def _torch_outcome(self, i: int) -> Any:
+        if i not in self._torch:
+            self._torch[i] = self.replays[i].replay("torch")
+        return self._torch[i]
+
+    def check(
+        self, factory: Callable[[], Any], label: str, deadline: float | None = None
+    ) -> Verdict:
+        """The candidate's replay of every run against torch's (seconds: no deadline needed)."""
+        import numpy as np
+
+        t0 = time.perf_counter()
+        reasons: list[str] = []
+        runs: dict[str, dict[str, Any]] = {}
+        with self.ledger.track("work:no-harm"):
+            for i, rp in enumerate(self.replays):
+                clean = ~rp.inst.nonfinite & np.isfinite(rp.inst.threshold)
+                k = int(clean.sum())
+                name = str(rp.record.path)
+                if k == 0:
+                    reasons.append(f"{name}: the run has no clean step")
+                    continue
+                # fresh, as validated (its initial scale and bounds: the windows' or its own)
+                mine = _stats(rp.replay_scaler(factory(), label), clean)
+                ref = _stats(self._torch_outcome(i), clean)
+                runs[name] = {"candidate": [mine], "torch": [ref]}
+                if mine["skip_rate"] > ref["skip_rate"] + SKIP_POINTS:
+                    reasons.append(
+                        f"{name}: skips {100 * mine['skip_rate']:.2f}% of the clean steps, torch "
+                        f"{100 * ref['skip_rate']:.2f}%"
+                    )
+                if mine["precision_loss"] > ref["precision_loss"] + PRECISION_POINTS:
+                    reasons.append(
+                        f"{name}: loses {100 * mine['precision_loss']:.2f}% of gradient elements "
+                        f"below fp16's range, torch {100 * ref['precision_loss']:.2f}%"
+                    )
+        if not self.run_s:
+            self.run_s = time.perf_counter() - t0
+        return Verdict(label, not reasons, reasons, runs, where=WHERE)
+
+
+def _stats(outcome: Any, clean: Any) -> dict[str, Any]:
+    """Skipped share and mean share of gradient elements below fp16's range over the clean steps
+    (precision over those it applied with a histogram; 0 when none had one)."""
+    import numpy as np
+
+    p = outcome.precision[clean & ~outcome.skipped]
+    p = p[np.isfinite(p)]
+    return {
+        "clean_steps": int(clean.sum()),
+        "skip_rate": float(outcome.skipped[clean].mean()),
+        "precision_loss": float(p.mean()) if p.size else 0.0,
+    }
+
+
+def totals(verdict: Verdict) -> dict[str, Any]:
+    """The verdict's runs pooled over their clean steps: what a policy's scorecard keeps."""
+    out: dict[str, Any] = {"passed": verdict.passed, "why": "; ".join(verdict.reasons)}
+    runs = list(verdict.runs.values())
+    n = sum(r["candidate"][0]["clean_steps"] for r in runs)
+    out["clean_steps"] = n
+    for who, prefix in (("candidate", ""), ("torch", "torch_")):
+        for key in ("skip_rate", "precision_loss"):
+            total = sum(r[who][0][key] * r[who][0]["clean_steps"] for r in runs)
+            out[prefix + key] = total / n if n else float("nan")
+    return out
