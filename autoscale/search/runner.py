@@ -82,6 +82,7 @@ from autoscale.training.threads import fit_threads
 __all__ = ["SearchConfig", "SearchResult", "SearchRunner", "PHASES", "rules_torch_first"]
 
 PHASES = ("measure", "plan", "record", "search", "validate", "export")
+SHAPE_FIXED = "shape_fixed_by"  # the worker whose search first went past re-planning
 
 
 def _print(text: str) -> None:
@@ -253,8 +254,12 @@ class SearchRunner:
         with self.ledger.track("bk:optuna"):
             attrs = study.user_attrs
             scored = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            # a worker past this point searches and validates under the stored shape: from then
+            # on no re-plan changes it, even before any of its trials is scored
+            fixed = bool(scored) or bool(attrs.get(SHAPE_FIXED))
             stored_suite, stored_validation, stored_steps = study_suites(study)
-        if stored_suite != plan.suite:  # another worker re-planned while this one recorded
+        if (stored_suite, stored_validation) != (plan.suite, plan.validation):
+            # another worker re-planned while this one recorded
             self.say(
                 "plan", "another worker re-planned the study while recording: adopting its plan"
             )
@@ -274,10 +279,11 @@ class SearchRunner:
             keep_validation=any(k.startswith(VALIDATED_PREFIX) for k in attrs),
         )
         if new is plan:
+            self._fix_shape(study)
             return plan
         traded = new.cuts[len(plan.cuts) :]
         changed = new.suite != plan.suite or new.validation != plan.validation
-        if changed and scored:  # trials were scored on the stored shape: keep it
+        if changed and fixed:  # trials are scored (or being scored) on the stored shape: keep it
             if new.suite != stored_suite:
                 raise BudgetError(_ran_out_shared(stats))
             new = dataclasses.replace(new, validation=stored_validation)
@@ -288,11 +294,18 @@ class SearchRunner:
             new.no_harm, self.folder, self.ledger, _scale_kw(new.suite), progress=self.cfg.progress
         )
         with self.ledger.track("bk:optuna"):
-            if changed and not scored:
+            if changed and not fixed:
                 store_plan(study, new)  # the shape, and the note with what was traded
             else:
                 write_note(study, study_note(self.cfg.study, new))
+        self._fix_shape(study)
         return new
+
+    def _fix_shape(self, study: Any) -> None:
+        """This worker searches under the stored shape from now on: no other re-plans it."""
+        with self.ledger.track("bk:attrs"):
+            if not study.user_attrs.get(SHAPE_FIXED):
+                study.set_user_attr(SHAPE_FIXED, self.worker)
 
     def _adopt(self, stored: Any) -> tuple[SuiteSpec, SuiteSpec, int]:
         check_source(stored.user_attrs, self.cfg.study)

@@ -160,3 +160,63 @@ def test_helpers():
     traces, _ = _recorded(plan, 1)
     suite = recorded_suite(plan.suite, traces, plan.horizon)
     assert all(len(m.instances["train"]) == 1 for m in suite.members)
+
+
+def _runner(tmp_path, plan, name: str):
+    """A worker of a search, past its recording: what ``_replan`` reads of it."""
+    import time
+
+    from autoscale.search.budget import Budget, Ledger
+    from autoscale.search.no_harm import NoHarmCheck
+    from autoscale.search.runner import SearchRunner, _scale_kw
+    from autoscale.search.session import SearchConfig
+
+    cfg = SearchConfig(base=plan.suite, study="shared", export="shared", progress=False)
+    runner = SearchRunner(cfg, Budget(600.0, time.monotonic(), 5.0), out=lambda s: None)
+    runner.worker = name
+    runner.folder = tmp_path
+    runner.no_harm = NoHarmCheck(plan.no_harm, tmp_path, Ledger(), _scale_kw(plan.suite))
+    runner.result.plan = plan
+    return runner
+
+
+def test_a_worker_that_re_plans_after_another_went_past_keeps_the_stored_shape(tmp_path):
+    """Two workers of one study: the first re-plans nothing and searches under the stored shape
+    before any of its trials is scored; the second recorded slowly and would shorten validation.
+    It keeps the stored validation (and stores nothing), so both validate alike; a worker
+    whose own plan differs from the stored one adopts the stored one."""
+    import optuna
+
+    from autoscale.search.export import study_suites
+    from autoscale.search.runner import SHAPE_FIXED
+    from autoscale.search.study import store_plan
+
+    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
+    study = optuna.create_study()
+    store_plan(study, plan)
+    traces, dropped = _recorded(plan, 99)
+    first = _runner(tmp_path, plan, "a")
+    assert first._replan(study, plan, traces, _stats(1.05, dropped, plan.trace_steps)) is plan
+    assert study.user_attrs[SHAPE_FIXED] == "a"
+    assert not study.get_trials()  # nothing scored yet: only the mark holds the shape
+    second = _runner(tmp_path, plan, "b")
+    slow = second._replan(study, plan, traces, _stats(3.0, dropped, plan.trace_steps))
+    assert slow.validation == plan.validation  # alone, it would have shortened it:
+    alone = replan(
+        plan,
+        traces,
+        _stats(3.0, dropped, plan.trace_steps),
+        left_s=second.budget.left(),
+        budget_s=600,
+        min_search_s=second.min_search_s,
+        cached_no_harm=lambda w, s: False,
+        keep_validation=False,
+    )
+    assert alone.validation != plan.validation
+    assert study_suites(study)[1] == plan.validation
+    # a third worker, whose plan was made before the first stored a shorter validation
+    shorter = dataclasses.replace(plan, validation=alone.validation)
+    store_plan(study, shorter)
+    third = _runner(tmp_path, plan, "c")
+    adopted = third._replan(study, plan, traces, _stats(1.05, dropped, plan.trace_steps))
+    assert adopted.validation == alone.validation
