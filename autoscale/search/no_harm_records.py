@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from autoscale.search.budget import Ledger
@@ -32,33 +33,43 @@ class RecordsCheck:
     Args:
         records: The runs.
         ledger: Time spent goes to ``work:no-harm``.
+        reference: Fresh ``torch`` scalers with the bounds the candidates have.
+        run_s: Estimated seconds of one candidate's check, until one is measured.
     """
 
-    def __init__(self, records: list[Any], ledger: Ledger) -> None:
+    def __init__(
+        self,
+        records: list[Any],
+        ledger: Ledger,
+        reference: Callable[[], Any],
+        run_s: float = 0.0,
+    ) -> None:
         from autoscale.report.replay import RecordReplay
 
-        self.ledger = ledger
+        self.ledger, self.reference = ledger, reference
         self.replays = [RecordReplay(r) for r in records]
         self._torch: dict[int, Any] = {}
-        self.run_s = 0.0  # measured seconds of one candidate's replay of every run
+        self.run_s = run_s  # seconds of one candidate's replay of every run (measured by each)
 
     def screen(self, factory: Callable[[], Any], label: str) -> Verdict:
         """Nothing cheaper than :meth:`check` screens a replay: it passes."""
         return Verdict(label, True, screened=True)
 
     def cost(self, timings: Any = None, candidates: int = 1) -> float:
-        """Seconds of ``candidates`` checks (measured on the first; ``timings`` unused)."""
+        """Seconds of ``candidates`` checks (``timings`` unused: replay, measured)."""
         return candidates * self.run_s
 
     def _torch_outcome(self, i: int) -> Any:
         if i not in self._torch:
-            self._torch[i] = self.replays[i].replay("torch")
+            self._torch[i] = self.replays[i].replay_scaler(self.reference(), "torch")
         return self._torch[i]
 
     def check(
         self, factory: Callable[[], Any], label: str, deadline: float | None = None
     ) -> Verdict:
-        """The candidate's replay of every run against torch's (seconds: no deadline needed)."""
+        """The candidate's replay of every run against torch's. A run with no clean step says
+        nothing and is left out; the check fails only where no run has one. Replay takes seconds
+        (``run_s``): ``deadline`` is not needed."""
         import numpy as np
 
         t0 = time.perf_counter()
@@ -67,10 +78,8 @@ class RecordsCheck:
         with self.ledger.track("work:no-harm"):
             for i, rp in enumerate(self.replays):
                 clean = ~rp.inst.nonfinite & np.isfinite(rp.inst.threshold)
-                k = int(clean.sum())
-                name = str(rp.record.path)
-                if k == 0:
-                    reasons.append(f"{name}: the run has no clean step")
+                name = str(Path(rp.record.path).resolve())
+                if not clean.any():
                     continue
                 # fresh, as validated (its initial scale and bounds: the windows' or its own)
                 mine = _stats(rp.replay_scaler(factory(), label), clean)
@@ -86,8 +95,9 @@ class RecordsCheck:
                         f"{name}: loses {100 * mine['precision_loss']:.2f}% of gradient elements "
                         f"below fp16's range, torch {100 * ref['precision_loss']:.2f}%"
                     )
-        if not self.run_s:
-            self.run_s = time.perf_counter() - t0
+        if not runs:
+            reasons.append("no recorded run has a clean step (a finite loss and a known threshold)")
+        self.run_s = time.perf_counter() - t0
         return Verdict(label, not reasons, reasons, runs, where=WHERE)
 
 

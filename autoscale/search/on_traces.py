@@ -32,6 +32,7 @@ Interrupting keeps every finished trial in the study; the same command resumes i
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -204,7 +205,9 @@ class TraceSearch:
             "lower is better): " + ", ".join(f"{v.label} {value(v):+.4f}" for v in ranked[:6]),
         )
         t_exp = time.monotonic()
-        check = RecordsCheck(records, ledger)
+        # the check replays the runs (seconds, kept in the reserve above): it always runs, so
+        # nothing is exported unchecked
+        check = RecordsCheck(records, ledger, factories[TORCH], run_s=2 * per_run)
         choice = choose(
             study,
             ranked,
@@ -213,7 +216,7 @@ class TraceSearch:
             None,
             ledger,
             weights=suite.reward,
-            stop_at=self.budget.end,
+            stop_at=math.inf,
             say=lambda text: self.say("export", text),
             refuse=lambda v: family_refusal(v, study, cfg.families),
             replay_counts=True,
@@ -223,6 +226,8 @@ class TraceSearch:
             raise ConfigError(f"nothing to export from study '{name}': {choice.why}")
         verdict = next((x for x in choice.verdicts if x.label == pick.label), None)
         if verdict is None:  # torch, the reference, is not checked: its numbers for the card
+            if pick.key != TORCH:
+                raise RuntimeError(f"{pick.label} was picked without a no-harm verdict")
             verdict = check.check(factories[pick.key], pick.label)
         nh = totals(verdict)
         path = self._export(study, suite, pick, value(pick), nh, records)
@@ -232,7 +237,7 @@ class TraceSearch:
         report = write_report(records[0], Path(path) / "report.html", [*compare_names(), path.name])
         self.say(
             "export",
-            f"{choice.why}; {pick.label} {WHERE}'s clean steps: skipped "
+            f"{choice.why}; {pick.label} {WHERE}, on their clean steps: skipped "
             f"{100 * nh['skip_rate']:.2f}% vs torch {100 * nh['torch_skip_rate']:.2f}%, below fp16 "
             f"range {100 * nh['precision_loss']:.2f}% vs {100 * nh['torch_precision_loss']:.2f}%; "
             f"exported to {path}; report {report} (in {time.monotonic() - t_exp:.1f}s)",

@@ -36,6 +36,7 @@ from typing import Any
 
 from autoscale.envs.suite import SuiteSpec, as_suite
 from autoscale.errors import BudgetError
+from autoscale.processes import host_name, pid_alive
 from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Budget, Ledger, format_duration
@@ -256,7 +257,7 @@ class SearchRunner:
             scored = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
             # a worker past this point searches and validates under the stored shape: from then
             # on no re-plan changes it, even before any of its trials is scored
-            fixed = bool(scored) or bool(attrs.get(SHAPE_FIXED))
+            fixed = bool(scored) or _searching(attrs.get(SHAPE_FIXED))
             stored_suite, stored_validation, stored_steps = study_suites(study)
         if (stored_suite, stored_validation) != (plan.suite, plan.validation):
             # another worker re-planned while this one recorded
@@ -304,7 +305,7 @@ class SearchRunner:
     def _fix_shape(self, study: Any) -> None:
         """This worker searches under the stored shape from now on: no other re-plans it."""
         with self.ledger.track("bk:attrs"):
-            if not study.user_attrs.get(SHAPE_FIXED):
+            if not _searching(study.user_attrs.get(SHAPE_FIXED)):
                 study.set_user_attr(SHAPE_FIXED, self.worker)
 
     def _adopt(self, stored: Any) -> tuple[SuiteSpec, SuiteSpec, int]:
@@ -368,7 +369,9 @@ class SearchRunner:
                 except optuna.exceptions.DuplicatedStudyError:  # another worker was faster
                     study = optuna.load_study(study_name=cfg.study, storage=storage, **kwargs)
                     self.say("plan", "another worker created the study first: adopting its plan")
-                    self._plan(plan.suite, plan.timings, plan.no_harm, wait_for_plan(study))
+                    kept = wait_for_plan(study)
+                    check_source(study.user_attrs, cfg.study)
+                    self._plan(plan.suite, plan.timings, plan.no_harm, kept)
             study.set_user_attr(
                 f"worker:{self.worker}",
                 {
@@ -427,3 +430,15 @@ def rules_torch_first(families: Sequence[str] | None = None) -> tuple[str, ...]:
     ``families`` (None: every family whose scale adapts to the gradients)."""
     rules = list(searched_families(families))
     return tuple([REFERENCE_RULE] + [r for r in rules if r != REFERENCE_RULE])
+
+
+def _searching(worker: str | None) -> bool:
+    """Whether the worker that marked a study's shape may still be searching under it: any worker
+    of another host, one of this host while its process runs (a lone worker resuming its own
+    stopped search may re-plan, as if unmarked)."""
+    if not worker:
+        return False
+    host, _, pid = worker.rpartition(":")
+    if host != host_name() or not pid.isdigit():
+        return True
+    return pid_alive(int(pid))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import optuna
@@ -215,6 +216,28 @@ def test_without_auto_on_real_steps_there_is_no_pick(check):
     assert choice.winner is None and choice.bar is None
     assert choice.why == "auto could not be validated on real steps in the budget"
     assert choice.unchecked == ["auto (validated on replay only)"]
+
+
+def test_where_replay_is_all_the_evidence_replayed_rows_choose_and_auto_that_harms_gives_torch(
+    check,
+):
+    """A search on records: every row is replayed, and counts (``replay_counts``); the same walk
+    down to ``auto`` and the same fall-back to ``torch`` where ``auto`` harms the runs."""
+    rows = [
+        dataclasses.replace(validated("rule:torch", 0.125, 0.3), real=False),
+        dataclasses.replace(validated("policy:auto", 0.0, 0.05), real=False),
+    ]
+    stored = ["run: skips 9.00% of the clean steps, torch 0.50%"]
+    choice, _, _ = pick(check, rows, {}, study=study_with(False, stored), replay_counts=True)
+    assert choice.winner is not None and choice.winner.key == "rule:torch"
+    assert choice.why.startswith("auto harms this run (run: skips 9.00%")
+    assert choice.unchecked == []
+    # without it, replayed rows choose nothing (the workload search needs real steps)
+    choice, _, _ = pick(check, rows, {}, study=study_with(False, stored))
+    assert (
+        choice.winner is None
+        and choice.why == "auto could not be validated on real steps in the budget"
+    )
 
 
 @pytest.mark.slow  # long runs of mlp, clean and drifting

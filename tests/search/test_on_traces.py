@@ -61,7 +61,7 @@ def test_search_on_a_record_exports_a_policy_and_its_report(
     assert any("passed the no-harm check on the replay of the whole records" in e for e in exports)
     export = exports[-1]
     assert "auto is the best found for this run" in export or "beat auto by" in export
-    assert "on the replay of the whole records's clean steps: skipped" in export
+    assert "on the replay of the whole records, on their clean steps: skipped" in export
     policy = tmp_path / "policies" / "run-traces"
     manifest = read_manifest(policy)
     assert manifest.kind == "parametric"
@@ -145,7 +145,7 @@ def test_the_records_check_refuses_what_harms_the_runs_and_pools_what_passes(tmp
     from autoscale.search.no_harm_records import RecordsCheck, totals
 
     rec = read_record(_record(tmp_path / "run", steps=300))
-    check = RecordsCheck([rec, rec], Ledger())
+    check = RecordsCheck([rec, rec], Ledger(), lambda: autoscale.get_scaler("torch", device="cpu"))
     torch = check.check(lambda: autoscale.get_scaler("torch", device="cpu"), "torch")
     assert torch.passed and len(torch.runs) == 1  # one folder, twice: one entry
     run = next(iter(torch.runs.values()))

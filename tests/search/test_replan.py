@@ -220,3 +220,30 @@ def test_a_worker_that_re_plans_after_another_went_past_keeps_the_stored_shape(t
     third = _runner(tmp_path, plan, "c")
     adopted = third._replan(study, plan, traces, _stats(1.05, dropped, plan.trace_steps))
     assert adopted.validation == alone.validation
+
+
+def test_a_lone_worker_resuming_its_own_stopped_search_may_re_plan(tmp_path):
+    """The mark holds a study's shape only while its worker may still search: a stopped search of
+    this host (its process gone) resumed by the same user re-plans as if unmarked."""
+    import subprocess
+    import sys
+
+    import optuna
+
+    from autoscale.processes import host_name
+    from autoscale.search.export import study_suites
+    from autoscale.search.runner import SHAPE_FIXED
+    from autoscale.search.study import store_plan
+
+    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
+    study = optuna.create_study()
+    store_plan(study, plan)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    study.set_user_attr(SHAPE_FIXED, f"{host_name()}:{gone.pid}")
+    traces, dropped = _recorded(plan, 99)
+    resumed = _runner(tmp_path, plan, f"{host_name()}:{__import__('os').getpid()}")
+    slow = resumed._replan(study, plan, traces, _stats(3.0, dropped, plan.trace_steps))
+    assert slow.validation != plan.validation  # re-planned, and the study keeps the new shape
+    assert study_suites(study)[1] == slow.validation
+    assert study.user_attrs[SHAPE_FIXED] == resumed.worker
