@@ -39,6 +39,20 @@ from auto_report import (  # noqa: E402  (experiments/ on sys.path above)
 from suite_pages import write_readme_block  # noqa: E402
 
 
+def shipped_label() -> str | None:
+    """The candidate ``policies/auto`` holds, as the build labels it (None: no policy there)."""
+    from autoscale.scalers.policies import read_manifest
+
+    if not (ROOT / "policies" / "auto" / "policy.yaml").is_file():
+        return None
+    m = read_manifest(ROOT / "policies" / "auto")
+    if m.kind != "parametric":
+        return m.name
+    bounds = ("init_scale", "min_scale", "max_scale")
+    params = {k: v for k, v in (m.parameters or {}).items() if k not in bounds}
+    return f"{m.family}({', '.join(f'{k}={v}' for k, v in params.items())})" if params else m.family
+
+
 def readme_only() -> int:
     """Rewrite the results block from the last run's saved results."""
     import json
@@ -70,8 +84,9 @@ def readme_only() -> int:
         rank_by = sel.get("validation") or sel["objective"]
         ranked = sorted((s for s in sel["objective"] if s != "torch"), key=rank_by.get)
         block = not_built_block(
-            sel["objective"], sel["zero_shot"], sel["acceptance"], sel["verdicts"], ranked, *split
-        )
+            sel["objective"], sel["zero_shot"], sel["acceptance"], sel["verdicts"], ranked, *split,
+            chosen=sel.get("chosen"), current=shipped_label(),
+        )  # fmt: skip
     write_readme_block(RESULTS_PAGE, START, END, block)
     print("\n".join(block))
     return 0
@@ -167,7 +182,8 @@ def main(argv=None) -> int:
     else:
         block = not_built_block(
             result.objective, result.zero_shot, result.acceptance, result.verdicts, result.ranked,
-            result.objective_validation, result.objective_test,
+            result.objective_validation, result.objective_test, chosen=result.chosen,
+            current=shipped_label(),
         )  # fmt: skip
     if not write_readme_block(RESULTS_PAGE, START, END, block):
         print(f"{RESULTS_PAGE} has no {START} ... {END} markers; its block was not written")
