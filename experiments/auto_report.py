@@ -81,7 +81,7 @@ def build_report(result, manifest, extras: dict, argv) -> list[str]:
             )
             + " (torch: 0).",
             "",
-            *table(r.evidence, r.chosen_on, set(r.left_out), r.weights, shown),
+            *table(r.evidence, r.chosen_on, _kinds(r), r.weights, shown),
             *confirm_lines(r.evidence_acceptance),
         ]
     return lines
@@ -144,7 +144,7 @@ def selection_report(r) -> list[str]:
             no_harm_text = "passed" if v["passed"] else "; ".join(v["reasons"])
         cells = _objective_cells(s, objective, r.objective_validation, r.objective_test)
         lines.append(f"| {s} | {cells} | {met} of {len(accept[s])} | {no_harm_text} |")
-    lines += ["", *table(r.cards, r.searched + r.left_out, set(r.left_out), r.weights, scalers)]
+    lines += ["", *table(r.cards, r.searched + r.left_out, _kinds(r), r.weights, scalers)]
     for s in ranked:
         lines += confirm_lines(accept[s], f"{s}: e")
     return lines
@@ -416,3 +416,10 @@ def confirm_lines(accept, lead: str = "E") -> list[str]:
 def cards_dict(more: dict[str, dict[str, list]]) -> dict:
     """JSON-ready: member -> scaler -> scorecard dicts of confirming episodes."""
     return {m: {s: [c.to_dict() for c in cs] for s, cs in by.items()} for m, by in more.items()}
+
+
+def _kinds(r) -> dict[str, str] | set[str]:
+    """Member -> "validation" or "test" (a build with the split), else the left-out members."""
+    if r.validation or r.test:
+        return {**dict.fromkeys(r.validation, "validation"), **dict.fromkeys(r.test, "test")}
+    return set(r.left_out)

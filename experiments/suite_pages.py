@@ -34,15 +34,18 @@ def plot_long_runs(runs: dict[str, dict[str, list]], path: Path, title: str) -> 
     fig.savefig(path, dpi=90)
 
 
-def table(cards, members: list[str], left_out: set[str], weights, scalers: list[str]) -> list[str]:
-    """Markdown: per member and scaler, skip rate, precision loss, eval loss and regret."""
+def table(cards, members: list[str], left_out, weights, scalers: list[str]) -> list[str]:
+    """Markdown: per member and scaler, skip rate, precision loss, eval loss and regret;
+    ``left_out``: members tagged "left out", or member -> its tag (a build's split: "validation",
+    "test")."""
     regrets = regrets_of(cards, weights)
     lines = [
         "| member | scaler | skip rate | precision loss | eval loss | regret vs torch |",
         "|---|---|---|---|---|---|",
     ]
     for m in members:
-        tag = " (left out)" if m in left_out else ""
+        tag = f" ({left_out.get(m, '') if isinstance(left_out, dict) else 'left out'})"
+        tag = tag if m in left_out else ""
         for s in scalers:
             c = cards[s][m]
             lines.append(
