@@ -101,12 +101,16 @@ def test_the_older_left_out_form_loads_as_test_members():
         load_spec({**old, "suite": {**old["suite"], "split": {"test": {"workloads": ["ae"]}}}})
 
 
-def test_the_shipped_suite_crosses_four_workloads_with_six_scenarios():
+def test_the_shipped_suite_crosses_five_workloads_with_six_scenarios():
     suite = load_spec("suite")
     models = {m.workload.model for m in suite.members + suite.left_out}
     scenarios = {m.workload.scenario for m in suite.members + suite.left_out}
-    cnn = str((ROOT / "experiments" / "workloads" / "cnn.py").resolve()) + ":make"
-    assert models == {"gpt2-tiny", "mlp", "autoencoder", cnn}  # the CNN read from envs/'s folder
+    cnn, denoise = (
+        str((ROOT / "experiments" / "workloads" / f"{name}.py").resolve()) + ":make"
+        for name in ("cnn", "denoise")
+    )
+    # the user-style workloads read from envs/'s folder
+    assert models == {"gpt2-tiny", "mlp", "autoencoder", cnn, denoise}
     assert scenarios == {
         "clean",
         "bad-batches",
@@ -116,22 +120,22 @@ def test_the_shipped_suite_crosses_four_workloads_with_six_scenarios():
         "rl-finetune",
     }
     # a user workload takes no preference; RL fine-tuning samples from gpt2-tiny alone
-    assert len(suite.members) + len(suite.left_out) == 20
-    assert "cnn/preference" not in {m.name for m in suite.left_out}
+    assert len(suite.members) + len(suite.left_out) == 24
+    assert not {"cnn/preference", "denoise/preference"} & {m.name for m in suite.left_out}
     assert [m.name for m in suite.left_out if m.workload.scenario == "rl-finetune"] == [
         "gpt2-tiny/rl-finetune"
     ]
-    # validation and test each hold a workload no train member has, and test one no other has
+    # validation holds a workload and scenarios no train member has; test holds workloads no
+    # other member has (rl-finetune, a test member until it shaped a rule, chooses now)
     train, val, test = suite.members, suite.validation, suite.test
-    assert all(m.workload.model not in ("autoencoder", cnn) for m in train)
-    assert all(m.workload.scenario != "preference" for m in train)
+    assert all(m.workload.model not in ("autoencoder", cnn, denoise) for m in train)
+    assert all(m.workload.scenario not in ("preference", "rl-finetune") for m in train)
     assert {m.workload.model for m in val} - {m.workload.model for m in train} == {"autoencoder"}
-    assert {m.workload.model for m in test} - {m.workload.model for m in train + val} == {cnn}
+    assert {m.workload.model for m in test} == {cnn, denoise}
     assert {m.workload.scenario for m in val} - {m.workload.scenario for m in train} == {
-        "preference"
+        "preference",
+        "rl-finetune",
     }
-    seen = {m.workload.scenario for m in train + val}
-    assert {m.workload.scenario for m in test} - seen == {"rl-finetune"}
     for m in suite.members:
         train = {i.seed for i in m.instances["train"]}
         assert train.isdisjoint(i.seed for i in m.instances["test"])
