@@ -275,6 +275,8 @@ def shipped_block(
     (``accept``: its bar there, confirmations included; the members it was chosen on) and its
     long runs."""
     left = [m for m in left if m in evidence["torch"]]  # fresh seeds: no test member
+    split = len(selection) > 3  # a build with the split: what is left here is validation
+    kind, left_head = ("validation", "train") if split else ("left out", "searched")
     reused = [n for n, r in agent_runs.items() if r["reused"]]
     took = (
         f"built from scratch in {timings['total'] / 60:.0f} min"
@@ -296,7 +298,7 @@ def shipped_block(
             f"{mean(evidence[s][m], 'eval_loss'):.4g}"
             for s in (pick, "amax-history", "torch")
         )
-        rows.append(f"| {m}{' (left out)' if m in left else ''} | {cells} |")
+        rows.append(f"| {m}{f' ({kind})' if m in left else ''} | {cells} |")
     long_members = long_runs["members"]
     if long_members:
         worst_skip = max(
@@ -327,7 +329,7 @@ def shipped_block(
         "",
         "On the fresh seeds above (the selection below ran on the test seeds, so its numbers differ):",
         "",
-        "| | objective, searched members | objective, left-out members |",
+        f"| | objective, {left_head} members | objective, {kind} members |",
         "|---|---|---|",
         f"| `auto` | {objective[pick]:+.4f} | {zero_shot[pick]:+.4f} |",
         f"| `amax-history` | {objective['amax-history']:+.4f} | {zero_shot['amax-history']:+.4f} |",
