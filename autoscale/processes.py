@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-__all__ = ["host_name", "owner_tag", "pid_alive", "sticky_interrupt", "raise_if_interrupted"]
+__all__ = ["host_name", "owner_tag", "owner_gone", "pid_alive", "sticky_interrupt", "raise_if_interrupted"]
 
 
 def host_name() -> str:
@@ -25,6 +25,14 @@ def host_name() -> str:
 def owner_tag() -> str:
     """``host:pid`` of this process."""
     return f"{host_name()}:{os.getpid()}"
+
+
+def owner_gone(tag: object) -> bool:
+    """Whether an :func:`owner_tag` names a process of this host that no longer runs. A tag of
+    another host, or anything that is not a tag (None, a malformed string), is not known to be
+    gone: its owner may still be at work."""
+    host, _, pid = str(tag or "").rpartition(":")
+    return host == host_name() and pid.isdigit() and not pid_alive(int(pid))
 
 
 def pid_alive(pid: int) -> bool:

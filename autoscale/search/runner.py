@@ -36,7 +36,7 @@ from typing import Any
 
 from autoscale.envs.suite import SuiteSpec, as_suite
 from autoscale.errors import BudgetError
-from autoscale.processes import host_name, pid_alive
+from autoscale.processes import owner_gone
 from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Budget, Ledger, format_duration
@@ -436,9 +436,4 @@ def _searching(worker: str | None) -> bool:
     """Whether the worker that marked a study's shape may still be searching under it: any worker
     of another host, one of this host while its process runs (a lone worker resuming its own
     stopped search may re-plan, as if unmarked)."""
-    if not worker:
-        return False
-    host, _, pid = worker.rpartition(":")
-    if host != host_name() or not pid.isdigit():
-        return True
-    return pid_alive(int(pid))
+    return bool(worker) and not owner_gone(worker)

@@ -9,7 +9,7 @@ from typing import Any
 
 from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import ConfigError
-from autoscale.processes import host_name, pid_alive
+from autoscale.processes import owner_gone
 from autoscale.search.budget import Ledger
 from autoscale.search.export import study_suites
 from autoscale.search.objective import OBJECTIVE_DOC
@@ -261,8 +261,7 @@ def fail_stale_trials(study: Any, storage: Any, untagged_grace_s: float = UNTAGG
     now = datetime.datetime.now()  # Optuna stamps datetime_start with the local naive time
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         tag = t.user_attrs.get("worker")
-        host, _, pid = str(tag or "").rpartition(":")
-        dead = host == host_name() and pid.isdigit() and not pid_alive(int(pid))
+        dead = owner_gone(tag)
         untagged = (
             tag is None
             and t.datetime_start is not None

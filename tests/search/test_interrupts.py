@@ -124,3 +124,18 @@ def test_a_ctrl_c_python_drops_in_a_weakref_callback_is_raised_again():
     finally:
         sys.unraisablehook = before
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_owner_is_gone_only_when_it_is_a_dead_process_of_this_host():
+    import subprocess
+    import sys
+
+    from autoscale.processes import host_name, owner_gone, owner_tag
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid names no process now
+    assert owner_gone(f"{host_name()}:{child.pid}")
+    assert not owner_gone(owner_tag())  # this process runs
+    assert not owner_gone(f"some-other-host:{child.pid}")  # another host's: not ours to judge
+    for not_a_tag in (None, "", "no-colon", f"{host_name()}:pid"):
+        assert not owner_gone(not_a_tag)

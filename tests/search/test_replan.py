@@ -230,7 +230,7 @@ def test_a_lone_worker_resuming_its_own_stopped_search_may_re_plan(tmp_path):
 
     import optuna
 
-    from autoscale.processes import host_name
+    from autoscale.processes import host_name, owner_tag
     from autoscale.search.export import study_suites
     from autoscale.search.runner import SHAPE_FIXED
     from autoscale.search.study import store_plan
@@ -242,7 +242,7 @@ def test_a_lone_worker_resuming_its_own_stopped_search_may_re_plan(tmp_path):
     gone.wait()
     study.set_user_attr(SHAPE_FIXED, f"{host_name()}:{gone.pid}")
     traces, dropped = _recorded(plan, 99)
-    resumed = _runner(tmp_path, plan, f"{host_name()}:{__import__('os').getpid()}")
+    resumed = _runner(tmp_path, plan, owner_tag())
     slow = resumed._replan(study, plan, traces, _stats(3.0, dropped, plan.trace_steps))
     assert slow.validation != plan.validation  # re-planned, and the study keeps the new shape
     assert study_suites(study)[1] == slow.validation
