@@ -275,7 +275,9 @@ def shipped_block(
     (``accept``: its bar there, confirmations included; the members it was chosen on) and its
     long runs."""
     left = [m for m in left if m in evidence["torch"]]  # fresh seeds: no test member
-    split = len(selection) > 3  # a build with the split: what is left here is validation
+    # a build with the split (validation objectives follow the first three): what is left here
+    # is its validation members
+    split = len(selection) > 3 and bool(selection[3])
     kind, left_head = ("validation", "train") if split else ("left out", "searched")
     reused = [n for n, r in agent_runs.items() if r["reused"]]
     took = (

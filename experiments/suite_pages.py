@@ -44,8 +44,8 @@ def table(cards, members: list[str], left_out, weights, scalers: list[str]) -> l
         "|---|---|---|---|---|---|",
     ]
     for m in members:
-        tag = f" ({left_out.get(m, '') if isinstance(left_out, dict) else 'left out'})"
-        tag = tag if m in left_out else ""
+        kind = left_out.get(m) if isinstance(left_out, dict) else "left out"
+        tag = f" ({kind})" if m in left_out else ""
         for s in scalers:
             c = cards[s][m]
             lines.append(
