@@ -1,7 +1,8 @@
 """The no-harm check of every policy in a folder (default: the shipped ``policies/``).
 
-Each policy trains long clean runs (a warm-up and a cosine learning-rate decay, nothing wrong with
-the data) of ``mlp`` and ``gpt2-tiny`` next to the ``torch`` rule (GradScaler's defaults) on the
+Each policy trains long runs (a warm-up and a cosine learning-rate decay) of ``mlp`` and
+``gpt2-tiny`` with nothing wrong with the data, and of ``mlp`` whose gradients drift down and then
+up by orders of magnitude over the run, next to the ``torch`` rule (GradScaler's defaults) on the
 same seeds, exactly as ``autoscale search`` checks a candidate before exporting it
 (:mod:`autoscale.search.no_harm`): it fails when it skips more than torch + 0.5% of the steps, ends
 with a held-out loss worse than torch's beyond the seed noise, or diverges.
@@ -71,8 +72,9 @@ def main(argv=None) -> int:
         "",
         f"`python experiments/no_harm.py {' '.join(argv or sys.argv[1:])}`".replace("  ", " "),
         "",
-        f"Long clean runs ({args.steps} steps, warm-up {no_harm.workloads[0].scenario_params['warmup']} "
-        f"steps then cosine decay; seed 0) next to torch (GradScaler's defaults) on the same seed; "
+        f"Long runs ({args.steps} steps, warm-up {no_harm.workloads[0].scenario_params['warmup']} "
+        "steps then cosine decay; seed 0), clean and, for mlp, with gradients that drift down and "
+        f"up by orders of magnitude (`mlp/drift`), next to torch (GradScaler's defaults) on the same seed; "
         "seed noise = spread of torch's final eval loss over seeds 0 and 1 (at least 0.2% of it). "
         f"Took {time.monotonic() - t0:.0f} s.",
         "",
