@@ -54,6 +54,7 @@ SPEC = Path(__file__).with_name("faults.yaml")  # mlp, bad-batches; a short repl
 BUDGET = "90s"
 N_TRIALS = "12"
 FINISHED = 5  # trials finished in the storage before a fault is injected
+WARM_STUDY, WARM_DB = "faults-warm", "warm.db"  # the warm cache's study, beside its artifacts
 VALIDATION_SHAPE = re.compile(r"on (\d+) test episodes x (\d+) real steps")
 
 
@@ -69,8 +70,11 @@ def warm_cache(tmp_path_factory) -> Path:
     """An artifacts folder holding what every search of SPEC reuses (keyed by what it depends
     on): the traces one search recorded, and torch's long runs of the no-harm check."""
     root = tmp_path_factory.mktemp("warm")
-    args = ("search", "--env", str(SPEC), "--budget", BUDGET, "--n-trials", "1", "--quiet")
-    # the same budget as the tests: the plan (trace length) depends on it
+    storage = f"sqlite:///{root / WARM_DB}"
+    args = ("search", "--env", str(SPEC), "--budget", BUDGET, "--n-trials", "1", "--quiet",
+            "--storage", storage, "--study", WARM_STUDY)  # fmt: skip
+    # the same budget as the tests: the plan (trace length) depends on it; the study keeps the
+    # plan, for a test that must read exactly these traces (the damaged cache)
     warm = start_worker(*args, cwd=root, name="warm")
     rc = warm.finish()
     if rc == 2 and "the budget ran out while recording traces" in warm.err:
@@ -79,8 +83,32 @@ def warm_cache(tmp_path_factory) -> Path:
         warm = start_worker(*args, cwd=root, name="warm-again")
         rc = warm.finish()
     assert rc == 0, warm.err[-3000:]
+    if not all(p.is_file() for p in planned_traces(root / WARM_DB, root / "artifacts", first=True)):
+        # a re-plan after recording shortened the study's trace length (the recording ran long):
+        # the traces recorded are of the old length; resumed, the study records its own
+        warm = start_worker(*args, cwd=root, name="warm-resumed")
+        assert warm.finish() == 0, warm.err[-3000:]
     _fill_no_harm_cache(root / "artifacts")
     return root / "artifacts"
+
+
+def planned_traces(db: Path, artifacts: Path, first: bool = False) -> list[Path]:
+    """The cached traces a search resuming the warm study reads (its stored plan: instances and
+    trace length); ``first``: only each member's first train and first test instance, which every
+    plan records."""
+    import optuna
+
+    from autoscale.search.export import study_suites
+    from autoscale.search.traces import instance_key
+
+    study = optuna.load_study(study_name=WARM_STUDY, storage=f"sqlite:///{db}")
+    suite, _, steps = study_suites(study)
+    return [
+        artifacts / "traces" / f"{instance_key(m, inst, steps)}.npz"
+        for m in suite.members
+        for which in ("train", "test")
+        for inst in m.instances[which][: 1 if first else None]
+    ]
 
 
 def _fill_no_harm_cache(folder: Path) -> None:
@@ -127,11 +155,12 @@ def _storage_url(kind: str, tmp_path, request) -> str:
     return request.getfixturevalue("postgres").url
 
 
-def _assert_whole_export(tmp_path, study: str) -> None:
+def _assert_whole_export(tmp_path, study: str, name: str | None = None) -> None:
     folder = tmp_path / "policies"
-    manifest = read_manifest(folder / study)
+    name = name or study  # the policy's name: the study's unless --export named it
+    manifest = read_manifest(folder / name)
     assert manifest.workload["study"] == study
-    assert isinstance(make_scaler(str(folder / study), device="cpu"), LossScaler)
+    assert isinstance(make_scaler(str(folder / name), device="cpu"), LossScaler)
     assert hidden_entries(folder) == []  # no staging or backup folder left behind
 
 
@@ -262,16 +291,24 @@ def test_postgresql_server_stops_and_restarts(postgres, cached, request):
     )
 
 
-def test_damaged_caches_and_a_half_written_policy(cached, request):
+def test_damaged_caches_and_a_half_written_policy(cached, warm_cache, request):
     """Between two searches the cache is damaged (two traces cut short or overwritten in part,
-    one of torch's no-harm runs cut short) and a policy folder of the study's name is left
+    one of torch's no-harm runs cut short) and a policy folder of the export's name is left
     half-written. The search refuses that folder in one line before writing anything; with the
-    folder moved aside it warns once per damaged trace, records those again, and exports."""
+    folder moved aside it warns once per damaged trace, records those again, and exports.
+
+    The second search resumes the study that recorded the cache, so it keeps that study's plan,
+    and the traces damaged are two it reads under that plan: a new study plans from the pace it
+    measures, and on a machine busier or idler than at recording it plans other trace lengths or
+    instances (other cache keys) and reads none or some of the damaged files."""
     tmp_path = cached
-    url = f"sqlite:///{tmp_path / 'autoscale.db'}"
-    traces = sorted((tmp_path / "artifacts" / "traces").glob("*.npz"))
+    db = tmp_path / "autoscale.db"
+    shutil.copyfile(warm_cache.parent / WARM_DB, db)
+    url = f"sqlite:///{db}"
+    args = (*_search_args(url, WARM_STUDY), "--export", "damaged")
+    traces = planned_traces(db, tmp_path / "artifacts", first=True)
     no_harm = sorted((tmp_path / "artifacts" / "no-harm").glob("*.npz"))
-    assert len(traces) >= 2 and no_harm
+    assert len(traces) >= 2 and all(p.is_file() for p in traces) and no_harm
     cut = traces[0].read_bytes()
     traces[0].write_bytes(cut[: len(cut) // 2])
     data = bytearray(traces[1].read_bytes())
@@ -285,27 +322,29 @@ def test_damaged_caches_and_a_half_written_policy(cached, request):
         "name: damaged\nkind: parametric\nfamily: torch\nparameters: {growth_interval: 5"
     )
 
-    refused = start_worker(*_search_args(url, "damaged"), cwd=tmp_path, name="refused")
+    stored = db.read_bytes()
+    refused = start_worker(*args, cwd=tmp_path, name="refused")
     assert refused.finish() == 2
     (line,) = refused.err.strip().splitlines()
     assert line.startswith(f"autoscale search: error: policy folder '{half}' already exists and ")
     assert "is not a readable policy (cannot read" in line
     assert line.endswith("remove it, choose another name or pass --force")
-    assert not (tmp_path / "autoscale.db").exists()  # refused before writing anything
+    assert db.read_bytes() == stored  # refused before writing anything
 
     half.rename(tmp_path / "damaged-aside")
-    again = start_worker(*_search_args(url, "damaged"), cwd=tmp_path, name="again")
+    again = start_worker(*args, cwd=tmp_path, name="again")
     assert again.finish() == 0, again.err[-3000:]
     warned = [line for line in again.err.splitlines() if line.startswith("warning: cached ")]
     # (on a failure, the plan and record lines say whether this search read other instances)
+    phases = "\n".join(x for x in again.out.splitlines() if x.startswith("["))
     assert sorted(w.split("'")[1] for w in warned) == sorted(map(str, traces[:2])), (
-        again.out[-3000:] + again.err[-3000:]
+        phases + "\n" + again.err[-3000:]
     )
     assert all(w.endswith("; recording it again") for w in warned)
     m = re.search(r"\[3/6 record\] (\d+) instances x \d+ real steps: (\d+) recorded", again.out)
     assert m and int(m[2]) >= 2
     assert "Traceback" not in again.err
-    _assert_whole_export(tmp_path, "damaged")
+    _assert_whole_export(tmp_path, WARM_STUDY, "damaged")
     report(
         FaultRecord(
             request.node.name,
