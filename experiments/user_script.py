@@ -49,19 +49,20 @@ def _exit_lines(err: str) -> list[str]:
 
 def _stop_at(argv: list[str], cwd: Path, step: int) -> tuple[int, str, str]:
     """Run ``argv``, send SIGTERM to it (the wrap: as a scheduler signals the job's process) once
-    the script has printed ``step``; its exit status and output."""
-    proc = subprocess.Popen(
-        argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    out = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        out.append(line)
-        if line.startswith(f"step {step} "):
-            proc.send_signal(signal.SIGTERM)
-            break
-    rest, err = proc.communicate(timeout=600)
-    return proc.returncode, "".join(out) + rest, err
+    the script has printed ``step``; its exit status and output. Its stderr goes to a file, which
+    no one reads while it runs (a pipe could fill and stop it)."""
+    err_file = cwd / "stopped.err"
+    with err_file.open("w") as err:
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=err, text=True)
+        out = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith(f"step {step} "):
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=600)
+    return proc.returncode, "".join(out) + rest, err_file.read_text()
 
 
 def main(argv=None) -> int:
@@ -117,7 +118,9 @@ def main(argv=None) -> int:
         args.stop_at,
     )
     printed = len(_losses(out))
-    recorded = sum(1 for f in (work / "rec").glob("steps-*.jsonl") for _ in f.open())
+    from autoscale.observe.record import read_record
+
+    recorded = len(read_record(work / "rec").steps)
     said = re.search(r"\): (\d+) steps", " ".join(_exit_lines(err)))
     import torch
 
