@@ -13,6 +13,7 @@ import pytest
 
 from autoscale.scalers import LossScaler, make_scaler
 from autoscale.scalers.policies import read_manifest
+from autoscale.search.export import study_suites
 from autoscale.search.storage import open_storage
 from tests.search.conftest import run_cli, spawn
 
@@ -35,8 +36,16 @@ def _complete_count(url: str, study: str) -> int:
         return 0
 
 
+def _instances(url: str, study: str) -> int:
+    """Train and test instances of the study's stored replay suite."""
+    s = optuna.load_study(study_name=study, storage=open_storage(url, must_exist=True))
+    suite, _, _ = study_suites(s)
+    return sum(len(m.instances["train"]) + len(m.instances["test"]) for m in suite.members)
+
+
 RECORD_LINE = re.compile(
     r"\[3/6 record\] (\d+) instances .*: (\d+) recorded .*, (\d+) from the cache"
+    r"(?:, (\d+) left out)?"
 )
 
 
@@ -69,8 +78,12 @@ def test_interrupt_keeps_finished_trials_and_resume_continues_the_study(tmp_path
     )
     first = RECORD_LINE.search(out)
     # nothing was cached before; on a loaded machine the recording may leave instances out (the
-    # steps ran slower than measured: the plan says so), so only those recorded are counted
+    # steps ran slower than measured), and the re-plan after it stores the suite without them
     assert first and first.group(3) == "0" and 0 < int(first.group(2)) <= int(first.group(1))
+    left_out = int(first.group(4) or 0)
+    assert int(first.group(2)) + left_out == int(first.group(1))
+    stored = _instances(url, study)
+    assert stored == int(first.group(1)) - left_out
 
     # The resume keeps the study's stored plan and re-times it on this machine: a loaded machine
     # measures slower steps, so its budget is generous (the stored plan needs a fraction of it)
@@ -82,7 +95,7 @@ def test_interrupt_keeps_finished_trials_and_resume_continues_the_study(tmp_path
     assert resumed.rc == 0, resumed.err[-3000:]
     assert "(resuming)" in resumed.out and "this worker ran 12 trials" in resumed.out
     m = RECORD_LINE.search(resumed.out)
-    assert m and m.group(1) == first.group(1)
+    assert m and int(m.group(1)) == stored  # the stored plan, not a new one
     # every trace the first run recorded comes from the cache, none is recorded again (a busy
     # machine's first run may have left some out; those may be recorded now)
     assert int(m.group(3)) == int(first.group(2))
