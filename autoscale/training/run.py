@@ -95,7 +95,8 @@ class TrainingRun:
             if spec.scenario == "preference":
                 raise ConfigError(
                     f"workload '{spec.model}': the preference scenario needs a language-model "
-                    "preset or mlp; a user workload takes clean, bad-batches, small-grads or moving"
+                    "preset or mlp; a user workload takes clean, bad-batches, small-grads, moving, drift or "
+                    "token-sum"
                 )
             self.user = build_user_workload(spec.model, spec.seed, self.device.type)
             self.built = BuiltModel(self.user.model, "user", "factory", spec.model)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -44,6 +45,7 @@ __all__ = [
     "Moving",
     "Preference",
     "Drift",
+    "TokenSum",
 ]
 
 _SCENARIOS: dict[str, type[Scenario]] = {}
@@ -386,3 +388,38 @@ class Drift(Clean):
 
     def loss_weight(self, step: int) -> float:
         return 2.0 ** self.bits(step)
+
+
+@register_scenario("token-sum")
+class TokenSum(Scenario):
+    """A loss summed over a batch's items, whose number changes from step to step.
+
+    Reproduces: a loss reduced by sum instead of mean over a batch whose size varies (tokens of
+    packed or variable-length sequences, examples of a dynamic batch, a loss normalised late or
+    never): the gradient's size follows the step's count, which swings by orders of magnitude
+    from one step to the next. The loss weight is that count, drawn log-uniformly in
+    [``low``, ``high``] for each step (a function of the seed and the step alone). A scale that
+    suits the small steps overflows on the large ones; one that suits the large ones loses the
+    small steps' gradients to underflow. Unlike ``bad-batches``, every overflow here is the
+    scale's doing (a lower scale passes it); unlike ``moving`` and ``drift``, the last step's size
+    says nothing of the next one's.
+
+    Parameters: ``low`` (float, 16), ``high`` (float, 16384): the fewest and most items a step
+    sums over.
+    """
+
+    description = "loss summed over 16..16384 items, a new count every step: sizes swing 10 bits"
+    defaults = {"low": 16.0, "high": 16384.0}
+
+    @classmethod
+    def validate(cls, params):
+        if not 0 < params["low"] <= params["high"]:
+            raise ConfigError(
+                f"scenario 'token-sum' needs 0 < low <= high, got low {params['low']}, "
+                f"high {params['high']}"
+            )
+
+    def loss_weight(self, step: int) -> float:
+        u = random.Random(self.seed * 1_000_003 + step).random()
+        low, high = self.params["low"], self.params["high"]
+        return float(low * (high / low) ** u)

@@ -249,5 +249,6 @@ class UserStream(BatchStream):
     def preference_logprobs(self, model: Any, batch: Any) -> Any:
         raise ConfigError(
             f"workload '{self.workload.ref}': the preference scenario needs a language-model "
-            "preset or mlp; a user workload takes clean, bad-batches, small-grads or moving"
+            "preset or mlp; a user workload takes clean, bad-batches, small-grads, moving, drift or "
+            "token-sum"
         )

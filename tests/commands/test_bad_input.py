@@ -71,8 +71,8 @@ SPECS = {
     "suite-left.yaml": _suite("validation: {workloads: [autoencoder]", "validation: {workloads: [autoencodr]"),
     "suite-exclude.yaml": _suite("exclude: [cnn/preference,", "exclude: [mlp/clen, cnn/preference,"),
     "suite-none.yaml": _suite(
-        "test: {workloads: [cnn, denoise]}",
-        "test: {workloads: [gpt2-tiny, mlp, cnn, denoise]}",
+        "test: {workloads: [cnn, denoise],",
+        "test: {workloads: [gpt2-tiny, mlp, cnn, denoise],",
     ),
     "suite-member.yaml": _suite("mlp: {model: mlp, batch_size: 32}", "mlp: {model: mlp, batch_size: 0}"),
     "suite-key.yaml": _suite("  split:", "  leftout: {}\n  split:"),

@@ -101,7 +101,7 @@ def test_the_older_left_out_form_loads_as_test_members():
         load_spec({**old, "suite": {**old["suite"], "split": {"test": {"workloads": ["ae"]}}}})
 
 
-def test_the_shipped_suite_crosses_five_workloads_with_six_scenarios():
+def test_the_shipped_suite_crosses_five_workloads_with_seven_scenarios():
     suite = load_spec("suite")
     models = {m.workload.model for m in suite.members + suite.left_out}
     scenarios = {m.workload.scenario for m in suite.members + suite.left_out}
@@ -118,20 +118,27 @@ def test_the_shipped_suite_crosses_five_workloads_with_six_scenarios():
         "moving",
         "preference",
         "rl-finetune",
+        "token-sum",
     }
     # a user workload takes no preference; RL fine-tuning samples from gpt2-tiny alone
-    assert len(suite.members) + len(suite.left_out) == 24
+    assert len(suite.members) + len(suite.left_out) == 29
     assert not {"cnn/preference", "denoise/preference"} & {m.name for m in suite.left_out}
     assert [m.name for m in suite.left_out if m.workload.scenario == "rl-finetune"] == [
         "gpt2-tiny/rl-finetune"
     ]
-    # validation holds a workload and scenarios no train member has; test holds workloads no
-    # other member has (rl-finetune, a test member until it shaped a rule, chooses now)
+    # validation holds a workload and scenarios no train member has; test holds workloads and a
+    # scenario no other member has (rl-finetune, a test member until it shaped a rule, chooses now)
     train, val, test = suite.members, suite.validation, suite.test
     assert all(m.workload.model not in ("autoencoder", cnn, denoise) for m in train)
     assert all(m.workload.scenario not in ("preference", "rl-finetune") for m in train)
     assert {m.workload.model for m in val} - {m.workload.model for m in train} == {"autoencoder"}
-    assert {m.workload.model for m in test} == {cnn, denoise}
+    others = {m.workload.model for m in train + val}
+    assert {m.workload.model for m in test} - others == {cnn, denoise}
+    others = {m.workload.scenario for m in train + val}
+    assert {m.workload.scenario for m in test} - others == {"token-sum"}
+    assert {m.name for m in test if m.workload.scenario == "token-sum"} == {
+        f"{w}/token-sum" for w in ("gpt2-tiny", "mlp", "autoencoder", "cnn", "denoise")
+    }
     assert {m.workload.scenario for m in val} - {m.workload.scenario for m in train} == {
         "preference",
         "rl-finetune",

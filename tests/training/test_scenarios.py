@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from autoscale.errors import UnknownNameError
+from autoscale.errors import ConfigError, UnknownNameError
 from autoscale.training import (
     Scenario,
     TrainingRun,
@@ -108,3 +108,26 @@ def test_registry_and_custom_scenario():
     finally:
         unregister_scenario("double-loss")
     assert "double-loss" not in list_scenarios()
+
+
+def test_token_sum_draws_a_new_count_each_step_from_the_seed_and_step_alone():
+    scenario = make_scenario("token-sum", seed=3)
+    weights = [scenario.loss_weight(s) for s in range(200)]
+    assert all(16.0 <= w <= 16384.0 for w in weights)
+    assert math.log2(max(weights)) - math.log2(min(weights)) > 9  # sizes swing by ~10 bits
+    assert make_scenario("token-sum", seed=3).loss_weight(7) == weights[7]  # no hidden state
+    assert make_scenario("token-sum", seed=4).loss_weight(7) != weights[7]
+    assert make_scenario("token-sum", {"low": 4, "high": 4}).loss_weight(11) == 4.0
+    with pytest.raises(
+        ConfigError, match="token-sum' needs 0 < low <= high, got low 8.0, high 2.0"
+    ):
+        make_scenario("token-sum", {"low": 8, "high": 2})
+
+
+def test_token_sum_ratchets_torch_down_while_a_lower_scale_passes():
+    run, card = torch_run("mlp", "token-sum", 60)
+    assert card.skipped >= 8 and card.min_scale <= 2.0**8  # every overflow halves it
+    low_run, low = torch_run("mlp", "token-sum", 60, scaler="static", init_scale=2.0**4)
+    overflowed = [r.step for r in low_run.records if r.found_inf]
+    assert low.skipped <= 2  # the overflows were the scale's doing: a low scale passes them
+    assert all(low_run.scenario.loss_weight(s) > 2.0**13 for s in overflowed)

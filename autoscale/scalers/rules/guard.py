@@ -137,7 +137,7 @@ def _positives(
     if not isinstance(values, list) or not all(
         isinstance(v, (int, float))
         and not isinstance(v, bool)
-        and 0 < v
+        and v > 0
         and (v < math.inf or (inf and v == math.inf))
         for v in values
     ):
