@@ -243,7 +243,12 @@ class SearchRunner:
             "record",
             f"{n} instances x {plan.trace_steps} real steps: {stats['recorded']} recorded "
             f"in {format_duration(stats['wall_s'])}{slower}, {stats['cached']} from the cache"
-            + (f", {len(stats['dropped'])} left out" if stats["dropped"] else ""),
+            + (f", {len(stats['dropped'])} left out" if stats["dropped"] else "")
+            + (
+                f", {len(stats['shortened'])} shortened (the shortest {stats['shortest']} steps)"
+                if stats["shortened"]
+                else ""
+            ),
         )
         return traces, stats
 

@@ -117,7 +117,8 @@ def load_traces(
     Returns:
         (member -> trace, stats): stats holds ``recorded`` and ``cached`` instance counts, real
         ``steps`` recorded, ``wall_s`` spent recording and the ``planned_s`` of those recordings,
-        ``dropped`` (``MEMBER:INSTANCE`` names left out) and ``shortest`` (the shortest trace).
+        ``dropped`` (``MEMBER:INSTANCE`` names left out), ``shortened`` (those shorter than
+        ``steps``) and ``shortest`` (the shortest trace).
 
     Raises:
         BudgetError: the budget ran out before every instance (with ``shrink_to``: every member's
@@ -136,6 +137,7 @@ def load_traces(
         "wall_s": 0.0,
         "planned_s": 0.0,
         "dropped": [],
+        "shortened": [],
         "shortest": steps,
     }
     bar = None
@@ -202,6 +204,8 @@ def load_traces(
                 (only,) = trace.instances.values()
                 traced[member.name][inst.name] = dataclasses.replace(only, name=inst.name)
                 stats["shortest"] = min(stats["shortest"], only.steps)
+                if only.steps < steps:
+                    stats["shortened"].append(f"{member.name}:{inst.name}")
                 edges, version = trace.hist_edges, trace.feature_version
             if bar is not None:
                 bar.update(inst.start + steps)

@@ -166,7 +166,7 @@ def test_a_recording_that_bends_records_the_first_instances_first_and_leaves_out
     member, trace, stats = _bend(tmp_path, cost, stop_at=lambda pace: time.monotonic() + 60)
     first = {member.instances["train"][0].name, member.instances["test"][0].name}
     assert set(trace.instances) == first
-    assert stats["recorded"] == 2 and stats["shortest"] == STEPS
+    assert stats["recorded"] == 2 and stats["shortest"] == STEPS and stats["shortened"] == []
     assert sorted(stats["dropped"]) == sorted(
         f"{member.name}:{i.name}"
         for i in member.instances["train"][1:] + member.instances["test"][1:]
@@ -187,6 +187,7 @@ def test_a_first_instance_that_does_not_fit_is_recorded_shorter_down_to_shrink_t
     )
     assert {t.steps for t in trace.instances.values()} == {8} and stats["shortest"] == 8
     assert len(trace.instances) == 2 and len(stats["dropped"]) == 2
+    assert sorted(stats["shortened"]) == sorted(f"{member.name}:{i}" for i in trace.instances)
     with pytest.raises(BudgetError, match="the budget ran out while recording traces"):
         _bend(tmp_path / "b", lambda m, n: 0.001 if n <= 2 else 1e6, stop_at=stop, shrink_to=4)
 

@@ -62,6 +62,7 @@ def setup(tmp_path_factory):
         "wall_s": 0.0,
         "planned_s": 0.0,
         "dropped": [],
+        "shortened": [],
         "shortest": 2 * HORIZON,
     }
     return root, suite, traces
