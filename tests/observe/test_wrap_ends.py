@@ -114,18 +114,23 @@ def _as_from_a_terminal() -> None:
 
 def _until(mode: str, sig: int, rec: Path, *, to_child: bool = False, at: int = 300):
     """Run until_signal.py wrapped; send ``sig`` (to the launcher, or to the program) once it
-    has printed step ``at``. Returns (exit status, steps printed, stderr)."""
+    has printed step ``at``. Returns (exit status, steps printed, its stdout after that, stderr).
+
+    stdout is read unbuffered (a byte at a time up to each newline): a buffered reader reads
+    ahead, and ``communicate`` reads the pipe itself, so the lines read ahead before the signal
+    would be lost to it, and a run that took more steps than it showed would look wrong."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "autoscale", "wrap", "--record", str(rec), "--", sys.executable]
         + [str(SCRIPTS / "until_signal.py"), mode],
         env=ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
+        bufsize=0,
         preexec_fn=_as_from_a_terminal,
     )
     pid, printed = None, -1
-    for line in proc.stdout:
+    for raw in iter(proc.stdout.readline, b""):
+        line = raw.decode()
         if line.startswith("PID"):
             pid = int(line.split()[1])
         if line.startswith("STEP"):
@@ -133,7 +138,7 @@ def _until(mode: str, sig: int, rec: Path, *, to_child: bool = False, at: int = 
             if printed >= at:
                 os.kill(pid, sig) if to_child else proc.send_signal(sig)
                 break
-    rest, err = proc.communicate(timeout=300)
+    rest, err = (b.decode() for b in proc.communicate(timeout=300))
     # the signal may cut the last line short ("STEP" without its number): whole lines only
     steps = [int(m.group(1)) for m in re.finditer(r"^STEP (\d+)$", rest, re.MULTILINE)]
     return proc.returncode, max([printed, *steps]) + 1, rest, err
