@@ -10,7 +10,13 @@ import sys
 
 from suite_pages import table
 
-from autoscale.selection.suite_eval import kept_share, objective_of, zeroed_steps
+from autoscale.selection.suite_eval import (
+    REFERENCE_EVERY,
+    kept_share,
+    objective_of,
+    structural_share,
+    zeroed_steps,
+)
 from autoscale.training.bar import mean
 
 
@@ -240,7 +246,8 @@ def long_table(runs, harm, scaler: str, members: list[str], steps: int) -> list[
         c = run["card"]
         return (
             f"{100 * c.skip_rate:.2f}% | {c.eval_loss:.4g} | {100 * c.precision_loss:.2f}% | "
-            f"{100 * kept_share(run):.2f}% | {zeroed_steps(run)}"
+            f"{100 * kept_share(run):.2f}% | {100 * structural_share(run):.1f}% | "
+            f"{zeroed_steps(run)}"
         )
 
     return [
@@ -248,16 +255,21 @@ def long_table(runs, harm, scaler: str, members: list[str], steps: int) -> list[
         f"## Long runs: {steps} real steps of every member (seed 100), {scaler} next to torch",
         "",
         "Skip rate, eval loss, precision loss (share of the elements left non-zero by the fp16 "
-        "backward that lie below fp16's normal range), kept (share of all gradient elements that "
-        "reach the optimizer non-zero and at normal precision, mean over applied steps) and zeroed "
-        "(applied steps whose every gradient element the fp16 backward flushed to zero). Harm: a "
-        "divergence torch avoids, skips above torch's + 0.5 points, eval loss above torch's beyond "
-        "the member's seed noise, or kept more than 0.5 points below torch's. Precision loss is "
-        "shown, not judged: a scale low enough to zero whole gradients lowers it.",
+        "backward that lie below fp16's normal range), kept (on one applied step in every "
+        f"{REFERENCE_EVERY}, the share of the gradient elements that an fp32 "
+        "backward of the same step leaves non-zero which reach the optimizer non-zero and at "
+        "fp16 normal precision), exact zeros (the share of all elements that the fp32 backward "
+        "leaves zero too: the model's, not the scale's) and zeroed (applied steps whose every "
+        "gradient element the fp16 backward flushed to zero). Harm: a divergence torch avoids, "
+        "skips above torch's + 0.5 points, eval loss above torch's beyond the member's seed "
+        "noise, or kept more than 0.5 points below torch's. Precision loss and exact zeros are "
+        "shown, not judged: a scale low enough to zero whole gradients lowers the first, and two "
+        "runs that drifted apart differ in the second.",
         "",
-        f"| member | {scaler}: skip rate | eval loss | precision loss | kept | zeroed | "
-        "torch: skip rate | eval loss | precision loss | kept | zeroed | harm |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| member | {scaler}: skip rate | eval loss | precision loss | kept | exact zeros | "
+        "zeroed | torch: skip rate | eval loss | precision loss | kept | exact zeros | zeroed | "
+        "harm |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {m} | {cells(runs[m][scaler])} | {cells(runs[m]['torch'])} | "
             f"{'; '.join(harm[m]) or '-'} |"
@@ -310,7 +322,8 @@ def shipped_block(
             f"in {long_runs['steps']}-step runs of all {len(long_members)} members it does no harm "
             f"next to torch: no divergence, at most {100 * worst_skip:+.2f} points of skip rate "
             "above torch's (0.5 allowed), eval loss within seed noise, and no fewer gradient "
-            "elements kept at fp16 precision (0.5 points allowed)"
+            "elements kept at fp16 precision (of those an fp32 backward leaves non-zero; 0.5 "
+            "points allowed)"
         )
     else:
         long_text = "it was not run long next to torch (the build ran with --long-steps 0)"

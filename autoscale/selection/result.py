@@ -59,8 +59,8 @@ class BuildResult:
         return [m for m in self.searched + self.left_out if m not in self.test]
 
     def long_summary(self, scaler: str) -> dict[str, dict]:
-        """Member -> {scaler, torch} -> skip rate, eval loss, precision loss, kept, zeroed steps of
-        ``scaler``'s long runs (empty when it had none)."""
+        """Member -> {scaler, torch} -> skip rate, eval loss, precision loss, kept, exact zeros and
+        zeroed steps of ``scaler``'s long runs (empty when it had none)."""
         long = self.long_runs.get(scaler)
         if long is None:
             return {}
@@ -71,6 +71,7 @@ class BuildResult:
                     "eval_loss": run[who]["card"].eval_loss,
                     "precision_loss": run[who]["card"].precision_loss,
                     "kept": ev.kept_share(run[who]),
+                    "exact_zeros": ev.structural_share(run[who]),
                     "zeroed_steps": ev.zeroed_steps(run[who]),
                 }
                 for who in (scaler, "torch")

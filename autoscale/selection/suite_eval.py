@@ -152,6 +152,9 @@ def confirm(
     return {s: out[s] for s in factories}
 
 
+REFERENCE_EVERY = 10  # a long run compares every 10th step with an fp32 backward of it
+
+
 def long_runs(
     suite,
     members: list[str],
@@ -160,16 +163,21 @@ def long_runs(
     seed: int = 100,
     measured: Measured | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Member -> scaler -> scorecard, step records, ``kept`` and ``nonzero`` of one long real run
-    (the member's workload, ``seed``).
+    """Member -> scaler -> scorecard, step records, ``kept``, ``structural`` and ``nonzero`` of
+    one long real run (the member's workload, ``seed``).
 
-    ``kept`` is, per step, the share of *all* gradient elements that reached the optimizer at fp16
-    normal precision (non-zero, and ``|g| * S >= 2^-14``): ``nonzero * (1 - precision_loss) /
-    numel``; NaN on skipped steps. Unlike the scorecard's precision loss, whose denominator is the
-    elements that are non-zero *after* the fp16 backward, it falls when a low scale flushes
-    gradients to zero: elements the fp16 backward zeroed are neither counted as lost nor as kept
-    by the precision loss, so a scale low enough to zero whole gradients looks precise.
-    ``nonzero`` is, per step, the number of non-zero gradient elements (-1 on skipped steps).
+    ``kept`` is, on one applied step in every :data:`REFERENCE_EVERY` (the first of each window
+    that is not skipped), the share of the gradient
+    elements that an fp32 backward of that step leaves non-zero (at the step's weights, on its
+    batch, without autocast: :func:`reference_live`) which reach the optimizer non-zero at fp16
+    normal precision (``|g| * S >= 2^-14``); NaN on skipped and unsampled steps. Unlike the
+    scorecard's precision loss, whose denominator is the elements that are non-zero *after* the
+    fp16 backward, it falls when a low scale flushes gradients to zero. Unlike a share of *all*
+    elements, it does not count the elements that are zero in exact arithmetic too (a ReLU off
+    for the whole batch, an embedding row no token used): their number is the model's, and two
+    runs that drifted apart have different numbers of them (``structural`` is that share, per
+    sampled step, shown and not judged). ``nonzero`` is, per step, the number of non-zero
+    gradient elements (-1 on skipped steps).
     """
     from autoscale.training import TrainingRun
 
@@ -179,7 +187,11 @@ def long_runs(
         out[name] = {}
         for scaler, factory in factories.items():
             workload = member.workload.replace(seed=seed)
-            at = measured.path(scaler, "long", workload, steps) if measured else None
+            at = (
+                measured.path(scaler, "long", workload, steps, "reference", REFERENCE_EVERY)
+                if measured
+                else None
+            )
             stored = measured.get(at) if measured else None
             if stored is not None:
                 out[name][scaler] = _long_run_from(stored)
@@ -188,27 +200,68 @@ def long_runs(
             params = [p for p in run.model.parameters() if p.requires_grad]
             numel = sum(p.numel() for p in params)
             kept: list[float] = []
+            structural: list[float] = []
             nonzero: list[int] = []
-
-            def count(rec, params=params, numel=numel, kept=kept, nonzero=nonzero):
+            sampled = 0
+            for index in range(steps):
+                due = sampled <= index // REFERENCE_EVERY  # one per window: a skip tries the next
+                live = reference_live(run, params) if due else None
+                rec = run.step()
                 if rec.found_inf or not math.isfinite(rec.precision_loss):
                     kept.append(math.nan)
+                    structural.append(math.nan)
                     nonzero.append(-1)
-                    return
+                    continue
                 grads = [p.grad for p in params if p.grad is not None]
                 nonzero.append(sum(int(g.count_nonzero()) for g in grads))
-                kept.append(nonzero[-1] * (1.0 - rec.precision_loss) / numel)
-
-            card = run.run(steps, callback=count)
+                if live is None:
+                    kept.append(math.nan)
+                    structural.append(math.nan)
+                    continue
+                sampled += 1
+                n_live = sum(int(m.sum()) for m in live)
+                reached = sum(
+                    int((p.grad[m] != 0).sum())
+                    for p, m in zip(params, live, strict=True)
+                    if p.grad is not None
+                )
+                structural.append(1.0 - n_live / numel)
+                kept.append(reached * (1.0 - rec.precision_loss) / n_live if n_live else math.nan)
+            card = run.scorecard()
             out[name][scaler] = {
                 "card": card,
                 "records": list(run.records),
                 "kept": kept,
+                "structural": structural,
                 "nonzero": nonzero,
             }
             if measured:
                 measured.put(at, _long_run_dict(out[name][scaler]))
     return out
+
+
+def reference_live(run, params: list) -> list:
+    """Per parameter of ``params``: where an fp32 backward of ``run``'s next step (its weights,
+    its batch and loss weight, every micro-batch, no autocast) leaves the gradient non-zero.
+    The run is returned to where it was (:meth:`~autoscale.training.TrainingRun.restore`), so
+    the step it then takes is the one it would have taken."""
+    import torch
+
+    snap = run.snapshot()
+    try:
+        run.model.zero_grad(set_to_none=True)
+        accum = run.spec.grad_accum
+        weight = run.scenario.loss_weight(run.step_index) / accum
+        for micro in range(accum):
+            batch = run.data.next_batch()
+            objective = run.scenario.objective(run.data, run.model, batch, run.step_index, micro)
+            (objective.float() * weight).backward()
+        return [
+            (p.grad != 0) if p.grad is not None else torch.zeros_like(p, dtype=torch.bool)
+            for p in params
+        ]
+    finally:
+        run.restore(snap)
 
 
 def _long_run_dict(run: dict[str, Any]) -> dict[str, Any]:
@@ -225,8 +278,16 @@ def _long_run_from(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def kept_share(run: dict[str, Any]) -> float:
-    """Mean over applied steps of a :func:`long_runs` run's ``kept`` share (NaN if none)."""
+    """Mean over its sampled applied steps of a :func:`long_runs` run's ``kept`` share (NaN if
+    none)."""
     vals = [k for k in run["kept"] if math.isfinite(k)]
+    return math.fsum(vals) / len(vals) if vals else math.nan
+
+
+def structural_share(run: dict[str, Any]) -> float:
+    """Mean over its sampled applied steps of a :func:`long_runs` run's ``structural`` share (the
+    gradient elements an fp32 backward leaves zero too; NaN if none or not measured)."""
+    vals = [k for k in run.get("structural", []) if math.isfinite(k)]
     return math.fsum(vals) / len(vals) if vals else math.nan
 
 
@@ -246,7 +307,9 @@ def long_harm(
     instances, as in :func:`acceptance`; at least 0.2% of torch's); or a share of gradient
     elements kept at fp16 normal precision (:func:`kept_share`) more than 0.5 points below
     torch's. The last stands for precision: the scorecard's precision loss cannot rank two
-    scalers whose fp16 backward zeroes different numbers of elements (see :func:`long_runs`)."""
+    scalers whose fp16 backward zeroes different numbers of elements, and a share of all
+    elements cannot rank two runs whose models have different numbers of exact zeros (see
+    :func:`long_runs`)."""
     return {
         member: bar.harm(
             by[scaler]["card"],
