@@ -255,12 +255,13 @@ def long_table(runs, harm, scaler: str, members: list[str], steps: int) -> list[
         f"## Long runs: {steps} real steps of every member (seed 100), {scaler} next to torch",
         "",
         "Skip rate, eval loss, precision loss (share of the elements left non-zero by the fp16 "
-        "backward that lie below fp16's normal range), kept (on one applied step in every "
-        f"{REFERENCE_EVERY}, the share of the gradient elements that an fp32 "
-        "backward of the same step leaves non-zero which reach the optimizer non-zero and at "
-        "fp16 normal precision), exact zeros (the share of all elements that the fp32 backward "
+        "backward that lie below fp16's normal range), kept (on the first applied step of each "
+        f"window of {REFERENCE_EVERY} whose exact gradient is not all zero, the share of the "
+        "gradient elements that an fp32 backward of the same step leaves non-zero which reach "
+        "the optimizer non-zero and at fp16 normal precision), exact zeros (the share of all elements that the fp32 backward "
         "leaves zero too: the model's, not the scale's) and zeroed (applied steps whose every "
-        "gradient element the fp16 backward flushed to zero). Harm: a divergence torch avoids, "
+        "gradient element is zero after the fp16 backward: flushed, or zero in exact arithmetic "
+        "too, as where every advantage of an RL rollout is zero). Harm: a divergence torch avoids, "
         "skips above torch's + 0.5 points, eval loss above torch's beyond the member's seed "
         "noise, or kept more than 0.5 points below torch's. Precision loss and exact zeros are "
         "shown, not judged: a scale low enough to zero whole gradients lowers the first, and two "

@@ -130,6 +130,7 @@ def main(argv=None) -> int:
         list(LONG_MEMBERS),
         {k: fs[k] for k in dict.fromkeys((pick, "torch", "amax-history"))},
         args.long_steps,
+        reference=False,  # drawn, not judged
     )
     pages.plot_long_runs(
         runs, RESULTS / "suite_long_runs.png", f"{args.long_steps}-step runs (seed 100)"

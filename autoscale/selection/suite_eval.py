@@ -152,7 +152,10 @@ def confirm(
     return {s: out[s] for s in factories}
 
 
-REFERENCE_EVERY = 10  # a long run compares every 10th step with an fp32 backward of it
+REFERENCE_EVERY = 10  # a long run compares one step in 10 with an fp32 backward of it
+# What a stored long run holds and how it was measured: the measurements' key covers the code that
+# runs steps (measured.py), not this module's counting, so a change here bumps this.
+LONG_FORMAT = 2
 
 
 def long_runs(
@@ -162,12 +165,14 @@ def long_runs(
     steps: int,
     seed: int = 100,
     measured: Measured | None = None,
+    reference: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Member -> scaler -> scorecard, step records, ``kept``, ``structural`` and ``nonzero`` of
-    one long real run (the member's workload, ``seed``).
+    one long real run (the member's workload, ``seed``). ``reference=False`` takes no reference
+    backward (``kept`` and ``structural`` are then all NaN): for runs drawn, not judged.
 
     ``kept`` is, on one applied step in every :data:`REFERENCE_EVERY` (the first of each window
-    that is not skipped), the share of the gradient
+    that is not skipped and whose fp32 gradient is not all zero), the share of the gradient
     elements that an fp32 backward of that step leaves non-zero (at the step's weights, on its
     batch, without autocast: :func:`reference_live`) which reach the optimizer non-zero at fp16
     normal precision (``|g| * S >= 2^-14``); NaN on skipped and unsampled steps. Unlike the
@@ -188,7 +193,15 @@ def long_runs(
         for scaler, factory in factories.items():
             workload = member.workload.replace(seed=seed)
             at = (
-                measured.path(scaler, "long", workload, steps, "reference", REFERENCE_EVERY)
+                measured.path(
+                    scaler,
+                    "long",
+                    workload,
+                    steps,
+                    "reference" if reference else "plain",
+                    REFERENCE_EVERY,
+                    LONG_FORMAT,
+                )
                 if measured
                 else None
             )
@@ -202,9 +215,11 @@ def long_runs(
             kept: list[float] = []
             structural: list[float] = []
             nonzero: list[int] = []
-            sampled = 0
+            done = -1  # the last window with a sample
             for index in range(steps):
-                due = sampled <= index // REFERENCE_EVERY  # one per window: a skip tries the next
+                # one per window: a skipped step, or one whose exact gradient is all zero, passes
+                # the window's sample to the next step
+                due = reference and index // REFERENCE_EVERY > done
                 live = reference_live(run, params) if due else None
                 rec = run.step()
                 if rec.found_inf or not math.isfinite(rec.precision_loss):
@@ -218,15 +233,18 @@ def long_runs(
                     kept.append(math.nan)
                     structural.append(math.nan)
                     continue
-                sampled += 1
                 n_live = sum(int(m.sum()) for m in live)
+                structural.append(1.0 - n_live / numel)
+                if not n_live:
+                    kept.append(math.nan)
+                    continue
+                done = index // REFERENCE_EVERY
                 reached = sum(
                     int((p.grad[m] != 0).sum())
                     for p, m in zip(params, live, strict=True)
                     if p.grad is not None
                 )
-                structural.append(1.0 - n_live / numel)
-                kept.append(reached * (1.0 - rec.precision_loss) / n_live if n_live else math.nan)
+                kept.append(reached * (1.0 - rec.precision_loss) / n_live)
             card = run.scorecard()
             out[name][scaler] = {
                 "card": card,
@@ -242,26 +260,48 @@ def long_runs(
 
 def reference_live(run, params: list) -> list:
     """Per parameter of ``params``: where an fp32 backward of ``run``'s next step (its weights,
-    its batch and loss weight, every micro-batch, no autocast) leaves the gradient non-zero.
-    The run is returned to where it was (:meth:`~autoscale.training.TrainingRun.restore`), so
-    the step it then takes is the one it would have taken."""
+    its batch and loss weight, every micro-batch, no autocast) leaves the gradient finite and
+    non-zero. The run is returned to where it was, so the step it then takes is the one it would
+    have taken:
+
+    - the step's batches are drawn first (and kept by the stream, as it keeps every batch), so a
+      stream that draws from torch's global generator draws as the step would with one
+      micro-batch (with more, its draws and the forwards' random numbers interleave differently);
+    - the step's first forward runs as the step runs it (:meth:`TrainingRun.peek_loss`: fp16
+      autocast, the emulation), so a scenario that samples at the step, as rl-finetune samples a
+      rollout at each round's first step, samples what the step will train on, and the fp32
+      backward reuses it (further micro-batches sample without autocast);
+    - weights, optimizer, scaler, random generators, stream cursor and scenario state come back
+      with :meth:`TrainingRun.restore`, every parameter's ``.grad`` as it was.
+    """
     import torch
 
+    accum = run.spec.grad_accum
+    cursor = run.data.state_dict()
+    for _ in range(accum):
+        run.data.next_batch()
+    run.data.load_state_dict(cursor)
+    grads = [(p, p.grad) for p in run.model.parameters()]
     snap = run.snapshot()
     try:
+        run.peek_loss()
+        run.data.load_state_dict(snap.data)
         run.model.zero_grad(set_to_none=True)
-        accum = run.spec.grad_accum
         weight = run.scenario.loss_weight(run.step_index) / accum
         for micro in range(accum):
             batch = run.data.next_batch()
             objective = run.scenario.objective(run.data, run.model, batch, run.step_index, micro)
             (objective.float() * weight).backward()
         return [
-            (p.grad != 0) if p.grad is not None else torch.zeros_like(p, dtype=torch.bool)
+            (p.grad != 0) & p.grad.isfinite()
+            if p.grad is not None
+            else torch.zeros_like(p, dtype=torch.bool)
             for p in params
         ]
     finally:
         run.restore(snap)
+        for p, g in grads:
+            p.grad = g
 
 
 def _long_run_dict(run: dict[str, Any]) -> dict[str, Any]:
@@ -310,16 +350,19 @@ def long_harm(
     scalers whose fp16 backward zeroes different numbers of elements, and a share of all
     elements cannot rank two runs whose models have different numbers of exact zeros (see
     :func:`long_runs`)."""
-    return {
-        member: bar.harm(
+    out = {}
+    for member, by in runs.items():
+        kept, kept_ref = kept_share(by[scaler]), kept_share(by["torch"])
+        if math.isnan(kept) and math.isnan(kept_ref):  # no sample on either: no evidence
+            kept = kept_ref = None
+        out[member] = bar.harm(
             by[scaler]["card"],
             by["torch"]["card"],
             (noise or {}).get(member, 0.0),
-            kept=kept_share(by[scaler]),
-            kept_ref=kept_share(by["torch"]),
+            kept=kept,
+            kept_ref=kept_ref,
         )
-        for member, by in runs.items()
-    }
+    return out
 
 
 def seed_noise(cards: dict[str, dict[str, list]], members: list[str]) -> dict[str, float]:
