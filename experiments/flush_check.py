@@ -57,14 +57,14 @@ def measure(member_name: str, scaler: str, params: dict, steps: int, every: int,
             continue
         live = reference_live(run, named)  # the run is back where it was
         rec = run.step()
-        if rec.found_inf or not math.isfinite(rec.precision_loss):
-            skipped += 1
+        n_live = sum(int(m.sum()) for m in live)
+        if rec.found_inf or not math.isfinite(rec.precision_loss) or not n_live:
+            skipped += 1  # skipped, or nothing to keep: an all-zero exact gradient
             continue
         sampled += 1
         # below the normal range: the step's own census, before clipping (clipping shrinks the
         # gradients after the scale did its work)
         lost = rec.precision_loss
-        n_live = sum(int(m.sum()) for m in live)
         reached = sum(
             int((p.grad[m] != 0).sum()) for p, m in zip(named, live) if p.grad is not None
         )
@@ -78,7 +78,7 @@ def measure(member_name: str, scaler: str, params: dict, steps: int, every: int,
         }
         for k in sums:
             sums[k] += counts[k] / numel
-        live_kept += counts["normal"] / max(n_live, 1)
+        live_kept += counts["normal"] / n_live
     card = run.scorecard()
     means = {k: v / max(sampled, 1) for k, v in sums.items()}
     return {
@@ -134,9 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         "its batch: the share of all gradient elements that are zero in an fp32 backward without "
         "autocast (structural), non-zero there but zero after the fp16 backward (flushed), "
         "non-zero but below fp16's normal range at the step's scale (subnormal), and the rest "
-        "(normal); `kept` is normal over the elements the reference leaves non-zero (what the "
-        "`auto` build's long runs judge), `of all` normal-and-non-zero over all elements (what "
-        "they judged before: it counts the structural zeros as lost). Skipped steps are left out.",
+        "(normal); `kept` is normal over the elements the reference leaves non-zero (the "
+        "measure the `auto` build's long runs judge; they take the first applied step of each "
+        "window of ten, so their means differ a little), `of all` normal-and-non-zero over all "
+        "elements (what they judged before: it counts the structural zeros as lost). Skipped "
+        "steps and steps whose exact gradient is all zero are left out.",
         "",
         "| member | scaler | sampled | structural | flushed | subnormal | normal | kept | of all | skip rate | eval loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
