@@ -5,7 +5,9 @@ Everything that can be refused is refused before the command starts (an unknown 
 unwritable record folder, a log kind whose package is missing, a command that is not found), so
 nothing of the program runs or is half-written. The command's exit status is returned as it is
 (a command ended by signal N: 128+N). SIGTERM and SIGHUP sent to the launcher are passed on to the
-command, and Ctrl-C reaches it through the terminal's process group.
+command, and Ctrl-C reaches it through the terminal's process group. A signal to the whole group
+(``scancel``, a shell's job control, torchrun's teardown) so reaches the command twice; the second
+waits until the first one's handler has written every step (:mod:`autoscale.observe.lifecycle`).
 
 Each Python of the command leaves files in a folder of the launcher's (see
 :mod:`autoscale.observe.lifecycle`): one when it starts wrapped, one when it imports torch,

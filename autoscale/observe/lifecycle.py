@@ -40,7 +40,7 @@ __all__ = ["ProgressSink", "process_rank", "start", "write_summary"]
 
 #: signals whose default action ends the process without Python's exit (atexit is skipped)
 SIGNALS = ("SIGTERM", "SIGHUP", "SIGINT")
-_me: dict[str, Any] = {"folder": None, "built": [], "kept": [], "handling": False}
+_me: dict[str, Any] = {"folder": None, "built": [], "kept": [], "handling": False, "waiting": {}}
 
 
 def start(folder: str | None, built: list[dict[str, Any]], kept: list[str]) -> None:
@@ -197,26 +197,40 @@ def _catch_signals() -> None:
 
 
 class _Handler:
-    """Writes every step so far, then does what ``previous`` would have done."""
+    """Writes every step so far, then does what ``previous`` would have done.
+
+    A signal that arrives during the write waits until the write is done, as the kernel holds a
+    signal back while its C handler runs: a job's SIGTERM reaches the program twice (from its
+    process group, and again from a launcher that forwards it), and the second one, acted on at
+    once, ended the process halfway through the write (the record lost its pending chunk). Each
+    signal that waited is handled once, after this one's action (which usually ends the process
+    first)."""
 
     def __init__(self, previous: Any) -> None:
         self.previous = previous
 
     def __call__(self, signum: int, frame: Any) -> Any:
+        if _me["handling"]:
+            _me["waiting"].setdefault(signum, (self, frame))
+            return None
         ours = signal.getsignal(signum) is self  # else the program's handler chained to this one
         dies = ours and self.previous == signal.SIG_DFL
-        if not _me["handling"]:
-            _me["handling"] = True
-            try:
-                _write_all(final=dies)
-            finally:
-                _me["handling"] = False
-        if callable(self.previous):
-            return self.previous(signum, frame)
-        if dies:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        return None
+        _me["handling"] = True
+        try:
+            _write_all(final=dies)
+        finally:
+            _me["handling"] = False
+        try:
+            if callable(self.previous):
+                return self.previous(signum, frame)
+            if dies:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return None
+        finally:
+            waiting, _me["waiting"] = _me["waiting"], {}
+            for waited, (handler, waited_frame) in waiting.items():
+                handler(waited, waited_frame)
 
 
 def _write_all(final: bool) -> None:

@@ -234,3 +234,47 @@ def test_a_second_scaler_gets_its_own_record_and_log(tmp_path):
     assert len(read_record(tmp_path / "r" / "rank0-scaler1").steps) == 4
     assert len((tmp_path / "log.csv").read_text().splitlines()) == 1 + 6
     assert len((tmp_path / "log.scaler1.csv").read_text().splitlines()) == 1 + 4
+
+
+def _killpg_at(rec: Path, at: int) -> tuple[int, int]:
+    """Run until_signal.py wrapped in a process group of its own and SIGTERM the whole group
+    once it has printed step ``at``, as scancel, a shell's job control or torchrun's teardown do:
+    the program gets the signal from its group and again from the launcher, which forwards it.
+    Returns (exit status, steps taken)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autoscale", "wrap", "--record", str(rec), "--", sys.executable]
+        + [str(SCRIPTS / "until_signal.py"), "default"],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        bufsize=0,
+        start_new_session=True,
+    )
+    printed = -1
+    for raw in iter(proc.stdout.readline, b""):
+        if raw.startswith(b"STEP"):
+            printed = int(raw.split()[1])
+            if printed >= at:
+                os.killpg(proc.pid, signal.SIGTERM)
+                break
+    rest = proc.communicate(timeout=300)[0].decode()
+    steps = [int(m.group(1)) for m in re.finditer(r"^STEP (\d+)$", rest, re.MULTILINE)]
+    return proc.returncode, max([printed, *steps]) + 1
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_the_whole_group_writes_every_step(tmp_path):
+    # twice three runs at once (the load stretches the window in which the forwarded signal
+    # lands during the first one's write); each stopped with a chunk of ~190 steps pending
+    from concurrent.futures import ThreadPoolExecutor
+
+    recs = [tmp_path / f"r{i}" for i in range(6)]
+    with ThreadPoolExecutor(3) as pool:
+        ends = list(pool.map(lambda rec: _killpg_at(rec, 700), recs))
+    assert [code for code, _ in ends] == [128 + signal.SIGTERM] * len(recs)
+    cut = []
+    for rec, (_, taken) in zip(recs, ends, strict=True):
+        record = read_record(rec)
+        if not (record.meta.get("finished") and taken <= len(record.steps) <= taken + 1):
+            cut.append(f"{rec.name}: {len(record.steps)} of {taken} steps recorded")
+    assert cut == []
