@@ -1,8 +1,29 @@
-"""Fixtures shared by the environment and agent tests."""
+"""Fixtures shared by the environment and agent tests, and the user folder every test writes to
+instead of the real home."""
+
+import atexit
+import os
+import shutil
+import tempfile
 
 import pytest
 
 from autoscale.envs import load_env_spec
+
+# No test writes into the real home: an export without a folder goes to $AUTOSCALE_HOME/policies.
+# Set before any test module is imported, so the environments they copy at import (for their
+# subprocesses) and the session's fixtures have it too; each test then gets its own (below).
+_SESSION_HOME = tempfile.mkdtemp(prefix="autoscale-home-")
+atexit.register(shutil.rmtree, _SESSION_HOME, ignore_errors=True)
+os.environ["AUTOSCALE_HOME"] = _SESSION_HOME
+
+
+@pytest.fixture(autouse=True)
+def autoscale_home(tmp_path, monkeypatch):
+    """The test's own user folder of autoscale's (its ``tmp_path``): what one test exports is not
+    listed or found by another."""
+    monkeypatch.setenv("AUTOSCALE_HOME", str(tmp_path))
+    return tmp_path
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import json
 
 from autoscale.commands.base import Command
 from autoscale.scalers import list_scalers
+from autoscale.scalers.policies import default_policy_dir, policy_places
 
 
 def _fmt(value) -> str:
@@ -49,6 +50,10 @@ class ListCommand(Command):
                         + ", ".join(f"{k}={_fmt(v)}" for k, v in i.defaults.items())
                     )
             print()
+        print(
+            f"Exported policies are looked for in {policy_places()}; an export goes to "
+            f"{default_policy_dir()} unless given a folder."
+        )
         print(
             "Use one with: scaler = autoscale.get_scaler(NAME, device=...)  (keyword arguments override defaults)"
         )

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoscale.errors import ConfigError, PolicyError, unknown_name
-from autoscale.scalers import neural, parametric, policies  # noqa: F401  (the policy kinds)
+from autoscale.errors import ConfigError, PolicyError, UnknownNameError, unknown_name
+from autoscale.scalers import neural, parametric, policies, residual  # noqa: F401  (the policy kinds)
 from autoscale.scalers.registry import (
     build_scaler,
     is_plugin,
@@ -51,7 +51,8 @@ def make_scaler(name: str, device: str | None = None, **overrides: Any) -> LossS
             ``max_scale``, ``raise_at_min``, ``collect_stats``, ``enabled``).
 
     Raises:
-        UnknownNameError: ``name`` is nothing known; the message lists what is.
+        UnknownNameError: ``name`` is nothing known; the message lists what is, and where
+            exported policies were looked for.
         ConfigError: an override the rule does not take, an invalid value, or a plugin that failed
             to load.
         PolicyError: an exported policy that is corrupt or incompatible.
@@ -72,7 +73,11 @@ def make_scaler(name: str, device: str | None = None, **overrides: Any) -> LossS
             f"policy folder '{broken}' has no {policies.MANIFEST} (a copy or an export that did "
             "not finish); export the policy again, or remove the folder"
         )
-    raise unknown_name("scaler", name, rule_names() + policies.policy_names(), "autoscale list")
+    error = unknown_name("scaler", name, rule_names() + policies.policy_names(), "autoscale list")
+    raise UnknownNameError(
+        f"{error}; exported policies were looked for in {policies.policy_places()}; set "
+        f"{policies.POLICY_PATH_ENV}=DIR to look in another folder, or give the policy folder's path"
+    )
 
 
 def list_scalers() -> list[ScalerInfo]:

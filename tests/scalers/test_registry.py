@@ -197,6 +197,7 @@ def test_policies_folder_in_the_working_directory(tmp_path, monkeypatch):
     _export(tmp_path / "policies", name="local-policy")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(policies.POLICY_PATH_ENV, raising=False)
+    monkeypatch.setenv(policies.HOME_ENV, str(tmp_path / "home"))  # not the user's folder
     assert autoscale.get_scaler("local-policy", device="cpu").get_growth_interval() == 100
 
 
