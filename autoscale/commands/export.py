@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from autoscale.commands.base import Command
 from autoscale.errors import ConfigError
-from autoscale.search.candidates import TORCH
+from autoscale.search.candidates import AUTO, Candidate
 
 
 class ExportCommand(Command):
@@ -16,8 +17,11 @@ class ExportCommand(Command):
   autoscale export --study gpt2-tiny-bad-batches-parametric --name bb-best
   autoscale export --study team --storage runs.log --trial 42 --name team-42 --force
 
-best: the trial with the best objective on real steps of the test instances (validated by any
-worker), else the best on the train replay.
+best: what the search exports, decided by the search's own pick from what the study holds: the
+rows validated on real steps (by any worker) against auto, the families the search was asked
+for, and the stored no-harm verdicts (a candidate without a passed verdict is not exported; where
+nothing beats auto, auto is). A trial number exports that trial; where it is not the search's
+pick, one warning says why. The manifest's evidence says either way.
 """
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -37,13 +41,10 @@ worker), else the best on the train replay.
     def run(self, args: argparse.Namespace) -> int:
         import optuna
 
-        from autoscale.envs.suite_env import suite_instances
         from autoscale.search.export import (
-            best_trial,
-            card_summary,
             check_export_target,
-            export_trial,
-            policy_label,
+            export_candidate,
+            stored_pick,
             study_suites,
         )
         from autoscale.search.storage import (
@@ -53,7 +54,6 @@ worker), else the best on the train replay.
             mask_url,
             open_storage,
         )
-        from autoscale.search.validate import by_member, real_cards, validated_trials
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         storage = open_storage(args.storage, must_exist=True)
@@ -62,41 +62,78 @@ worker), else the best on the train replay.
         check_export_target(
             args.name, args.policy_dir, study.study_name, args.force, own_study_ok=False
         )
+        pick = stored_pick(study, validation, suite.reward)
         if args.trial == "best":
-            trial, cards, how = best_trial(study, validation)
+            key, against = pick.key, []
+            if key is None:
+                raise ConfigError(
+                    f"study '{study.study_name}' holds no real-step validation of torch, so its "
+                    "search exports nothing; export a trial by number with --trial N"
+                )
         else:
-            trial = _trial(study, args.trial)
-            cards = validated_trials(study, validation).get(trial.number)
-            how = "validated on real steps" if cards else "not validated on real steps"
-        names = suite_instances(validation, "test")
-        torch_cards = real_cards(study.user_attrs, TORCH, names)
-        summary: dict = {}
-        if cards is not None and len(torch_cards) == len(names):
-            where = f"real steps: {len(names)} test episodes of {validation.episode.steps} steps"
-            summary = card_summary(cards, by_member(torch_cards, names), suite.reward, where)
-        elif trial.user_attrs.get("scores", {}).get("test_replay"):
-            replay = trial.user_attrs["scores"]["test_replay"]
-            summary = {
-                "objective": replay["objective"],
-                "members": replay["members"],
-                "evaluated_on": "replay of the recorded real test steps",
-            }
-        path = export_trial(
+            key = Candidate.trial(_trial(study, args.trial).number)
+            against = pick.objections(study, key)
+        path, how = export_candidate(
             study,
-            trial,
+            key,
             args.name,
             suite=suite,
             store=artifact_store(artifacts_dir(args.storage, args.artifacts)),
             out_dir=args.policy_dir,
             force=args.force,
             own_study_ok=False,
-            scorecard=summary,
+            scorecard=_scorecard(study, pick, key, against, validation, suite.reward),
             provenance={"storage": mask_url(args.storage)},
         )
-        print(
-            f"exported {path} ({policy_label(trial)}; {how}); use it with autoscale.get_scaler('{args.name}')"
-        )
+        if against:
+            print(
+                f"warning: {how} is not what the search exports ({'; '.join(against)}); "
+                f"exported by number, the manifest says so",
+                file=sys.stderr,
+            )
+            why = "exported by number"
+        else:
+            why = f"the search's pick: {pick.choice.why}"
+        print(f"exported {path} ({how}; {why}); use it with autoscale.get_scaler('{args.name}')")
         return 0
+
+
+def _scorecard(study, pick, key, against: list[str], validation, weights) -> dict:
+    """The manifest's scorecard of ``key``: its real-step rows against ``torch`` and ``auto``
+    (else its replay of the test steps), and the evidence: the search's pick and why, the
+    stored no-harm verdict, and why the search does not export ``key`` where it does not."""
+    from autoscale.search.answer import evidence
+    from autoscale.search.choose import stored_verdict
+    from autoscale.search.export import card_summary
+
+    v, ref = pick.rows.get(key), pick.reference
+    summary: dict = {}
+    if v is not None and ref is not None:
+        n = sum(len(c) for c in v.cards.values())
+        where = f"real steps: {n} test episodes of {validation.episode.steps} steps"
+        summary = card_summary(v.cards, ref.cards, weights, where)
+        if pick.choice is not None:
+            summary["evidence"] = evidence(pick.choice, v, ref, weights)
+    elif key.is_trial:
+        replay = study.trials[key.number].user_attrs.get("scores", {}).get("test_replay")
+        if replay:
+            summary = {
+                "objective": replay["objective"],
+                "members": replay["members"],
+                "evaluated_on": "replay of the recorded real test steps",
+            }
+    ev = summary.setdefault("evidence", {"bar": AUTO.name})
+    chosen = pick.choice.winner if pick.choice is not None else None
+    ev["search_exports"] = None if pick.key is None else (chosen.label if chosen else AUTO.name)
+    ev["search_why"] = pick.choice.why if pick.choice is not None else against[0]
+    verdict = stored_verdict(study, key)
+    ev["no_harm"] = verdict.to_dict() if verdict is not None else None
+    if against:
+        ev["why"] = "exported by number (autoscale export --trial), not the search's pick"
+        ev["not_the_pick"] = against
+    else:
+        ev["why"] = pick.choice.why
+    return summary
 
 
 def _trial(study, text: str):

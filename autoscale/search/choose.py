@@ -31,7 +31,16 @@ from autoscale.search.timing import Timings
 from autoscale.search.validate import Validated
 from autoscale.training.scorecard import json_safe
 
-__all__ = ["Choice", "choose", "refusal", "family_refusal", "horizon_refusal", "VERDICT_PREFIX"]
+__all__ = [
+    "Choice",
+    "choose",
+    "StoredPick",
+    "refusal",
+    "family_refusal",
+    "horizon_refusal",
+    "stored_verdict",
+    "VERDICT_PREFIX",
+]
 
 VERDICT_PREFIX = "no-harm-v2:"  # v2: the check's long runs include a drifting one
 
@@ -59,7 +68,8 @@ class Choice:
     unchecked: list[str] = field(default_factory=list)
 
 
-def _stored(study: Any, key: str) -> Verdict | None:
+def stored_verdict(study: Any, key: str) -> Verdict | None:
+    """The no-harm verdict the study holds for ``key`` (None: never checked, or it did not fit)."""
     data = study.user_attrs.get(VERDICT_PREFIX + key)
     if not data:
         return None
@@ -73,9 +83,9 @@ def choose(
     study: Any,
     ranked: list[Validated],
     factories: dict[str, Callable[[], Any]],
-    no_harm: Check,
-    timings: Timings,
-    ledger: Ledger,
+    no_harm: Check | None,
+    timings: Timings | None,
+    ledger: Ledger | None,
     *,
     weights: Any,
     stop_at: float,
@@ -87,6 +97,8 @@ def choose(
 
     Args:
         factories: Key -> a factory of fresh scalers of that validated scaler.
+        no_harm: The check; None: nothing is checked, only the verdicts the study holds count
+            (``autoscale export``: a scaler without one is not the pick).
         weights: The reward weights of the objective.
         stop_at: ``time.monotonic()`` past which no real check starts (its estimated cost must
             fit before it).
@@ -142,7 +154,13 @@ def choose(
     verdict = _verdict(study, bar, factories, no_harm, timings, ledger, stop_at, say, choice)
     if verdict is None or verdict.passed:
         choice.winner = bar
-        checked = "" if verdict is not None else " (its no-harm check did not fit in the time left)"
+        checked = ""
+        if verdict is None:
+            checked = (
+                " (its no-harm check did not fit in the time left)"
+                if no_harm is not None
+                else " (the study holds no no-harm verdict for it)"
+            )
         choice.why = f"auto is the best found for this run: {lost}{checked}"
         return choice
     choice.winner = reference
@@ -167,16 +185,20 @@ def _verdict(
     study: Any,
     v: Validated,
     factories: dict[str, Callable[[], Any]],
-    no_harm: Check,
-    timings: Timings,
-    ledger: Ledger,
+    no_harm: Check | None,
+    timings: Timings | None,
+    ledger: Ledger | None,
     stop_at: float,
     say: Callable[[str], None],
     choice: Choice,
 ) -> Verdict | None:
-    """``v``'s verdict: stored, or screened and checked now; None when the check does not fit."""
-    verdict = _stored(study, v.key)
+    """``v``'s verdict: stored, or screened and checked now; None when the check does not fit
+    (or, without ``no_harm``, none is stored)."""
+    verdict = stored_verdict(study, v.key)
     fresh = verdict is None
+    if verdict is None and no_harm is None:
+        choice.unchecked.append(f"{v.label} (the study holds no no-harm verdict for it)")
+        return None
     if verdict is None:
         factory = factories[v.key]
         verdict = no_harm.screen(factory, v.label)
@@ -258,3 +280,55 @@ def family_refusal(v: Validated, study: Any, families: tuple[str, ...] | None) -
     if cls is not None and not cls.adapts and family not in (families or ()):
         return f"'{family}' cannot follow drifting gradients (ask for it with --family {family})"
     return None
+
+
+@dataclass
+class StoredPick:
+    """What the search exports, decided from what a study holds
+    (:func:`~autoscale.search.export.stored_pick`).
+
+    Attributes:
+        choice: The pick (None: ``torch`` has no real-step validation: nothing is exported).
+        rows: Key -> every scaler validated on real steps of every test episode.
+        reference: ``torch``'s row (None: not validated).
+        families: The rule families the study's plan searched (``torch`` included).
+        weights: The reward weights of the objective.
+    """
+
+    choice: Choice | None
+    rows: dict[str, Validated]
+    reference: Validated | None
+    families: tuple[str, ...]
+    weights: Any
+
+    @property
+    def key(self) -> str | None:
+        """What the search exports: its winner, ``auto`` where none won; None: nothing."""
+        if self.choice is None:
+            return None
+        return AUTO if self.choice.winner is None else self.choice.winner.key
+
+    def objections(self, study: Any, key: str) -> list[str]:
+        """Why the search does not export ``key``, one reason a string (empty: it does)."""
+        choice, v = self.choice, self.rows.get(key)
+        if choice is None or self.reference is None:
+            return ["torch has no real-step validation in the study: the search exports nothing"]
+        if v is None:
+            return ["it was not validated on real steps of the test instances"]
+        if key == self.key:
+            return []
+        out = [why] if (why := family_refusal(v, study, self.families)) else []
+        if choice.bar is not None and key != AUTO:
+            bar, ref = choice.bar.cards, self.reference.cards
+            ld = choice.leads.get(key) or lead(v.cards, bar, ref, self.weights)
+            if not ld.clear:
+                out.append(
+                    f"it does not lead auto beyond the seed noise (lead {ld.lead:+.4f}, noise "
+                    f"{ld.noise:.4f} on {ld.episodes} episodes)"
+                )
+        verdict = stored_verdict(study, key)
+        if key != TORCH and verdict is None:  # the reference is never checked
+            out.append("the study holds no no-harm verdict for it")
+        elif verdict is not None and not verdict.passed:
+            out.append("it fails the no-harm check: " + "; ".join(verdict.reasons))
+        return out or [f"the search ranks {choice.winner.label if choice.winner else 'auto'} first"]

@@ -19,7 +19,7 @@ import os
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import autoscale
 from autoscale.envs.suite import SuiteSpec
@@ -27,8 +27,11 @@ from autoscale.errors import ConfigError, unknown_name
 from autoscale.scalers.policies import PolicyManifest, staged_policy, write_manifest
 from autoscale.scalers.registry import build_scaler, rule_class, rule_names
 from autoscale.search.candidates import TORCH, Candidate
-from autoscale.search.validate import Validated, validated_trials
+from autoscale.search.validate import Validated
 from autoscale.training.scorecard import Scorecard, json_safe
+
+if TYPE_CHECKING:
+    from autoscale.search.choose import StoredPick
 
 __all__ = [
     "trial_policy",
@@ -40,6 +43,8 @@ __all__ = [
     "export_rule",
     "export_policy",
     "best_trial",
+    "stored_pick",
+    "export_candidate",
     "card_summary",
     "top_candidates",
     "study_suites",
@@ -388,37 +393,62 @@ def export_trial(
     return tmp.parent / name
 
 
-def best_trial(
-    study: Any, validation: SuiteSpec
-) -> tuple[Any, dict[str, list[Scorecard]] | None, str]:
-    """The study's best trial: the best validated on real test steps (by any worker; objective
-    against ``torch``'s validation) if any, else the best on the train replay. Returns
-    ``(trial, real-step cards by member or None, how)``.
-
-    Raises:
-        ConfigError: the study has no completed trial.
-    """
+def stored_pick(study: Any, validation: SuiteSpec, weights: Any) -> StoredPick:
+    """What the search exports, decided from what ``study`` holds now by the search's own code:
+    every row validated on real steps, by any worker, ranked (:func:`rank`) and walked down to
+    ``auto`` by :func:`~autoscale.search.choose.choose`, with the families the study's plan
+    searched (:func:`~autoscale.search.choose.family_refusal`) and the no-harm verdicts the study
+    holds; no check runs, so a scaler without a verdict is not the pick. A lead that the search
+    refused on the horizon's replay (:func:`~autoscale.search.choose.horizon_refusal`, which
+    needs the replay bench) left no verdict, so it is not the pick either; only ``torch``, which
+    is never checked, is taken on its real-step lead alone."""
     import optuna
 
     from autoscale.envs.suite_env import suite_instances
-    from autoscale.search.objective import objective
-    from autoscale.search.validate import by_member, real_cards
+    from autoscale.search.choose import StoredPick, choose, family_refusal
+    from autoscale.search.validate import PREFIX, by_member, real_cards
 
-    complete = {
-        t.number: t
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    }
-    if not complete:
-        raise ConfigError(f"study '{study.study_name}' has no completed trial to export")
-    validated = {n: c for n, c in validated_trials(study, validation).items() if n in complete}
-    names = suite_instances(validation, "test")
-    ref = real_cards(study.user_attrs, TORCH, names)
-    if validated and len(ref) == len(names):
-        torch_cards = by_member(ref, names)
-        n = min(validated, key=lambda k: objective(validated[k], torch_cards, validation.reward))
-        return complete[n], validated[n], "best on real steps of the test instances"
-    best = min(complete.values(), key=lambda t: t.value)
-    return best, None, "best on the train replay (not validated on real steps)"
+    attrs, names = study.user_attrs, suite_instances(validation, "test")
+    states = (optuna.trial.TrialState.COMPLETE,)
+    complete = {t.number: t for t in study.get_trials(deepcopy=False, states=states)}
+    rows: dict[Candidate, Validated] = {}
+    for attr in attrs:
+        try:
+            key = Candidate.parse(attr[len(PREFIX) :]) if attr.startswith(PREFIX) else None
+        except ValueError:
+            key = None
+        cards = real_cards(attrs, key, names) if key is not None else {}
+        if len(cards) == len(names) and (key.is_named or key.number in complete):
+            label = key.name if key.is_named else policy_label(complete[key.number])
+            rows[key] = Validated(key, label, by_member(cards, names))
+    families = tuple(attrs.get("plan", {}).get("rules", ()))
+    reference = rows.get(TORCH)
+    if reference is None:
+        return StoredPick(None, rows, None, families, weights)
+    choice = choose(
+        study, rank(rows, reference, weights), {}, None, None, None, weights=weights,
+        stop_at=0.0, say=lambda text: None, refuse=lambda v: family_refusal(v, study, families),
+    )  # fmt: skip
+    return StoredPick(choice, rows, reference, families, weights)
+
+
+best_trial = stored_pick  # the name autoscale.search exports (the pick may be a rule or auto)
+
+
+def export_candidate(
+    study: Any, key: Candidate, name: str, *, suite: SuiteSpec, store: Any, **kw: Any
+) -> tuple[Path, str]:
+    """Export ``key`` (``auto``, a built-in rule or a trial) as ``NAME`` as the search exports
+    its pick (``kw``: :func:`export_trial`'s keywords); returns the folder and what it holds, in
+    words."""
+    if key.is_policy:
+        how = f"{key.name}, the shipped general policy, unchanged"
+        return export_policy(study, key.name, name, suite=suite, **kw), how
+    if key.is_rule:
+        how = f"the built-in rule {key.name} with its defaults"
+        return export_rule(study, key.name, name, suite=suite, **kw), how
+    trial = study.trials[key.number]
+    return export_trial(study, trial, name, suite=suite, store=store, **kw), policy_label(trial)
 
 
 def export_parametric(
