@@ -82,7 +82,8 @@ def make_scaler(name: str, device: str | None = None, **overrides: Any) -> LossS
 
 def list_scalers() -> list[ScalerInfo]:
     """Every scaler ``make_scaler`` can build: rules, plugins (broken ones marked UNUSABLE), then
-    exported policies (corrupt ones marked UNUSABLE)."""
+    exported policies (each built once on the CPU: one that is corrupt, or cannot be built here,
+    marked UNUSABLE with the reason)."""
     names = rule_names()
     infos = [
         ScalerInfo(
@@ -100,12 +101,13 @@ def list_scalers() -> list[ScalerInfo]:
         for name, error in plugin_errors().items()
     ]
     for name, manifest, path, error in policies.policy_rows():
-        if error is None:
-            infos.append(
-                ScalerInfo(
-                    name, "policy", manifest.describe(), dict(manifest.parameters), str(path)
-                )
-            )
-        else:
+        if error is not None:
             infos.append(ScalerInfo(name, "policy", f"UNUSABLE: {error}", {}, str(path)))
+            continue
+        what = manifest.describe()
+        try:  # a manifest that reads may still not build here (its rule is not registered)
+            policies.load_policy(path, device="cpu")
+        except (ConfigError, PolicyError) as exc:
+            what = f"UNUSABLE: {what}, cannot be built here: {exc}"
+        infos.append(ScalerInfo(name, "policy", what, dict(manifest.parameters), str(path)))
     return infos

@@ -108,17 +108,39 @@ class PolicyManifest:
     format: int = MANIFEST_FORMAT
 
     def describe(self) -> str:
+        """What it is and where it was made, in one line (``autoscale list``): a suite's
+        policy by every split of the suite its workload names (a build such as ``auto``'s
+        trains or searches on ``members``, chooses on ``validation`` and tests on ``test``,
+        both among ``left_out``)."""
         what = f"{self.kind} policy ({self.family})"
         wl = self.workload
-        how = " trained on " if self.kind == "neural" else " searched on "
+        how = "trained on" if self.kind == "neural" else "searched on"
+        if wl.get("exported_policy") or wl.get("builtin_rule"):  # a search found nothing better
+            source = f"'{wl['exported_policy']}'" if wl.get("exported_policy") else "the rule"
+            how = f"= {source} unchanged, exported by a search on"
         if wl.get("suite"):
-            what += f"{how}suite {wl['suite']} ({len(wl.get('members', []))} members)"
-        elif wl:
-            what += how + "/".join(str(wl[k]) for k in ("model", "scenario") if k in wl)
-        return what
+            members, left_out = len(wl.get("members", [])), len(wl.get("left_out", []))
+            if "validation" in wl or "test" in wl:
+                chosen, tested = len(wl.get("validation", [])), len(wl.get("test", []))
+                return (
+                    f"{what} chosen on suite {wl['suite']}, {members + left_out} members: "
+                    f"candidates trained or searched on {members}, chosen on "
+                    f"{_count(chosen, 'validation member')}, tested on "
+                    f"{_count(tested, 'test member')}"
+                )
+            what += f" {how} suite {wl['suite']} ({members} members)"
+            return what + (f", {left_out} left out" if left_out else "")
+        where = "/".join(str(wl[k]) for k in ("model", "scenario") if k in wl)
+        if where:
+            return f"{what} {how} {where}"
+        return f"{what}: {wl['note']}" if wl.get("note") else what
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 # ---------------------------------------------------------------------- kinds

@@ -90,3 +90,69 @@ def test_console_script():
     assert set(BUILTIN) <= {r["name"] for r in json.loads(out.stdout)}
     bad = subprocess.run([exe, "frobnicate"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
+
+
+def test_a_built_policy_is_described_by_every_split_of_its_suite():
+    manifest = PolicyManifest(
+        name="built",
+        kind="parametric",
+        family="amax-loss",
+        workload={
+            "suite": "s",
+            "members": ["a/x", "b/x"],
+            "left_out": ["c/x", "d/x", "e/x"],
+            "validation": ["c/x"],
+            "test": ["d/x", "e/x"],
+        },
+    )
+    assert manifest.describe() == (
+        "parametric policy (amax-loss) chosen on suite s, 5 members: candidates trained or "
+        "searched on 2, chosen on 1 validation member, tested on 2 test members"
+    )
+    searched = PolicyManifest(
+        name="found",
+        kind="parametric",
+        family="torch",
+        workload={"suite": "s", "members": ["a/x", "b/x"], "left_out": ["c/x"]},
+    )
+    assert (
+        searched.describe()
+        == "parametric policy (torch) searched on suite s (2 members), 1 left out"
+    )
+    unchanged = PolicyManifest(
+        name="kept",
+        kind="parametric",
+        family="amax-loss",
+        workload={"model": "mlp", "scenario": "clean", "exported_policy": "auto"},
+    )
+    assert unchanged.describe() == (
+        "parametric policy (amax-loss) = 'auto' unchanged, exported by a search on mlp/clean"
+    )
+
+
+def test_the_shipped_auto_is_described_by_the_suite_it_was_chosen_on(capsys):
+    from autoscale.scalers.policies import find_policy, read_manifest
+
+    workload = read_manifest(find_policy("auto")).workload
+    total = len(workload["members"]) + len(workload["left_out"])
+    assert main(["list"]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  auto ")]
+    assert f"chosen on suite {workload['suite']}, {total} members:" in row
+    assert f"chosen on {len(workload['validation'])} validation members" in row
+    assert f"({len(workload['members'])} members)" not in row
+
+
+def test_a_policy_whose_rule_is_not_registered_here_is_listed_as_unusable(
+    capsys, tmp_path, monkeypatch
+):
+    write_manifest(
+        tmp_path / "orphan",
+        PolicyManifest(name="orphan", kind="parametric", family="no-such-rule"),
+    )
+    monkeypatch.setenv(policies.POLICY_PATH_ENV, str(tmp_path))
+    info = {i.name: i for i in autoscale.list_scalers()}["orphan"]
+    assert not info.usable
+    assert main(["list"]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if "orphan" in line]
+    assert "UNUSABLE" in row and "cannot be built here" in row
+    assert "uses rule 'no-such-rule', which is not registered here" in row
