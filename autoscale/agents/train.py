@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tempfile
 import time
@@ -13,7 +14,14 @@ from autoscale.envs.spec import EnvSpec
 from autoscale.envs.suite import SuiteSpec, load_spec
 from autoscale.errors import ConfigError, unknown_name
 
-__all__ = ["ALGOS", "AgentResult", "train_agent", "default_hyperparams", "saved_agent"]
+__all__ = [
+    "ALGOS",
+    "AgentResult",
+    "train_agent",
+    "default_hyperparams",
+    "held_out",
+    "saved_agent",
+]
 
 # algorithm -> action modes it supports
 ALGOS: dict[str, tuple[str, ...]] = {
@@ -52,7 +60,13 @@ def default_hyperparams(algo: str, episode_steps: int) -> dict[str, Any]:
 
 @dataclass
 class AgentResult:
-    """What :func:`train_agent` produced."""
+    """What :func:`train_agent` produced.
+
+    Attributes:
+        best_eval_reward: The selected checkpoint's mean reward where it was selected (NaN: no
+            checkpoint was selected, the last model is kept).
+        selected_on: The instances the checkpoint was selected on (empty: none was).
+    """
 
     model: Any
     algo: str
@@ -61,6 +75,24 @@ class AgentResult:
     best_eval_reward: float
     policy_dir: Path | None = None
     eval_history: list[tuple[int, float]] = field(default_factory=list)
+    selected_on: tuple[str, ...] = ()
+
+
+def held_out(spec: EnvSpec | SuiteSpec) -> EnvSpec | SuiteSpec | None:
+    """``spec`` with each member's last train instance moved into its test set, to select an
+    agent's checkpoint on while the test instances stay unseen; None where a member has a
+    single train instance (nothing to hold out)."""
+
+    def shape(m: EnvSpec) -> EnvSpec:
+        train = m.instances["train"]
+        return dataclasses.replace(m, instances={"train": train[:-1], "test": train[-1:]})
+
+    members = spec.members if isinstance(spec, SuiteSpec) else (spec,)
+    if min(len(m.instances["train"]) for m in members) < 2:
+        return None
+    if isinstance(spec, SuiteSpec):
+        return dataclasses.replace(spec, members=tuple(shape(m) for m in spec.members))
+    return shape(spec)
 
 
 def _sb3_class(algo: str):
@@ -118,8 +150,9 @@ def train_agent(
     force: bool = False,
     knobs: Any = None,
     init: str | Path | None = None,
+    hold_out: bool = False,
 ) -> AgentResult:
-    """Train an SB3 agent; evaluate it on the test instances during training; export the best.
+    """Train an SB3 agent; evaluate it during training and keep the best checkpoint; export it.
 
     Args:
         spec: Env spec or suite spec (path, name or object). On a suite, episodes are drawn over
@@ -130,7 +163,7 @@ def train_agent(
             an env spec; for a suite, member -> Trace or the folder ``autoscale record`` wrote.
         seed: Seed of the agent and the environment.
         hyperparams: Overrides of :func:`default_hyperparams`.
-        eval_freq: Evaluate on the test instances every this many steps (default: 10 per run).
+        eval_freq: Evaluate the checkpoint every this many steps (default: 10 per run).
         tensorboard: Folder for TensorBoard logs (needs the ``tensorboard`` package).
         progress: Show a progress bar.
         deadline: ``time.monotonic()`` value at which training stops early.
@@ -144,6 +177,12 @@ def train_agent(
         init: A saved SB3 model (zip) of ``algo`` to go on training (fine-tuning) instead of a
             new one; its observation and action spaces must be the spec's episodes'. Its own
             hyperparameters are kept unless ``hyperparams`` names them.
+        hold_out: Select the checkpoint on each member's last train instance, held out of
+            training (:func:`held_out`), so that the test instances, which ``autoscale eval``
+            reports on, stay unseen; where a member has a single train instance, no checkpoint
+            is selected and the last model is kept. False: select on the spec's test instances
+            (a spec whose test set is already held out of the train instances, as the search's
+            and the build's are).
     """
     from stable_baselines3.common.callbacks import CallbackList, EvalCallback
     from stable_baselines3.common.monitor import Monitor
@@ -189,15 +228,16 @@ def train_agent(
 
     from autoscale.envs.episodes import instance_names
 
-    train_env = Monitor(make_env(spec, "train", replay))
+    fit = held_out(spec) if hold_out else spec  # None: nothing to select on, the last model
+    train_env = Monitor(make_env(fit or spec, "train", replay))
     if replay is not None:  # episodes start anywhere in longer traces: the whole life of a run
         _set_replay(train_env.unwrapped, random_offset=True, knobs=knobs)
     elif knobs is not None:
         raise ConfigError(
             "knobs apply to replayed episodes: give the traces to train on (--replay)"
         )
-    eval_env = Monitor(make_env(spec, "test", replay))
-    n_eval = len(instance_names(eval_env.unwrapped))
+    eval_env = Monitor(make_env(fit, "test", replay)) if fit is not None else None
+    selected_on = tuple(instance_names(eval_env.unwrapped)) if eval_env is not None else ()
     params = {**default_hyperparams(algo, spec.episode.steps), **(hyperparams or {})}
     if init is not None:
         model = _load_model(algo, init, train_env, seed, tensorboard, hyperparams or {})
@@ -212,16 +252,19 @@ def train_agent(
     eval_freq = eval_freq or max(spec.episode.steps, timesteps // 10)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="autoscale-agent-") as tmp:
-        evaluator = EvalCallback(
-            eval_env,
-            best_model_save_path=tmp,
-            log_path=tmp,
-            eval_freq=eval_freq,
-            n_eval_episodes=n_eval,
-            deterministic=True,
-            verbose=0,
-        )
-        callbacks = [evaluator, _deadline_callback(deadline)]
+        callbacks = [_deadline_callback(deadline)]
+        evaluator = None
+        if eval_env is not None:
+            evaluator = EvalCallback(
+                eval_env,
+                best_model_save_path=tmp,
+                log_path=tmp,
+                eval_freq=eval_freq,
+                n_eval_episodes=len(selected_on),
+                deterministic=True,
+                verbose=0,
+            )
+            callbacks.insert(0, evaluator)
         if progress:
             callbacks.append(_progress_callback(timesteps))
         model.learn(total_timesteps=timesteps, callback=CallbackList(callbacks), progress_bar=False)
@@ -231,14 +274,15 @@ def train_agent(
         history = [
             (int(t), sum(r) / len(r))
             for t, r in zip(evaluator.evaluations_timesteps, evaluator.evaluations_results)
-        ]
+        ] if evaluator is not None else []  # fmt: skip
     result = AgentResult(
         model,
         algo,
         timesteps,
         time.monotonic() - t0,
-        float(evaluator.best_mean_reward),
+        float(evaluator.best_mean_reward) if evaluator is not None else math.nan,
         eval_history=history,
+        selected_on=selected_on,
     )
     if export_name:
         result.policy_dir = export_agent(
@@ -342,8 +386,6 @@ def export_agent(
         summary["evaluated_on"] = "test instances, " + (
             "replay" if replay is not None else "real steps"
         )
-        import dataclasses
-
         write_manifest(path, dataclasses.replace(read_manifest(path), scorecard=summary))
     except Exception as exc:  # the export itself succeeded; a failed scoring must not lose it
         print(f"warning: exported {path} but could not score it: {exc}")

@@ -21,6 +21,10 @@ class TrainAgentCommand(Command):
       --scale-time --out ppo-scale-time    # the agent sees each step's loss and takes spikes
 
 algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (continuous)
+
+The checkpoint kept is the best on each member's last train instance, held out of training, so
+the test instances autoscale eval reports on stay unseen; a spec with a single train instance
+keeps the last model (no checkpoint selection), and says so.
 """
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -35,7 +39,7 @@ algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (cont
             help="train (and evaluate) on this recorded trace, not real steps",
         )
         parser.add_argument(
-            "--out", metavar="NAME", required=True, help="export the best model as policies/NAME"
+            "--out", metavar="NAME", required=True, help="export the kept model as policies/NAME"
         )
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument(
@@ -56,7 +60,7 @@ algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (cont
             "--eval-freq",
             type=int,
             default=None,
-            help="evaluate on the test instances every N steps",
+            help="evaluate on the held-out train instance every N steps (selects the checkpoint)",
         )
         parser.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard logs here")
         parser.add_argument(
@@ -101,9 +105,19 @@ algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (cont
             export_name=args.out,
             export_dir=args.policy_dir,
             force=args.force,
+            hold_out=True,
         )
-        print(
-            f"trained {result.algo} for {result.timesteps} steps in {result.wall_s:.1f} s; best mean test reward {result.best_eval_reward:.3f}"
-        )
+        trained = f"trained {result.algo} for {result.timesteps} steps in {result.wall_s:.1f} s"
+        if result.selected_on:
+            print(
+                f"{trained}; checkpoint selected on the held-out train instance(s) "
+                f"{', '.join(result.selected_on)} (mean reward {result.best_eval_reward:.3f}); "
+                "the test instances stay unseen for autoscale eval"
+            )
+        else:
+            print(
+                f"{trained}; no checkpoint selection: a member has a single train instance, all "
+                "of it trained on, so the last model is kept (the test instances stay unseen)"
+            )
         print(f"exported {result.policy_dir}; use it with autoscale.get_scaler('{args.out}')")
         return 0
