@@ -27,6 +27,11 @@ def _steps(idx: np.ndarray, most: int = 6) -> str:
     return shown + (f" and {len(idx) - most} more" if len(idx) > most else "")
 
 
+def _ends(idx: np.ndarray, n: int) -> str:
+    """Where the last of the steps ``idx`` is the record's last: nothing after it is seen."""
+    return f" (the last of them, step {n - 1}, ends the record)" if idx[-1] == n - 1 else ""
+
+
 def findings(
     replay: RecordReplay, recorded: Outcome, outcomes: dict[str, Outcome]
 ) -> list[Finding]:
@@ -38,28 +43,48 @@ def findings(
         return out
     t = replay.inst
     skipped = recorded.skipped
-    nonfinite = t.nonfinite
-    nf = np.flatnonzero(nonfinite)
+    n_skipped = int(skipped.sum())
+    # One count of skipped steps everywhere (the table's): what happened after a step is seen
+    # on the next one, so the record's last step, when skipped, is counted and said to be last.
+    nf = np.flatnonzero(t.nonfinite & skipped)
     if len(nf):
         at_min = recorded.scales <= recorded.min_scale  # min_scale 0: unknown, never true
-        pinned = int((at_min & nonfinite).sum())
-        lowered = sum(1 for i in nf if i + 1 < n and recorded.scales[i + 1] < recorded.scales[i])
+        pinned = int(at_min[nf].sum())
+        followed = nf[nf + 1 < n]
+        lowered = int((recorded.scales[followed + 1] < recorded.scales[followed]).sum())
+        last = _ends(nf, n)
+        which = "All" if len(nf) == n_skipped else f"{len(nf)} of the"
         detail = (
-            f"{len(nf)} of {n} steps ({100 * len(nf) / n:.1f}%) had a non-finite loss (steps "
-            f"{_steps(nf)}): the forward pass overflowed or the batch was bad before any scaling. "
-            f"No loss scale fixes such a step, yet the scaler lowered the scale after {lowered} of them"
+            f"{which} {n_skipped} skipped steps ({100 * len(nf) / n:.1f}% of {n}) had a "
+            f"non-finite loss (steps {_steps(nf)}): the forward pass overflowed or the batch was "
+            "bad before any scaling, and no loss scale fixes such a step."
         )
-        detail += f", and {pinned} of them came at its minimum scale." if pinned else "."
-        out.append(
-            Finding(
-                "Non-finite losses: no loss scale fixes these",
-                detail,
-                "Find the batches (the step numbers above) or the layer that overflows in the "
-                "forward pass; bf16 autocast has fp32's range and avoids it where the device "
-                "supports it (torch.cuda.is_bf16_supported()). A rule that ignores non-finite "
-                "losses (auto guards each step's loss) keeps the scale up meanwhile.",
+        if not len(followed):
+            detail += f" The record ends at step {n - 1}: what the scaler did after it is not seen"
+        elif lowered == 0:
+            detail += (
+                f" The scaler kept its scale after each of them{last}, which is right: a lower "
+                "scale saves none of them and loses precision on the steps that follow"
             )
+        else:
+            which = "every one" if lowered == len(followed) else str(lowered)
+            detail += (
+                f" Yet the scaler lowered its scale after {which} of them{last}, losing precision "
+                "on the steps that followed for nothing"
+            )
+        detail += f"; {pinned} of them came at its minimum scale." if pinned else "."
+        advice = (
+            "Find the batches (the step numbers above) or the layer that overflows in the "
+            "forward pass; bf16 autocast has fp32's range and avoids it where the device "
+            "supports it (torch.cuda.is_bf16_supported())."
         )
+        if lowered:
+            advice += (
+                " Meanwhile a rule that does not lower its scale for a non-finite loss keeps "
+                "the gradients' precision (auto lowers only such a step's own scale): "
+                "autoscale wrap --scaler auto -- <your command>."
+            )
+        out.append(Finding("Non-finite losses: no loss scale fixes these", detail, advice))
     if recorded.at_min:
         out.append(
             Finding(
@@ -104,16 +129,18 @@ def findings(
         )
     lr = np.asarray(rec.column("lr"), dtype=np.float64)
     if np.isfinite(lr).all() and n > 2:
-        moved = np.diff(lr) != 0
-        sk = np.flatnonzero(skipped[:-1])
-        counted = int(moved[sk].sum()) if len(sk) else 0
+        moved = np.diff(lr) != 0  # moved[i]: the rate changed between step i and step i + 1
+        sk = np.flatnonzero(skipped)
+        followed = sk[sk + 1 < n]
+        counted = int(moved[followed].sum())
         clean_moves = moved[~skipped[:-1]]
         if counted and clean_moves.mean() > 0.5:
             out.append(
                 Finding(
                     "The learning-rate schedule counted skipped steps",
-                    f"The learning rate moved after {counted} of the {len(sk)} skipped steps "
-                    "(steps the optimizer did not take), so the schedule ran ahead of training.",
+                    f"The learning rate moved after {counted} of the {n_skipped} skipped steps, "
+                    f"steps the optimizer did not take{_ends(sk, n)}, so the schedule ran ahead "
+                    "of training.",
                     "Step the scheduler only when the step was taken: "
                     "if not scaler.step_was_skipped: scheduler.step() (every autoscale scaler has "
                     "step_was_skipped; the Hugging Face Trainer and Lightning check it themselves "
@@ -124,10 +151,10 @@ def findings(
         out.append(
             Finding(
                 "Nothing to fix in this run",
-                f"{int(skipped.sum())} of {n} steps skipped, "
+                f"{n_skipped} of {n} steps skipped, "
                 f"{100 * prec:.2f}% of gradient elements below fp16's range on average."
                 if math.isfinite(prec)
-                else f"{int(skipped.sum())} of {n} steps skipped.",
+                else f"{n_skipped} of {n} steps skipped.",
                 "The scaler this run used did its job here.",
             )
         )

@@ -16,7 +16,7 @@ from autoscale.observe import RunRecord, read_record
 from autoscale.report.findings import findings
 from autoscale.report.replay import Outcome, RecordReplay
 
-__all__ = ["compare_names", "write_report"]
+__all__ = ["compare_names", "scale_axis_limits", "write_report"]
 
 MAX_POINTS = 4000  # plotted points per line: long runs are thinned evenly
 LOG2_FP16_MAX = math.log2(65504.0)
@@ -48,6 +48,18 @@ def _figure(height: float = 3.6):
 
     fig = Figure(figsize=(11, height))
     return fig, fig.add_subplot(1, 1, 1)
+
+
+def scale_axis_limits(
+    replay: RecordReplay, recorded: Outcome, shown: dict[str, Outcome]
+) -> tuple[float, float]:
+    """The log2 scales the scale chart spans: every line it draws (the recorded scale and each
+    replayed one) and the finite thresholds, 4 bits beyond, within 2^-30 .. 2^60."""
+    thr = replay.inst.threshold
+    lines = [np.log2(o.scales) for o in (recorded, *shown.values())]
+    values = np.concatenate([*lines, thr[np.isfinite(thr)]])
+    values = values[np.isfinite(values)]
+    return max(float(values.min()) - 4, -30.0), min(float(values.max()) + 4, 60.0)
 
 
 def _scale_plot(replay: RecordReplay, recorded: Outcome, shown: dict[str, Outcome]) -> str:
@@ -115,8 +127,7 @@ def _scale_plot(replay: RecordReplay, recorded: Outcome, shown: dict[str, Outcom
             zorder=5,
             label="skipped: non-finite loss",
         )
-    finite = np.concatenate([np.log2(recorded.scales), thr[np.isfinite(thr)]])
-    ax.set_ylim(max(finite.min() - 4, -30), min(finite.max() + 4, 60))
+    ax.set_ylim(*scale_axis_limits(replay, recorded, shown))
     ax.set_xlim(0, max(n - 1, 1))
     ax.set_xlabel("step")
     ax.set_ylabel("log2 loss scale")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+import re
 import shutil
 import subprocess
 
@@ -15,9 +17,17 @@ from autoscale.report import RecordReplay, findings, write_report
 from tests.observe.helpers import fp16_loop
 
 
-def _record(path, steps: int, bad_every: int | None = None, weight: float = 1.0, lr_decay=False):
-    """A real fp16 loop under the torch rule, recorded (histogram every step)."""
-    scaler = autoscale.get_scaler("torch", device="cpu", init_scale=2.0**16, growth_interval=20)
+def _record(
+    path,
+    steps: int,
+    bad_every: int | None = None,
+    weight: float = 1.0,
+    lr_decay=False,
+    scaler: str = "torch",
+):
+    """A real fp16 loop under the torch rule (or ``scaler``), recorded (histogram every step)."""
+    knobs = {"growth_interval": 20} if scaler == "torch" else {}
+    scaler = autoscale.get_scaler(scaler, device="cpu", init_scale=2.0**16, **knobs)
     watch = autoscale.observe.watch_scaler(scaler, record=str(path), hist_every=1)
     # the schedule steps on skipped steps too: what a finding is about
     fp16_loop(scaler, steps, bad_every=bad_every, weight=weight, lr_decay=lr_decay)
@@ -73,6 +83,50 @@ def test_findings_name_what_the_record_shows(tmp_path):
     replay = RecordReplay(clean)
     found = findings(replay, replay.recorded(), {"torch": replay.replay("torch")})
     assert [f.title for f in found] == ["Nothing to fix in this run"]
+
+
+def _findings_text(page: str) -> str:
+    return " ".join(
+        html.unescape(re.sub(r"<[^>]+>", " ", m))
+        for m in re.findall(r"<div class='finding[^']*'>(.*?)</div></div>", page, re.S)
+    )
+
+
+@pytest.mark.parametrize("scaler", ["torch", "auto"])
+def test_one_count_of_skipped_steps_in_the_report(tmp_path, scaler):
+    # bad batches at steps 4, 9, ..., 39: 8 skipped steps, the last of them the record's last
+    record = _record(tmp_path / "r", 40, bad_every=5, lr_decay=True, scaler=scaler)
+    skipped = sum(s["found_inf"] for s in record.steps)
+    assert skipped == 8 and record.steps[-1]["found_inf"]
+    page = write_report(record, tmp_path / "page.html", names=["torch", "auto"]).read_text()
+    own = re.search(r"<tr class='own'><td>[^<]*</td><td>40</td><td>(\d+)</td>", page)
+    assert own and int(own.group(1)) == skipped
+    text = _findings_text(page)
+    counts = re.findall(r"(\d+) skipped steps", text)
+    assert len(counts) == 2 and set(counts) == {str(skipped)}, text  # non-finite losses, lr
+    assert f"All {skipped} skipped steps" in text and f"7 of the {skipped} skipped steps" in text
+    assert "the last of them, step 39, ends the record" in text
+    assert "after 0 of them" not in text and "7 of the 7" not in text
+    if scaler == "torch":  # halves after each: said as a cost, and auto offered
+        assert "Yet the scaler lowered its scale after every one of them" in text
+        assert "--scaler auto" in text
+    else:  # auto keeps its scale: said as right, and auto not offered again
+        assert "The scaler kept its scale after each of them" in text and "which is right" in text
+        assert "--scaler auto" not in text
+
+
+def test_the_scale_chart_shows_every_line_it_draws(tmp_path):
+    from autoscale.report.page import scale_axis_limits
+
+    # under auto the recorded scale stays high; torch's replay halves on every bad batch
+    record = _record(tmp_path / "r", 60, bad_every=5, scaler="auto")
+    replay = RecordReplay(record)
+    recorded = replay.recorded()
+    shown = {"torch": replay.replay("torch"), "auto": replay.replay("auto")}
+    assert shown["torch"].scales.min() < recorded.scales.min() / 16
+    lo, hi = scale_axis_limits(replay, recorded, shown)
+    for o in (recorded, *shown.values()):
+        assert lo < np.log2(o.scales.min()) and np.log2(o.scales.max()) < hi
 
 
 def test_report_command_writes_one_self_contained_page(tmp_path, capsys):
