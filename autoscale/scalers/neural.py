@@ -39,7 +39,9 @@ from autoscale.scalers.scaler import LossScaler
 
 __all__ = [
     "NeuralPolicyRule",
+    "act_with",
     "build_actor",
+    "load_weights",
     "load_neural",
     "deepspeed_refusal",
     "ACTIVATIONS",
@@ -68,6 +70,29 @@ def build_actor(layers: list[int], activation: str) -> nn.Sequential:
         if i < len(layers) - 2:
             mods.append(ACTIVATIONS[activation]())
     return nn.Sequential(*mods)
+
+
+def act_with(
+    actor: nn.Module, head: str, norm: tuple[torch.Tensor, torch.Tensor, float] | None
+) -> Any:
+    """``act(features)``: the deterministic action of ``actor`` for a feature vector (an index
+    for the ``argmax`` head, else a value in [-1, 1]), the features normalised by ``norm``
+    ((mean, std, clip)) first where given. Shared by the neural and the residual policies."""
+
+    @torch.no_grad()
+    def act(features: list[float]) -> Any:
+        x = torch.tensor(features, dtype=torch.float32).unsqueeze(0)
+        if norm is not None:
+            mean, std, clip = norm
+            x = ((x - mean) / std).clamp(-clip, clip)
+        out = actor(x)[0]
+        if head == "argmax":
+            return int(out.argmax().item())
+        if head == "tanh":
+            return out.tanh().numpy()
+        return out.clamp(-1.0, 1.0).numpy()
+
+    return act
 
 
 class NeuralPolicyRule(ScaleRule):
@@ -109,6 +134,7 @@ class NeuralPolicyRule(ScaleRule):
         self._device: dict[Any, Any] = {}  # device -> the actor's tensors there (scale time)
         self._warned = False  # that a step came without a loss to decide from
         self._norm = None
+        self._act: Any = None  # act_with(...), built at the first decision
         if obs_norm:
             mean = torch.tensor(obs_norm["mean"], dtype=torch.float32)
             std = torch.sqrt(
@@ -129,19 +155,11 @@ class NeuralPolicyRule(ScaleRule):
             return scale
         return scale * 2.0 ** self.decide(frames)
 
-    @torch.no_grad()
     def act(self, features: list[float]) -> Any:
         """The deterministic action for a feature vector (an index, or a value in [-1, 1])."""
-        x = torch.tensor(features, dtype=torch.float32).unsqueeze(0)
-        if self._norm is not None:
-            mean, std, clip = self._norm
-            x = ((x - mean) / std).clamp(-clip, clip)
-        out = self.actor(x)[0]
-        if self.head == "argmax":
-            return int(out.argmax().item())
-        if self.head == "tanh":
-            return out.tanh().numpy()
-        return out.clamp(-1.0, 1.0).numpy()
+        if self._act is None:
+            self._act = act_with(self.actor, self.head, self._norm)
+        return self._act(features)
 
     def decide(self, features: list[float]) -> float:
         """Bits to add to log2(scale) for a feature vector."""
@@ -365,10 +383,28 @@ def load_neural(
             f"policy '{manifest.name}' picks among {p['layers'][-1]} actions, its action map has "
             f"{action.n}; re-export it"
         )
+    blob, actor = load_weights(path, manifest, overrides, "neural")
+    rule = NeuralPolicyRule(manifest=manifest, actor=actor, obs_norm=blob.get("obs_norm"))
+    options = {k: p[k] for k in ("init_scale", "min_scale", "max_scale") if p.get(k) is not None}
+    return LossScaler(rule, device, name=manifest.name, **{**options, **overrides})
+
+
+def load_weights(
+    path: Path, manifest: PolicyManifest, overrides: dict[str, Any], kind: str
+) -> tuple[dict[str, Any], nn.Sequential]:
+    """The checks and the load that every policy with a network shares: ``overrides`` are only
+    the scaler's options, ``path/weights.pt`` is there and matches the manifest's checksum, and
+    its actor fits ``parameters.layers`` and ``activation``. Returns (the weights file's blob,
+    the actor).
+
+    Raises:
+        ConfigError: an override the policy does not take.
+        PolicyError: missing, corrupt or mismatched weights.
+    """
     unknown = sorted(set(overrides) - set(SCALER_OPTIONS))
     if unknown:
         raise ConfigError(
-            f"scaler '{manifest.name}' (a neural policy) takes no parameter {unknown[0]!r}; "
+            f"scaler '{manifest.name}' (a {kind} policy) takes no parameter {unknown[0]!r}; "
             f"it takes: {', '.join(SCALER_OPTIONS)}"
         )
     weights = path / "weights.pt"
@@ -377,8 +413,9 @@ def load_neural(
     digest = sha256_file(weights)
     if manifest.weights_sha256 and digest != manifest.weights_sha256:
         raise PolicyError(
-            f"policy '{manifest.name}': weights.pt checksum {digest[:12]}... does not match the manifest's "
-            f"{manifest.weights_sha256[:12]}...; the file is corrupt or was replaced, re-export the policy"
+            f"policy '{manifest.name}': weights.pt checksum {digest[:12]}... does not match the "
+            f"manifest's {manifest.weights_sha256[:12]}...; the file is corrupt or was replaced, "
+            "re-export the policy"
         )
     try:
         blob = torch.load(weights, map_location="cpu", weights_only=True)
@@ -386,6 +423,7 @@ def load_neural(
         raise PolicyError(
             f"policy '{manifest.name}': cannot load weights.pt ({exc.__class__.__name__}); re-export it"
         ) from exc
+    p = manifest.parameters
     actor = build_actor(list(p["layers"]), p["activation"])
     try:
         actor.load_state_dict(blob["actor"])
@@ -393,9 +431,7 @@ def load_neural(
         raise PolicyError(
             f"policy '{manifest.name}': weights do not fit the manifest's network ({exc}); re-export it"
         ) from exc
-    rule = NeuralPolicyRule(manifest=manifest, actor=actor, obs_norm=blob.get("obs_norm"))
-    options = {k: p[k] for k in ("init_scale", "min_scale", "max_scale") if p.get(k) is not None}
-    return LossScaler(rule, device, name=manifest.name, **{**options, **overrides})
+    return blob, actor
 
 
 register_policy_kind("neural", load_neural)
