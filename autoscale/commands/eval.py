@@ -76,12 +76,31 @@ class EvalCommand(Command):
             f"{spec.name}: {n} test episode(s) of {spec.episode.steps} steps ({where}); mean ± std"
         )
         print(format_comparison(summaries, n))
+        limit = None
+        if args.replay:  # the best any policy could have done on these steps
+            from autoscale.envs.episodes import expand_seeds
+            from autoscale.envs.limit import episodes_limit, limit_lines
+            from autoscale.envs.traces import Trace
+
+            names_ = [i.name for i in expand_seeds(spec, args.seeds).instances["test"]]
+            limit = episodes_limit(
+                Trace.load(args.replay), names_, spec.episode.steps, spec.episode
+            )
+            precision = {k: v["precision_loss"]["mean"] for k, v in summaries.items()}
+            print("\n".join(limit_lines(precision, *limit)))
+        else:
+            print("share of the hindsight limit: needs the steps' gradients, give --replay TRACE")
         if args.json:
             write_json(
                 args.json,
                 {
                     "spec": spec.to_dict(),
                     "evaluated_on": where,
+                    **(
+                        {"limit": {"precision_loss": limit[0], "unsavable_steps": limit[1]}}
+                        if limit
+                        else {}
+                    ),
                     "scalers": {
                         k: {"scorecards": [c.to_dict() for c in v], "summary": summaries[k]}
                         for k, v in cards.items()

@@ -23,7 +23,7 @@ import numpy as np
 from autoscale.envs.replay_env import LOG2_FP16_MIN_NORMAL
 from autoscale.envs.traces import InstanceTrace
 
-__all__ = ["Limit", "hindsight_limit", "limit_share"]
+__all__ = ["Limit", "episodes_limit", "hindsight_limit", "limit_lines", "limit_share"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +97,41 @@ def limit_share(p_torch: float, p_policy: float, p_limit: float) -> float | None
     if room <= 1e-6:
         return None
     return (p_torch - p_policy) / room
+
+
+def episodes_limit(trace, names: list[str], steps: int, episode) -> tuple[float, int]:
+    """The limit over replayed episodes of ``steps`` steps from the start of each of ``names``
+    (instances of ``trace``, a :class:`~autoscale.envs.traces.Trace`): the mean of their
+    precision losses at the limit, and the steps no scale could save, summed."""
+    limits = [
+        hindsight_limit(
+            trace.instance(name), trace.hist_edges, 0, steps,
+            min_scale=episode.min_scale, max_scale=episode.max_scale,
+        )
+        for name in names
+    ]  # fmt: skip
+    values = [lim.mean_precision_loss for lim in limits if math.isfinite(lim.mean_precision_loss)]
+    mean = sum(values) / len(values) if values else math.nan
+    return mean, sum(lim.unsavable for lim in limits)
+
+
+def limit_lines(precision: dict[str, float], p_limit: float, unsavable: int) -> list[str]:
+    """The lines a table of policies ends with: the limit, and each policy's share of it
+    (``precision``: name -> mean precision loss over the same episodes, ``torch`` among them)."""
+    head = (
+        f"hindsight limit: precision loss {100 * p_limit:.2f}% (the largest scale that does not "
+        f"overflow each step; {unsavable} step(s) fail at any scale)"
+    )
+    if "torch" not in precision:
+        return [head, "share of the limit: needs torch's row on the same episodes"]
+    lines = [head, "share of the achievable precision gain over torch it captures, "
+             "(P_torch - P) / (P_torch - P_limit):"]  # fmt: skip
+    width = max(len(n) for n in precision)
+    for name, p in precision.items():
+        if name == "torch":
+            continue
+        share = limit_share(precision["torch"], p, p_limit)
+        lines.append(
+            f"  {name.ljust(width)}  {'n/a (no gain to win)' if share is None else f'{share:.3f}'}"
+        )
+    return lines

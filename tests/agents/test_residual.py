@@ -5,6 +5,7 @@ shield, trained to the bar (torch's replay of the same episode, Lagrange multipl
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -220,3 +221,29 @@ def test_a_corrupt_or_foreign_residual_policy_is_refused(spec, trace, tmp_path):
     (path / "weights.pt").write_bytes(b"not weights")
     with pytest.raises(PolicyError, match="checksum"):
         autoscale.get_scaler(str(path), device="cpu")
+
+
+def test_eval_on_replay_gives_the_limit_and_each_share(spec, trace, tmp_path, capsys):
+    import yaml
+
+    from autoscale.cli import main
+
+    path = tmp_path / "spiky.yaml"
+    path.write_text(yaml.safe_dump(SPEC))
+    out_json = tmp_path / "eval.json"
+    args = ["eval", "--policy", "auto", "--env", str(path), "--replay", str(trace),
+            "--against", "torch", "--quiet", "--json", str(out_json)]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    import json
+
+    data = json.loads(out_json.read_text())
+    p_limit = data["limit"]["precision_loss"]
+    t = Trace.load(trace)
+    lim = hindsight_limit(t.instance("test-s5-t0"), t.hist_edges, 0, 48, min_scale=1.0,
+                          max_scale=2.0**30)  # fmt: skip
+    assert p_limit == pytest.approx(lim.mean_precision_loss)
+    mean = {k: v["summary"]["precision_loss"]["mean"] for k, v in data["scalers"].items()}
+    share = limit_share(mean["torch"], mean["auto"], p_limit)
+    assert f"hindsight limit: precision loss {100 * p_limit:.2f}%" in out
+    assert re.search(rf"^  auto +{share:.3f}$", out, re.M)
