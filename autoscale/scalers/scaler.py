@@ -143,6 +143,7 @@ class LossScaler(torch.amp.GradScaler):
         self.guard_rule: ScaleRule | None = None
         self._guarded = False  # this step's guard ran: _scale holds the step's scale
         self._guard_scale: torch.Tensor | None = None  # that scale, float64, for 1/scale
+        self._step_scale: float | None = None  # that scale on the host, once read
         self._inverse = InverseScale()
         self._ranks = RankAgreement(process_group, identical_grads)
         self._observers: list[Any] = []
@@ -246,6 +247,7 @@ class LossScaler(torch.amp.GradScaler):
             else apply_guard(scale, loss, limit, self.min_scale, self._host_scale, group)
         )
         self._guarded = True
+        self._step_scale = None
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         grads = self._one_pass_grads(optimizer) if self._enabled else None
@@ -403,7 +405,29 @@ class LossScaler(torch.amp.GradScaler):
             self._set_scale(self.controller.bounds.clamp(float(value)))
 
     def get_scale(self) -> float:
-        """The current scale as a Python float (no device sync: autoscale keeps a host copy)."""
+        """The scale as GradScaler's ``get_scale`` gives it, a Python float (1.0 when disabled).
+
+        Between ``scale()`` and ``update()``: the factor this step's losses were multiplied by,
+        so that ``p.grad / get_scale()`` unscales and logs show what the step used. Under a rule
+        that guards each step (``has_guard``, the shipped ``auto``) that is the guard's scale,
+        which may lie below :meth:`get_base_scale`; on a GPU reading it is a host sync, as every
+        GradScaler ``get_scale()`` is (read once a step). Otherwise (after ``update()``, before
+        the first ``scale()``): the scale the next step starts from, :meth:`get_base_scale`,
+        from a host copy (no sync).
+        """
+        if not self._enabled:
+            return 1.0
+        if self._guarded:
+            if self._step_scale is None:  # the guard wrote it on the device
+                self._step_scale = float(self._scale.item())
+            return self._step_scale
+        return self._host_scale
+
+    def get_base_scale(self) -> float:
+        """The scale the rule set at the last ``update()`` (or load, or ``set_scale``): the
+        scale the next step starts from, before a guarded rule's per-step guard lowers it for
+        one step (:meth:`get_scale` gives the step's own). Always from a host copy (no sync);
+        1.0 when disabled."""
         return self._host_scale if self._enabled else 1.0
 
     def state_dict(self) -> dict[str, Any]:
@@ -439,7 +463,9 @@ class LossScaler(torch.amp.GradScaler):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         # (observers: recorders and loggers hold files of this process)
-        state.update(_loss_sum=None, _last_stepped=[], _observers=[], _guard_scale=None)
+        state.update(
+            _loss_sum=None, _last_stepped=[], _observers=[], _guard_scale=None, _step_scale=None
+        )
         state["_inverse"] = InverseScale()
         return state
 
@@ -454,7 +480,7 @@ class LossScaler(torch.amp.GradScaler):
         elif value != self._host_scale or self._guarded:  # most steps keep it: no op then
             self._scale.fill_(value)
         self._host_scale = value
-        self._guard_scale = None  # no longer this step's scale
+        self._guard_scale = self._step_scale = None  # no longer this step's scale
         self.rule.adopt(value)  # set from outside the rule too: it continues from this scale
 
     def _end_step(self) -> None:
@@ -466,7 +492,7 @@ class LossScaler(torch.amp.GradScaler):
         self._loss_sum = None
         self._loss_count = 0
         self._guarded = False
-        self._guard_scale = None
+        self._guard_scale = self._step_scale = None
         self.grads.forget()  # grad_abs answers for the step that filled it only
 
     def _collect_grad_stats(self, optimizer: torch.optim.Optimizer, inv_scale: Any) -> None:
