@@ -202,6 +202,7 @@ def summary_lines(result: WrapResult, plan: WrapPlan) -> list[str]:
             continue
         share = f" ({100 * skipped / steps:.1f}%)" if steps else ""
         where = f"; record: {s['record']}" if s.get("record") else ""
+        where += "".join(f"; log: {log}" for log in s.get("logs", []))
         lines.append(
             f"{who}: {'at least ' if cut else ''}{steps} steps, {skipped} skipped{share}, scale "
             f"{_scale(s['scale_lo'])} .. {_scale(s['scale_hi'])}, {s['at_min']} steps at the "

@@ -142,6 +142,7 @@ def _row(entry: dict[str, Any]) -> dict[str, Any]:
         "scale_hi": watch.scale_hi if watch and steps else None,
         "min_scale": scaler.min_scale,
         "record": entry.get("record"),
+        "logs": list(entry.get("logs", [])),
         "ignored": entry["ignored"],
     }
 

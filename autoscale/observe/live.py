@@ -4,8 +4,9 @@ Each is a sink of :class:`~autoscale.observe.watch.Watch` and logs, per step: th
 log2), whether the step was skipped, the skipped steps so far, the gradient amax and the share of
 gradient elements below fp16's range (on the steps with a histogram). A spec names one:
 ``csv:PATH``, ``tensorboard:DIR`` (the ``tensorboard`` package: ``pip install
-'autoscale[tensorboard]'``), ``wandb:PROJECT`` (the ``wandb`` package; ``WANDB_MODE=offline``
-works without a network).
+'autoscale[tensorboard]'``), ``wandb:PROJECT`` (the ``wandb`` package: ``pip install
+'autoscale[wandb]'``; ``WANDB_MODE=offline`` works without a network). Each sink says where it
+writes (``where``), which ``autoscale wrap``'s exit line shows.
 
 Two scalers of one program never share a log: a ``tag`` (``autoscale wrap`` gives the second
 scaler ``scaler1``) puts the metrics under ``autoscale/<tag>/`` in TensorBoard and W&B and in
@@ -132,6 +133,7 @@ class CsvSink(_Counting):
             n += 1
             self.path = _tagged(Path(path), f"{tag}.{n}" if tag else str(n))
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.where = f"csv {self.path.resolve()}"
         self._fh = open(self.path, "w", newline="")  # noqa: SIM115 - open for the sink's life
         CsvSink._open.add(self.path.resolve())
         self._csv = csv.DictWriter(self._fh, fieldnames=COLUMNS)
@@ -157,6 +159,7 @@ class TensorBoardSink(_Counting):
 
         self.prefix = f"autoscale/{tag}" if tag else "autoscale"
         self.writer = SummaryWriter(log_dir=str(logdir))
+        self.where = f"tensorboard {Path(logdir).resolve()} ({self.prefix}/)"
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         for m in self._each(rows):
@@ -190,6 +193,7 @@ class WandbSink(_Counting):
         self.prefix = f"autoscale/{tag}" if tag else "autoscale"
         self._own = wandb.run is None
         self.run = wandb.run or wandb.init(project=project or None)
+        self.where = f"wandb {getattr(self.run, 'url', None) or project} ({self.prefix}/)"
         self.run.define_metric(f"{self.prefix}/step")
         self.run.define_metric(f"{self.prefix}/*", step_metric=f"{self.prefix}/step")
 
@@ -212,10 +216,17 @@ def check_log_spec(spec: str) -> tuple[str, str]:
     """
     kind, sep, target = spec.partition(":")
     if kind not in KINDS:
-        from autoscale.errors import unknown_name
+        import difflib
 
-        raise unknown_name(
-            "log kind", kind, list(KINDS), "--log csv:FILE, tensorboard:DIR or wandb:PROJECT"
+        from autoscale.errors import UnknownNameError
+
+        if not sep and kind.endswith(".csv"):
+            near = f"csv:{kind}"  # a file named without its kind
+        else:
+            near = next(iter(difflib.get_close_matches(kind, list(KINDS), n=1, cutoff=0.4)), "")
+        hint = f"; did you mean '{near}'?" if near else ""
+        raise UnknownNameError(
+            f"unknown log kind '{kind}'{hint} (--log takes csv:FILE, tensorboard:DIR or wandb:PROJECT)"
         )
     what, package = KINDS[kind]
     if not sep or (not target and kind != "wandb"):
@@ -224,9 +235,9 @@ def check_log_spec(spec: str) -> tuple[str, str]:
             f"{kind}:{what.split()[-1].upper()}"
         )
     if package is not None and importlib.util.find_spec(package) is None:
-        extra = f"'autoscale[{package}]'" if package == "tensorboard" else package
-        raise ConfigError(
-            f"--log {kind} needs the {package} package, which is not installed; pip install {extra}"
+        raise ConfigError(  # each such package has an extra of its name (pyproject.toml)
+            f"--log {kind} needs the {package} package, which is not installed; "
+            f"pip install 'autoscale[{package}]'"
         )
     return kind, target
 

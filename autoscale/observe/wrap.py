@@ -185,6 +185,7 @@ def _build(
                 log_tag=f"scaler{index}" if index else "",
             )
             entry["record"] = record
+            entry["logs"] = [s.where for s in entry["watch"].sinks if hasattr(s, "where")]
         except Exception as exc:  # never break the program's run for the record's sake
             print(f"autoscale wrap: not recording scaler {index}: {exc}", file=sys.stderr)
             entry["watch"] = watch_scaler(scaler)
