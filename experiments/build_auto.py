@@ -8,6 +8,7 @@ between the auto markers of experiments/results/README.md.
 
     python experiments/build_auto.py [--timesteps 300000] [--horizon 512] [--steps 256]
                                      [--long-steps 2000] [--reuse-agents] [--knobs]
+                                     [--no-residual] [--residual-timesteps 20000] [--window 16]
 
 Prints how long each part took, and the total. ``--reuse-agents`` takes the agents an earlier run
 trained with the same settings (experiments/.cache/auto/policies, listed in agents.json there)
@@ -117,6 +118,12 @@ def main(argv=None) -> int:
                    help="train no agent acting at scale time (rl-...-now)")  # fmt: skip
     p.add_argument("--knobs", action="store_true",
                    help="train the agents under scenario knobs drawn per episode (rl-...-knobs)")  # fmt: skip
+    p.add_argument("--no-residual", action="store_true",
+                   help="train no residual agent on auto (rl-res-...)")  # fmt: skip
+    p.add_argument("--residual-timesteps", type=int, default=d.residual_timesteps,
+                   help="decisions each residual agent trains for")  # fmt: skip
+    p.add_argument("--window", type=int, default=d.window,
+                   help="steps a residual agent's offset holds")  # fmt: skip
     p.add_argument("--readme-only", action="store_true",
                    help="rewrite the results block from experiments/results/auto_*.json and stop")  # fmt: skip
     args = p.parse_args(argv)
@@ -134,7 +141,8 @@ def main(argv=None) -> int:
         timesteps=args.timesteps, horizon=args.horizon, history=args.history, steps=args.steps,
         seed=args.seed, no_harm_steps=args.no_harm_steps, long_steps=args.long_steps,
         confirm_episodes=args.confirm_episodes, reuse_agents=args.reuse_agents,
-        scale_time=not args.no_scale_time, knobs=args.knobs,
+        scale_time=not args.no_scale_time, knobs=args.knobs, residual=not args.no_residual,
+        residual_timesteps=args.residual_timesteps, window=args.window,
     )  # fmt: skip
     t_all = time.monotonic()
     suite = load_spec(ROOT / "envs" / "suite.yaml")

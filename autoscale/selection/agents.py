@@ -14,6 +14,9 @@ from typing import Any
 # (algorithm, stacked feature vectors or None for the build's ``history``): the agents trained,
 # each also acting at scale time (named ``...-now``) where the build's ``scale_time`` asks
 RUNS: tuple[tuple[str, int | None], ...] = (("ppo", None), ("dqn", None), ("ppo", 1))
+# the residual agents (an offset on auto's scale, once a window, trained to the bar:
+# autoscale.agents.residual), trained where the build's ``residual`` asks
+RESIDUAL_RUNS: tuple[str, ...] = ("ppo", "dqn")
 
 
 def rl_suite(suite, horizon: int, history: int):
@@ -67,6 +70,8 @@ def train_agents(
 
     folder.mkdir(parents=True, exist_ok=True)
     out, info = {}, {}
+    if getattr(settings, "residual", False):
+        residual(suite, traces, settings, folder, timings, log, out, info)
     ledger = folder / "agents.json"
     known = json.loads(ledger.read_text()) if ledger.is_file() else {}
     common = {"timesteps": settings.timesteps, "horizon": settings.horizon, "seed": settings.seed}
@@ -121,3 +126,57 @@ def train_agents(
         info[name] = {**known[name], "reused": False}
         ledger.write_text(json.dumps(known, indent=1, default=float) + "\n")
     return out, info
+
+
+def residual_name(algo: str, window: int) -> str:
+    """``rl-res-ALGO-kWINDOW``: a residual agent on ``auto`` whose offsets hold ``window`` steps."""
+    return f"rl-res-{algo}-k{window}"
+
+
+def residual(suite, traces, settings, folder: Path, timings, log, out, info) -> None:
+    """Train (or reuse) the residual agents of :data:`RESIDUAL_RUNS` into ``out`` and ``info``
+    (as :func:`train_agents` does its own): ``settings.residual_timesteps`` decisions each, of
+    ``settings.window`` steps, on the replay of the train members, selected on one held-out train
+    instance per member."""
+    from autoscale.agents.residual import train_residual
+
+    ledger = folder / "agents.json"
+    for algo in RESIDUAL_RUNS:
+        known = json.loads(ledger.read_text()) if ledger.is_file() else {}
+        name = residual_name(algo, settings.window)
+        mine = {"timesteps": settings.residual_timesteps, "horizon": settings.horizon,
+                "seed": settings.seed, "window": settings.window, "base": "auto",
+                "residual": True}  # fmt: skip
+        entry = known.get(name)
+        if (
+            settings.reuse_agents
+            and entry is not None
+            and entry["settings"] == mine
+            and (folder / name / "policy.yaml").is_file()
+        ):
+            out[name], info[name] = folder / name, {**entry, "reused": True}
+            log(f"{name}: reused from {folder / name} (trained by an earlier run: "
+                f"{entry['timesteps']} decisions in {entry['wall_s']:.0f} s)")  # fmt: skip
+            continue
+        t0 = time.monotonic()
+        result = train_residual(
+            rl_suite(suite, settings.horizon, 1), algo, settings.residual_timesteps,
+            replay=traces, select_on="test", window=settings.window, seed=settings.seed,
+            progress=True, export_name=name, export_dir=str(folder), force=True,
+        )  # fmt: skip
+        timings[f"train {name}"] = time.monotonic() - t0
+        last = result.multipliers[-20:]
+        log(f"{name}: {result.timesteps} decisions in {result.wall_s:.0f} s, best held-out reward "
+            f"{result.best_eval_reward:.3f}, skip violation of the last {len(last)} episodes "
+            f"{sum(v[0] for v in last) / max(1, len(last)):+.4f}")  # fmt: skip
+        out[name] = result.policy_dir
+        result.model.save(folder / f"{name}.sb3.zip")  # to go on training: the shipped agent
+        known[name] = {
+            "settings": mine,
+            "timesteps": result.timesteps,
+            "wall_s": result.wall_s,
+            "best_eval_reward": result.best_eval_reward,
+            "skip_violation_last": [v[0] for v in last],
+        }
+        info[name] = {**known[name], "reused": False}
+        ledger.write_text(json.dumps(known, indent=1, default=float) + "\n")

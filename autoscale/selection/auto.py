@@ -69,6 +69,9 @@ class BuildSettings:
     reuse_agents: bool = False
     scale_time: bool = True  # also train each agent acting at scale time (``rl-...-now``)
     knobs: bool = False  # train the agents under scenario knobs drawn per episode (``-knobs``)
+    residual: bool = True  # also train residual agents on auto (``rl-res-...``)
+    residual_timesteps: int = 20_000  # their decisions
+    window: int = 16  # steps a residual agent's offset holds
 
 
 def parse_extra(text: str) -> tuple[str, tuple[str, dict[str, float | int]]]:
