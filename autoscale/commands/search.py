@@ -111,7 +111,11 @@ class SearchCommand(Command):
             "--force", action="store_true", help="overwrite another policy of that name"
         )
         st.add_argument("--policy-dir", metavar="DIR", help="export folder (default ./policies)")
-        parser.add_argument("--quiet", action="store_true", help="no progress bars")
+        parser.add_argument(
+            "--quiet",
+            action="store_true",
+            help="no progress bars (drawn only on a terminal: a log keeps the phase lines)",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         from autoscale.search.budget import Budget, format_duration, parse_budget
@@ -120,6 +124,7 @@ class SearchCommand(Command):
         from autoscale.commands.run import parse_pairs
         from autoscale.errors import ConfigError
         from autoscale.search import SearchConfig, SearchRunner, base_spec, default_study_name
+        from autoscale.search.report import draw_bars
         from autoscale.search.storage import mask_url
 
         if args.n_trials is not None and args.n_trials <= 0:
@@ -156,7 +161,7 @@ class SearchCommand(Command):
             force=args.force,
             artifacts=args.artifacts,
             policy_dir=args.policy_dir,
-            progress=not args.quiet,
+            progress=draw_bars(not args.quiet),
             command=shlex.join(["autoscale", *sys.argv[1:]]) if sys.argv else "autoscale search",
             budget_text=args.budget,
             families=tuple(args.family) if args.family else None,
@@ -180,10 +185,15 @@ class SearchCommand(Command):
                 "resumes it once the storage is reachable"
             ) from None
         except KeyboardInterrupt:
-            c = runner.counts
+            c, path = runner.counts, runner.result.exported
+            exported = (
+                "nothing was exported"
+                if path is None
+                else f"{path} stays as an earlier round exported it: {runner.result.winner}"
+            )
             print(
                 f"interrupted: this worker's {c['complete']} complete and {c['pruned']} pruned trials are kept in "
-                f"study '{study}'; nothing was exported; the same command resumes it",
+                f"study '{study}'; {exported}; the same command resumes it",
                 file=sys.stderr,
             )
             return 130

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 from autoscale.errors import ConfigError
 from autoscale.search.budget import Ledger
 from autoscale.search.timing import NoHarmPlan, Timings
-from autoscale.training.bar import SKIP_POINTS, harm, seed_noise
+from autoscale.training.bar import harm, seed_noise
 from autoscale.training.scorecard import Scorecard
 
 __all__ = [
@@ -331,8 +331,8 @@ class NoHarmCheck:
                 if card.skip_rate > ref.skip_rate + SCREEN_MARGIN:
                     reasons.append(
                         f"{no_harm_label(w)} seed {seed}: replay predicts {100 * card.skip_rate:.2f}% skipped "
-                        f"steps, torch {100 * ref.skip_rate:.2f}% (+{100 * SKIP_POINTS:.1f}% "
-                        "allowed)"
+                        f"steps, torch {100 * ref.skip_rate:.2f}% (+{100 * SCREEN_MARGIN:.1f}% "
+                        "allowed on replay)"
                     )
         return Verdict(label, not reasons, reasons, screened=True)
 

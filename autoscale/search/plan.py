@@ -409,13 +409,19 @@ def _finish(
     cuts = list(cuts)
     search_s = max(0.0, work_s - rec - val - no_harm_s)
     if space in ("rl", "both"):
+        from autoscale.search.agent_trials import RLObjective
+
         reason = None
-        if len(shaped.members[0].instances["train"]) < 2 and len(shaped.members) < 2:
-            reason = "needs 2 train instances (one to select the agent on)"
+        if not RLObjective.fits(shaped):  # the rule the RL trials themselves apply
+            n = min(len(m.instances["train"]) for m in shaped.members)
+            reason = (
+                f"an agent needs 2 train instances per member, one to select it on; the plan "
+                f"keeps {n}"
+            )
         elif search_s < RL_MIN_SEARCH_S:
             reason = f"needs {format_duration(RL_MIN_SEARCH_S)} of search, the budget leaves {format_duration(search_s)}"
         if reason:
-            cuts.append(f"RL ({reason}): searching the parametric space")
+            cuts.append(f"RL dropped ({reason}): searching the parametric space only")
             space = "parametric"
     return Plan(
         shaped,

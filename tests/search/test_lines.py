@@ -1,0 +1,111 @@
+"""Lines the search prints say what it does: the plan says RL was dropped, and why, where the RL
+trials could not run; the no-harm screen states the margin it refuses at; progress bars are drawn
+on a terminal only."""
+
+from __future__ import annotations
+
+import os
+
+from autoscale.envs.suite import load_spec
+from autoscale.scalers import make_scaler
+from autoscale.search.agent_trials import RLObjective
+from autoscale.search.budget import Ledger
+from autoscale.search.no_harm import SCREEN_MARGIN, NoHarmCheck, no_harm_workloads
+from autoscale.search.plan import make_plan, shape_suite
+from autoscale.search.runner import rules_torch_first
+from autoscale.search.timing import NoHarmPlan
+from autoscale.search.workload import base_spec
+from tests.search.test_plan import timings_for
+
+
+def test_the_plan_drops_rl_where_a_member_has_one_train_instance_and_says_why():
+    """A suite of 8 members, one train instance each (a re-plan under load keeps one): the RL
+    trials refuse it (one instance is held out to select an agent on), so the plan searches the
+    parametric space and its line says RL was dropped."""
+    suite = load_spec("suite")
+    shaped = shape_suite(suite, 64, 1, 1)
+    assert len(shaped.members) == 8 and not RLObjective.fits(shaped)
+    no_harm = NoHarmPlan(no_harm_workloads(list(suite.members)), 1000)
+    plan = make_plan(
+        suite, timings_for(suite, 0.002), 3600, no_harm=no_harm, space="both",
+        rules=rules_torch_first(), stored=(shaped, shaped.with_episode_steps(64), 64),
+    )  # fmt: skip
+    assert plan.space == "parametric"
+    line = plan.describe()
+    assert "parametric space" in line and "both space" not in line
+    assert (
+        "RL dropped (an agent needs 2 train instances per member, one to select it on; the plan "
+        "keeps 1): searching the parametric space only" in line
+    )
+
+
+def test_the_screen_says_the_margin_it_refuses_at(tmp_path):
+    """A scale that overflows on every step is refused on replay; the reason names the screen's
+    own margin (+2%), not the long runs' (+0.5%)."""
+    scale = {"init_scale": 2.0**16, "min_scale": 1.0, "max_scale": 2.0**40}
+    plan = NoHarmPlan(no_harm_workloads([base_spec(model="mlp")], 64), 64)
+    check = NoHarmCheck(plan, tmp_path, Ledger(), scale)
+    verdict = check.screen(
+        lambda: make_scaler("static", device="cpu", **{**scale, "init_scale": 2.0**40}), "huge"
+    )
+    assert not verdict.passed and verdict.screened
+    assert all(
+        r.endswith(f"(+{100 * SCREEN_MARGIN:.1f}% allowed on replay)") for r in verdict.reasons
+    )
+    assert "+0.5% allowed" not in verdict.summary()
+
+
+def test_bars_are_drawn_on_a_terminal_only(tmp_path):
+    from autoscale.search.report import draw_bars
+
+    master, slave = os.openpty()
+    try:
+        with open(slave, "w", closefd=False) as terminal, open(tmp_path / "log", "w") as log:
+            assert draw_bars(True, terminal)
+            assert not draw_bars(False, terminal)  # --quiet
+            assert not draw_bars(True, log)  # piped to a file
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_a_piped_search_draws_no_bars_and_a_ctrl_c_after_an_export_names_it(tmp_path):
+    """``autoscale search`` piped (CI, nohup, Slurm), without --quiet: its log holds the phase
+    lines and no progress bar. Interrupted once a round exported, it says what is exported (the
+    policy stays, as the round left it), not "nothing was exported"."""
+    import signal
+    import threading
+    import time
+
+    from tests.search.conftest import spawn
+
+    args = ("search", "--model", "mlp", "--budget", "90s", "--study", "piped")
+    proc = spawn(*args, "--policy-dir", str(tmp_path / "pol"), cwd=tmp_path)
+    err: list[str] = []
+    drain = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    drain.start()  # stderr read beside stdout: a full pipe would stall the search
+    out, exported = [], threading.Event()
+
+    def read_out() -> None:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("[6/6 export]") and "use it with autoscale.get_scaler" in line:
+                exported.set()
+
+    reader = threading.Thread(target=read_out, daemon=True)
+    reader.start()
+    assert exported.wait(timeout=240), "".join(out + err)
+    time.sleep(0.5)
+    assert proc.poll() is None, "the search ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    drain.join(timeout=10)
+    log = "".join(err)
+    assert proc.returncode == 130, log
+    assert "\r" not in log and "it/s" not in log and "step/s" not in log, log[:2000]
+    assert "[4/6 search]" in "".join(out) and "[5/6 validate]" in "".join(out)
+    (line,) = [line for line in err if line.startswith("interrupted: ")]
+    assert "nothing was exported" not in line
+    assert f"{tmp_path / 'pol' / 'piped'} stays as an earlier round exported it: piped (" in line
+    assert (tmp_path / "pol" / "piped" / "policy.yaml").is_file()
