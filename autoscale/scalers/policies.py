@@ -5,14 +5,11 @@ A policy is a folder ``NAME/`` holding ``policy.yaml`` (a :class:`PolicyManifest
 policy, ``weights.pt``. Each *kind* (``parametric``, ``neural``, or one a package registers with
 :func:`register_policy_kind`) has a loader that turns the folder into a scaler.
 
-Policies are found in ``$AUTOSCALE_POLICY_PATH`` (``os.pathsep``-separated), then the project's
-``./policies``, then the user's own folder (:func:`user_policy_dir`: ``$AUTOSCALE_HOME/policies``,
-else ``$XDG_DATA_HOME/autoscale/policies``, else ``~/.local/share/autoscale/policies``), then the
-policies shipped with autoscale. An export goes to the first folder of ``$AUTOSCALE_POLICY_PATH``,
-else to the user's folder (:func:`default_policy_dir`): a policy exported in one folder is found
-from every other, as other ML tools keep their caches. Publishing stages the folder next to its
-destination and moves it into place, so a reader never sees half a policy and an interrupted
-export leaves none.
+Policies are found by name in the folders of :mod:`autoscale.scalers.policy_home` (re-exported
+here): ``$AUTOSCALE_POLICY_PATH``, the project's ``./policies``, the user's own folder, the
+shipped ones; an export given no folder goes to the user's, found from every working directory.
+Publishing stages the folder next to its destination and moves it into place, so a reader never
+sees half a policy and an interrupted export leaves none.
 
 Torch and PyYAML only, so that loading a policy at training time needs nothing else.
 """
@@ -35,6 +32,14 @@ import yaml
 
 from autoscale.errors import ConfigError, PolicyError
 from autoscale.processes import host_name, pid_alive
+from autoscale.scalers.policy_home import (
+    HOME_ENV,
+    POLICY_PATH_ENV,
+    default_policy_dir,
+    policy_dirs,
+    policy_places,
+    user_policy_dir,
+)
 from autoscale.scalers.registry import rule_class
 from autoscale.yamlio import load_yaml, yaml_problem
 
@@ -68,9 +73,6 @@ __all__ = [
 
 MANIFEST = "policy.yaml"
 MANIFEST_FORMAT = 1
-POLICY_PATH_ENV = "AUTOSCALE_POLICY_PATH"
-#: autoscale's folder of the user's own data; policies go to its ``policies/``
-HOME_ENV = "AUTOSCALE_HOME"
 
 #: kind -> loader(path, manifest, device, overrides) -> LossScaler
 _KINDS: dict[str, Callable[..., LossScaler]] = {}
@@ -273,67 +275,6 @@ def check_policy_name(name: str) -> str:
     if rule_class(name) is not None:
         raise ConfigError(f"policy name '{name}' is a built-in rule's name; choose another")
     return name
-
-
-def user_policy_dir() -> Path:
-    """The user's own folder of exported policies, the same from every working directory:
-    ``$AUTOSCALE_HOME/policies``, else ``$XDG_DATA_HOME/autoscale/policies`` (an absolute
-    ``XDG_DATA_HOME`` only, as the XDG spec asks), else ``~/.local/share/autoscale/policies``."""
-    home = os.environ.get(HOME_ENV, "").strip()
-    if home:
-        return Path(home).expanduser() / "policies"
-    data = os.environ.get("XDG_DATA_HOME", "").strip()
-    base = Path(data) if data and Path(data).is_absolute() else Path.home() / ".local" / "share"
-    return base / "autoscale" / "policies"
-
-
-def _places() -> list[tuple[str, Path]]:
-    """(what put it there, folder) of every folder searched for policies, in order."""
-    from autoscale.resources import shipped_dir
-
-    places = [
-        (POLICY_PATH_ENV, Path(p))
-        for p in os.environ.get(POLICY_PATH_ENV, "").split(os.pathsep)
-        if p
-    ]
-    places += [("./policies", Path.cwd() / "policies"), ("the user's", user_policy_dir())]
-    shipped = shipped_dir("policies")
-    if shipped is not None:
-        places.append(("shipped", shipped))
-    seen: list[tuple[str, Path]] = []
-    for what, d in places:
-        if d.resolve() not in [s.resolve() for _, s in seen]:
-            seen.append((what, d))
-    return seen
-
-
-def policy_dirs() -> list[Path]:
-    """The folders searched for exported policies, in order: ``$AUTOSCALE_POLICY_PATH``,
-    ``./policies``, the user's (:func:`user_policy_dir`), the policies shipped with autoscale."""
-    return [d for _, d in _places()]
-
-
-def policy_places() -> str:
-    """The folders :func:`find_policy` searches, in order and in words (for ``autoscale list``
-    and the error for an unknown name): each with what puts it there."""
-    words = {
-        POLICY_PATH_ENV: "${} ({})".format,
-        "./policies": "{} ({})".format,
-        "the user's": "the user's folder {1}".format,
-        "shipped": "the shipped ones ({1})".format,
-    }
-    places = _places()
-    said = [words[what](what, d) for what, d in places]
-    if not any(what == POLICY_PATH_ENV for what, _ in places):
-        said.insert(0, f"${POLICY_PATH_ENV} (not set)")
-    return f"{', '.join(said[:-1])} and {said[-1]}"
-
-
-def default_policy_dir() -> Path:
-    """Where exports go: the first entry of ``$AUTOSCALE_POLICY_PATH``, else the user's folder
-    (:func:`user_policy_dir`), found from every working directory."""
-    env = [p for p in os.environ.get(POLICY_PATH_ENV, "").split(os.pathsep) if p]
-    return Path(env[0]) if env else user_policy_dir()
 
 
 def find_policy(name: str) -> Path | None:
