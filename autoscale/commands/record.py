@@ -36,12 +36,15 @@ class RecordCommand(Command):
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        from autoscale.commands.run import env_spec_from_args
+        from autoscale.commands.run import check_output, env_spec_from_args
         from autoscale.envs import record_trace
         from autoscale.envs.suite import SuiteSpec, load_spec
         from autoscale.envs.traces import record_suite
 
         spec = env_spec_from_args(args, load_spec)
+        # a trace is written once every step is recorded: a path it cannot take fails now
+        suite = isinstance(spec, SuiteSpec)
+        check_output(args.out, "--out", folder=suite, parents=not suite)
         if args.fp16 is not None:
             fp16 = args.fp16
             spec = (

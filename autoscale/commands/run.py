@@ -128,8 +128,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, steps: int | None
 def spec_from_args(args: argparse.Namespace):
     """Build and validate the WorkloadSpec the workload flags describe."""
     from autoscale.training import WorkloadSpec
+    from autoscale.training.data import check_data
 
     clip = None if str(args.clip).lower() in ("none", "off", "0") else _number("--clip", args.clip)
+    check_data(args.model, args.data)
     return WorkloadSpec(
         model=args.model,
         scenario=args.scenario,
@@ -182,12 +184,31 @@ def check_steps(steps: int) -> int:
     return steps
 
 
-def check_output(path: str | None, flag: str) -> None:
-    """Refuse, before any training, an output path whose folder does not exist."""
-    if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
+def check_output(
+    path: str | None, flag: str, *, folder: bool = False, parents: bool = False
+) -> None:
+    """Refuse, before any work, an output the command could not write: a file ``path`` (or, with
+    ``folder``, a folder of files) whose folder does not exist (with ``parents``, or a folder:
+    whose nearest existing folder), is a file, or takes no new entry (read-only, ``/proc``: a
+    probe tells, as permission bits do not for root)."""
+    import tempfile
+
+    if path is None:
+        return
+    where = Path(path).expanduser().absolute()
+    where = where if folder else where.parent
+    while (folder or parents) and not where.exists() and where != where.parent:
+        where = where.parent  # made with its parents by the writer
+    if not where.is_dir():
+        what = "is a file" if where.exists() else "does not exist"
+        raise ConfigError(f"{flag} {path}: folder {where} {what}; create it or pick another path")
+    try:
+        Path(tempfile.mkdtemp(prefix=".autoscale-probe-", dir=where)).rmdir()
+    except OSError as exc:
         raise ConfigError(
-            f"{flag} {path}: folder {Path(path).parent} does not exist; create it or pick another path"
-        )
+            f"{flag} '{path}': cannot write in {where} ({exc.strerror or exc}); pick a path in a "
+            "writable folder"
+        ) from None
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:

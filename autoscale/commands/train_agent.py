@@ -77,9 +77,13 @@ keeps the last model (no checkpoint selection), and says so.
         import dataclasses
 
         from autoscale.agents.train import train_agent
+        from autoscale.commands.run import check_output
         from autoscale.envs.spec import GuardSpec, load_env_spec
         from autoscale.errors import ConfigError
+        from autoscale.scalers.policies import default_policy_dir
 
+        # the agent is exported once trained: a folder it cannot go to fails now
+        check_output(args.policy_dir or str(default_policy_dir()), "--policy-dir", folder=True)
         env = args.env
         if args.guard and args.scale_time:
             raise ConfigError(

@@ -241,19 +241,22 @@ def check_export_target(
 
 
 def _check_writable_folder(root: Path) -> None:
-    """``root`` is a folder this process can create or write policies in."""
-    import os
+    """``root`` is a folder this process can create or write policies in: a probe in it (or in
+    its nearest existing folder) tells, as permission bits do not for root (``/proc``)."""
+    import tempfile
 
     if root.exists() and not root.is_dir():
         raise ConfigError(f"policy folder '{root}' is a file; pass --policy-dir DIR, a folder")
     existing = root
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    try:
+        Path(tempfile.mkdtemp(prefix=".autoscale-probe-", dir=existing)).rmdir()
+    except OSError as exc:
         raise ConfigError(
-            f"cannot write policies to '{root}': '{existing}' is not a writable folder; "
-            "pass --policy-dir DIR"
-        )
+            f"cannot write policies to '{root}': '{existing}' is not a writable folder "
+            f"({exc.strerror or exc}); pass --policy-dir DIR"
+        ) from None
 
 
 def _workload(study: Any, suite: SuiteSpec, extra: dict[str, Any]) -> dict[str, Any]:

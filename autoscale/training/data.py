@@ -20,6 +20,7 @@ __all__ = [
     "TokenStream",
     "MixtureStream",
     "load_text",
+    "check_data",
     "byte_tokens",
     "EVAL_FRACTION",
 ]
@@ -37,7 +38,7 @@ def load_text(path: str | None) -> str:
         from pydoc_data.topics import topics
 
         return "\n\n".join(topics[key] for key in sorted(topics))
-    p = Path(path).expanduser()
+    p = _data_path(path)
     try:
         if p.is_dir():
             files = sorted(
@@ -46,12 +47,8 @@ def load_text(path: str | None) -> str:
                 if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts)
             )
             text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
-        elif p.exists():
-            text = p.read_text(encoding="utf-8", errors="replace")
         else:
-            raise ConfigError(
-                f"data path '{path}' does not exist; give a text file or a folder of text files"
-            )
+            text = p.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise ConfigError(
             f"cannot read data '{path}': {exc.strerror or exc}; give a readable text file or folder"
@@ -61,6 +58,37 @@ def load_text(path: str | None) -> str:
             f"data '{path}' holds no text; give a text file or a folder of text files"
         )
     return text
+
+
+def _data_path(path: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(
+            f"data path '{path}' does not exist; give a text file or a folder of text files"
+        )
+    return p
+
+
+def check_data(model: str, data: str | None) -> None:
+    """Refuse, before anything is built, a ``--data`` path the model does not read (only a
+    language model reads text; ``mlp``, ``autoencoder`` and a user's workload make their own
+    batches) or one that does not exist.
+
+    Raises:
+        ConfigError: naming the path and the fix.
+    """
+    from autoscale.training.presets import PRESETS, is_user_workload
+
+    if data is None:
+        return
+    preset = PRESETS.get(model)
+    if is_user_workload(model) or (preset is not None and preset.kind != "lm"):
+        lms = ", ".join(name for name, p in PRESETS.items() if p.kind == "lm")
+        raise ConfigError(
+            f"--data '{data}': model '{model}' makes its own batches and reads no data; drop "
+            f"--data, or train a language model on it ({lms}, a Hub id or a local folder)"
+        )
+    _data_path(data)
 
 
 def byte_tokens(text: str) -> torch.Tensor:
