@@ -420,8 +420,10 @@ def stored_pick(study: Any, validation: SuiteSpec, weights: Any) -> StoredPick:
             key = Candidate.parse(attr[len(PREFIX) :]) if attr.startswith(PREFIX) else None
         except ValueError:
             key = None
-        cards = real_cards(attrs, key, names) if key is not None else {}
-        if len(cards) == len(names) and (key.is_named or key.number in complete):
+        if key is None or not (key.is_named or key.number in complete):
+            continue
+        cards = real_cards(attrs, key, names)
+        if len(cards) == len(names):
             label = key.name if key.is_named else policy_label(complete[key.number])
             rows[key] = Validated(key, label, by_member(cards, names))
     families = tuple(attrs.get("plan", {}).get("rules", ()))
