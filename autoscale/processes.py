@@ -14,7 +14,14 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-__all__ = ["host_name", "owner_tag", "owner_gone", "pid_alive", "sticky_interrupt", "raise_if_interrupted"]
+__all__ = [
+    "host_name",
+    "owner_tag",
+    "owner_gone",
+    "pid_alive",
+    "sticky_interrupt",
+    "raise_if_interrupted",
+]
 
 
 def host_name() -> str:

@@ -138,8 +138,9 @@ def selection_report(r) -> list[str]:
         f"Ranked by the objective on the {r.ranked_on} members; the test members were read once, "
         "after the choice, to report (and to stop a choice that harms one from shipping).",
         "",
-        f"| candidate | {OBJECTIVE_HEAD} | bar met on | no-harm |",
-        "|---|---|---|---|---|---|",
+        f"| candidate | {OBJECTIVE_HEAD} | share of the limit, train / validation / test | "
+        "bar met on | no-harm |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in ranked:
         met = sum(r["met"] for r in accept[s].values())
@@ -149,10 +150,50 @@ def selection_report(r) -> list[str]:
         else:
             no_harm_text = "passed" if v["passed"] else "; ".join(v["reasons"])
         cells = _objective_cells(s, objective, r.objective_validation, r.objective_test)
-        lines.append(f"| {s} | {cells} | {met} of {len(accept[s])} | {no_harm_text} |")
+        lines.append(f"| {s} | {cells} | {_share_cells(r, s)} | {met} of {len(accept[s])} | "
+                     f"{no_harm_text} |")  # fmt: skip
     lines += ["", *table(r.cards, r.searched + r.left_out, _kinds(r), r.weights, scalers)]
+    lines += limit_table(r, ranked)
     for s in ranked:
         lines += confirm_lines(accept[s], f"{s}: e")
+    return lines
+
+
+def _share_cells(r, s: str) -> str:
+    """``s``'s mean share of the limit on the train, validation and test members."""
+    out = []
+    for members in (r.searched, r.validation, r.test):
+        share = r.mean_limit_share(s, members) if getattr(r, "limit_shares", None) else None
+        out.append("-" if share is None else f"{share:.3f}")
+    return " / ".join(out)
+
+
+def limit_table(r, ranked: list[str]) -> list[str]:
+    """Per member: the hindsight limit's precision loss beside torch's, and each candidate's share
+    of the achievable gain (the results' headline number for how good a policy is)."""
+    if not getattr(r, "limits", None):
+        return []
+    lines = [
+        "",
+        "## How close each candidate came: the share of the hindsight limit",
+        "",
+        "Per member: torch's precision loss and the limit's (the largest power-of-two scale that "
+        "does not overflow each step, from a recording of the same held-out instances), then each "
+        "candidate's share of the gain over torch there was to win, (P_torch - P) / (P_torch - "
+        "P_limit): 1 is all of it, below 0 worse than torch, '-' no gain to win.",
+        "",
+        "| member | torch; limit | " + " | ".join(ranked) + " |",
+        "|---" * (len(ranked) + 2) + "|",
+    ]
+    for m in r.searched + r.left_out:
+        p_torch = [c.precision_loss for c in r.cards["torch"].get(m, [])]
+        p_torch = sum(p_torch) / len(p_torch) if p_torch else float("nan")
+        cells = []
+        for s in ranked:
+            share = r.limit_shares.get(s, {}).get(m)
+            cells.append("-" if share is None else f"{share:.2f}")
+        lines.append(f"| {m} | {100 * p_torch:.2f}%; {100 * r.limits.get(m, float('nan')):.2f}% | "
+                     + " | ".join(cells) + " |")  # fmt: skip
     return lines
 
 

@@ -171,7 +171,8 @@ def main(argv=None) -> int:
         validation=result.objective_validation, test=result.objective_test,
         ranked_on=result.ranked_on, chosen=result.chosen, shipped=result.pick,
         members={"train": result.searched, "validation": result.validation, "test": result.test},
-        test_confirmed=cards_dict(result.test_confirmed),
+        test_confirmed=cards_dict(result.test_confirmed), limits=result.limits,
+        limit_shares=result.limit_shares,
     )  # fmt: skip
     if result.evidence is not None:
         save_cards(

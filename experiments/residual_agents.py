@@ -24,7 +24,6 @@ experiments/results/residual_agents.md and .json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -35,41 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 BUILD_CACHE = ROOT / "experiments" / ".cache" / "auto"  # the build's traces of the same instances
 WORK = ROOT / "experiments" / ".cache" / "residual"
-
-
-def limit_traces(suite, members: list[str], steps: int):
-    """Recorded traces of the held-out (test) instances of ``members``, ``steps`` long."""
-    from autoscale.envs.suite import SuiteSpec
-    from autoscale.search.traces import load_traces
-
-    shaped = []
-    for name in members:
-        m = suite.member(name)
-        ep = dataclasses.replace(m.episode, steps=steps, horizon=max(steps, m.episode.horizon))
-        test = m.instances["test"]
-        shaped.append(dataclasses.replace(m, episode=ep, instances={"train": test, "test": test}))
-    only = SuiteSpec(name="limit", members=tuple(shaped), left_out=(), reward=suite.reward)
-    traces, _ = load_traces(only, WORK, steps, cost=lambda m, n: 0.0, stop_at=math.inf,
-                            progress=True)  # fmt: skip
-    return traces
-
-
-def member_limits(suite, members, traces, steps: int) -> dict[str, float]:
-    """Member -> the hindsight limit's precision loss, mean over its held-out instances."""
-    from autoscale.envs.limit import hindsight_limit
-
-    out = {}
-    for name in members:
-        trace, ep = traces[name], suite.member(name).episode
-        values = [
-            hindsight_limit(
-                trace.instance(inst.name), trace.hist_edges, 0, steps,
-                min_scale=ep.min_scale, max_scale=ep.max_scale,
-            ).mean_precision_loss
-            for inst in suite.member(name).instances["test"]
-        ]  # fmt: skip
-        out[name] = sum(values) / len(values)
-    return out
 
 
 def main(argv=None) -> int:
@@ -151,8 +115,7 @@ def main(argv=None) -> int:
                         measured=Measured(WORK / "measured", ids))  # fmt: skip
     timings["held-out real steps (validation members)"] = time.monotonic() - t0
     t0 = time.monotonic()
-    limits = member_limits(suite, validation, limit_traces(suite, validation, args.steps),
-                           args.steps)  # fmt: skip
+    limits = ev.member_limits(suite, validation, args.steps, WORK / "limit")
     timings["record (limit)"] = time.monotonic() - t0
     objective = ev.objective_of(cards, validation, suite.reward)
 

@@ -19,6 +19,7 @@ LAYERS = {
     "resources": 0,
     "processes": 0,
     "yamlio": 0,
+    "progress": 0,
     "scalers": 1,
     "observe": 1.5,
     "integrations": 2,
@@ -217,13 +218,43 @@ def test_no_import_circle():
     assert circles == []
 
 
-def test_no_module_is_over_500_lines():
-    """A module that grows past 500 lines is doing more than one job: split it by responsibility."""
-    long = {
-        str(path.relative_to(ROOT)): n
-        for _, path in _modules()
-        if (n := len(path.read_text().splitlines())) > 500
-    }
+# Functions over the cap when it replaced the 500-line file cap, at their length then: each may
+# only shrink (a refactor that brings one under the cap removes it here).
+LONG_FUNCTIONS = {
+    "autoscale/search/on_traces.py:run": 161,
+    "autoscale/agents/train.py:train_agent": 157,
+    "autoscale/search/traces.py:load_traces": 143,
+    "autoscale/report/findings.py:findings": 127,
+    "autoscale/envs/from_records.py:suite_from_records": 108,
+    "autoscale/search/plan.py:make_plan": 101,
+    "autoscale/selection/suite_eval.py:long_runs": 98,
+    "autoscale/report/page.py:write_report": 95,
+    "autoscale/commands/search.py:run": 91,
+    "autoscale/search/choose.py:choose": 89,
+    "autoscale/envs/spec.py:from_dict": 87,
+    "autoscale/selection/auto.py:export": 84,
+    "autoscale/search/rounds.py:_validate": 84,
+    "autoscale/search/loop.py:run": 84,
+    "autoscale/search/agent_trials.py:__call__": 84,
+    "autoscale/envs/traces.py:record_trace": 83,
+    "autoscale/search/runner.py:run": 81,
+}
+FUNCTION_CAP = 80
+
+
+def test_no_function_is_over_80_lines():
+    """Size by function, not by file: a function past 80 lines does more than one thing (a file
+    cap split modules by size, not responsibility: the search driver was cut in three by it)."""
+    import ast
+
+    long = {}
+    for _, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                key = f"{path.relative_to(ROOT)}:{node.name}"
+                if n > LONG_FUNCTIONS.get(key, FUNCTION_CAP):
+                    long[key] = n
     assert not long, long
 
 

@@ -59,9 +59,9 @@ def evaluate_scalers(
         factory()  # fail early on unknown names or bad policies
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from autoscale.progress import progress_bar
 
-        bar = tqdm(total=len(factories) * len(names), desc="evaluating", unit="episode")
+        bar = progress_bar(len(factories) * len(names), desc="evaluating", unit="episode")
     out: dict[str, list] = {}
     records: dict[str, list] = {}
     for name, factory in factories.items():

@@ -77,33 +77,92 @@ def train_residual(
     export_dir: str | None = None,
     force: bool = False,
 ) -> ResidualResult:
-    """Train a residual agent on the replay of ``spec``'s train instances.
-
-    Args:
-        spec: Env or suite spec; its ``train`` instances are trained on.
-        algo: ``ppo``, ``dqn`` or ``a2c`` (discrete offsets), ``sac`` (continuous).
-        timesteps: Decisions (windows) to train for.
-        replay: The traces (a path or Trace; for a suite member -> Trace or a folder).
-        select_on: The instance set the model is selected on: held out from training, and read
-            by no later judgement (the caller's split: the build passes a spec whose ``test``
-            set is one held-out train instance per member).
-        base: The rule underneath (a scaler name).
-        window: Steps an offset holds.
-        max_offset: Offsets span -max_offset..+max_offset bits.
-        constrained: Train to the bar (torch's replay and Lagrange multipliers); False: the
-            weighted objective alone.
-        init: A saved SB3 model of ``algo`` to go on training (fine-tuning).
-        export_name, export_dir, force: Export the selected model as a policy.
-    """
-    import stable_baselines3 as sb3
-    from stable_baselines3.common.callbacks import BaseCallback, CallbackList, EvalCallback
-    from stable_baselines3.common.logger import Logger
+    """Train a residual agent on the replay of ``spec``'s train instances (an env or suite
+    spec; ``replay``: its traces) for ``timesteps`` decisions of ``window`` steps each, with
+    ``algo`` (``ppo``, ``dqn``, ``a2c``: offsets -max_offset..+max_offset bits; ``sac``: a
+    continuous offset) on ``base`` (a scaler name), to the bar unless ``constrained`` is False.
+    The model kept is the best on ``select_on``, instances held out from training that no later
+    judgement reads (the build passes a spec whose ``test`` set is one held-out train instance
+    per member); ``init``: a saved SB3 model of ``algo`` to go on training; ``export_name``:
+    export it as a policy (into ``export_dir``; ``force`` replaces one)."""
     from stable_baselines3.common.monitor import Monitor
 
-    from autoscale.envs.episodes import instance_names
+    from autoscale.agents.train import deadline_callback, load_model, progress_callback, sb3_class
     from autoscale.envs.residual_env import Multipliers, ResidualEnv
     from autoscale.envs.suite import load_spec
 
+    algo = _check(algo, timesteps, replay, export_name, export_dir, force)
+    spec = load_spec(spec)
+    common = {"base": base, "window": window, "mode": RESIDUAL_ALGOS[algo],
+              "max_offset": max_offset, "constrained": constrained}  # fmt: skip
+    train_env = ResidualEnv(spec, "train", replay, random_offset=True, **common)
+    multipliers = train_env.multipliers
+    eval_env = Monitor(
+        ResidualEnv(spec, select_on, replay, learn_multipliers=False,
+                    multipliers=Multipliers(**SELECT_MULTIPLIERS), **common)
+    )  # fmt: skip
+    decisions = max(1, spec.episode.horizon // window)
+    train_env = Monitor(train_env)
+    if init is not None:
+        model = load_model(algo, init, train_env, seed, None, hyperparams or {})
+    else:
+        params = {**_hyperparams(algo, decisions), **(hyperparams or {})}
+        model = sb3_class(algo)("MlpPolicy", train_env, seed=seed, verbose=0, **params)
+    from stable_baselines3.common.logger import Logger
+
+    model.set_logger(Logger(folder=None, output_formats=[]))
+    callbacks: list[Any] = [deadline_callback(deadline)]
+    if progress:
+        callbacks.append(progress_callback(timesteps))
+    t0 = time.monotonic()
+    model, best, history = _learn(
+        model,
+        algo,
+        eval_env,
+        callbacks,
+        timesteps,
+        eval_freq or max(decisions * 4, timesteps // 10),
+    )
+    result = ResidualResult(
+        model, algo, timesteps, time.monotonic() - t0, best,
+        multipliers=list(multipliers.history), eval_history=history,
+    )  # fmt: skip
+    if export_name:
+        result.policy_dir = export_residual(
+            model, export_name, train_env.unwrapped, workload=_workload(spec),
+            training={"algo": algo, "timesteps": timesteps, "constrained": constrained,
+                      "multipliers": multipliers.to_dict(), "wall_s": round(result.wall_s, 1)},
+            out_dir=export_dir, force=force,
+        )  # fmt: skip
+    return result
+
+
+def _learn(model, algo: str, eval_env, callbacks: list, timesteps: int, eval_freq: int):
+    """Train ``model``, evaluating it on ``eval_env`` every ``eval_freq`` decisions; return the
+    best of those evaluations' models, its mean reward, and (decisions, mean reward) of each."""
+    from stable_baselines3.common.callbacks import CallbackList, EvalCallback
+
+    from autoscale.agents.train import sb3_class
+    from autoscale.envs.episodes import instance_names
+
+    with tempfile.TemporaryDirectory(prefix="autoscale-residual-") as tmp:
+        evaluator = EvalCallback(
+            eval_env, best_model_save_path=tmp, log_path=tmp, eval_freq=eval_freq,
+            n_eval_episodes=len(instance_names(eval_env.unwrapped.inner)), deterministic=True,
+            verbose=0,
+        )  # fmt: skip
+        model.learn(total_timesteps=timesteps, callback=CallbackList([evaluator, *callbacks]))
+        if (Path(tmp) / "best_model.zip").exists():
+            model = sb3_class(algo).load(Path(tmp) / "best_model.zip", env=model.get_env())
+        history = [
+            (int(t), sum(r) / len(r))
+            for t, r in zip(evaluator.evaluations_timesteps, evaluator.evaluations_results)
+        ]
+    return model, float(evaluator.best_mean_reward), history
+
+
+def _check(algo: str, timesteps: Any, replay: Any, export_name, export_dir, force: bool) -> str:
+    """The algorithm's name, after every argument is checked (before any work)."""
     algo = algo.lower()
     if algo not in RESIDUAL_ALGOS:
         from autoscale.errors import unknown_name
@@ -115,7 +174,6 @@ def train_residual(
         raise ConfigError(f"timesteps must be a positive integer, got {timesteps!r}")
     if replay is None:
         raise ConfigError("a residual agent trains on replay: give the traces (--replay)")
-    spec = load_spec(spec)
     if export_name:
         from autoscale.scalers.policies import (
             check_policy_name,
@@ -126,76 +184,18 @@ def train_residual(
         dest = Path(export_dir or default_policy_dir()) / check_policy_name(export_name)
         if dest.exists() and not force:
             raise existing_policy_error(dest)
-    mode = RESIDUAL_ALGOS[algo]
-    common = {"base": base, "window": window, "mode": mode, "max_offset": max_offset}
-    train_env = ResidualEnv(
-        spec, "train", replay, constrained=constrained, random_offset=True, **common
-    )
-    multipliers = train_env.multipliers
-    eval_env = Monitor(
-        ResidualEnv(
-            spec, select_on, replay, constrained=constrained, learn_multipliers=False,
-            multipliers=Multipliers(**SELECT_MULTIPLIERS), **common,
-        )
-    )  # fmt: skip
-    n_eval = len(instance_names(eval_env.unwrapped.inner))
-    decisions = max(1, spec.episode.horizon // window)
-    cls = {"ppo": sb3.PPO, "dqn": sb3.DQN, "a2c": sb3.A2C, "sac": sb3.SAC}[algo]
-    train_env = Monitor(train_env)
-    if init is not None:
-        model = cls.load(init, env=train_env, **(hyperparams or {}))
-        model.set_random_seed(seed)
-        if hasattr(model, "exploration_schedule"):  # go on exploring as it ended
-            eps = float(model.exploration_final_eps)
-            model.exploration_schedule = lambda progress_remaining: eps
-    else:
-        params = {**_hyperparams(algo, decisions), **(hyperparams or {})}
-        model = cls("MlpPolicy", train_env, seed=seed, verbose=0, **params)
-    model.set_logger(Logger(folder=None, output_formats=[]))
+    return algo
 
-    class Stop(BaseCallback):
-        def _on_step(self) -> bool:
-            return deadline is None or time.monotonic() < deadline
 
-    callbacks: list[Any] = [Stop()]
-    if progress:
-        from autoscale.agents.train import _progress_callback
-
-        callbacks.append(_progress_callback(timesteps))
-    t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="autoscale-residual-") as tmp:
-        evaluator = EvalCallback(
-            eval_env, best_model_save_path=tmp, log_path=tmp,
-            eval_freq=eval_freq or max(decisions * 4, timesteps // 10),
-            n_eval_episodes=n_eval, deterministic=True, verbose=0,
-        )  # fmt: skip
-        callbacks.insert(0, evaluator)
-        model.learn(total_timesteps=timesteps, callback=CallbackList(callbacks))
-        best = Path(tmp) / "best_model.zip"
-        if best.exists():
-            model = cls.load(best, env=train_env)
-        history = [
-            (int(t), sum(r) / len(r))
-            for t, r in zip(evaluator.evaluations_timesteps, evaluator.evaluations_results)
-        ]
-    result = ResidualResult(
-        model, algo, timesteps, time.monotonic() - t0, float(evaluator.best_mean_reward),
-        multipliers=list(multipliers.history), eval_history=history,
-    )  # fmt: skip
-    if export_name:
-        workload = (
-            {"suite": spec.name, "members": [m.name for m in spec.members]}
-            if hasattr(spec, "members")
-            else {**spec.workload.to_dict(), "env": spec.name}
-        )
-        workload["trained_on"] = "replay"
-        result.policy_dir = export_residual(
-            model, export_name, train_env.unwrapped, workload=workload,
-            training={"algo": algo, "timesteps": timesteps, "constrained": constrained,
-                      "multipliers": multipliers.to_dict(), "wall_s": round(result.wall_s, 1)},
-            out_dir=export_dir, force=force,
-        )  # fmt: skip
-    return result
+def _workload(spec: Any) -> dict[str, Any]:
+    """What the manifest says the agent trained on."""
+    if hasattr(spec, "members"):
+        return {
+            "suite": spec.name,
+            "members": [m.name for m in spec.members],
+            "trained_on": "replay",
+        }
+    return {**spec.workload.to_dict(), "env": spec.name, "trained_on": "replay"}
 
 
 def export_residual(

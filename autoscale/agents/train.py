@@ -18,9 +18,11 @@ __all__ = [
     "ALGOS",
     "AgentResult",
     "train_agent",
+    "deadline_callback",
     "default_hyperparams",
     "held_out",
     "saved_agent",
+    "sb3_class",
 ]
 
 # algorithm -> action modes it supports
@@ -95,21 +97,22 @@ def held_out(spec: EnvSpec | SuiteSpec) -> EnvSpec | SuiteSpec | None:
     return shape(spec)
 
 
-def _sb3_class(algo: str):
+def sb3_class(algo: str):
     import stable_baselines3 as sb3
 
     return {"ppo": sb3.PPO, "a2c": sb3.A2C, "dqn": sb3.DQN, "sac": sb3.SAC}[algo]
 
 
-def _progress_callback(total: int):
+def progress_callback(total: int):
     from stable_baselines3.common.callbacks import BaseCallback
-    from tqdm.auto import tqdm
+
+    from autoscale.progress import progress_bar
 
     class TqdmCallback(BaseCallback):
         """A tqdm bar over the training timesteps."""
 
         def _on_training_start(self) -> None:
-            self.bar = tqdm(total=total, desc="training", unit="step")
+            self.bar = progress_bar(total, desc="training", unit="step")
 
         def _on_step(self) -> bool:
             self.bar.update(self.training_env.num_envs)
@@ -121,7 +124,7 @@ def _progress_callback(total: int):
     return TqdmCallback()
 
 
-def _deadline_callback(deadline: float | None):
+def deadline_callback(deadline: float | None):
     from stable_baselines3.common.callbacks import BaseCallback
 
     class DeadlineCallback(BaseCallback):
@@ -240,9 +243,9 @@ def train_agent(
     selected_on = tuple(instance_names(eval_env.unwrapped)) if eval_env is not None else ()
     params = {**default_hyperparams(algo, spec.episode.steps), **(hyperparams or {})}
     if init is not None:
-        model = _load_model(algo, init, train_env, seed, tensorboard, hyperparams or {})
+        model = load_model(algo, init, train_env, seed, tensorboard, hyperparams or {})
     else:
-        model = _sb3_class(algo)(
+        model = sb3_class(algo)(
             "MlpPolicy", train_env, seed=seed, verbose=0, tensorboard_log=tensorboard, **params
         )
     if tensorboard is None:  # SB3's default logger makes an empty SB3-<time> folder in /tmp
@@ -252,7 +255,7 @@ def train_agent(
     eval_freq = eval_freq or max(spec.episode.steps, timesteps // 10)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="autoscale-agent-") as tmp:
-        callbacks = [_deadline_callback(deadline)]
+        callbacks = [deadline_callback(deadline)]
         evaluator = None
         if eval_env is not None:
             evaluator = EvalCallback(
@@ -266,11 +269,11 @@ def train_agent(
             )
             callbacks.insert(0, evaluator)
         if progress:
-            callbacks.append(_progress_callback(timesteps))
+            callbacks.append(progress_callback(timesteps))
         model.learn(total_timesteps=timesteps, callback=CallbackList(callbacks), progress_bar=False)
         best = Path(tmp) / "best_model.zip"
         if best.exists():
-            model = _sb3_class(algo).load(best, env=train_env)
+            model = sb3_class(algo).load(best, env=train_env)
         history = [
             (int(t), sum(r) / len(r))
             for t, r in zip(evaluator.evaluations_timesteps, evaluator.evaluations_results)
@@ -294,16 +297,16 @@ def train_agent(
 
 def saved_agent(algo: str, path):
     """The SB3 ``algo`` model saved at ``path``, without an environment (to export or predict)."""
-    return _sb3_class(algo).load(path)
+    return sb3_class(algo).load(path)
 
 
-def _load_model(algo: str, path, env, seed: int, tensorboard, hyperparams: dict[str, Any]):
+def load_model(algo: str, path, env, seed: int, tensorboard, hyperparams: dict[str, Any]):
     """The SB3 model saved at ``path``, on ``env``, to train further.
 
     Raises:
         ConfigError: not a saved ``algo`` model, or its spaces are not ``env``'s.
     """
-    cls = _sb3_class(algo)
+    cls = sb3_class(algo)
     try:
         model = cls.load(path, env=env, tensorboard_log=tensorboard, **hyperparams)
     except (ValueError, KeyError, OSError, RuntimeError, TypeError, AttributeError) as exc:

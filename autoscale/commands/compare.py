@@ -49,8 +49,7 @@ class CompareCommand(Command):
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        from tqdm.auto import tqdm
-
+        from autoscale.progress import progress_bar
         from autoscale.scalers import make_scaler
         from autoscale.training import TrainingRun, summarize
         from autoscale.training.report import format_comparison, plot_comparison
@@ -70,9 +69,9 @@ class CompareCommand(Command):
         cards: dict[str, list] = {}
         runs: dict[str, list] = {}
         fp16_path = None
-        with tqdm(
-            total=len(plan) * len(seeds) * steps,
-            disable=args.quiet,
+        with progress_bar(
+            len(plan) * len(seeds) * steps,
+            not args.quiet,
             unit="step",
             dynamic_ncols=True,
         ) as bar:

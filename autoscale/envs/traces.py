@@ -288,9 +288,9 @@ def record_trace(
     total = steps * len(chosen)
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from autoscale.progress import progress_bar
 
-        bar = tqdm(total=total, desc="recording", unit="step")
+        bar = progress_bar(total, desc="recording", unit="step")
     traced: dict[str, InstanceTrace] = {}
     for inst in chosen:
         run, snap, start_features, scale = env.prepare(inst)

@@ -72,27 +72,29 @@ def build_actor(layers: list[int], activation: str) -> nn.Sequential:
     return nn.Sequential(*mods)
 
 
-def act_with(
-    actor: nn.Module, head: str, norm: tuple[torch.Tensor, torch.Tensor, float] | None
-) -> Any:
+class act_with:  # noqa: N801  (a callable, named for what calling it does)
     """``act(features)``: the deterministic action of ``actor`` for a feature vector (an index
     for the ``argmax`` head, else a value in [-1, 1]), the features normalised by ``norm``
-    ((mean, std, clip)) first where given. Shared by the neural and the residual policies."""
+    ((mean, std, clip)) first where given. Shared by the neural and the residual policies; an
+    object, not a closure, so that a scaler holding one pickles."""
+
+    def __init__(
+        self, actor: nn.Module, head: str, norm: tuple[torch.Tensor, torch.Tensor, float] | None
+    ) -> None:
+        self.actor, self.head, self.norm = actor, head, norm
 
     @torch.no_grad()
-    def act(features: list[float]) -> Any:
+    def __call__(self, features: list[float]) -> Any:
         x = torch.tensor(features, dtype=torch.float32).unsqueeze(0)
-        if norm is not None:
-            mean, std, clip = norm
+        if self.norm is not None:
+            mean, std, clip = self.norm
             x = ((x - mean) / std).clamp(-clip, clip)
-        out = actor(x)[0]
-        if head == "argmax":
+        out = self.actor(x)[0]
+        if self.head == "argmax":
             return int(out.argmax().item())
-        if head == "tanh":
+        if self.head == "tanh":
             return out.tanh().numpy()
         return out.clamp(-1.0, 1.0).numpy()
-
-    return act
 
 
 class NeuralPolicyRule(ScaleRule):

@@ -67,10 +67,10 @@ class TrialLoop:
             return
         bar = None
         if self.progress:
-            from tqdm.auto import tqdm
+            from autoscale.progress import progress_bar
 
-            bar = tqdm(
-                total=round(timeout, 1),
+            bar = progress_bar(
+                round(timeout, 1),
                 desc="search",
                 unit="s",
                 bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s {postfix}",

@@ -3,27 +3,16 @@ on real steps of the test episodes, a row per member, and the plot of their traj
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-from typing import Any
 
 from autoscale.envs.suite import SuiteSpec
+from autoscale.progress import draw_bars
 from autoscale.search.study import describe_spec
 from autoscale.search.validate import Validated
 
 __all__ = ["comparison_table", "member_table", "draw_comparison", "draw_bars", "REPLAY_MARK"]
 
 REPLAY_MARK = " (replay)"
-
-
-def draw_bars(asked: bool = True, stream: Any = None) -> bool:
-    """Whether the search and the build draw progress bars: where ``asked`` (no ``--quiet``) and
-    their stream (stderr, where tqdm draws) is a terminal. Piped to a file (CI, nohup, Slurm), a
-    bar is thousands of carriage-return frames in the log; the phase lines say the progress there.
-    """
-    stream = sys.stderr if stream is None else stream
-    isatty = getattr(stream, "isatty", None)
-    return bool(asked and isatty is not None and isatty())
 
 
 def _label(v: Validated) -> str:

@@ -142,9 +142,9 @@ def load_traces(
     }
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from autoscale.progress import progress_bar
 
-        bar = tqdm(total=sum(i.start + steps for _, i, _ in jobs), desc="record", unit="step")
+        bar = progress_bar(sum(i.start + steps for _, i, _ in jobs), desc="record", unit="step")
     traced: dict[str, dict] = {m.name: {} for m in suite.members}
     edges = version = None
 

@@ -154,9 +154,9 @@ class Validator:
         todo_all = {key: [n for n in self.names if n not in have[key]] for key, _, _ in scalers}
         bar = None
         if self.progress:
-            from tqdm.auto import tqdm
+            from autoscale.progress import progress_bar
 
-            bar = tqdm(total=sum(map(len, todo_all.values())), desc="validate", unit="episode")
+            bar = progress_bar(sum(map(len, todo_all.values())), desc="validate", unit="episode")
         out: dict[str, Validated] = {}
         try:
             for key, label, factory in scalers:

@@ -229,6 +229,11 @@ class AutoBuild:
         )
         result.pick = result.chosen
         self._on_test_members(result)  # the choice is fixed: now, and only now, the test members
+        t0 = time.monotonic()  # how close each candidate came to the best any could do
+        result.limits = ev.member_limits(self.suite, searched + validation + test, s.steps,
+                                         self.cache / "limit")  # fmt: skip
+        result.limit_shares = {n: ev.limit_shares(result.cards, result.limits, n) for n in names}
+        timings["limits"] = time.monotonic() - t0
         timings["total"] = time.monotonic() - t_all
         return result
 

@@ -52,6 +52,16 @@ class BuildResult:
     test_confirmed: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)
     pick: str | None = None  # what ships: the choice, unless it harms a test member
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    # member -> the hindsight limit's precision loss on its held-out steps (after the choice)
+    limits: dict[str, float] = dataclasses.field(default_factory=dict)
+    # scaler -> member -> the share of the achievable precision gain over torch it captures
+    limit_shares: dict[str, dict[str, float | None]] = dataclasses.field(default_factory=dict)
+
+    def mean_limit_share(self, scaler: str, members: list[str]) -> float | None:
+        """The mean of ``scaler``'s shares of the limit over ``members`` (those with a gain)."""
+        shares = [self.limit_shares.get(scaler, {}).get(m) for m in members]
+        shares = [x for x in shares if x is not None]
+        return sum(shares) / len(shares) if shares else None
 
     @property
     def chosen_on(self) -> list[str]:

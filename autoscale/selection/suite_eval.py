@@ -11,6 +11,9 @@ reproduction (experiments/reproduce.py) share it.
 * :func:`long_runs`: long real runs of a few members (scale trajectories over a whole run, and the
   share of gradient elements kept at fp16 precision), and :func:`long_harm`: where one scaler's
   long run is worse than torch's (the bar's :func:`~autoscale.training.bar.harm`);
+* :func:`member_limits`: the hindsight limit of each member's held-out steps (a recording of
+  the same instances), and :func:`limit_shares`: the share of the achievable precision gain over
+  torch that a scaler captures there;
 * :func:`save_cards` and :func:`load_cards`: scorecards to JSON and back.
 """
 
@@ -47,9 +50,11 @@ def held_out(
     out: dict[str, dict[str, list]] = {name: {} for name in factories}
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from autoscale.progress import progress_bar
 
-        bar = tqdm(total=len(factories) * len(env.instance_names), desc="held-out", unit="episode")
+        bar = progress_bar(
+            len(factories) * len(env.instance_names), desc="held-out", unit="episode"
+        )
     for name, (member, inst) in zip(env.instance_names, env.pairs):
         m = shaped.member(member)
         for scaler, factory in factories.items():
@@ -386,3 +391,58 @@ def load_cards(path: Path) -> tuple[dict[str, dict[str, list]], dict[str, Any]]:
         for s, by in data.pop("cards").items()
     }
     return cards, data
+
+
+def member_limits(suite, members: list[str], steps: int, folder: Path) -> dict[str, float]:
+    """Member -> the hindsight limit's precision loss (:mod:`autoscale.envs.limit`) over the first
+    ``steps`` steps of its held-out (test) instances, mean over them, from recordings of those
+    instances kept in ``folder`` (the same seeds and start points as :func:`held_out`'s
+    episodes, so the same batches; the weights follow the recording's own trajectory, so the
+    limit is that run's, close to each measured run's but not exactly it)."""
+    import hashlib
+
+    from autoscale.envs.limit import hindsight_limit
+    from autoscale.envs.traces import Trace, record_trace
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    traces = {}
+    for name in members:
+        m = suite.member(name)
+        key = hashlib.sha256(json.dumps([m.to_dict(), steps], sort_keys=True, default=str).encode())
+        path = folder / f"{name.replace('/', '-')}-{steps}-{key.hexdigest()[:12]}.npz"
+        try:
+            traces[name] = Trace.load(path)
+        except Exception:  # not there, or unreadable: record it (again)
+            traces[name] = record_trace(m, steps, path, instances=("test",), progress=True)
+    out = {}
+    for m in (suite.member(name) for name in members):
+        trace, ep = traces[m.name], m.episode
+        values = [
+            hindsight_limit(
+                trace.instance(inst.name), trace.hist_edges, 0, steps,
+                min_scale=ep.min_scale, max_scale=ep.max_scale,
+            ).mean_precision_loss
+            for inst in m.instances["test"]
+        ]  # fmt: skip
+        finite = [v for v in values if math.isfinite(v)]
+        out[m.name] = sum(finite) / len(finite) if finite else math.nan
+    return out
+
+
+def limit_shares(
+    cards: dict[str, dict[str, list]], limits: dict[str, float], scaler: str
+) -> dict[str, float | None]:
+    """Member -> the share of the limit ``scaler`` captures on its held-out episodes,
+    ``(P_torch - P) / (P_torch - P_limit)`` of the mean precision losses (None: no gain to win)."""
+    from autoscale.envs.limit import limit_share
+
+    def mean_p(cs: list) -> float:
+        values = [c.precision_loss for c in cs if math.isfinite(c.precision_loss)]
+        return sum(values) / len(values) if values else math.nan
+
+    return {
+        m: limit_share(mean_p(cards["torch"][m]), mean_p(cs), limits[m])
+        for m, cs in cards[scaler].items()
+        if m in limits
+    }

@@ -313,10 +313,10 @@ class TrainingRun:
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
             raise ConfigError(f"steps must be a positive integer, got {steps!r}")
-        from tqdm.auto import tqdm
+        from autoscale.progress import progress_bar
 
         first, skipped = len(self.records), 0
-        with tqdm(total=steps, disable=not progress, unit="step", dynamic_ncols=True) as bar:
+        with progress_bar(steps, progress, unit="step", dynamic_ncols=True) as bar:
             for _ in range(steps):
                 rec = self.step()
                 skipped += rec.found_inf

@@ -5,6 +5,7 @@ never influence the choice."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
@@ -223,6 +224,18 @@ def test_a_tiny_build_ships_the_first_candidate_through_every_check(first_build)
     assert all(card["torch"]["card"].steps == 16 for card in long.runs.values())
     assert not any(long.harm.values())
     assert any((tmp_path / "no-harm").rglob("torch-*.json"))  # torch's runs, cached there
+
+    # the hindsight limit of every member's held-out steps, and every candidate's share of it
+    assert set(result.limits) == {"mlp/clean", "autoencoder/clean", *TEST}
+    assert all(0.0 <= v <= 1.0 for v in result.limits.values())
+    assert set(result.limit_shares) == set(result.ranked)
+    assert set(result.limit_shares[result.pick]) == set(result.limits)
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from auto_report import build_report
+
+    text = "\n".join(build_report(result, None, EXTRAS, []))
+    assert "## How close each candidate came: the share of the hindsight limit" in text
+    assert "| mlp/clean | " in text.split("share of the hindsight limit")[1]
 
     manifest = build.export(result, tmp_path / "policies", "a test")
     again = read_manifest(tmp_path / "policies" / "auto")
