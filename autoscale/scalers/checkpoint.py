@@ -3,9 +3,15 @@
 :meth:`~autoscale.scalers.scaler.LossScaler.state_dict` keeps GradScaler's keys (``scale``,
 ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker``), so tools that
 read ``state["scale"]`` and a plain GradScaler still load it, and adds an ``"autoscale"`` entry
-with the rule's name, bounds, counters and state (format :data:`STATE_VERSION`). It loads under
-``torch.load(weights_only=True)``. :func:`read_state` checks a state before anything is changed,
-and names what is wrong in one line.
+with the rule's name, settings (``params``), bounds, counters and state (format
+:data:`STATE_VERSION`). It loads under ``torch.load(weights_only=True)``. :func:`read_state` checks
+a state before anything is changed, and names what is wrong in one line.
+
+A state saved by the same rule restores the rule's settings too, as GradScaler's
+``load_state_dict`` restores ``growth_factor``, ``backoff_factor`` and ``growth_interval``: the
+run continues exactly as the saving scaler would have, whatever settings the loading scaler was
+built with. A plain GradScaler's state gives the ``torch`` rule those three; a state of an
+autoscale that saved no ``params`` gives the three GradScaler keys where the rule has them.
 
 A state saved by another scaler loads too (a plain or sharded GradScaler's, another rule's):
 its scale carries over, and the loading rule's own memory (a tracker, a history, a policy's
@@ -18,6 +24,7 @@ and a scale of 0, inf or NaN (a dead run's) continues from the nearest usable on
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -25,12 +32,28 @@ from typing import Any
 import torch
 
 from autoscale.errors import ConfigError
-from autoscale.scalers.controller import ScaleBounds, ScaleController, f32, positive_finite
+from autoscale.scalers.controller import (
+    ScaleBounds,
+    ScaleController,
+    ScaleRule,
+    f32,
+    positive_finite,
+)
 
-__all__ = ["STATE_VERSION", "LoadedState", "load_as_gradscaler", "read_state", "write_state"]
+__all__ = [
+    "KNOBS",
+    "rule_for",
+    "STATE_VERSION",
+    "LoadedState",
+    "load_as_gradscaler",
+    "read_state",
+    "write_state",
+]
 
 STATE_VERSION = 1
 _COUNTERS = ("steps", "skipped", "min_hits")
+#: GradScaler's settings, kept at the top level of every state
+KNOBS = ("growth_factor", "backoff_factor", "growth_interval")
 #: the rule a plain GradScaler's (or ShardedGradScaler's) state was saved by
 GRADSCALER_RULE = "torch"
 _lenient = {"on": False}
@@ -57,6 +80,7 @@ def write_state(
         "autoscale": {
             "version": STATE_VERSION,
             "rule": name,
+            "params": controller.rule.params(),
             "min_scale": bounds.min_scale,
             "max_scale": bounds.max_scale,
             **controller.counters(),
@@ -67,12 +91,15 @@ def write_state(
 
 @dataclass(frozen=True)
 class LoadedState:
-    """A checked state: the scale to continue from (clamped into the scaler's bounds), and the
-    rule state and counters to restore (counters None for a plain GradScaler's state)."""
+    """A checked state: the scale to continue from (clamped into the scaler's bounds), the rule
+    state and counters to restore (counters None for a plain GradScaler's state), and the rule's
+    settings the state was saved with (None: another rule's state, whose settings are not this
+    rule's; the loading rule keeps those of its keys that the state does not name)."""
 
     scale: float
     rule_state: dict[str, Any]
     counters: dict[str, int] | None
+    params: dict[str, Any] | None = None
 
 
 def read_state(state_dict: Any, name: str, bounds: ScaleBounds) -> LoadedState:
@@ -133,7 +160,9 @@ def read_state(state_dict: Any, name: str, bounds: ScaleBounds) -> LoadedState:
         return LoadedState(clamped, {}, None if ours is None else _counters(ours))
     if ours is None:  # a plain GradScaler's state, into the rule that reproduces GradScaler
         tracker = _item(state_dict.get("_growth_tracker", 0))
-        loaded = LoadedState(clamped, {"growth_tracker": int(tracker)}, None)
+        loaded = LoadedState(
+            clamped, {"growth_tracker": int(tracker)}, None, _settings(state_dict, None, name)
+        )
     else:
         saved = (ours.get("min_scale"), ours.get("max_scale"))
         if saved != (None, None) and saved != (bounds.min_scale, bounds.max_scale):
@@ -142,7 +171,9 @@ def read_state(state_dict: Any, name: str, bounds: ScaleBounds) -> LoadedState:
                 f"keeps its own ({bounds.min_scale:g}, {bounds.max_scale:g})",
                 stacklevel=3,
             )
-        loaded = LoadedState(clamped, ours["rule_state"], _counters(ours))
+        loaded = LoadedState(
+            clamped, ours["rule_state"], _counters(ours), _settings(state_dict, ours, name)
+        )
     if loaded.scale != f32(scale):
         warnings.warn(
             f"checkpoint scale {scale:g} lies outside this scaler's [{bounds.min_scale:g}, "
@@ -150,6 +181,27 @@ def read_state(state_dict: Any, name: str, bounds: ScaleBounds) -> LoadedState:
             stacklevel=3,
         )
     return loaded
+
+
+def rule_for(controller: ScaleController, loaded: LoadedState, name: str) -> ScaleRule:
+    """The rule a scaler named ``name`` continues with after loading ``loaded``: its own, or
+    one of its class with the settings the state was saved with
+    (:meth:`~autoscale.scalers.controller.ScaleController.with_params`), its state loaded.
+
+    Raises:
+        ConfigError: settings or a rule state the rule refuses (inside a wrapped program,
+            settings it refuses are set aside with a warning: it keeps its own).
+    """
+    rule = controller.rule
+    if loaded.params:
+        try:
+            rule = controller.with_params(loaded.params)
+        except ConfigError as exc:
+            if not _lenient["on"]:
+                raise ConfigError(f"checkpoint of '{name}': {exc}") from None
+            warnings.warn(f"checkpoint of '{name}': {exc}; it keeps its own", stacklevel=3)
+    rule.load_state(loaded.rule_state)
+    return rule
 
 
 def _check_ours(ours: Any) -> None:
@@ -170,6 +222,14 @@ def _check_ours(ours: Any) -> None:
             f"scaler state's 'autoscale' entry names no rule (got {name!r}); the checkpoint is "
             "corrupt"
         )
+    params = ours.get("params")
+    if params is not None and (
+        not isinstance(params, dict) or not all(isinstance(k, str) for k in params)
+    ):
+        raise ConfigError(
+            f"scaler state of rule '{name}' has params {params!r}, not a mapping of names to "
+            "values; the checkpoint is corrupt"
+        )
     missing = [k for k in (*_COUNTERS, "rule_state") if k not in ours]
     if missing:
         raise ConfigError(
@@ -185,6 +245,27 @@ def _check_ours(ours: Any) -> None:
             f"scaler state of rule '{name}' has counters {bad}, not integers >= 0; the "
             "checkpoint is corrupt"
         )
+
+
+def _settings(state_dict: dict[str, Any], ours: dict[str, Any] | None, name: str) -> dict:
+    """The settings a state of rule ``name`` was saved with: its ``params``, else GradScaler's
+    three at the top level (those it has). Inside a wrapped program, settings that are not
+    numbers are set aside with a warning (the rule keeps its own), as GradScaler loads them."""
+    if ours is not None and ours.get("params") is not None:
+        return dict(ours["params"])
+    knobs = {k: _item(state_dict[k]) for k in KNOBS if k in state_dict}
+    bad = {
+        k: v
+        for k, v in knobs.items()
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+    }
+    if bad:
+        msg = f"scaler state for '{name}' has settings {bad}, not finite numbers"
+        if not _lenient["on"]:
+            raise ConfigError(f"{msg}; the checkpoint is corrupt")
+        warnings.warn(f"{msg}; the rule keeps its own settings", stacklevel=4)
+        return {}
+    return knobs
 
 
 def _counters(ours: dict[str, Any]) -> dict[str, int]:

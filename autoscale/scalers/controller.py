@@ -319,6 +319,27 @@ class ScaleController:
         self.rule.adopt(out)
         return out
 
+    def with_params(self, params: dict[str, Any]) -> ScaleRule:
+        """The rule with the settings ``params`` names (the keys this rule's :meth:`ScaleRule.params`
+        has; the others keep their values): this rule where they are its own, else a new rule of
+        its class built with them, whose memory is a fresh rule's (load its state next). The
+        controller hosts it once it is assigned to :attr:`rule`.
+
+        Raises:
+            ConfigError: a value the rule's own validation refuses.
+        """
+        current = self.rule.params()
+        changed = {k: v for k, v in params.items() if k in current and current[k] != v}
+        if not changed:
+            return self.rule
+        try:
+            rule = type(self.rule)(**{**current, **changed})
+        except (ConfigError, TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"rule '{self.rule.name}' cannot take the settings {changed}: {exc}"
+            ) from None
+        return rule
+
     def knob(self, key: str, default: Any) -> Any:
         """The rule's parameter ``key`` (GradScaler's growth_factor, ...), else ``default``."""
         return self.rule.params().get(key, default)

@@ -129,8 +129,16 @@ def grad_stats(
 
 
 def grad_sumsq(grads: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
-    """The float32 sum of the squares of every gradient element, on ``dev``."""
-    return stack_on(torch._foreach_norm(grads, 2, dtype=torch.float32), dev).square().sum()
+    """The float32 sum of the squares of every gradient element, on ``dev`` (each norm taken
+    in float32, float64 gradients' in float64: a norm does not narrow its input)."""
+    wide = [g for g in grads if g.dtype is torch.float64]
+    if not wide:
+        return stack_on(torch._foreach_norm(grads, 2, dtype=torch.float32), dev).square().sum()
+    rest = [g for g in grads if g.dtype is not torch.float64]
+    norms = list(torch._foreach_norm(wide, 2))
+    if rest:
+        norms += torch._foreach_norm(rest, 2, dtype=torch.float32)
+    return stack_on([n.float() for n in norms], dev).square().sum()
 
 
 def stats_vector(

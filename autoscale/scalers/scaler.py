@@ -24,7 +24,7 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from autoscale.errors import ConfigError
 from autoscale.scalers import step_vector as sv
-from autoscale.scalers.checkpoint import read_state, write_state
+from autoscale.scalers.checkpoint import read_state, rule_for, write_state
 from autoscale.scalers.controller import (
     ScaleBounds,
     ScaleController,
@@ -448,17 +448,27 @@ class LossScaler(torch.amp.GradScaler):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` or any GradScaler's, the scale clamped into this scaler's
-        bounds (a warning where they differ); another rule's state gives its scale, this rule's
-        memory starts fresh (one warning). ConfigError: a newer autoscale's state, a missing or
-        malformed entry (:func:`~autoscale.scalers.checkpoint.read_state`)."""
+        bounds (a warning where they differ). A state of this rule restores its settings too, as
+        GradScaler restores ``growth_factor``, ``backoff_factor`` and ``growth_interval``: the
+        run continues as the saving scaler's would have, whatever this one was built with (a
+        plain GradScaler's state gives the ``torch`` rule those three). Another rule's state
+        gives its scale; this rule keeps its settings and its memory starts fresh (one
+        warning). ConfigError: a newer autoscale's state, a missing or malformed entry, settings
+        the rule refuses (:mod:`~autoscale.scalers.checkpoint`)."""
         if not self._enabled:
             return
         loaded = read_state(state_dict, self.name, self.controller.bounds)
-        self.rule.load_state(loaded.rule_state)
+        rule = rule_for(self.controller, loaded, self.name)
+        if rule is not self.rule:  # saved with other settings: the rule that has them
+            self.rule = self.controller.rule = rule
+            self._growth_factor = self.get_growth_factor()
+            self._backoff_factor = self.get_backoff_factor()
+            self._growth_interval = self.get_growth_interval()
         if loaded.counters is not None:
             self.controller.load_counters(loaded.counters)
             self.grads.forget()  # its step number may come back: not these gradients
         self._set_scale(loaded.scale)
+        self._guarded = False  # loaded after scale(): the step goes on at the loaded scale
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

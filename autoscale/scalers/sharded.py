@@ -31,12 +31,25 @@ from autoscale.scalers.scaler import LossScaler
 __all__ = ["ShardedLossScaler", "as_sharded", "sharded_scaler"]
 
 
-class ShardedLossScaler(LossScaler, ShardedGradScaler):
+class _ZeroDimFlags(ShardedGradScaler):
+    """ShardedGradScaler's ``unscale_`` with its found-inf flags as GradScaler's are, 0-dim
+    (its own are 1-element tensors): the packed step stacks them with 0-dim statistics and
+    losses when no collective reshapes them (a group of one rank)."""
+
+    def unscale_(self, optimizer: Any) -> None:
+        super().unscale_(optimizer)
+        state = self._per_optimizer_states[id(optimizer)]
+        flags = state["found_inf_per_device"]
+        state["found_inf_per_device"] = {dev: f.reshape(()) for dev, f in flags.items()}
+
+
+class ShardedLossScaler(LossScaler, _ZeroDimFlags):
     """An autoscale scaler that is a ``ShardedGradScaler``: build it with :func:`sharded_scaler`.
 
     Class order: LossScaler's methods first (the rule's update, statistics, agreement, state),
     which call on, through ``super()``, ShardedGradScaler's ``scale`` (the loss's dtype kept) and
-    ``unscale_`` (float16 and offloaded gradients, found-inf all-reduced over ``process_group``).
+    ``unscale_`` (float16 and offloaded gradients, found-inf all-reduced over ``process_group``;
+    its flags then 0-dim, as GradScaler's, for the packed step).
 
     Args:
         rule: The :class:`~autoscale.scalers.controller.ScaleRule` deciding the scale.

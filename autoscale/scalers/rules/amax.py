@@ -287,7 +287,8 @@ class AmaxLossRule(AmaxCapRule):
         self.guard = LossGuard(guard_history, guard_margin, guard_floor)
         self.guard_margin, self.guard_history = self.guard.guard_margin, self.guard.guard_history
         self.guard_floor = self.guard.guard_floor
-        self.wait = self.probe_after  # clean steps before the next probe of the cap
+        # clean steps before the next probe of the cap (growth comes first past the interval)
+        self.wait = min(self.probe_after, self.growth_interval)
         self.base = math.nan  # the scale next_scale set last (before any guard)
 
     @property
