@@ -47,7 +47,12 @@ def main(argv=None) -> int:
                    help="algorithms (ALGO-free: trained without the constraints)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "residual_agents.md")
+    p.add_argument("--ship", metavar="AGENT",
+                   help="ship this run's agent AGENT (e.g. rl-res-ppo-k16) as the residual agent "
+                        "a search's first RL trial fine-tunes (autoscale/agents/warm), and stop")  # fmt: skip
     args = p.parse_args(argv)
+    if args.ship:
+        return ship(args.ship, args.window, json.loads(args.out.with_suffix(".json").read_text()))
 
     import torch
 
@@ -85,6 +90,7 @@ def main(argv=None) -> int:
         )  # fmt: skip
         timings[f"train {name}"] = time.monotonic() - t0
         agents[name] = result.policy_dir
+        result.model.save(WORK / "policies" / f"{name}.sb3.zip")  # to ship (--ship) or go on
         last = result.multipliers[-20:]
         training[name] = {
             "timesteps": args.timesteps,
@@ -151,6 +157,31 @@ def main(argv=None) -> int:
     args.out.with_suffix(".json").write_text(json.dumps(out, indent=1, default=float) + "\n")
     args.out.write_text("\n".join(report(out, validation)) + "\n")
     print("\n".join(report(out, validation)))
+    return 0
+
+
+def ship(name: str, window: int, out: dict) -> int:
+    """Ship the agent ``name`` of the last run (its results in ``out``) to autoscale/agents/warm."""
+    from autoscale.agents.warm import RESIDUAL, ship_agent
+    from autoscale.scalers.policies import read_manifest
+
+    zip_path, folder = WORK / "policies" / f"{name}.sb3.zip", WORK / "policies" / name
+    if not zip_path.is_file() or name not in out["rows"]:
+        print(
+            f"residual_agents.py: no agent {name!r} in the last run; run it first", file=sys.stderr
+        )
+        return 2
+    p = read_manifest(folder).parameters
+    row = out["rows"][name]
+    agent = ship_agent(
+        zip_path, name=name, algo=p["algo"], history=1, scale_time=False, action=p["action"],
+        info={"trained_on": "the replay of envs/suite.yaml's train members, to the bar",
+              "base": p["base"], "built_by": "experiments/residual_agents.py",
+              "objective_validation": row["objective_validation"],
+              "bar_met_on_validation": row["bar_met_on"]},
+        which=RESIDUAL, window=window,
+    )  # fmt: skip
+    print(f"shipped {agent.name} as {agent.model}")
     return 0
 
 

@@ -11,6 +11,7 @@ actor, so that ``get_scaler(NAME)`` runs it with torch alone
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ def train_residual(
     timesteps: int = 20_000,
     *,
     replay: Any,
-    select_on: str | list[str] = "test",
+    select_on: str | list[str] | None = "test",
     base: str = "auto",
     window: int = 16,
     max_offset: int = 4,
@@ -83,7 +84,7 @@ def train_residual(
     continuous offset) on ``base`` (a scaler name), to the bar unless ``constrained`` is False.
     The model kept is the best on ``select_on``, instances held out from training that no later
     judgement reads (the build passes a spec whose ``test`` set is one held-out train instance
-    per member); ``init``: a saved SB3 model of ``algo`` to go on training; ``export_name``:
+    per member; None: no selection, the last model is kept); ``init``: a saved SB3 model of ``algo`` to go on training; ``export_name``:
     export it as a policy (into ``export_dir``; ``force`` replaces one)."""
     from stable_baselines3.common.monitor import Monitor
 
@@ -97,7 +98,7 @@ def train_residual(
               "max_offset": max_offset, "constrained": constrained}  # fmt: skip
     train_env = ResidualEnv(spec, "train", replay, random_offset=True, **common)
     multipliers = train_env.multipliers
-    eval_env = Monitor(
+    eval_env = None if select_on is None else Monitor(
         ResidualEnv(spec, select_on, replay, learn_multipliers=False,
                     multipliers=Multipliers(**SELECT_MULTIPLIERS), **common)
     )  # fmt: skip
@@ -139,8 +140,14 @@ def train_residual(
 
 def _learn(model, algo: str, eval_env, callbacks: list, timesteps: int, eval_freq: int):
     """Train ``model``, evaluating it on ``eval_env`` every ``eval_freq`` decisions; return the
-    best of those evaluations' models, its mean reward, and (decisions, mean reward) of each."""
-    from stable_baselines3.common.callbacks import CallbackList, EvalCallback
+    best of those evaluations' models, its mean reward, and (decisions, mean reward) of each
+    (no ``eval_env``: the last model, NaN, and no evaluation)."""
+    from stable_baselines3.common.callbacks import CallbackList
+
+    if eval_env is None:
+        model.learn(total_timesteps=timesteps, callback=CallbackList(callbacks))
+        return model, math.nan, []
+    from stable_baselines3.common.callbacks import EvalCallback
 
     from autoscale.agents.train import sb3_class
     from autoscale.envs.episodes import instance_names

@@ -22,10 +22,12 @@ from typing import Any
 
 from autoscale.errors import ConfigError
 
-__all__ = ["WARM_DIR", "WarmAgent", "shipped_agent", "ship_agent"]
+__all__ = ["RESIDUAL", "WARM_DIR", "WarmAgent", "shipped_agent", "ship_agent"]
 
 WARM_DIR = Path(__file__).resolve().parent / "warm"
 NAME = "general"
+# the residual agent on auto (autoscale.agents.residual) a search's first RL trial fine-tunes
+RESIDUAL = "residual"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,7 @@ class WarmAgent:
     action: dict[str, Any]
     model: Path
     info: dict[str, Any]
+    window: int | None = None  # a residual agent: the steps its offsets hold (None: not residual)
 
     def episode_for(self, episode):
         """``episode`` (a search's :class:`~autoscale.envs.spec.EpisodeSpec`) observed and acted
@@ -59,12 +62,13 @@ class WarmAgent:
         return ep
 
 
-def shipped_agent(folder: Path | None = None) -> WarmAgent | None:
-    """The shipped general agent, or None when none ships (or its files are incomplete)."""
+def shipped_agent(folder: Path | None = None, which: str = NAME) -> WarmAgent | None:
+    """The shipped general agent (``which``: :data:`NAME`, or :data:`RESIDUAL` for the residual
+    one), or None when none ships (or its files are incomplete)."""
     from autoscale.yamlio import load_yaml
 
     folder = Path(folder) if folder is not None else WARM_DIR
-    meta, model = folder / f"{NAME}.yaml", folder / f"{NAME}.zip"
+    meta, model = folder / f"{which}.yaml", folder / f"{which}.zip"
     if not (meta.is_file() and model.is_file()):
         return None
     d = load_yaml(meta.read_text())
@@ -76,6 +80,7 @@ def shipped_agent(folder: Path | None = None) -> WarmAgent | None:
         action=dict(d["action"]),
         model=model,
         info=dict(d.get("info") or {}),
+        window=int(d["window"]) if d.get("window") is not None else None,
     )
 
 
@@ -89,6 +94,8 @@ def ship_agent(
     action: dict[str, Any],
     info: dict[str, Any],
     folder: Path | None = None,
+    which: str = NAME,
+    window: int | None = None,
 ) -> WarmAgent:
     """Write ``model_zip`` and its description as the shipped agent (each file replaced whole:
     an interrupted write leaves the earlier file, never half of one)."""
@@ -103,15 +110,16 @@ def ship_agent(
         "scale_time": scale_time,
         "action": action,
         "info": info,
+        **({"window": window} if window is not None else {}),
     }
     with tempfile.TemporaryDirectory(dir=folder, prefix=".ship-") as tmp:
-        shutil.copyfile(model_zip, Path(tmp) / f"{NAME}.zip")
-        (Path(tmp) / f"{NAME}.yaml").write_text(
+        shutil.copyfile(model_zip, Path(tmp) / f"{which}.zip")
+        (Path(tmp) / f"{which}.yaml").write_text(
             "# the general agent a search's first RL trial starts from (autoscale/agents/warm.py)\n"
             + yaml.safe_dump(meta, sort_keys=False)
         )
-        os.replace(Path(tmp) / f"{NAME}.zip", folder / f"{NAME}.zip")
-        os.replace(Path(tmp) / f"{NAME}.yaml", folder / f"{NAME}.yaml")
-    agent = shipped_agent(folder)
+        os.replace(Path(tmp) / f"{which}.zip", folder / f"{which}.zip")
+        os.replace(Path(tmp) / f"{which}.yaml", folder / f"{which}.yaml")
+    agent = shipped_agent(folder, which)
     assert agent is not None
     return agent

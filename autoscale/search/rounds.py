@@ -210,7 +210,7 @@ class Rounds:
         t0 = time.monotonic()
         before = dict(self.counts)
         rl = plan.space in ("rl", "both") and RLObjective.fits(
-            bench.suite, self.warn if first else None
+            bench.suite, self.warn if first else None, self.cfg.warm_start
         )
         if plan.space in ("parametric", "both"):
             objective_fn = ParametricObjective(bench, recorder, self.ledger, self.families)

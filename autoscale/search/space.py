@@ -24,7 +24,7 @@ __all__ = [
     "searched_families",
     "suggest_parametric",
     "default_trial_params",
-    "suggest_rl",
+    "suggest_residual",
 ]
 
 
@@ -140,22 +140,18 @@ def default_trial_params(rule: str, defaults: dict[str, Any], episode: Any) -> d
     return out
 
 
-def suggest_rl(trial: Any, action_mode: str, scale_time: bool = True) -> dict[str, Any]:
-    """Sample an SB3 algorithm and its hyperparameters for the spec's action mode, and (where
-    ``scale_time``: the episodes have no guard of their own) whether the agent acts when the loss
-    is scaled, seeing that step's loss (``episode.scale_time``), or after the step."""
-    from autoscale.agents.train import ALGOS
-
-    algos = sorted(a for a, modes in ALGOS.items() if action_mode in modes)
-    algo = trial.suggest_categorical("algo", algos)
+def suggest_residual(trial: Any) -> dict[str, Any]:
+    """Sample a residual agent's algorithm (discrete offsets: PPO, DQN or A2C), its
+    hyperparameters, and the weight of precision in its reward (the bar's constraints hold
+    whatever the weight)."""
+    algo = trial.suggest_categorical("algo", ["a2c", "dqn", "ppo"])
     hp: dict[str, Any] = {
         "learning_rate": trial.suggest_float(f"{algo}.learning_rate", 1e-4, 3e-3, log=True),
-        "gamma": trial.suggest_float(f"{algo}.gamma", 0.9, 0.999),
+        "gamma": trial.suggest_float(f"{algo}.gamma", 0.8, 0.99),
     }
     if algo in ("ppo", "a2c"):
         hp["ent_coef"] = trial.suggest_float(f"{algo}.ent_coef", 1e-4, 0.05, log=True)
     if algo == "dqn":
         hp["exploration_fraction"] = trial.suggest_float(f"{algo}.exploration_fraction", 0.1, 0.5)
     precision_x = trial.suggest_float("reward.precision_x", 0.25, 4.0, log=True)
-    now = bool(trial.suggest_categorical("scale_time", [False, True])) if scale_time else False
-    return {"algo": algo, "hyperparams": hp, "precision_x": precision_x, "scale_time": now}
+    return {"algo": algo, "hyperparams": hp, "precision_x": precision_x}

@@ -18,30 +18,21 @@ from tests.search.test_trials import _parts, _study, setup  # noqa: F401  (setup
 TrialState = optuna.trial.TrialState
 
 
-def _ship(suite, traces, folder, action=None):
-    """A general agent, trained briefly on the suite's replay, shipped into ``folder``."""
-    import dataclasses
+def _ship(suite, traces, folder, offsets=None):
+    """A residual agent on auto, trained briefly on the suite's replay, shipped into ``folder``."""
+    from autoscale.agents.residual import train_residual
+    from autoscale.scalers.actions import ActionMap
+    from autoscale.scalers.residual import default_offsets
 
-    from autoscale.agents.train import train_agent
-
-    spec = dataclasses.replace(
-        suite,
-        members=tuple(
-            dataclasses.replace(
-                m, instances={"train": m.instances["train"][:1], "test": m.instances["train"][1:]}
-            )
-            for m in suite.members
-        ),
-    )
-    result = train_agent(
-        spec, "ppo", 64, replay=traces, seed=3, hyperparams={"n_steps": 32, "batch_size": 16}
-    )
+    result = train_residual(suite, "ppo", 64, replay=traces, select_on=None, window=8, seed=3,
+                            hyperparams={"n_steps": 32, "batch_size": 16})  # fmt: skip
     zip_path = folder / "trained.zip"
+    folder.mkdir(parents=True, exist_ok=True)
     result.model.save(zip_path)
+    action = ActionMap(deltas=offsets or default_offsets()).to_dict()
     return warm_mod.ship_agent(
-        zip_path, name="general-test", algo="ppo", history=1, scale_time=False,
-        action=action or suite.episode.action.to_dict(), info={"trained_on": "the test suite"},
-        folder=folder,
+        zip_path, name="residual-test", algo="ppo", history=1, scale_time=False, action=action,
+        info={"trained_on": "the test suite"}, folder=folder, which=warm_mod.RESIDUAL, window=8,
     )  # fmt: skip
 
 
@@ -66,13 +57,15 @@ def _warm_trials(root, suite, traces, name: str, n: int, seconds: float) -> tupl
 def test_the_first_rl_trial_fine_tunes_the_shipped_agent(setup, tmp_path, monkeypatch):  # noqa: F811
     root, suite, traces = setup
     agent = _ship(suite, traces, tmp_path / "warm")
-    assert warm_mod.shipped_agent(tmp_path / "warm") == agent
+    assert warm_mod.shipped_agent(tmp_path / "warm", warm_mod.RESIDUAL) == agent
     monkeypatch.setattr(warm_mod, "WARM_DIR", tmp_path / "warm")
     (first, second), said = _warm_trials(root, suite, traces, "warm", 2, 8)
     assert first.state == second.state == TrialState.COMPLETE, said
-    assert first.user_attrs["warm_start"] == "general-test"
-    assert first.user_attrs["policy"]["warm_start"] == "general-test"
-    assert first.user_attrs["policy"]["algo"] == "ppo" and first.params == {}  # not sampled
+    assert first.user_attrs["warm_start"] == "residual-test"
+    policy = first.user_attrs["policy"]
+    assert policy["warm_start"] == "residual-test" and policy["kind"] == "residual"
+    assert policy["window"] == 8 and policy["base"] == "auto"
+    assert policy["algo"] == "ppo" and first.params == {}  # not sampled
     before = first.user_attrs["warm_before"]
     assert isinstance(before, float) and before == before  # the agent as shipped, scored
     assert "warm_start" not in second.user_attrs and "algo" in second.params  # sampled, cold
@@ -86,13 +79,12 @@ def test_an_agent_of_other_actions_is_refused_in_a_line_and_agents_start_cold(
     monkeypatch,
 ):
     root, suite, traces = setup
-    other = {**suite.episode.action.to_dict(), "deltas": [-1.0, 0.0, 1.0]}
-    _ship(suite, traces, tmp_path / "warm", action=other)
+    _ship(suite, traces, tmp_path / "warm", offsets=(-1.0, 0.0, 1.0))
     monkeypatch.setattr(warm_mod, "WARM_DIR", tmp_path / "warm")
     (trial,), said = _warm_trials(root, suite, traces, "cold", 1, 3)
     assert "warm_start" not in trial.user_attrs and "algo" in trial.params
     assert len(said) == 1 and said[0].startswith("agents start from nothing: ")
-    assert "general-test" in said[0] and "\n" not in said[0]
+    assert "residual-test" in said[0] and "\n" not in said[0]
 
 
 def test_nothing_ships_when_a_file_is_missing(tmp_path):
@@ -120,13 +112,17 @@ def test_a_dqn_agent_goes_on_from_where_it_ended_not_from_random_actions(
     assert "\n" not in str(e.value)
 
 
-def test_one_recorded_train_instance_per_member_is_no_ground_for_agents(setup):  # noqa: F811
-    """A re-plan under load may keep one train instance per member: an agent needs two (one
-    selects it), so the search runs no RL trial and says why once, instead of failing every RL
-    trial it starts (a 5-minute search under load failed 128 of them)."""
+def test_one_recorded_train_instance_per_member_is_ground_only_for_a_warm_start(
+    setup,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """A re-plan under load may keep one train instance per member: a cold agent needs two (one
+    selects it), so without a shipped residual agent the search runs no RL trial and says why
+    once; with one, its fine-tuning goes to the real-step validation, which judges it anyway."""
     import dataclasses
 
-    _, suite, _ = setup
+    _, suite, traces = setup
     one = dataclasses.replace(
         suite,
         members=tuple(
@@ -134,7 +130,12 @@ def test_one_recorded_train_instance_per_member_is_no_ground_for_agents(setup): 
             for m in suite.members
         ),
     )
+    monkeypatch.setattr(warm_mod, "WARM_DIR", tmp_path / "none")
     said: list[str] = []
     assert RLObjective.fits(suite, said.append) and said == []
     assert not RLObjective.fits(one, said.append)
     assert len(said) == 1 and said[0].startswith("no RL trials: an agent needs two")
+    _ship(suite, traces, tmp_path / "warm")
+    monkeypatch.setattr(warm_mod, "WARM_DIR", tmp_path / "warm")
+    assert RLObjective.fits(one, said.append) and len(said) == 1
+    assert not RLObjective.fits(one, said.append, warm_start=False)

@@ -7,7 +7,7 @@ from autoscale.search.space import (
     default_trial_params,
     parametric_families,
     suggest_parametric,
-    suggest_rl,
+    suggest_residual,
 )
 from autoscale.search.workload import base_spec
 from tests.search.conftest import RULES
@@ -53,22 +53,13 @@ def test_enqueued_defaults_reproduce_the_built_in_rule(rule):
     assert tuned.get_scale() == builtin.get_scale() == spec.episode.init_scale
 
 
-def test_rl_space_offers_only_algorithms_of_the_action_mode():
+def test_rl_space_samples_residual_agents_of_discrete_offsets():
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     algos = set()
     for _ in range(30):
-        cfg = suggest_rl(study.ask(), "discrete")
+        cfg = suggest_residual(study.ask())
         algos.add(cfg["algo"])
         assert 1e-4 <= cfg["hyperparams"]["learning_rate"] <= 3e-3
+        assert 0.8 <= cfg["hyperparams"]["gamma"] <= 0.99
         assert 0.25 <= cfg["precision_x"] <= 4.0
     assert algos == {"ppo", "a2c", "dqn"}
-
-
-def test_rl_space_samples_scale_time_agents_unless_the_episodes_are_guarded():
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-    seen = {suggest_rl(study.ask(), "discrete")["scale_time"] for _ in range(20)}
-    assert seen == {False, True}
-    for _ in range(5):  # a guard already decides from the loss: never at scale time
-        trial = study.ask()
-        assert suggest_rl(trial, "discrete", scale_time=False)["scale_time"] is False
-        assert "scale_time" not in trial.params
