@@ -47,7 +47,7 @@ def precision_table(
 
 
 # Replay makes a StepStats per step and a StepRecord per step of an episode; a frozen dataclass's
-# __init__ sets each field with object.__setattr__, which took a third of a long replayed episode's
+# __init__ sets each field with object.__setattr__, a large share of a long replayed episode's
 # time. The makers below build the same objects (equal fields, equal ==, repr and hash) by setting
 # their __dict__ at once, and fall back to the constructor if the class is not the plain frozen
 # dataclass with the fields they fill.

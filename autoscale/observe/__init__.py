@@ -44,9 +44,8 @@ def watch_scaler(
         log: One or more live-log specs: ``csv:FILE``, ``tensorboard:DIR``, ``wandb:PROJECT``.
         hist_every: A gradient histogram every this many steps (the record's precision loss;
             steps between take the last one). 8 by default: a histogram costs a pass over every
-            gradient element (a ``bincount``: about 1.5 ns an element on a CPU core); every step
-            made recording about 1.37x the step of a 1M-parameter MLP on a CPU
-            (``experiments/benchmarks/record_overhead.py``).
+            gradient element (a ``bincount``), and one every step adds a large share to a small
+            model's step (``experiments/results/record_overhead.md``, "record hist 1").
         measure_threshold: Measure each step's overflow threshold from the backward's own fp16
             tensors (a Python call per backward op) instead of estimating it from the gradients.
         meta: More to keep in the record's ``meta.json``.

@@ -48,10 +48,11 @@ def grad_amax(grads: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
     inf if any is infinite and none is NaN)."""
     if grads[0].device.type != "cpu":
         return stack_on(torch._foreach_norm(grads, math.inf), dev).amax()
-    # On CPU, _foreach_norm(inf) is an unvectorized loop (2.7 ms for 1M fp32 elements), and
-    # abs + max allocates a copy of every gradient (page faults: ~1.5 ms per step measured);
-    # aminmax reads each gradient once without allocating. max |g| of a tensor is the larger of
-    # |min| and |max|: one stack of all of them, one inf-norm (abs and max in one op).
+    # On CPU, _foreach_norm(inf) is an unvectorized loop, and abs + max allocates a copy of every
+    # gradient (page faults each step); aminmax reads each gradient once without allocating, the
+    # cheapest exact max |g| of torch's CPU ops (experiments/results/amax_read.md). max |g| of a
+    # tensor is the larger of |min| and |max|: one stack of all of them, one inf-norm (abs and max
+    # in one op).
     return torch.linalg.vector_norm(
         stack_on([t for g in grads for t in torch.aminmax(g)], dev), math.inf
     )
@@ -67,7 +68,8 @@ def grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             g = p.grad
             if g is None:
                 continue
-            # (isinstance of a Tensor subclass costs 5x the type test most gradients stop at)
+            # (isinstance of a Tensor subclass costs far more than the type test most gradients
+            # stop at)
             if type(g) is not plain and dtensor is not None and isinstance(g, dtensor):
                 g = local_grad(g)
             if g.is_sparse:
@@ -110,8 +112,8 @@ def grad_stats(
 
     With ``flat`` (CPU gradients), ``|g|`` is copied into it first, for an instrument that reads
     it too, and the statistics come from that copy (one max, one dot); without, each gradient is
-    read in place, which is cheaper when nothing else reads the copy (on an MLP of 1M parameters
-    the copy, abs and max cost amax-history 1.09x GradScaler's step, aminmax 1.04x)."""
+    read in place, which is cheaper when nothing else reads the copy (a copy, abs and max costs
+    more than aminmax in place: ``experiments/results/amax_read.md``)."""
     if not grads:
         return torch.zeros(3, device=dev), None
     with torch.no_grad():
@@ -187,8 +189,8 @@ class AbsMax:
         """``(amax, sum of squares)`` of ``grads``: the amax as they are; then, with
         ``then_mul``, each gradient multiplied in place by it; then, with ``sumsq``, the float32
         sum of their squares as they are now (else None). On a CPU each gradient gets all three
-        right after its own read, while it is still in cache (the multiply in 20% less time than
-        a second pass over all of them, ``experiments/results/amax_read.md``); the squares are
+        right after its own read, while it is still in cache (the multiply costs less than a
+        second pass over all of them, ``experiments/results/amax_read.md``); the squares are
         summed per tensor by the kernel ``torch._foreach_norm`` runs there: the same bits."""
         if grads[0].device.type != "cpu":
             amax = grad_amax(grads, dev)

@@ -22,8 +22,7 @@ __all__ = ["Episode", "ReplayBench", "REFERENCE_RULE"]
 
 REFERENCE_RULE = "torch"
 # Fewer episodes than this: the scalar replay is the faster (numpy's per-step overhead is shared by
-# too few lanes). experiments/results/vector_replay_speed.md: one candidate on 3 episodes of 1024
-# steps, vectorised 0.2-0.3x the scalar replay's rate, at 12 lanes 0.6-1.3x, at 24 lanes 1.3-2.1x.
+# too few lanes; experiments/results/vector_replay_few_lanes.md).
 VECTOR_MIN_LANES = 16
 
 

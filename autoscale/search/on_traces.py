@@ -163,7 +163,7 @@ class TraceSearch:
             RecordReplay(rec).replay("torch")
         per_run = time.perf_counter() - t0
         # validation: candidates and rules on the test windows; no harm: two whole-run replays
-        # per candidate tried; the report: every rule on the first run, and its plots (~2 s)
+        # per candidate tried; the report: every rule on the first run, its plots (the fixed 3 s)
         n = CANDIDATES + len(families)
         reserve = 1.5 * (per_test * n + per_run * (2 * n + len(families) + 2)) + 3.0
         stop_at = self.budget.end - reserve

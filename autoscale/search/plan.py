@@ -61,9 +61,10 @@ REAL_SHARE = 0.80  # recording + validation + the no-harm check fit in this shar
 VALIDATE_SHARE = 0.30  # validation takes at most this share
 VALIDATED_CANDIDATES = 3  # validation is planned for every rule and this many candidates
 MIN_SEARCH_SHARE = 0.10  # the search keeps at least this share of the working budget
-# RL is tried where the search leaves room for the warm start: an RL trial starts only before the
-# search's last 5 s (RLObjective.MIN_TRIAL_S / 2), after the parametric trials' share (30%), so
-# 8 s leave it about 5 s to fine-tune the shipped agent; it exports and scores it after that
+# RL is tried where the search leaves room for the warm start: an RL trial starts after the
+# parametric trials' share (with --space both) and only before the search's last
+# RLObjective.MIN_TRIAL_S / 2, and this much search leaves it time between the two to fine-tune
+# the shipped agent; it exports and scores it after that
 RL_MIN_SEARCH_S = 8.0
 HORIZON_LADDER = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
 VALIDATION_LADDER = (4096, 2048, 1024, 512, 256, 128, 96, 64, 48, 32, 24, 16, 8)

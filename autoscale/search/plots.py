@@ -1,9 +1,9 @@
 """The per-trial plot: scale trajectory against the recorded overflow threshold, as SVG.
 
-Written directly as SVG text (well under a millisecond) rather than through matplotlib (about
-60 ms a figure, ten times a replay trial): every trial gets one, and bookkeeping must stay a small
-share of the search. The dashboard shows SVG artifacts as images. Final comparisons on real steps
-use :func:`autoscale.training.report.plot_comparison`.
+Written directly as SVG text rather than through matplotlib, whose figure costs more than a
+replay trial itself: every trial gets one, and bookkeeping must stay a small share of the search.
+The dashboard shows SVG artifacts as images. Final comparisons on real steps use
+:func:`autoscale.training.report.plot_comparison`.
 """
 
 from __future__ import annotations

@@ -453,7 +453,7 @@ class Rounds:
 
     def _comparison_plot(self, rows: list[Validated]) -> None:
         """A PNG of the real-step trajectories, kept as a study artifact, where time and the
-        bookkeeping share (about 0.3 s a figure) allow."""
+        bookkeeping share allow (a matplotlib figure costs far more than a trial's SVG)."""
         if self.budget.left() + 0.5 * self.budget.reserve < 1.0:
             return
         from matplotlib.figure import Figure  # noqa: F401  (import outside the timed drawing)

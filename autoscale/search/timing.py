@@ -269,7 +269,7 @@ def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: floa
 
 def _warm_up(workload: Any) -> None:
     """Build and step a run of the smallest preset once, untimed: the one-off imports of a cold
-    process (the optimizer's first step imports ``torch._dynamo``, about 3 s on a fresh install)
+    process (the optimizer's first step imports ``torch._dynamo``, seconds on a fresh install)
     would otherwise be charged to the first workload's build, as if every run paid them."""
     from autoscale.training import TrainingRun, WorkloadSpec
 

@@ -1,7 +1,7 @@
 """fp16 on a CPU without fp16 matrix units: autocast's numerics, products at fp32 speed.
 
-Without AVX512-FP16 or AMX-FP16, torch's CPU kernels for fp16 matrix products are scalar loops
-(GPT-2 124M: an fp16 autocast step takes 23x an fp32 step on this project's 2-core machine).
+Without AVX512-FP16 or AMX-FP16, torch's CPU kernels for fp16 matrix products are scalar loops,
+many times slower than fp32's BLAS on a large model (``experiments/results/fp16_speed.md``).
 Their arithmetic is simple: every product and sum in fp32, one rounding to fp16 at the end, the
 contract of a GPU's tensor cores too. :class:`Fp16EmulationMode` keeps
 ``torch.autocast(dtype=torch.float16)`` and autograd exactly as they are, so every tensor the
@@ -16,8 +16,7 @@ differently; results differ in the last fp16 bit now and then), and the fp16 rou
 fused native kernel makes inside itself (the CPU flash-attention kernel rounds its softmax
 probabilities to fp16 before multiplying them with V; emulated, they stay fp32).
 ``experiments/benchmarks/fp16_emulation.py`` measures how far this moves overflow thresholds,
-skips and precision loss (thresholds by at most 0.001 bit, skips not at all over 64 steps:
-``experiments/results/fp16_emulation.md``).
+skips and precision loss (``experiments/results/fp16_emulation.md``).
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ def emulated_ops() -> dict[Any, tuple[int, ...]]:
         "_scaled_dot_product_flash_attention_for_cpu": (1,),
         "_scaled_dot_product_flash_attention_for_cpu_backward": (),
         # Not a product: the native fp16 kernel computes in fp32 and rounds once, like this, but
-        # 10x slower (GPT-2's tanh-GELU takes x**3); tests check every fp16 input bit for bit.
+        # far slower (GPT-2's tanh-GELU takes x**3); tests check every fp16 input bit for bit.
         "pow.Tensor_Scalar": (),
     }
     ops = {}
@@ -217,8 +216,8 @@ def resolve_fp16_path(
     ``auto`` emulates on a CPU without fp16 matrix instructions, unless the model's products
     are too small to pay for the emulation's per-op cost (a Python call for every op of the
     step, some microseconds each): under :data:`AUTO_MIN_MACS` multiply-adds per micro-batch
-    (the ``mlp`` preset at batch 4: 0.9M, native 1.2x faster; at batch 16: 3.7M, emulated
-    faster; measured on this project's 2-core machine).
+    (the ``mlp`` preset at batch 4 is under it and runs faster native:
+    ``experiments/results/fp16_speed.md``).
 
     Args:
         requested: ``auto``, ``native`` or ``emulated`` (``WorkloadSpec.fp16``).

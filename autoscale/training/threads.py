@@ -5,9 +5,9 @@ Why it matters: torch starts one OpenMP thread per physical core, and a parallel
 matrix product, every elementwise kernel) ends when its slowest thread does. A thread that shares
 its core with another busy process waits for the scheduler's time slice, at every region: on a
 2-core machine with one other CPU-bound process, a gpt2-tiny step takes several times longer with
-torch's 2 threads than with 1, and varies by 10x from one step to the next
+torch's 2 threads than with 1, and varies widely from one step to the next
 (``experiments/benchmarks/threads_under_load.py``, results in ``experiments/results/threads.md``).
-A search that measured its steps on an idle moment then ran out of budget while recording.
+A search that timed its steps in an idle moment would then run out of budget while recording.
 
 So the search runs as many threads as there are cores that other processes leave idle: at least
 one, at most torch's own default; and looks again when its steps turn out slower than measured.
