@@ -111,6 +111,10 @@ def _scorecard(study, pick, key, against: list[str], validation, weights) -> dic
     if v is not None and ref is not None:
         n = sum(len(c) for c in v.cards.values())
         where = f"real steps: {n} test episodes of {validation.episode.steps} steps"
+        if not v.real:  # a study of records
+            from autoscale.search.on_traces import replay_where
+
+            where = replay_where(v, validation)
         summary = card_summary(v.cards, ref.cards, weights, where)
         if pick.choice is not None:
             summary["evidence"] = evidence(pick.choice, v, ref, weights)

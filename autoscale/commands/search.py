@@ -185,17 +185,7 @@ class SearchCommand(Command):
                 "resumes it once the storage is reachable"
             ) from None
         except KeyboardInterrupt:
-            c, path = runner.counts, runner.result.exported
-            exported = (
-                "nothing was exported"
-                if path is None
-                else f"{path} stays as an earlier round exported it: {runner.result.winner}"
-            )
-            print(
-                f"interrupted: this worker's {c['complete']} complete and {c['pruned']} pruned trials are kept in "
-                f"study '{study}'; {exported}; the same command resumes it",
-                file=sys.stderr,
-            )
+            print(_interrupted(runner.counts, study, runner.result), file=sys.stderr)
             return 130
         ledger = result.ledger
         work, bk = ledger.total("work:"), ledger.total("bk:")
@@ -230,6 +220,8 @@ class SearchCommand(Command):
                 f"--traces searches parametric rules on your records; it takes no "
                 f"{', '.join(other) or '--space ' + args.space} (drop it, or search a workload instead)"
             )
+        from autoscale.search.report import draw_bars
+
         cfg = TraceSearchConfig(
             tuple(args.traces),
             study=args.study,
@@ -242,20 +234,37 @@ class SearchCommand(Command):
             n_trials=args.n_trials,
             command=shlex.join(["autoscale", *sys.argv[1:]]) if sys.argv else "autoscale search",
             families=tuple(args.family) if args.family else None,
+            progress=draw_bars(not args.quiet),
         )
+        search = TraceSearch(cfg, budget)
         try:
             with sticky_interrupt():
-                result = TraceSearch(cfg, budget).run()
+                result = search.run()
         except KeyboardInterrupt:
+            held = f" (it holds {search.held})"
             print(
-                "interrupted: every finished trial is kept in the study; nothing was exported; the "
-                "same command resumes it",
+                _interrupted(search.counts, search.result.study, search.result, held),
                 file=sys.stderr,
             )
             return 130
+        stopped = " (stopped early: see the search line)" if result.stopped_early else ""
         print(
-            f"done in {format_duration(budget.elapsed())} of a {format_duration(budget.seconds)} "
-            f"budget; {result['trials']} trials; review it with: autoscale dashboard --storage "
+            f"done in {format_duration(result.wall_s)} of a {format_duration(budget.seconds)} "
+            f"budget{stopped}; {search.summary()}; review it with: autoscale dashboard --storage "
             f"{mask_url(args.storage)}"
         )
         return 0
+
+
+def _interrupted(counts: dict[str, int], study: str, result: Any, held: str = "") -> str:
+    """The line a Ctrl-C leaves, for a search on a workload or on records: what is kept, what
+    was exported."""
+    exported = (
+        "nothing was exported"
+        if result.exported is None
+        else f"{result.exported} stays as an earlier round exported it: {result.winner}"
+    )
+    return (
+        f"interrupted: this worker's {counts['complete']} complete and {counts['pruned']} pruned "
+        f"trials are kept in study '{study}'{held}; {exported}; the same command resumes it"
+    )

@@ -260,7 +260,10 @@ def _check_writable_folder(root: Path) -> None:
 
 
 def _workload(study: Any, suite: SuiteSpec, extra: dict[str, Any]) -> dict[str, Any]:
-    if suite.is_single:
+    described = study.user_attrs.get("workload")
+    if described is not None:  # what the study searched, in its own words (a search on records)
+        base = dict(described)
+    elif suite.is_single:
         base = {**suite.members[0].workload.to_dict(), "env": suite.members[0].name}
     else:
         base = {
@@ -412,6 +415,7 @@ def stored_pick(study: Any, validation: SuiteSpec, weights: Any) -> StoredPick:
     from autoscale.search.validate import PREFIX, by_member, real_cards
 
     attrs, names = study.user_attrs, suite_instances(validation, "test")
+    replay = "traces" in attrs  # a search on records: its rows are replay, all there is
     states = (optuna.trial.TrialState.COMPLETE,)
     complete = {t.number: t for t in study.get_trials(deepcopy=False, states=states)}
     rows: dict[Candidate, Validated] = {}
@@ -425,7 +429,7 @@ def stored_pick(study: Any, validation: SuiteSpec, weights: Any) -> StoredPick:
         cards = real_cards(attrs, key, names)
         if len(cards) == len(names):
             label = key.name if key.is_named else policy_label(complete[key.number])
-            rows[key] = Validated(key, label, by_member(cards, names))
+            rows[key] = Validated(key, label, by_member(cards, names), real=not replay)
     families = tuple(attrs.get("plan", {}).get("rules", ()))
     reference = rows.get(TORCH)
     if reference is None:
@@ -433,6 +437,7 @@ def stored_pick(study: Any, validation: SuiteSpec, weights: Any) -> StoredPick:
     choice = choose(
         study, rank(rows, reference, weights), {}, None, None, None, weights=weights,
         stop_at=0.0, say=lambda text: None, refuse=lambda v: family_refusal(v, study, families),
+        replay_counts=replay,
     )  # fmt: skip
     return StoredPick(choice, rows, reference, families, weights)
 
