@@ -221,7 +221,6 @@ def test_no_import_circle():
 # Functions over the cap when it replaced the 500-line file cap, at their length then: each may
 # only shrink (a refactor that brings one under the cap removes it here).
 LONG_FUNCTIONS = {
-    "autoscale/search/on_traces.py:run": 161,
     "autoscale/agents/train.py:train_agent": 157,
     "autoscale/search/traces.py:load_traces": 143,
     "autoscale/report/findings.py:findings": 127,
