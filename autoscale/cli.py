@@ -67,7 +67,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "DashboardCommand",
         "optuna-dashboard on a search storage (127.0.0.1)",
     ),
-    "export": ("export", "ExportCommand", "export a search trial's policy to policies/NAME"),
+    "export": ("export", "ExportCommand", "export a search trial's policy to your policies folder"),
 }
 
 # Commands that need an optional extra whatever their arguments: checked before the command is

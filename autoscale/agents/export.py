@@ -1,4 +1,7 @@
-"""Export learned policies to ``policies/NAME/`` (manifest + weights).
+"""Export learned policies to ``DIR/NAME/`` (manifest + weights), ``DIR`` by default the folder
+:func:`~autoscale.scalers.policies.default_policy_dir` names: the first of
+``$AUTOSCALE_POLICY_PATH``, else the user's (``$AUTOSCALE_HOME/policies``, else
+``$XDG_DATA_HOME/autoscale/policies``, else ``~/.local/share/autoscale/policies``).
 
 A neural export turns a trained SB3 policy into a plain ``nn.Sequential`` actor (its state_dict in
 ``weights.pt``), so that :class:`~autoscale.scalers.neural.NeuralPolicyRule` runs it with torch

@@ -170,9 +170,9 @@ def train_agent(
         tensorboard: Folder for TensorBoard logs (needs the ``tensorboard`` package).
         progress: Show a progress bar.
         deadline: ``time.monotonic()`` value at which training stops early.
-        export_name: Export the best model as ``policies/NAME`` (nothing is overwritten without
-            ``force``; the name is checked before training starts).
-        export_dir: Folder to export into (default: the first policy directory).
+        export_name: Export the best model as ``NAME`` in ``export_dir`` (nothing is overwritten
+            without ``force``; the name is checked before training starts).
+        export_dir: Folder to export into (default: ``scalers.policies.default_policy_dir()``).
         force: Replace an existing export of that name.
         knobs: Replay only: scenario knobs drawn per training episode
             (:class:`~autoscale.envs.knobs.Knobs`); the episodes that select the best model

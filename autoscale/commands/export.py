@@ -1,11 +1,13 @@
-"""``autoscale export``: export a search trial's policy to ``policies/NAME``."""
+"""``autoscale export``: export a search trial's policy to ``DIR/NAME``: ``--policy-dir``, else
+the first folder of ``$AUTOSCALE_POLICY_PATH``, else the user's folder (``$AUTOSCALE_HOME/policies``,
+else ``$XDG_DATA_HOME/autoscale/policies``, else ``~/.local/share/autoscale/policies``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from autoscale.commands.base import Command
+from autoscale.commands.base import POLICY_DIR_HELP, Command
 from autoscale.errors import ConfigError
 from autoscale.search.candidates import AUTO, Candidate
 
@@ -32,11 +34,11 @@ pick, one warning says why. The manifest's evidence says either way.
         )
         add_storage_arguments(parser)
         parser.add_argument("--trial", default="best", help="trial number, or 'best' (default)")
-        parser.add_argument("--name", required=True, help="policy name: policies/NAME")
-        parser.add_argument("--force", action="store_true", help="overwrite an existing policy")
         parser.add_argument(
-            "--policy-dir", metavar="DIR", help="export folder (default ./policies)"
+            "--name", required=True, help="policy name: exported to DIR/NAME (see --policy-dir)"
         )
+        parser.add_argument("--force", action="store_true", help="overwrite an existing policy")
+        parser.add_argument("--policy-dir", metavar="DIR", help=POLICY_DIR_HELP)
 
     def run(self, args: argparse.Namespace) -> int:
         import optuna

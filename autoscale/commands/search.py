@@ -7,7 +7,7 @@ import shlex
 import sys
 from typing import Any
 
-from autoscale.commands.base import Command
+from autoscale.commands.base import POLICY_DIR_HELP, Command
 from autoscale.processes import sticky_interrupt
 
 EPILOG = """examples:
@@ -110,7 +110,7 @@ class SearchCommand(Command):
         st.add_argument(
             "--force", action="store_true", help="overwrite another policy of that name"
         )
-        st.add_argument("--policy-dir", metavar="DIR", help="export folder (default ./policies)")
+        st.add_argument("--policy-dir", metavar="DIR", help=POLICY_DIR_HELP)
         parser.add_argument(
             "--quiet",
             action="store_true",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from autoscale.commands.base import Command
+from autoscale.commands.base import POLICY_DIR_HELP, Command
 
 
 class TrainAgentCommand(Command):
@@ -39,7 +39,10 @@ keeps the last model (no checkpoint selection), and says so.
             help="train (and evaluate) on this recorded trace, not real steps",
         )
         parser.add_argument(
-            "--out", metavar="NAME", required=True, help="export the kept model as policies/NAME"
+            "--out",
+            metavar="NAME",
+            required=True,
+            help="export the kept model as DIR/NAME (see --policy-dir)",
         )
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument(
@@ -63,11 +66,7 @@ keeps the last model (no checkpoint selection), and says so.
             help="evaluate on the held-out train instance every N steps (selects the checkpoint)",
         )
         parser.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard logs here")
-        parser.add_argument(
-            "--policy-dir",
-            metavar="DIR",
-            help="export folder (default: $AUTOSCALE_POLICY_PATH or ./policies)",
-        )
+        parser.add_argument("--policy-dir", metavar="DIR", help=POLICY_DIR_HELP)
         parser.add_argument(
             "--force", action="store_true", help="overwrite an existing policy of that name"
         )

@@ -12,7 +12,7 @@ Example::
 """
 
 from autoscale.search.budget import Budget, Ledger, format_duration, parse_budget
-from autoscale.search.export import best_trial, export_rule, export_trial, rank
+from autoscale.search.export import export_rule, export_trial, rank, stored_pick
 from autoscale.search.objective import (
     OBJECTIVE_DOC,
     ROBUSTNESS,
@@ -40,7 +40,6 @@ __all__ = [
     "artifact_store",
     "artifacts_dir",
     "base_spec",
-    "best_trial",
     "export_rule",
     "rank",
     "regrets",
@@ -57,4 +56,5 @@ __all__ = [
     "objective_terms",
     "open_storage",
     "parse_budget",
+    "stored_pick",
 ]

@@ -1,4 +1,7 @@
-"""Export: a study's trial, a built-in rule or the shipped ``auto`` as a policy (``policies/NAME/``).
+"""Export: a study's trial, a built-in rule or the shipped ``auto`` as a policy ``DIR/NAME/``,
+``DIR`` by default the folder :func:`~autoscale.scalers.policies.default_policy_dir` names (the
+first of ``$AUTOSCALE_POLICY_PATH``, else ``$AUTOSCALE_HOME/policies``, else
+``$XDG_DATA_HOME/autoscale/policies``, else ``~/.local/share/autoscale/policies``).
 
 The search ranks its validated candidates, every built-in rule and ``auto`` on the same real-step
 test episodes (:func:`rank`) and picks (:mod:`autoscale.search.choose`). A built-in rule that is
@@ -42,7 +45,6 @@ __all__ = [
     "export_trial",
     "export_rule",
     "export_policy",
-    "best_trial",
     "stored_pick",
     "export_candidate",
     "card_summary",
@@ -440,9 +442,6 @@ def stored_pick(study: Any, validation: SuiteSpec, weights: Any) -> StoredPick:
         replay_counts=replay,
     )  # fmt: skip
     return StoredPick(choice, rows, reference, families, weights)
-
-
-best_trial = stored_pick  # the name autoscale.search exports (the pick may be a rule or auto)
 
 
 def export_candidate(

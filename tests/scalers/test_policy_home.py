@@ -114,3 +114,19 @@ def test_list_says_where_policies_are_looked_for_and_where_exports_go(home, caps
     line = next(x for x in out.splitlines() if x.startswith("Exported policies are looked for"))
     assert f"./policies ({Path.cwd() / 'policies'})" in line
     assert f"an export goes to {home / 'policies'} unless given a folder" in line
+
+
+@pytest.mark.parametrize("command", ["search", "export", "train-agent"])
+def test_the_exporting_commands_help_says_where_an_export_goes(command, capsys):
+    from autoscale.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0 and "./policies" not in text
+    # default_policy_dir's order, tested above
+    assert (
+        "--policy-dir DIR export folder (default: the first folder of $AUTOSCALE_POLICY_PATH, "
+        "else $AUTOSCALE_HOME/policies, else $XDG_DATA_HOME/autoscale/policies, "
+        "else ~/.local/share/autoscale/policies)"
+    ) in text

@@ -42,14 +42,18 @@ class CliRun:
     wall_s: float
 
 
-def cli_env(threads: str | None = "1") -> dict[str, str]:
+def cli_env(threads: str | None = "1", home: Path | None = None) -> dict[str, str]:
     """The environment of a CLI run: one torch thread (deterministic steps), or with
-    ``threads=None`` none set, as a user's shell has it (autoscale picks its threads)."""
+    ``threads=None`` none set, as a user's shell has it (autoscale picks its threads); exports
+    given no folder go to ``home/policies`` (``$AUTOSCALE_HOME``), else to the calling test's
+    (tests/conftest.py)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("OMP_NUM_THREADS", None)
     if threads is not None:
         env["OMP_NUM_THREADS"] = threads
     env.pop("AUTOSCALE_POLICY_PATH", None)
+    if home is not None:
+        env["AUTOSCALE_HOME"] = str(home)
     return env
 
 
@@ -94,11 +98,24 @@ def run_cli(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None
 
 @dataclass
 class Searched:
-    """The 60-second search of mlp (bad-batches), shared by the tests that read its storage."""
+    """The 90-second search of mlp (bad-batches), shared by the tests that read its storage.
+
+    It runs in ``root`` with a user folder of its own (``$AUTOSCALE_HOME``): it starts before any
+    test's own is set, and the tests that export from its study use the same (:attr:`env`)."""
 
     root: Path
+    home: Path
     run: CliRun
     study: str = "mlp-bad-batches-parametric"
+
+    @property
+    def policies(self) -> Path:
+        """Where its exports go when given no folder: ``$AUTOSCALE_HOME/policies``."""
+        return self.home / "policies"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return cli_env(home=self.home)
 
     @property
     def db(self) -> Path:
@@ -112,7 +129,7 @@ class Searched:
 @pytest.fixture(scope="session")
 def searched(tmp_path_factory) -> Searched:
     """``autoscale search --model mlp --budget 90s``, the other defaults, in a fresh folder."""
-    root = tmp_path_factory.mktemp("search60")
+    root, home = tmp_path_factory.mktemp("search90"), tmp_path_factory.mktemp("search90-home")
     run = run_cli(
         "search",
         "--model",
@@ -122,5 +139,6 @@ def searched(tmp_path_factory) -> Searched:
         "--quiet",
         cwd=root,
         timeout=SEARCH_BUDGET_S + 120,
+        env=cli_env(home=home),
     )
-    return Searched(root, run)
+    return Searched(root, home, run)
