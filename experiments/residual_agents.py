@@ -166,12 +166,14 @@ def ship(name: str, window: int, out: dict) -> int:
     from autoscale.scalers.policies import read_manifest
 
     zip_path, folder = WORK / "policies" / f"{name}.sb3.zip", WORK / "policies" / name
-    if not zip_path.is_file() or name not in out["rows"]:
+    if not (folder / "policy.yaml").is_file() or name not in out["rows"]:
         print(
             f"residual_agents.py: no agent {name!r} in the last run; run it first", file=sys.stderr
         )
         return 2
     p = read_manifest(folder).parameters
+    if not zip_path.is_file():  # a run that kept only the export: its actor, a fresh critic
+        zip_path = sb3_of_export(folder, p, window)
     row = out["rows"][name]
     agent = ship_agent(
         zip_path, name=name, algo=p["algo"], history=1, scale_time=False, action=p["action"],
@@ -183,6 +185,31 @@ def ship(name: str, window: int, out: dict) -> int:
     )  # fmt: skip
     print(f"shipped {agent.name} as {agent.model}")
     return 0
+
+
+def sb3_of_export(folder: Path, p: dict, window: int) -> Path:
+    """An SB3 PPO model whose actor is the exported one's (its critic new: fine-tuning learns it
+    again), saved beside the export, for a run that kept only the exported policy."""
+    import torch
+
+    from autoscale.agents.train import sb3_class
+    from autoscale.envs.residual_env import ResidualEnv
+    from autoscale.envs.suite import load_spec
+
+    if p["algo"] != "ppo" or p["layers"] != [20, 64, 64, 9]:
+        raise SystemExit(f"residual_agents.py: {folder.name} is no default PPO agent; run it again")
+    suite = load_spec(ROOT / "envs" / "suite.yaml")
+    env = ResidualEnv(suite.members[0], "train", None, window=window, constrained=False)
+    model = sb3_class("ppo")("MlpPolicy", env, seed=0)
+    actor = torch.load(folder / "weights.pt", weights_only=True)["actor"]
+    linears = [m for m in model.policy.mlp_extractor.policy_net if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for dst, key in zip([*linears, model.policy.action_net], ("0", "2", "4")):
+            dst.weight.copy_(actor[f"{key}.weight"])
+            dst.bias.copy_(actor[f"{key}.bias"])
+    path = folder.parent / f"{folder.name}.sb3.zip"
+    model.save(path)
+    return path
 
 
 def _pct(x) -> str:
