@@ -5,12 +5,13 @@ reproduction (experiments/reproduce.py) share it.
   the chosen members (all by default: train, validation and test members alike), for each
   scaler; the scorecards, the regret against ``torch`` on the same episodes, and the suite
   objective;
-* :func:`acceptance`: the bar (:mod:`autoscale.training.bar`, the one definition the search's
-  no-harm check uses too) on every member's held-out episodes, and :func:`confirm`: more paired
-  episodes of a member where three could not tell a difference in eval loss from seed noise;
+* :func:`acceptance`: the bar (:mod:`autoscale.training.bar`) on every member's held-out
+  episodes, and :func:`confirm`: more paired episodes of a member where three could not tell a
+  difference in eval loss from seed noise;
 * :func:`long_runs`: long real runs of a few members (scale trajectories over a whole run, and the
   share of gradient elements kept at fp16 precision), and :func:`long_harm`: where one scaler's
-  long run is worse than torch's (the bar's :func:`~autoscale.training.bar.harm`);
+  long run is worse than torch's; both are the long-run harm check the search's no-harm check
+  runs too (:mod:`autoscale.training.long_run`: one measure, one judgement);
 * :func:`member_limits`: the hindsight limit of each member's held-out steps (a recording of
   the same instances), and :func:`limit_shares`: the share of the achievable precision gain over
   torch that a scaler captures there;
@@ -28,6 +29,11 @@ from typing import Any
 
 from autoscale.selection.measured import Measured
 from autoscale.training import bar
+from autoscale.training.long_run import REFERENCE_EVERY as REFERENCE_EVERY
+from autoscale.training.long_run import kept_share as kept_share
+from autoscale.training.long_run import long_run_harm, measured_run
+from autoscale.training.long_run import reference_live as reference_live
+from autoscale.training.long_run import structural_share as structural_share
 
 
 def held_out(
@@ -157,9 +163,8 @@ def confirm(
     return {s: out[s] for s in factories}
 
 
-REFERENCE_EVERY = 10  # a long run compares one step in 10 with an fp32 backward of it
 # What a stored long run holds and how it was measured: the measurements' key covers the code that
-# runs steps (measured.py), not this module's counting, so a change here bumps this.
+# runs steps (measured.py), not the counting in training/long_run.py, so a change there bumps this.
 LONG_FORMAT = 2
 
 
@@ -172,41 +177,24 @@ def long_runs(
     measured: Measured | None = None,
     reference: bool = True,
 ) -> dict[str, dict[str, Any]]:
-    """Member -> scaler -> scorecard, step records, ``kept``, ``structural`` and ``nonzero`` of
-    one long real run (the member's workload, ``seed``). ``reference=False`` takes no reference
-    backward (``kept`` and ``structural`` are then all NaN): for runs drawn, not judged.
-
-    ``kept`` is, on one applied step in every :data:`REFERENCE_EVERY` (the first of each window
-    that is not skipped and whose fp32 gradient is not all zero), the share of the gradient
-    elements that an fp32 backward of that step leaves non-zero (at the step's weights, on its
-    batch, without autocast: :func:`reference_live`) which reach the optimizer non-zero at fp16
-    normal precision (``|g| * S >= 2^-14``); NaN on skipped and unsampled steps. Unlike the
-    scorecard's precision loss, whose denominator is the elements that are non-zero *after* the
-    fp16 backward, it falls when a low scale flushes gradients to zero. Unlike a share of *all*
-    elements, it does not count the elements that are zero in exact arithmetic too (a ReLU off
-    for the whole batch, an embedding row no token used): their number is the model's, and two
-    runs that drifted apart have different numbers of them (``structural`` is that share, per
-    sampled step, shown and not judged). ``nonzero`` is, per step, the number of non-zero
-    gradient elements (-1 on skipped steps).
-    """
+    """Member -> scaler -> one long real run of the member's workload with ``seed``, measured by
+    :func:`~autoscale.training.long_run.measured_run` (the search's no-harm check measures its
+    runs by the same code): scorecard, step records, ``kept``, ``structural`` and ``nonzero``.
+    ``kept`` is, on one applied step in every :data:`REFERENCE_EVERY`, the share of the gradient
+    elements an fp32 backward of that step leaves non-zero (:func:`reference_live`) that reach
+    the optimizer at fp16 normal precision. ``reference=False`` takes no reference backward
+    (``kept`` and ``structural`` are then all NaN): for runs drawn, not judged. Runs ``measured``
+    holds are read back, the others stored there."""
     from autoscale.training import TrainingRun
 
     out: dict[str, dict[str, Any]] = {}
     for name in members:
-        member = suite.member(name)
         out[name] = {}
+        workload = suite.member(name).workload.replace(seed=seed)
         for scaler, factory in factories.items():
-            workload = member.workload.replace(seed=seed)
+            how = "reference" if reference else "plain"
             at = (
-                measured.path(
-                    scaler,
-                    "long",
-                    workload,
-                    steps,
-                    "reference" if reference else "plain",
-                    REFERENCE_EVERY,
-                    LONG_FORMAT,
-                )
+                measured.path(scaler, "long", workload, steps, how, REFERENCE_EVERY, LONG_FORMAT)
                 if measured
                 else None
             )
@@ -215,98 +203,10 @@ def long_runs(
                 out[name][scaler] = _long_run_from(stored)
                 continue
             run = TrainingRun(workload, factory())
-            params = [p for p in run.model.parameters() if p.requires_grad]
-            numel = sum(p.numel() for p in params)
-            kept: list[float] = []
-            structural: list[float] = []
-            nonzero: list[int] = []
-            done = -1  # the last window with a sample
-            for index in range(steps):
-                # one per window: a skipped step, or one whose exact gradient is all zero, passes
-                # the window's sample to the next step
-                due = reference and index // REFERENCE_EVERY > done
-                live = reference_live(run, params) if due else None
-                rec = run.step()
-                if rec.found_inf or not math.isfinite(rec.precision_loss):
-                    kept.append(math.nan)
-                    structural.append(math.nan)
-                    nonzero.append(-1)
-                    continue
-                grads = [p.grad for p in params if p.grad is not None]
-                nonzero.append(sum(int(g.count_nonzero()) for g in grads))
-                if live is None:
-                    kept.append(math.nan)
-                    structural.append(math.nan)
-                    continue
-                n_live = sum(int(m.sum()) for m in live)
-                structural.append(1.0 - n_live / numel)
-                if not n_live:
-                    kept.append(math.nan)
-                    continue
-                done = index // REFERENCE_EVERY
-                reached = sum(
-                    int((p.grad[m] != 0).sum())
-                    for p, m in zip(params, live, strict=True)
-                    if p.grad is not None
-                )
-                kept.append(reached * (1.0 - rec.precision_loss) / n_live)
-            card = run.scorecard()
-            out[name][scaler] = {
-                "card": card,
-                "records": list(run.records),
-                "kept": kept,
-                "structural": structural,
-                "nonzero": nonzero,
-            }
+            out[name][scaler] = measured_run(run, steps, reference=reference)
             if measured:
                 measured.put(at, _long_run_dict(out[name][scaler]))
     return out
-
-
-def reference_live(run, params: list) -> list:
-    """Per parameter of ``params``: where an fp32 backward of ``run``'s next step (its weights,
-    its batch and loss weight, every micro-batch, no autocast) leaves the gradient finite and
-    non-zero. The run is returned to where it was, so the step it then takes is the one it would
-    have taken:
-
-    - the step's batches are drawn first (and kept by the stream, as it keeps every batch), so a
-      stream that draws from torch's global generator draws as the step would with one
-      micro-batch (with more, its draws and the forwards' random numbers interleave differently);
-    - the step's first forward runs as the step runs it (:meth:`TrainingRun.peek_loss`: fp16
-      autocast, the emulation), so a scenario that samples at the step, as rl-finetune samples a
-      rollout at each round's first step, samples what the step will train on, and the fp32
-      backward reuses it (further micro-batches sample without autocast);
-    - weights, optimizer, scaler, random generators, stream cursor and scenario state come back
-      with :meth:`TrainingRun.restore`, every parameter's ``.grad`` as it was.
-    """
-    import torch
-
-    accum = run.spec.grad_accum
-    cursor = run.data.state_dict()
-    for _ in range(accum):
-        run.data.next_batch()
-    run.data.load_state_dict(cursor)
-    grads = [(p, p.grad) for p in run.model.parameters()]
-    snap = run.snapshot()
-    try:
-        run.peek_loss()
-        run.data.load_state_dict(snap.data)
-        run.model.zero_grad(set_to_none=True)
-        weight = run.scenario.loss_weight(run.step_index) / accum
-        for micro in range(accum):
-            batch = run.data.next_batch()
-            objective = run.scenario.objective(run.data, run.model, batch, run.step_index, micro)
-            (objective.float() * weight).backward()
-        return [
-            (p.grad != 0) & p.grad.isfinite()
-            if p.grad is not None
-            else torch.zeros_like(p, dtype=torch.bool)
-            for p in params
-        ]
-    finally:
-        run.restore(snap)
-        for p, g in grads:
-            p.grad = g
 
 
 def _long_run_dict(run: dict[str, Any]) -> dict[str, Any]:
@@ -320,20 +220,6 @@ def _long_run_from(d: dict[str, Any]) -> dict[str, Any]:
 
     records = [StepRecord.from_dict(r) for r in d["records"]]
     return {**d, "card": Scorecard.from_dict(d["card"]), "records": records}
-
-
-def kept_share(run: dict[str, Any]) -> float:
-    """Mean over its sampled applied steps of a :func:`long_runs` run's ``kept`` share (NaN if
-    none)."""
-    vals = [k for k in run["kept"] if math.isfinite(k)]
-    return math.fsum(vals) / len(vals) if vals else math.nan
-
-
-def structural_share(run: dict[str, Any]) -> float:
-    """Mean over its sampled applied steps of a :func:`long_runs` run's ``structural`` share (the
-    gradient elements an fp32 backward leaves zero too; NaN if none or not measured)."""
-    vals = [k for k in run.get("structural", []) if math.isfinite(k)]
-    return math.fsum(vals) / len(vals) if vals else math.nan
 
 
 def zeroed_steps(run: dict[str, Any]) -> int:
@@ -354,20 +240,12 @@ def long_harm(
     torch's. The last stands for precision: the scorecard's precision loss cannot rank two
     scalers whose fp16 backward zeroes different numbers of elements, and a share of all
     elements cannot rank two runs whose models have different numbers of exact zeros (see
-    :func:`long_runs`)."""
-    out = {}
-    for member, by in runs.items():
-        kept, kept_ref = kept_share(by[scaler]), kept_share(by["torch"])
-        if math.isnan(kept) and math.isnan(kept_ref):  # no sample on either: no evidence
-            kept = kept_ref = None
-        out[member] = bar.harm(
-            by[scaler]["card"],
-            by["torch"]["card"],
-            (noise or {}).get(member, 0.0),
-            kept=kept,
-            kept_ref=kept_ref,
-        )
-    return out
+    :func:`~autoscale.training.long_run.measured_run`). The search's no-harm check judges its
+    runs by the same :func:`~autoscale.training.long_run.long_run_harm`."""
+    return {
+        member: long_run_harm(by[scaler], by["torch"], (noise or {}).get(member, 0.0))
+        for member, by in runs.items()
+    }
 
 
 def seed_noise(cards: dict[str, dict[str, list]], members: list[str]) -> dict[str, float]:

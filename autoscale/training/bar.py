@@ -8,11 +8,13 @@ A scaler is held against ``torch`` on the same workloads and seeds, by their sco
   underflows (loses precision on more than :data:`UNDERFLOW` of the elements), and eval loss no
   worse than torch's beyond seed noise: on three episodes the spread of torch's (a screen), on
   more paired episodes the mean paired difference within :data:`CONFIRM_Z` standard errors;
-* :func:`harm`: one long clean run against torch's on the same seed (the search's no-harm check,
-  the long runs of the ``auto`` build): a divergence torch avoids, a skip rate more than torch's +
-  :data:`SKIP_POINTS`, an eval loss above torch's by more than the seed noise, or (where the
-  share of gradient elements kept at fp16 precision is measured) that share more than
-  :data:`SKIP_POINTS` below torch's.
+* :func:`harm`: one long clean run against torch's on the same seed (the search's no-harm check
+  and the long runs of the ``auto`` build, both through
+  :func:`~autoscale.training.long_run.long_run_harm`): a divergence torch avoids, a skip rate
+  more than torch's + :data:`SKIP_POINTS`, an eval loss above torch's by more than the seed
+  noise, or (where it is measured) a share of gradient elements kept at fp16 precision more than
+  :data:`SKIP_POINTS` below torch's: the share of those an fp32 backward of the same step leaves
+  non-zero (:func:`~autoscale.training.long_run.kept_share`).
 
 Seed noise is never below :data:`NOISE_FLOOR` of torch's eval loss.
 """
@@ -117,9 +119,10 @@ def harm(
     """How one long clean run (scorecard ``mine``) is worse than torch's (``ref``) on the same
     seed; empty: no harm. ``noise``: torch's seed noise (see :func:`seed_noise`; at least
     :data:`NOISE_FLOOR` of ``ref``'s eval loss here); ``steps`` names the run's length in the
-    reasons; ``kept``/``kept_ref``: shares of gradient elements kept at fp16 precision, where
-    measured (the scorecard's precision loss cannot rank two scalers whose fp16 backward zeroes
-    different numbers of elements)."""
+    reasons; ``kept``/``kept_ref``: shares of gradient elements kept at fp16 precision of those an
+    fp32 backward leaves non-zero (:func:`~autoscale.training.long_run.kept_share`), where
+    measured (the scorecard's precision loss cannot stand in: it cannot rank two scalers whose
+    fp16 backward zeroes different numbers of elements)."""
     why = []
     if mine.diverged and not ref.diverged:
         why.append("training diverged (torch's did not)")
@@ -139,7 +142,8 @@ def harm(
         if not math.isfinite(kept) or (not bad_ref and kept < kept_ref - SKIP_POINTS):
             ref_text = "n/a" if bad_ref else f"{100 * kept_ref:.2f}%"
             why.append(
-                f"keeps {100 * kept:.2f}% of gradient elements at fp16 precision, torch {ref_text}"
+                f"keeps {100 * kept:.2f}% of gradient elements at fp16 precision (of those an "
+                f"fp32 backward leaves non-zero), torch {ref_text}"
             )
     return why
 
