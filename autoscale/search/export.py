@@ -80,9 +80,15 @@ def trial_policy(trial: Any) -> dict[str, Any]:
 
 def policy_label(trial: Any) -> str:
     """``deepspeed, trial 12`` / ``torch defaults, trial 0`` (an enqueued built-in rule) /
-    ``ppo agent, trial 3``."""
+    ``residual ppo agent, trial 3`` (on auto)."""
     p = trial_policy(trial)
-    what = p["rule"] if p["kind"] == "parametric" else f"{p['algo']} agent"
+    what = (
+        p["rule"]
+        if p["kind"] == "parametric"
+        else f"residual {p['algo']} agent"
+        if p["kind"] == "residual"
+        else f"{p['algo']} agent"
+    )
     if trial.user_attrs.get("baseline"):
         what += " defaults"
     return f"{what}, trial {trial.number}"
@@ -134,7 +140,7 @@ def top_candidates(
     """The ``k`` best complete trials (by their train objective) with distinct policies, each
     with a factory of its scaler; enqueued built-in defaults (validated as rules) and trials in
     ``skip`` are passed over, and so is a trial whose policy cannot be loaded here. ``one_of``: a
-    policy kind (``neural``: an agent) of which the best is added when none of the ``k`` is one,
+    policy kind (``residual``: an agent) of which the best is added when none of the ``k`` is one,
     so that a kind in the race reaches validation on real steps."""
     import json
 

@@ -254,7 +254,7 @@ class Rounds:
         done = {c.number for c in map(Candidate.parse, validated) if c.is_trial}
         # an agent in the race reaches validation: the best one, where none has yet
         kinds = {study.trials[n].user_attrs.get("policy", {}).get("kind") for n in done}
-        agent = "neural" if plan.space != "parametric" and "neural" not in kinds else None
+        agent = "residual" if plan.space != "parametric" and "residual" not in kinds else None
         candidates = top_candidates(
             complete, plan.suite, self.store, self.workdir, k, self.warn, skip=done, one_of=agent
         )
@@ -264,8 +264,8 @@ class Rounds:
             factories[Candidate.trial(t.number)] = factory
             order.append((Candidate.trial(t.number), policy_label(t), factory))
         kinds = [t.user_attrs.get("policy", {}).get("kind") for t, _ in candidates]
-        if agent and "neural" in kinds[1:] and kinds[0] != "neural":  # the agent after the best
-            order.insert(1, order.pop(kinds.index("neural")))
+        if agent and "residual" in kinds[1:] and kinds[0] != "residual":  # the agent after the best
+            order.insert(1, order.pop(kinds.index("residual")))
         rules = [
             (Candidate.rule(r), r, factories[Candidate.rule(r)])
             for r in plan.rules
@@ -275,7 +275,7 @@ class Rounds:
         # torch first (every objective is measured against it), auto (the bar a candidate must
         # clear), the best candidate (and the best agent), the other rules, the other candidates
         rules = rules[:1] + bar + rules[1:]
-        n = 2 if agent and "neural" in kinds else 1  # the best agent beside the best
+        n = 2 if agent and "residual" in kinds else 1  # the best agent beside the best
         order = rules[:2] + order[:n] + rules[2:] + order[n:]
         if not order:
             return False

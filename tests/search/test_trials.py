@@ -126,13 +126,11 @@ def test_a_parametric_trial_is_scored_on_every_member_against_torch(setup):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scale_time", [False, True])
-def test_rl_trial_on_a_suite_stores_its_policy_and_exports_it_later(setup, scale_time):
+def test_rl_trial_on_a_suite_stores_its_policy_and_exports_it_later(setup):
     root, suite, traces = setup
     ledger = Ledger()
     bench, store, recorder, work = _parts(root, suite, traces, ledger)
-    study = _study(root, f"rl-{scale_time}")
-    study.enqueue_trial({"scale_time": scale_time})  # the rest sampled
+    study = _study(root, "rl")
     objective_fn = RLObjective(
         bench, recorder, ledger, stop_at=time.monotonic() + 6, seed=0, workdir=work
     )
@@ -143,21 +141,20 @@ def test_rl_trial_on_a_suite_stores_its_policy_and_exports_it_later(setup, scale
     # a trained agent is scored whole, never pruned: pruning then would save only its replay
     assert counts["complete"] == 1 and trial.state == TrialState.COMPLETE
     policy = trial.user_attrs["policy"]
-    assert policy["kind"] == "neural" and policy["algo"] in ("ppo", "a2c", "dqn")
-    assert policy["scale_time"] is scale_time
+    assert policy["kind"] == "residual" and policy["algo"] in ("ppo", "a2c", "dqn")
+    assert policy["base"] == "auto" and policy["window"] == RLObjective.WINDOW
     assert policy["timesteps"] > 0 and policy["artifact_id"]
     assert ledger.total("work:rl") > 1.0
 
     scaler = trial_factory(trial, suite, store, work / "extract")()
-    assert type(scaler.rule).__name__ == "NeuralPolicyRule" and isinstance(scaler, LossScaler)
-    assert scaler.rule.scale_time is scale_time  # acts when the loss is scaled, or after the step
+    assert type(scaler.rule).__name__ == "ResidualRule" and isinstance(scaler, LossScaler)
+    assert scaler.rule.base.name == "amax-loss"  # on auto's rule, with auto's guard
     assert suite.episode.min_scale <= scaler.get_scale() <= suite.episode.max_scale
-    path = export_trial(
-        study, trial, f"rl-policy-{scale_time}", suite=suite, store=store, out_dir=root / "policies"
-    )
+    path = export_trial(study, trial, "rl-policy", suite=suite, store=store,
+                        out_dir=root / "policies")  # fmt: skip
     m = read_manifest(path)
-    assert m.kind == "neural" and m.name == f"rl-policy-{scale_time}"
-    assert m.workload["study"] == f"rl-{scale_time}" and m.workload["trial"] == trial.number
+    assert m.kind == "residual" and m.name == "rl-policy"
+    assert m.workload["study"] == "rl" and m.workload["trial"] == trial.number
     assert m.workload["suite"] == suite.name and len(m.workload["members"]) == 2
     assert isinstance(make_scaler(str(path), device="cpu"), LossScaler)
 
@@ -171,7 +168,7 @@ def test_rl_trial_on_a_suite_stores_its_policy_and_exports_it_later(setup, scale
     done = study.get_trials(states=(TrialState.COMPLETE,))
     assert len(done) >= 3
     plain = top_candidates(done, suite, store, work / "c1", 1, print)
-    picked = top_candidates(done, suite, store, work / "c2", 1, print, one_of="neural")
+    picked = top_candidates(done, suite, store, work / "c2", 1, print, one_of="residual")
     assert trial.number in [t.number for t, _ in picked]
     assert [t.number for t, _ in picked][: len(plain)] == [t.number for t, _ in plain]
 
