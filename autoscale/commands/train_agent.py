@@ -19,6 +19,8 @@ class TrainAgentCommand(Command):
       --out ppo-guarded    # the agent sets the base scale, amax-loss's guard takes the spikes
   autoscale train-agent --env envs/bad-batches.yaml --replay traces/bad-batches.npz \
       --scale-time --out ppo-scale-time    # the agent sees each step's loss and takes spikes
+  autoscale train-agent --env envs/bad-batches.yaml --replay traces/bad-batches.npz \
+      --residual --out res-bad-batches    # an offset on auto's scale, trained to the bar
 
 algorithms: ppo, a2c (discrete or continuous actions), dqn (discrete), sac (continuous)
 
@@ -60,6 +62,16 @@ keeps the last model (no checkpoint selection), and says so.
             "spec gives action.drops. The exported policy decides in the scaler the same way",
         )
         parser.add_argument(
+            "--residual",
+            action="store_true",
+            help="a residual agent on auto: an offset of -4..+4 bits on auto's scale, chosen "
+            "every --window steps, auto's guard and backoff kept, trained to the bar against "
+            "torch's replay of the same episodes (needs --replay; --timesteps counts decisions)",
+        )
+        parser.add_argument(
+            "--window", type=int, default=16, help="steps a residual agent's offset holds"
+        )
+        parser.add_argument(
             "--eval-freq",
             type=int,
             default=None,
@@ -84,6 +96,8 @@ keeps the last model (no checkpoint selection), and says so.
         # the agent is exported once trained: a folder it cannot go to fails now
         check_output(args.policy_dir or str(default_policy_dir()), "--policy-dir", folder=True)
         env = args.env
+        if args.residual:
+            return _residual(args)
         if args.guard and args.scale_time:
             raise ConfigError(
                 "--guard and --scale-time both decide a step's scale from its loss; give one"
@@ -124,3 +138,41 @@ keeps the last model (no checkpoint selection), and says so.
             )
         print(f"exported {result.policy_dir}; use it with autoscale.get_scaler('{args.out}')")
         return 0
+
+
+def _residual(args: argparse.Namespace) -> int:
+    """``--residual``: train a residual agent on auto (autoscale.agents.residual)."""
+    from autoscale.agents.residual import train_residual
+    from autoscale.agents.train import held_out
+    from autoscale.envs.suite import load_spec
+    from autoscale.errors import ConfigError
+
+    if args.guard or args.scale_time:
+        raise ConfigError(
+            "--residual keeps auto's own guard and acts after the step: drop --guard/--scale-time"
+        )
+    if not args.replay:
+        raise ConfigError("--residual trains on replay: give --replay TRACE (autoscale record)")
+    spec = load_spec(args.env)
+    selecting = held_out(spec)
+    result = train_residual(
+        selecting or spec, args.algo, args.timesteps, replay=args.replay,
+        select_on="test" if selecting is not None else None, window=args.window, seed=args.seed,
+        eval_freq=args.eval_freq, progress=not args.quiet, export_name=args.out,
+        export_dir=args.policy_dir, force=args.force,
+    )  # fmt: skip
+    last = result.multipliers[-20:]
+    over = sum(v[0] for v in last) / len(last) if last else 0.0
+    print(
+        f"trained a residual {result.algo} agent on auto for {result.timesteps} decisions of "
+        f"{args.window} steps in {result.wall_s:.1f} s; "
+        + (
+            f"selected on the held-out train instance(s) (mean reward {result.best_eval_reward:.3f})"
+            if selecting is not None
+            else "no checkpoint selection (a single train instance): the last model is kept"
+        )
+        + f"; its last {len(last)} training episodes skipped {over:+.2%} of steps beyond torch's "
+        "+ 0.5 points (the bar; below 0 meets it)"
+    )
+    print(f"exported {result.policy_dir}; use it with autoscale.get_scaler('{args.out}')")
+    return 0

@@ -247,3 +247,22 @@ def test_eval_on_replay_gives_the_limit_and_each_share(spec, trace, tmp_path, ca
     share = limit_share(mean["torch"], mean["auto"], p_limit)
     assert f"hindsight limit: precision loss {100 * p_limit:.2f}%" in out
     assert re.search(rf"^  auto +{share:.3f}$", out, re.M)
+
+
+def test_train_agent_residual_from_the_command_line(spec, trace, tmp_path, capsys):
+    import yaml
+
+    from autoscale.cli import main
+
+    path = tmp_path / "spiky.yaml"
+    path.write_text(yaml.safe_dump(SPEC))
+    args = ["train-agent", "--env", str(path), "--replay", str(trace), "--residual", "--window",
+            "8", "--timesteps", "64", "--out", "res-cli", "--policy-dir", str(tmp_path), "--quiet"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "trained a residual ppo agent on auto for 64 decisions of 8 steps" in out
+    assert "selected on the held-out train instance(s)" in out
+    m = read_manifest(tmp_path / "res-cli")
+    assert m.kind == "residual" and m.parameters["window"] == 8
+    assert main(["train-agent", "--env", str(path), "--residual", "--out", "x"]) == 2
+    assert "--residual trains on replay: give --replay TRACE" in capsys.readouterr().err
