@@ -13,7 +13,10 @@ affords: :func:`refusal`); then it runs the no-harm
 check (:mod:`autoscale.search.no_harm`): screened on replay of ``torch``'s long runs first, then its
 own long runs. The first that passes is the pick. When none does, ``auto`` is: it is checked too
 (where time allows), and where it harms this run, ``torch``, the reference, is the pick.
-Verdicts are kept in the study, so a resumed search or another worker does not run them again.
+Verdicts are kept in the study under the candidate and the check's shape (what it ran: the
+workloads, a proxy's included, the steps, the precision measure), so a resumed search or another
+worker with a check of the same shape does not run them again, and one whose budget fits another
+check (the real model where the first checked its proxy) runs its own.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ __all__ = [
     "family_refusal",
     "horizon_refusal",
     "stored_verdict",
+    "verdict_key",
     "VERDICT_PREFIX",
 ]
 
@@ -68,14 +72,32 @@ class Choice:
     unchecked: list[str] = field(default_factory=list)
 
 
-def stored_verdict(study: Any, key: str) -> Verdict | None:
-    """The no-harm verdict the study holds for ``key`` (None: never checked, or it did not fit)."""
-    data = study.user_attrs.get(VERDICT_PREFIX + key)
+def verdict_key(key: Any, shape: str = "") -> str:
+    """The study attribute that keeps the no-harm verdict of candidate ``key`` reached by a check
+    of ``shape`` (:attr:`~autoscale.search.no_harm.NoHarmCheck.shape`; empty: a check that has
+    none, the replay of a search's own records)."""
+    return f"{VERDICT_PREFIX}{key}@{shape}" if shape else f"{VERDICT_PREFIX}{key}"
+
+
+def stored_verdict(study: Any, key: Any, shape: str | None = None) -> Verdict | None:
+    """The no-harm verdict the study holds for ``key`` (None: never checked, or it did not fit).
+
+    ``shape``: only a verdict of a check of that shape (``""``: of a check without one). None,
+    where no check runs to say which (``autoscale export``): the verdict stored last, of any
+    shape, the one the latest search to check ``key`` reached."""
+    attrs = study.user_attrs
+    if shape is not None:
+        data = attrs.get(verdict_key(key, shape))
+    else:
+        head = verdict_key(key)
+        mine = [v for k, v in attrs.items() if k == head or k.startswith(head + "@")]
+        data = max(mine, key=lambda v: v.get("stored_at", 0.0) if v else 0.0, default=None)
     if not data:
         return None
     return Verdict(
         **{k: data[k] for k in ("label", "passed", "reasons", "runs", "screened")},
         where=data.get("where", ""),
+        shape=data.get("shape", ""),
     )
 
 
@@ -194,7 +216,8 @@ def _verdict(
 ) -> Verdict | None:
     """``v``'s verdict: stored, or screened and checked now; None when the check does not fit
     (or, without ``no_harm``, none is stored)."""
-    verdict = stored_verdict(study, v.key)
+    shape = getattr(no_harm, "shape", "") if no_harm is not None else None
+    verdict = stored_verdict(study, v.key, shape)
     fresh = verdict is None
     if verdict is None and no_harm is None:
         choice.unchecked.append(f"{v.label} (the study holds no no-harm verdict for it)")
@@ -215,8 +238,9 @@ def _verdict(
             except OutOfTime as exc:  # a machine slower than planned: the check says nothing
                 choice.unchecked.append(f"{v.label} ({exc})")
                 return None
+        stored = {**verdict.to_dict(), "stored_at": time.time()}
         with ledger.track("bk:attrs"):
-            study.set_user_attr(VERDICT_PREFIX + v.key, json_safe(verdict.to_dict()))
+            study.set_user_attr(verdict_key(v.key, shape), json_safe(stored))
     choice.verdicts.append(verdict)
     if fresh:
         say(verdict.summary())

@@ -6,8 +6,11 @@ have) of ``mlp`` and of every model the search ran, and a long ``mlp`` run whose
 (the ``drift`` scenario: down by 2^-20 over the first half, then up past what a scale of 2^16
 holds, as a converging loss and a late-growing loss term do over a whole run; a rule that cannot
 adapt, a fixed scale, loses gradients there that a short episode never shows), next to the
-``torch`` rule on the same seeds, and it fails when, on any workload and seed, the run does harm as
-:func:`autoscale.training.bar.harm` defines it, the one definition the ``auto`` build uses too:
+``torch`` rule on the same seeds, and it fails when, on any workload and seed, the run does harm.
+It is the ``auto`` build's long-run check too (:mod:`autoscale.training.long_run`): both take
+their steps with :func:`~autoscale.training.long_run.measured_run` and judge them with
+:func:`~autoscale.training.long_run.long_run_harm` (:func:`autoscale.training.bar.harm`); the
+search runs 1000 steps, the build 2000. Harm is:
 
 * it skips more than ``torch`` + 0.5 points of the steps, or
 * its final held-out loss is worse than ``torch``'s on the same seed by more than the seed noise:
@@ -15,7 +18,15 @@ adapt, a fixed scale, loses gradients there that a short episode never shows), n
   identical seeds do not make the check demand bit-identical losses), or
 * training diverges where torch's does not, or
 * it keeps a share of the gradient elements at fp16 precision more than 0.5 points below
-  ``torch``'s (the scorecard's precision loss: a fixed scale loses the drifting gradients).
+  ``torch``'s: of the elements an fp32 backward of the same step leaves non-zero, on one applied
+  step in ten (:func:`~autoscale.training.long_run.kept_share`; a fixed scale loses the drifting
+  gradients, and a scale that flushes whole gradients to zero keeps none of them, where the
+  scorecard's precision loss, blind to what was flushed, would call it precise).
+
+A verdict is kept in the study under its candidate and the check's :attr:`NoHarmCheck.shape` (the
+workloads it ran, a proxy's included, the steps, the seeds and the precision measure), so a search
+resumed with another budget, which may check the real model where this one checked its proxy,
+checks again rather than reuse it.
 
 ``torch``'s runs are deterministic for a workload and seed, so they are cached next to the storage
 and paid once. While running them the check records their traces, and a candidate is first
@@ -33,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +54,8 @@ from typing import Any, Protocol
 from autoscale.errors import ConfigError
 from autoscale.search.budget import Ledger
 from autoscale.search.timing import NoHarmPlan, Timings
-from autoscale.training.bar import harm, seed_noise
+from autoscale.training.bar import seed_noise
+from autoscale.training.long_run import MEASURE, kept_share, long_run_harm, measured_run
 from autoscale.training.scorecard import Scorecard
 
 __all__ = [
@@ -59,7 +72,7 @@ __all__ = [
 
 NO_HARM_STEPS = 1000
 SCREEN_MARGIN = 0.02  # replay refuses only what skips this much more than torch
-NO_HARM_VERSION = 1
+NO_HARM_VERSION = 2  # 2: torch's cached runs carry the kept share against the fp32 reference
 DRIFT = {"down": 20.0, "up": 8.0}  # bits of the drift run's loss weight: down, then up
 
 
@@ -145,6 +158,8 @@ class Verdict:
         screened: Refused on replay, without real runs.
         where: What the check ran on, where it is not long real runs (a search on records
             replays the records: :mod:`autoscale.search.no_harm_records`).
+        shape: The shape of the check that reached it (:attr:`NoHarmCheck.shape`; empty for a
+            check on records, whose records are the study's own).
     """
 
     label: str
@@ -153,6 +168,7 @@ class Verdict:
     runs: dict[str, dict[str, list[dict]]] = field(default_factory=dict)
     screened: bool = False
     where: str = ""
+    shape: str = ""
 
     def summary(self) -> str:
         if self.passed:
@@ -165,6 +181,11 @@ class Verdict:
                     else f"below fp16's range {100 * c['precision_loss']:.2f}% "
                     f"(torch {100 * t['precision_loss']:.2f}%)"
                 )
+                if "kept" in c:  # long real runs: of the elements an fp32 backward leaves non-zero
+                    second += (
+                        f", kept at fp16 precision {_percent(c['kept'])} "
+                        f"(torch {_percent(t.get('kept'))})"
+                    )
                 parts.append(
                     f"{model}: skipped {100 * c['skip_rate']:.2f}% (torch {100 * t['skip_rate']:.2f}%), "
                     + second
@@ -181,7 +202,9 @@ class Verdict:
 class Check(Protocol):
     """What :func:`~autoscale.search.choose.choose` asks of a no-harm check: long real runs
     (:class:`NoHarmCheck`) or the replay of recorded runs
-    (:class:`~autoscale.search.no_harm_records.RecordsCheck`)."""
+    (:class:`~autoscale.search.no_harm_records.RecordsCheck`). A check whose verdicts hold only
+    for what it ran names that in a ``shape`` attribute (:attr:`NoHarmCheck.shape`), and a
+    verdict is reused only by a check of the same shape."""
 
     def screen(self, factory: Callable[[], Any], label: str) -> Verdict: ...
 
@@ -221,6 +244,21 @@ class NoHarmCheck:
         self.cache.mkdir(parents=True, exist_ok=True)
         self.folder = folder
 
+    @property
+    def shape(self) -> str:
+        """What a verdict of this check holds for: the workloads it runs (by label: a proxy shows
+        as its own model), their steps and the precision measure, with a digest of everything
+        else that decides a run (the workloads' settings, the seeds, the scale bounds)."""
+        data = {
+            "plan": self.no_harm.to_dict(),
+            "scale": self.scale_kw,
+            "version": NO_HARM_VERSION,
+            "measure": MEASURE,
+        }
+        digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
+        labels = ",".join(no_harm_label(w) for w in self.no_harm.workloads)
+        return f"{labels}|{self.no_harm.steps}|{MEASURE}|{digest}"
+
     # ------------------------------------------------------------------ torch's reference runs
     def _key(self, workload: Any, seed: int) -> str:
         import torch
@@ -230,6 +268,7 @@ class NoHarmCheck:
             "steps": self.no_harm.steps,
             "scale": self.scale_kw,
             "version": NO_HARM_VERSION,
+            "measure": MEASURE,
             "torch": torch.__version__,
         }
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:20]
@@ -240,9 +279,11 @@ class NoHarmCheck:
 
     def reference(
         self, workload: Any, seed: int, deadline: float | None = None
-    ) -> tuple[Scorecard, Any]:
-        """torch's scorecard of the run and its recorded trace (run and cached if missing; a run
-        that reaches ``deadline`` first raises :class:`OutOfTime` and is not cached)."""
+    ) -> tuple[dict[str, Any], Any]:
+        """torch's measured run (``{"card": Scorecard, "kept": [...]}``, see
+        :func:`~autoscale.training.long_run.measured_run`) and its recorded trace (run and cached
+        if missing; a run that reaches ``deadline`` first raises :class:`OutOfTime` and is not
+        cached)."""
         from autoscale.envs.traces import Trace
         from autoscale.search.storage import file_lock
 
@@ -252,21 +293,21 @@ class NoHarmCheck:
         with file_lock(self.folder / "locks" / f"no-harm-{key}.lock"):
             if card_path.is_file() and trace_path.is_file():
                 try:
-                    return Scorecard.from_dict(json.loads(card_path.read_text())), Trace.load(
-                        trace_path
-                    )
+                    data = json.loads(card_path.read_text())
+                    run = {"card": Scorecard.from_dict(data["card"]), "kept": list(data["kept"])}
+                    return run, Trace.load(trace_path)
                 except (ConfigError, ValueError, KeyError, TypeError):
                     card_path.unlink(missing_ok=True)  # damaged: run it again
-            card, trace = self._run_torch(workload, seed, deadline)
+            run, trace = self._run_torch(workload, seed, deadline)
             trace.save(trace_path)
             tmp = card_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(card.to_dict()))
+            tmp.write_text(json.dumps({"card": run["card"].to_dict(), "kept": run["kept"]}))
             tmp.replace(card_path)
-        return card, trace
+        return run, trace
 
     def _run_torch(
         self, workload: Any, seed: int, deadline: float | None = None
-    ) -> tuple[Scorecard, Any]:
+    ) -> tuple[dict[str, Any], Any]:
         import numpy as np
 
         from autoscale.envs.spec import EnvSpec
@@ -282,7 +323,8 @@ class NoHarmCheck:
             record=True,
         )
         with self.ledger.track("work:no-harm"):
-            card = run.run(self.no_harm.steps, progress=self.progress, callback=_until(deadline))
+            measured = self._measured(run, deadline)
+        card = measured["card"]
         _finished(card, self.no_harm.steps, f"torch's {no_harm_label(workload)} run")
         spec = self._replay_spec(workload)
         inst = instance_trace(
@@ -301,7 +343,13 @@ class NoHarmCheck:
             np.asarray(HIST_EDGES, dtype=np.float64),
             FEATURE_VERSION,
         )
-        return card, trace
+        return {"card": card, "kept": measured["kept"]}, trace
+
+    def _measured(self, run: Any, deadline: float | None) -> dict[str, Any]:
+        """The check's steps of ``run``, precision measured against the fp32 reference."""
+        return measured_run(
+            run, self.no_harm.steps, progress=self.progress, callback=_until(deadline)
+        )
 
     def _replay_spec(self, workload: Any) -> dict[str, Any]:
         return {
@@ -324,17 +372,18 @@ class NoHarmCheck:
         for w in self.no_harm.workloads:
             for seed in self.no_harm.candidate_seeds:
                 ref, trace = self.reference(w, seed)
+                skip_ref = ref["card"].skip_rate
                 (inst,) = trace.instances
                 env = ReplayEnv(trace.spec, trace, instances=[inst])
                 with self.ledger.track("work:replay"):
                     card, _ = drive_episode(env, factory(), inst)
-                if card.skip_rate > ref.skip_rate + SCREEN_MARGIN:
+                if card.skip_rate > skip_ref + SCREEN_MARGIN:
                     reasons.append(
                         f"{no_harm_label(w)} seed {seed}: replay predicts {100 * card.skip_rate:.2f}% skipped "
-                        f"steps, torch {100 * ref.skip_rate:.2f}% (+{100 * SCREEN_MARGIN:.1f}% "
+                        f"steps, torch {100 * skip_ref:.2f}% (+{100 * SCREEN_MARGIN:.1f}% "
                         "allowed on replay)"
                     )
-        return Verdict(label, not reasons, reasons, screened=True)
+        return Verdict(label, not reasons, reasons, screened=True, shape=self.shape)
 
     def check(
         self, factory: Callable[[], Any], label: str, deadline: float | None = None
@@ -348,31 +397,36 @@ class NoHarmCheck:
         runs: dict[str, dict[str, list[dict]]] = {}
         for w in self.no_harm.workloads:
             refs = {s: self.reference(w, s, deadline)[0] for s in self.no_harm.seeds}
-            noise = seed_noise([c.eval_loss for c in refs.values()])
+            noise = seed_noise([r["card"].eval_loss for r in refs.values()])
             mine = []
             for seed in self.no_harm.candidate_seeds:
-                scaler = factory()
-                run = TrainingRun(w.replace(seed=seed), _on_device(scaler, w))
+                run = TrainingRun(w.replace(seed=seed), _on_device(factory(), w))
                 with self.ledger.track("work:no-harm"):
-                    card = run.run(
-                        self.no_harm.steps, progress=self.progress, callback=_until(deadline)
-                    )
-                _finished(card, self.no_harm.steps, f"its {no_harm_label(w)} run")
-                mine.append(card)
-                ref = refs[seed]
-                kept = (1.0 - card.precision_loss, 1.0 - ref.precision_loss)
-                for why in harm(card, ref, noise, self.no_harm.steps, *kept):
+                    measured = self._measured(run, deadline)
+                _finished(measured["card"], self.no_harm.steps, f"its {no_harm_label(w)} run")
+                mine.append(measured)
+                for why in long_run_harm(measured, refs[seed], noise, self.no_harm.steps):
                     reasons.append(f"{no_harm_label(w)} seed {seed}: {why}")
             runs[no_harm_label(w)] = {
-                "candidate": [c.to_dict() for c in mine],
-                "torch": [refs[s].to_dict() for s in self.no_harm.candidate_seeds],
+                "candidate": [_shown(r) for r in mine],
+                "torch": [_shown(refs[s]) for s in self.no_harm.candidate_seeds],
                 "noise": noise,
             }
-        return Verdict(label, not reasons, reasons, runs)
+        return Verdict(label, not reasons, reasons, runs, shape=self.shape)
 
     def cost(self, timings: Timings, candidates: int = 1) -> float:
         """Seconds the check still needs for ``candidates`` candidates (torch cached or not)."""
         return self.no_harm.cost(timings, candidates, self.cached)
+
+
+def _shown(run: dict[str, Any]) -> dict[str, Any]:
+    """What a verdict keeps of a measured run: its scorecard and its kept share."""
+    return {**run["card"].to_dict(), "kept": kept_share(run)}
+
+
+def _percent(share: float | None) -> str:
+    """A share in percent; n/a where nothing was sampled (NaN, or None as stored)."""
+    return f"{100 * share:.2f}%" if share is not None and math.isfinite(share) else "n/a"
 
 
 def _device(workload: Any) -> str:

@@ -11,7 +11,7 @@ import pytest
 from autoscale.scalers import make_scaler
 from autoscale.search.budget import Ledger
 from autoscale.search.candidates import Candidate
-from autoscale.search.choose import VERDICT_PREFIX, choose
+from autoscale.search.choose import choose, stored_verdict, verdict_key
 from autoscale.search.export import rank
 from autoscale.search.no_harm import (
     NoHarmCheck,
@@ -126,11 +126,12 @@ def pick(check, rows, factories, *, study=None, step_s=0.001, stop_at=math.inf, 
     return choice, said, study
 
 
-def study_with(auto_passed: bool, reasons=()):
-    """A study holding ``auto``'s verdict already (a resumed search): no long runs for it here."""
+def study_with(auto_passed: bool, reasons=(), shape: str = ""):
+    """A study holding ``auto``'s verdict already, reached by a check of ``shape`` (a resumed
+    search): no long runs for it here."""
     study = optuna.create_study()
-    verdict = Verdict("auto", auto_passed, list(reasons))
-    study.set_user_attr(VERDICT_PREFIX + "policy:auto", verdict.to_dict())
+    verdict = Verdict("auto", auto_passed, list(reasons), shape=shape)
+    study.set_user_attr(verdict_key("policy:auto", shape), verdict.to_dict())
     return study
 
 
@@ -156,7 +157,9 @@ def test_a_lead_within_the_seed_noise_exports_auto_and_says_why(check):
     torch = validated("rule:torch", 0.125, 0.3)
     auto = validated("policy:auto", 0.0, 0.05)
     noisy = validated("trial:3", 0.0, 0.02, second=(0.0, 0.07))  # better on average, by noise
-    choice, said, _ = pick(check, [torch, auto, noisy], {}, study=study_with(True))
+    choice, said, _ = pick(
+        check, [torch, auto, noisy], {}, study=study_with(True, shape=check.shape)
+    )
     assert choice.winner.key == "policy:auto"
     ld = choice.leads["trial:3"]
     assert ld.lead == pytest.approx(0.04) and ld.noise == pytest.approx(0.2) and not ld.clear
@@ -173,7 +176,11 @@ def test_a_clear_lead_of_a_fixed_scale_is_refused_unless_asked_for(check):
     static = validated("rule:static", 0.0, 0.0)
     refuse = {"rule:static": "'static' cannot follow gradients that drift"}.get
     choice, _, _ = pick(
-        check, [torch, auto, static], {}, study=study_with(True), refuse=lambda v: refuse(v.key)
+        check,
+        [torch, auto, static],
+        {},
+        study=study_with(True, shape=check.shape),
+        refuse=lambda v: refuse(v.key),
     )
     assert choice.leads["rule:static"].clear and choice.refused == {
         "rule:static": refuse("rule:static")
@@ -189,7 +196,7 @@ def test_a_clear_lead_of_a_fixed_scale_is_refused_unless_asked_for(check):
 def test_torch_that_clearly_beats_auto_is_exported_without_a_check(check):
     torch = validated("rule:torch", 0.0, 0.0)
     auto = validated("policy:auto", 0.125, 0.05)
-    choice, said, study = pick(check, [torch, auto], {}, study=study_with(True))
+    choice, said, study = pick(check, [torch, auto], {}, study=study_with(True, shape=check.shape))
     assert choice.winner.key == "rule:torch" and said == []
     assert choice.why.startswith(
         "torch beat auto by 0.6500 on the objective, more than the seed noise"
@@ -199,7 +206,9 @@ def test_torch_that_clearly_beats_auto_is_exported_without_a_check(check):
 def test_auto_that_harms_this_run_gives_way_to_torch(check):
     torch = validated("rule:torch", 0.125, 0.3)
     auto = validated("policy:auto", 0.0, 0.05)
-    study = study_with(False, ["mlp/drift seed 0: skipped 9.00% of 400 steps, torch 0.50%"])
+    study = study_with(
+        False, ["mlp/drift seed 0: skipped 9.00% of 400 steps, torch 0.50%"], check.shape
+    )
     choice, _, _ = pick(check, [torch, auto], {}, study=study)
     assert choice.winner.key == "rule:torch"
     assert choice.why == (
@@ -228,12 +237,14 @@ def test_where_replay_is_all_the_evidence_replayed_rows_choose_and_auto_that_har
         dataclasses.replace(validated("policy:auto", 0.0, 0.05), real=False),
     ]
     stored = ["run: skips 9.00% of the clean steps, torch 0.50%"]
-    choice, _, _ = pick(check, rows, {}, study=study_with(False, stored), replay_counts=True)
+    choice, _, _ = pick(
+        check, rows, {}, study=study_with(False, stored, check.shape), replay_counts=True
+    )
     assert choice.winner is not None and choice.winner.key == "rule:torch"
     assert choice.why.startswith("auto harms this run (run: skips 9.00%")
     assert choice.unchecked == []
     # without it, replayed rows choose nothing (the workload search needs real steps)
-    choice, _, _ = pick(check, rows, {}, study=study_with(False, stored))
+    choice, _, _ = pick(check, rows, {}, study=study_with(False, stored, check.shape))
     assert (
         choice.winner is None
         and choice.why == "auto could not be validated on real steps in the budget"
@@ -272,7 +283,7 @@ def test_the_pick_skips_what_fails_the_check_and_exports_the_next_that_clears_au
     assert choice.why.startswith("5 beat auto by 0.3200 on the objective") and choice.why.endswith(
         "and passed the no-harm check"
     )
-    stored = study.user_attrs[VERDICT_PREFIX + "trial:3"]
+    stored = study.user_attrs[verdict_key("trial:3", check.shape)]
     assert stored["passed"] is False and stored["reasons"]
     # a second pick reads the stored verdicts: no run, nothing said again
     again, said_again, _ = pick(check, [torch, auto, eager, history], factories, study=study)
@@ -313,7 +324,7 @@ def test_a_check_that_reaches_the_budgets_end_stops_there_and_says_so(check, tmp
     factories = {"trial:5": scaler("amax-history"), "policy:auto": scaler("auto")}
     # auto's verdict is stored (no runs for it); the candidate's screen passes at once and its
     # check is estimated at microseconds: it starts, and its 800 real steps reach the deadline
-    study = study_with(True)
+    study = study_with(True, shape=check.shape)
     screened = Verdict("trial 5", True, [], screened=True)
     monkeypatch.setattr(check, "screen", lambda factory, label: screened)
     timings = Timings({workload_key(w): Timing(1e-6, 0.0, 0.0, 4) for w in check.no_harm.workloads})
@@ -324,4 +335,99 @@ def test_a_check_that_reaches_the_budgets_end_stops_there_and_says_so(check, tmp
     )  # fmt: skip
     assert choice.winner.key == "policy:auto"
     assert any("stopped at the budget's end" in u for u in choice.unchecked), choice.unchecked
-    assert VERDICT_PREFIX + "trial:5" not in study.user_attrs
+    assert stored_verdict(study, "trial:5") is None
+
+
+FLUSH_STEPS = 60  # six windows of the fp32 reference: enough to see a scale keep nothing
+FLUSH = {"init_scale": 2.0**-12, "min_scale": 2.0**-30}  # flushes every gradient of small-grads
+
+
+def test_a_scale_that_flushes_whole_gradients_is_harm_by_the_builds_measure(tmp_path):
+    """A static scale of 2^-12 on mlp/small-grads (the loss x 1e-5) leaves the fp16 backward no
+    non-zero gradient element. The scorecard's precision loss counts only the elements non-zero
+    after that backward, so by it (the check's measure before) the run is as precise as torch's
+    or more; the check now measures what the ``auto`` build's long runs measure, the share of the
+    elements an fp32 backward leaves non-zero that reach the optimizer at fp16 precision, by the
+    same code: it names the harm, with the numbers the build's long run of the member gives."""
+    from pathlib import Path
+
+    from autoscale.envs.suite import load_spec
+    from autoscale.selection import suite_eval as ev
+
+    suite = load_spec(Path(__file__).resolve().parents[2] / "envs" / "suite.yaml")
+    member = suite.member("mlp/small-grads")
+    check = NoHarmCheck(NoHarmPlan((member.workload,), FLUSH_STEPS), tmp_path, Ledger(), SCALE)
+    flush = lambda: make_scaler("static", device="cpu", **FLUSH)  # noqa: E731
+    verdict = check.check(flush, "flush")
+    assert not verdict.passed
+    mine, ref = (verdict.runs["mlp/small-grads"][who][0] for who in ("candidate", "torch"))
+    assert mine["precision_loss"] <= ref["precision_loss"]  # the scorecard's: not worse than torch
+    assert mine["kept"] == 0.0 and ref["kept"] > 0.5  # the reference's: it keeps nothing
+    (why,) = [r for r in verdict.reasons if "at fp16 precision" in r]
+    assert why.startswith("mlp/small-grads seed 0: keeps 0.00% of gradient elements")
+    assert "kept at fp16 precision" not in verdict.summary()  # a failed check names its reasons
+
+    torch = lambda: make_scaler("torch", device="cpu", **SCALE)  # noqa: E731
+    long = ev.long_runs(suite, [member.name], {"flush": flush, "torch": torch}, FLUSH_STEPS, seed=0)
+    assert ev.kept_share(long[member.name]["flush"]) == mine["kept"]
+    assert ev.kept_share(long[member.name]["torch"]) == ref["kept"]
+    build = [r for r in ev.long_harm(long, "flush")[member.name] if "at fp16 precision" in r]
+    assert build == [why.removeprefix("mlp/small-grads seed 0: ")]
+
+
+def test_a_verdict_is_reused_only_by_a_check_of_the_same_shape(tmp_path, monkeypatch):
+    """Review item 7: a search whose budget checked gpt2 on its gpt2-tiny proxy keeps that
+    verdict; a resume whose budget checks gpt2 itself checks again (here the real model's check
+    fails where the proxy's passed), a check of the same shape reuses it, and export, which runs
+    no check, reads the one stored last."""
+    from autoscale.search.plan import fit_no_harm
+
+    gpt2 = NoHarmPlan(no_harm_workloads([base_spec(model="gpt2")]), 1000)
+    step_s = {"mlp": 0.001, "gpt2-tiny": 0.01, "gpt2": 0.5}
+    proxy = no_harm_proxy(gpt2.workloads[1])
+    timings = Timings(
+        {workload_key(w): Timing(step_s[w.model], 0.1, 0.1, 4) for w in (*gpt2.workloads, proxy)}
+    )
+
+    def fitted(work_s):
+        plan, _ = fit_no_harm(gpt2, timings, work_s, lambda w, s: False)
+        return NoHarmCheck(plan, tmp_path, Ledger(), SCALE)
+
+    small, large = fitted(600.0), fitted(20000.0)  # a 10-minute budget and a long one
+    assert [w.model for w in small.no_harm.workloads] == ["mlp", "gpt2-tiny", "mlp"]
+    assert [w.model for w in large.no_harm.workloads] == ["mlp", "gpt2", "mlp"]
+    assert small.shape.startswith("mlp,gpt2-tiny,mlp/drift|1000|kept-fp32-v1|")
+    assert large.shape.startswith("mlp,gpt2,mlp/drift|1000|kept-fp32-v1|")
+    longer = NoHarmCheck(dataclasses.replace(small.no_harm, steps=2000), tmp_path, Ledger(), SCALE)
+    assert len({small.shape, large.shape, longer.shape}) == 3
+
+    ran = []
+    for name, c in (("proxy", small), ("real", large)):
+
+        def screen(factory, label, c=c):
+            return Verdict(label, True, screened=True, shape=c.shape)
+
+        def run(factory, label, deadline=None, name=name, c=c):
+            ran.append((name, label))
+            harmed = name == "real" and label == "5"
+            return Verdict(
+                label, not harmed, ["gpt2 seed 0: worse"] if harmed else [], shape=c.shape
+            )
+
+        monkeypatch.setattr(c, "screen", screen)
+        monkeypatch.setattr(c, "check", run)
+
+    torch = validated("rule:torch", 0.125, 0.3)
+    auto = validated("policy:auto", 0.0, 0.05)
+    best = validated("trial:5", 0.0, 0.0)
+    factories = {"trial:5": scaler("torch"), "policy:auto": scaler("auto")}
+    study = optuna.create_study()
+    first, _, _ = pick(small, [torch, auto, best], factories, study=study)
+    assert first.winner.key == "trial:5" and ran == [("proxy", "5")]
+    again, said, _ = pick(small, [torch, auto, best], factories, study=study)
+    assert again.winner.key == "trial:5" and said == [] and len(ran) == 1  # the same shape: reused
+    resumed, said, _ = pick(large, [torch, auto, best], factories, study=study)
+    assert ran[1:] == [("real", "5"), ("real", "auto")]  # another shape: checked again
+    assert resumed.winner.key == "policy:auto" and said[0].startswith("5 fails the no-harm check")
+    assert stored_verdict(study, "trial:5", small.shape).passed  # the proxy's verdict is kept
+    assert not stored_verdict(study, "trial:5").passed  # export reads the latest
