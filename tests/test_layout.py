@@ -221,20 +221,18 @@ def test_no_import_circle():
 # Functions over the cap when it replaced the 500-line file cap, at their length then: each may
 # only shrink (a refactor that brings one under the cap removes it here).
 LONG_FUNCTIONS = {
-    "autoscale/agents/train.py:train_agent": 157,
+    "autoscale/agents/train.py:train_agent": 151,
     "autoscale/search/traces.py:load_traces": 143,
     "autoscale/report/findings.py:findings": 127,
     "autoscale/envs/from_records.py:suite_from_records": 108,
     "autoscale/search/plan.py:make_plan": 101,
-    "autoscale/selection/suite_eval.py:long_runs": 98,
     "autoscale/report/page.py:write_report": 95,
-    "autoscale/commands/search.py:run": 91,
+    "autoscale/commands/search.py:run": 81,
     "autoscale/search/choose.py:choose": 89,
     "autoscale/envs/spec.py:from_dict": 87,
     "autoscale/selection/auto.py:export": 84,
     "autoscale/search/rounds.py:_validate": 84,
     "autoscale/search/loop.py:run": 84,
-    "autoscale/search/agent_trials.py:__call__": 84,
     "autoscale/envs/traces.py:record_trace": 83,
     "autoscale/search/runner.py:run": 81,
 }

@@ -182,15 +182,9 @@ def _check(algo: str, timesteps: Any, replay: Any, export_name, export_dir, forc
     if replay is None:
         raise ConfigError("a residual agent trains on replay: give the traces (--replay)")
     if export_name:
-        from autoscale.scalers.policies import (
-            check_policy_name,
-            default_policy_dir,
-            existing_policy_error,
-        )
+        from autoscale.scalers.policies import check_export_dest
 
-        dest = Path(export_dir or default_policy_dir()) / check_policy_name(export_name)
-        if dest.exists() and not force:
-            raise existing_policy_error(dest)
+        check_export_dest(export_name, export_dir, force)
     return algo
 
 

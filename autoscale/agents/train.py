@@ -212,15 +212,9 @@ def train_agent(
     if isinstance(timesteps, bool) or not isinstance(timesteps, int) or timesteps <= 0:
         raise ConfigError(f"--timesteps must be a positive integer, got {timesteps!r}")
     if export_name:
-        from autoscale.scalers.policies import (
-            check_policy_name,
-            default_policy_dir,
-            existing_policy_error,
-        )
+        from autoscale.scalers.policies import check_export_dest
 
-        dest = Path(export_dir or default_policy_dir()) / check_policy_name(export_name)
-        if dest.exists() and not force:
-            raise existing_policy_error(dest)
+        check_export_dest(export_name, export_dir, force)
     if tensorboard:
         try:
             import tensorboard as _tb  # noqa: F401

@@ -65,6 +65,7 @@ __all__ = [
     "load_policy",
     "staged_policy",
     "existing_policy_error",
+    "check_export_dest",
     "MANIFEST",
     "MANIFEST_FORMAT",
     "POLICY_PATH_ENV",
@@ -345,6 +346,21 @@ def existing_policy_error(dest: Path, *, other: bool = False) -> ConfigError:
     """The one message for an export that would replace a policy without ``--force``."""
     what = "already exists and holds another policy" if other else "already exists"
     return ConfigError(f"policy folder '{dest}' {what}; choose another name or pass --force")
+
+
+def check_export_dest(
+    name: str, folder: str | os.PathLike | None = None, force: bool = False
+) -> Path:
+    """Where an export of ``name`` into ``folder`` (default: :func:`default_policy_dir`) will go,
+    checked before any work: a valid name, and no policy there unless ``force``.
+
+    Raises:
+        ConfigError: an invalid name, or a policy already there without ``force``.
+    """
+    dest = Path(folder or default_policy_dir()) / check_policy_name(name)
+    if dest.exists() and not force:
+        raise existing_policy_error(dest)
+    return dest
 
 
 @contextlib.contextmanager

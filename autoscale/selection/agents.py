@@ -115,16 +115,7 @@ def train_agents(
         timings[f"train {name}"] = time.monotonic() - t0
         log(f"{name}: {result.timesteps} steps in {result.wall_s:.0f} s, best eval reward "
             f"{result.best_eval_reward:.3f}")  # fmt: skip
-        out[name] = result.policy_dir
-        result.model.save(folder / f"{name}.sb3.zip")  # to go on training: the shipped agent
-        known[name] = {
-            "settings": mine,
-            "timesteps": result.timesteps,
-            "wall_s": result.wall_s,
-            "best_eval_reward": result.best_eval_reward,
-        }
-        info[name] = {**known[name], "reused": False}
-        ledger.write_text(json.dumps(known, indent=1, default=float) + "\n")
+        _keep(folder, name, result, mine, known, out, info)
     return out, info
 
 
@@ -169,14 +160,22 @@ def residual(suite, traces, settings, folder: Path, timings, log, out, info) -> 
         log(f"{name}: {result.timesteps} decisions in {result.wall_s:.0f} s, best held-out reward "
             f"{result.best_eval_reward:.3f}, skip violation of the last {len(last)} episodes "
             f"{sum(v[0] for v in last) / max(1, len(last)):+.4f}")  # fmt: skip
-        out[name] = result.policy_dir
-        result.model.save(folder / f"{name}.sb3.zip")  # to go on training: the shipped agent
-        known[name] = {
-            "settings": mine,
-            "timesteps": result.timesteps,
-            "wall_s": result.wall_s,
-            "best_eval_reward": result.best_eval_reward,
-            "skip_violation_last": [v[0] for v in last],
-        }
-        info[name] = {**known[name], "reused": False}
-        ledger.write_text(json.dumps(known, indent=1, default=float) + "\n")
+        _keep(folder, name, result, mine, known, out, info,
+              skip_violation_last=[v[0] for v in last])  # fmt: skip
+
+
+def _keep(folder: Path, name: str, result, mine: dict, known: dict, out, info, **extra) -> None:
+    """Keep a trained agent: its export in ``out``, its SB3 model beside it (to go on training:
+    the shipped agent), and what its training was in ``info`` and the ledger (with ``mine``, the
+    settings a later build compares to reuse it)."""
+    out[name] = result.policy_dir
+    result.model.save(folder / f"{name}.sb3.zip")
+    known[name] = {
+        "settings": mine,
+        "timesteps": result.timesteps,
+        "wall_s": result.wall_s,
+        "best_eval_reward": result.best_eval_reward,
+        **extra,
+    }
+    info[name] = {**known[name], "reused": False}
+    (folder / "agents.json").write_text(json.dumps(known, indent=1, default=float) + "\n")
