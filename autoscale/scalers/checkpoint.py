@@ -195,11 +195,20 @@ def rule_for(controller: ScaleController, loaded: LoadedState, name: str) -> Sca
     rule = controller.rule
     if loaded.params:
         try:
-            rule = controller.with_params(loaded.params)
+            rebuilt = controller.with_params(loaded.params)
         except ConfigError as exc:
             if not _lenient["on"]:
                 raise ConfigError(f"checkpoint of '{name}': {exc}") from None
             warnings.warn(f"checkpoint of '{name}': {exc}; it keeps its own", stacklevel=3)
+        else:
+            if rebuilt is None:
+                warnings.warn(
+                    f"checkpoint of '{name}' was saved with other settings, which its rule "
+                    "cannot be rebuilt from; it keeps its own",
+                    stacklevel=3,
+                )
+            else:
+                rule = rebuilt
     rule.load_state(loaded.rule_state)
     return rule
 

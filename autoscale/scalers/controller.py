@@ -319,11 +319,13 @@ class ScaleController:
         self.rule.adopt(out)
         return out
 
-    def with_params(self, params: dict[str, Any]) -> ScaleRule:
+    def with_params(self, params: dict[str, Any]) -> ScaleRule | None:
         """The rule with the settings ``params`` names (the keys this rule's :meth:`ScaleRule.params`
         has; the others keep their values): this rule where they are its own, else a new rule of
-        its class built with them, whose memory is a fresh rule's (load its state next). The
-        controller hosts it once it is assigned to :attr:`rule`.
+        its class built with them, whose memory is a fresh rule's (load its state next); None
+        for a rule that its parameters do not rebuild (values that are not numbers, booleans or
+        strings describe parts, as a policy's may; or its constructor takes other arguments).
+        The controller hosts it once it is assigned to :attr:`rule`.
 
         Raises:
             ConfigError: a value the rule's own validation refuses.
@@ -332,13 +334,16 @@ class ScaleController:
         changed = {k: v for k, v in params.items() if k in current and current[k] != v}
         if not changed:
             return self.rule
+        if not all(isinstance(v, bool | int | float | str) for v in current.values()):
+            return None  # parameters that describe parts (a policy's), not constructor values
         try:
-            rule = type(self.rule)(**{**current, **changed})
-        except (ConfigError, TypeError, ValueError) as exc:
+            return type(self.rule)(**{**current, **changed})
+        except TypeError:
+            return None
+        except (ConfigError, ValueError) as exc:
             raise ConfigError(
                 f"rule '{self.rule.name}' cannot take the settings {changed}: {exc}"
             ) from None
-        return rule
 
     def knob(self, key: str, default: Any) -> Any:
         """The rule's parameter ``key`` (GradScaler's growth_factor, ...), else ``default``."""

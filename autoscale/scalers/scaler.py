@@ -472,6 +472,8 @@ class LossScaler(torch.amp.GradScaler):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
+        if self._enabled:  # a copy starts a step at the rule's scale (GradScaler's get_scale())
+            state.update(_init_scale=self._host_scale, _guarded=False)
         # (observers: recorders and loggers hold files of this process)
         state.update(
             _loss_sum=None, _last_stepped=[], _observers=[], _guard_scale=None, _step_scale=None
