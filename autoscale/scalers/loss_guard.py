@@ -32,6 +32,7 @@ from autoscale.scalers.ranks import RankAgreement
 __all__ = [
     "apply_guard",
     "apply_step_scale",
+    "guard_on_host",
     "guard_scale_host",
     "guarded_scale",
     "guards",
@@ -60,10 +61,7 @@ def apply_guard(
     they scale alike; a NaN on any rank keeps the set scale everywhere."""
     dev = scale.device
     if dev.type == "cpu" and loss.device.type == "cpu" and group is None:
-        # the same float64 arithmetic on the host (IEEE division, the C library's log2 as
-        # torch's scalar kernel calls it, an exact power of two, the clamp) and one fill,
-        # instead of nine tensor ops
-        scale.fill_(guard_scale_host(limit, float(loss), min_scale, set_scale))
+        guard_on_host(scale, loss, limit, min_scale, set_scale)
         return None
     exact = torch.float32 if dev.type == "mps" else torch.float64  # MPS has no float64
     g = loss.to(dev, exact, copy=True).abs_()  # a copy: every op below works in place
@@ -75,6 +73,18 @@ def apply_guard(
     g.log2_().floor_().exp2_().clamp_(min=min_scale, max=set_scale)
     scale.copy_(g)
     return g  # the same value (a power of two or a bound: float32 holds it)
+
+
+def guard_on_host(
+    scale: torch.Tensor, loss: torch.Tensor, limit: float, min_scale: float, set_scale: float
+) -> float:
+    """:func:`apply_guard` where ``scale`` and ``loss`` are CPU tensors and no ranks agree: the
+    same float64 arithmetic on the host (IEEE division, the C library's log2 as torch's scalar
+    kernel calls it, an exact power of two, the clamp) and one fill, instead of nine tensor
+    ops. Returns the step's scale (a CPU scaler calls it directly: it knows where it runs)."""
+    value = guard_scale_host(limit, float(loss), min_scale, set_scale)
+    scale.fill_(value)
+    return value
 
 
 def guard_scale_host(limit: float, loss: float, min_scale: float, max_scale: float) -> float:

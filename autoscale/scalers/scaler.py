@@ -11,11 +11,13 @@ private members.
 
 Host syncs: one per step, where GradScaler has its own (the found-inf flag in ``step()``), which
 also carries the statistics and the loss; with a fused optimizer (no sync in GradScaler), one in
-``update()``.
+``update()``. On a CPU, where a read is no sync and every small tensor op costs microseconds, the
+same values are read one by one instead of packed (:meth:`LossScaler._read_on_host`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -33,7 +35,7 @@ from autoscale.scalers.controller import (
     positive_finite,
 )
 from autoscale.scalers.grad_reader import GradReader
-from autoscale.scalers.loss_guard import apply_guard, apply_step_scale, guards
+from autoscale.scalers.loss_guard import apply_guard, apply_step_scale, guard_on_host, guards
 from autoscale.scalers.ranks import RankAgreement
 from autoscale.scalers.unscale import InverseScale
 
@@ -85,6 +87,11 @@ class LossScaler(torch.amp.GradScaler):
         grads: Its :class:`~autoscale.scalers.grad_reader.GradReader` (how it reads gradients;
             an instrument that reads every gradient too may have it keep a copy of ``|g|``).
     """
+
+    # (class defaults: a scaler pickled before these existed loads, on the general path)
+    _cpu = False  # the scale tensor is on a CPU, where reads are no syncs (set when made)
+    _step_scale: float | None = None
+    _step_group: tuple[Any] | None = None
 
     def __init__(
         self,
@@ -143,9 +150,10 @@ class LossScaler(torch.amp.GradScaler):
         self.guard_rule: ScaleRule | None = None
         self._guarded = False  # this step's guard ran: _scale holds the step's scale
         self._guard_scale: torch.Tensor | None = None  # that scale, float64, for 1/scale
-        self._step_scale: float | None = None  # that scale on the host, once read
+        self._step_scale = None  # that scale on the host, once read
         self._inverse = InverseScale()
         self._ranks = RankAgreement(process_group, identical_grads)
+        self._step_group = None  # (this step's process group,) once looked up
         self._observers: list[Any] = []
         if self._enabled:  # a policy takes its first decision now, as the env does at reset
             self._set_scale(self.controller.start(first))
@@ -224,38 +232,47 @@ class LossScaler(torch.amp.GradScaler):
             else:
                 self._loss_sum = self._loss_sum.float() + loss.float()
             self._loss_count += 1
-            if not self._guarded:
-                self._guard(loss)
+            rule = self.guard_rule if self.guard_rule is not None else self.rule
+            if rule.has_guard and not self._guarded:  # (scale_time comes with has_guard)
+                self._guard(loss, rule)
             for obs in self._observers:
                 obs.on_scale(self, loss)
         return super().scale(outputs)
 
-    def _guard(self, loss: torch.Tensor) -> None:
-        """Lower this step's scale to the rule's guard (see ScaleRule.guard_limit), on the device:
-        :func:`~autoscale.scalers.loss_guard.apply_guard`; or let a rule that acts at scale time
+    def _guard(self, loss: torch.Tensor, rule: ScaleRule) -> None:
+        """Lower this step's scale to ``rule``'s guard (see ScaleRule.guard_limit), on the
+        device: :func:`~autoscale.scalers.loss_guard.apply_guard` (on a CPU with nothing to
+        agree, its host form, whose value is then known); or let a rule that acts at scale time
         set it from the loss (``scale_time``)."""
-        rule = self.guard_rule if self.guard_rule is not None else self.rule
-        limit = rule.guard_limit() if rule.has_guard and not rule.scale_time else None
-        if not guards(limit) and not rule.scale_time:
-            return
+        if rule.scale_time:
+            limit = None
+        else:
+            limit = rule.guard_limit()
+            if not guards(limit):
+                return
         if self._scale is None:
             self._lazy_init_scale_growth_tracker(loss.device)
         scale, group = self._scale, self._group()
+        self._guarded = True
+        if limit is not None and self._cpu and group is None and loss.is_cpu:
+            self._guard_scale = None
+            self._step_scale = guard_on_host(scale, loss, limit, self.min_scale, self._host_scale)
+            return
         self._guard_scale = (
             apply_step_scale(rule, scale, loss, self.controller.bounds, self._host_scale, group)
             if rule.scale_time
             else apply_guard(scale, loss, limit, self.min_scale, self._host_scale, group)
         )
-        self._guarded = True
-        self._step_scale = None
+        # set on the host of a CPU (no tensor returned): read once, for get_scale and 1/scale
+        self._step_scale = scale.item() if self._guard_scale is None and self._cpu else None
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = self._one_pass_grads(optimizer) if self._enabled else None
+        grads = self._one_pass_grads(optimizer) if self._enabled and self._collect_stats else None
         if grads is not None:
             self._unscale_with_amax(optimizer, grads)
         else:
             super().unscale_(optimizer)
-            if self._enabled and self.collect_stats:
+            if self._enabled and self._collect_stats:
                 self._collect_grad_stats(optimizer, inv_scale=None)
         if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
             # a fused optimizer skips inside its kernel from the found-inf flag: agree on it
@@ -315,11 +332,15 @@ class LossScaler(torch.amp.GradScaler):
         state["stage"] = OptState.UNSCALED
 
     def _inv_scale(self) -> torch.Tensor:
+        if self._guarded and self._cpu and self._step_scale is not None:
+            # a guarded step's scale, known on the host: 1/scale as for any host scale
+            return self._inverse(self._scale, self._step_scale, False, None)
         return self._inverse(self._scale, self._host_scale, self._guarded, self._guard_scale)
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
         self._agree(optimizer_state)
-        sv.read([optimizer_state])
+        if sv.HOST not in optimizer_state:  # (read already on a CPU)
+            sv.read([optimizer_state])
         if not optimizer_state[sv.HOST].found:
             return optimizer.step(*args, **kwargs)
         return None
@@ -339,19 +360,20 @@ class LossScaler(torch.amp.GradScaler):
         states = [s for s in states if s["found_inf_per_device"]]
         if not states:
             raise AssertionError("No inf checks were recorded prior to update.")
-        if self._loss_sum is not None and all(sv.VEC in s for s in states):
+        if self._loss_sum is not None and all(sv.VEC in s or sv.HOST in s for s in states):
             # a loss scaled after the last optimizer step agreed its flags: one more agreement
             states.append(_refresh_per_optimizer_state())
         for state in states:
-            self._agree(state)
+            if sv.HOST not in state and sv.VEC not in state:  # (most were at their step)
+                self._agree(state)
         stats, used = sv.step_stats(
-            states, self.steps, self._host_scale, self.collect_stats, self.grads.rms
+            states, self.controller.steps, self._host_scale, self._collect_stats, self.grads.rms
         )
         self.last_stats = stats
         if used == self._host_scale:  # the guard kept the set scale: no fill if the rule does too
             self._guarded = False
         try:
-            self._set_scale(self.controller.step(stats))
+            self._set_scale(self.controller.step(stats), adopted=True)
         finally:
             self._end_step()
         for obs in self._observers:
@@ -469,6 +491,7 @@ class LossScaler(torch.amp.GradScaler):
             self.grads.forget()  # its step number may come back: not these gradients
         self._set_scale(loaded.scale)
         self._guarded = False  # loaded after scale(): the step goes on at the loaded scale
+        self._step_group = None  # (a rule of other settings may read other things)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -476,7 +499,12 @@ class LossScaler(torch.amp.GradScaler):
             state.update(_init_scale=self._host_scale, _guarded=False)
         # (observers: recorders and loggers hold files of this process)
         state.update(
-            _loss_sum=None, _last_stepped=[], _observers=[], _guard_scale=None, _step_scale=None
+            _loss_sum=None,
+            _last_stepped=[],
+            _observers=[],
+            _guard_scale=None,
+            _step_scale=None,
+            _step_group=None,
         )
         state["_inverse"] = InverseScale()
         return state
@@ -486,14 +514,20 @@ class LossScaler(torch.amp.GradScaler):
         return f"{type(self).__name__}(name={self.name!r}, scale={self._host_scale:g}{', ' if params else ''}{params})"
 
     # ------------------------------------------------------------------ internals
-    def _set_scale(self, value: float) -> None:
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._cpu = self._scale.device.type == "cpu"
+
+    def _set_scale(self, value: float, adopted: bool = False) -> None:
+        """Make ``value`` the scale of the next step (``adopted``: the rule knows it already)."""
         if self._scale is None:
             self._init_scale = value
         elif value != self._host_scale or self._guarded:  # most steps keep it: no op then
             self._scale.fill_(value)
         self._host_scale = value
         self._guard_scale = self._step_scale = None  # no longer this step's scale
-        self.rule.adopt(value)  # set from outside the rule too: it continues from this scale
+        if not adopted:  # set from outside the rule: it continues from this scale
+            self.rule.adopt(value)
 
     def _end_step(self) -> None:
         # step_was_skipped answers for these until the next step()
@@ -504,7 +538,7 @@ class LossScaler(torch.amp.GradScaler):
         self._loss_sum = None
         self._loss_count = 0
         self._guarded = False
-        self._guard_scale = self._step_scale = None
+        self._guard_scale = self._step_scale = self._step_group = None
         self.grads.forget()  # grad_abs answers for the step that filled it only
 
     def _collect_grad_stats(self, optimizer: torch.optim.Optimizer, inv_scale: Any) -> None:
@@ -522,16 +556,44 @@ class LossScaler(torch.amp.GradScaler):
         return self._ranks.identical_grads
 
     def _group(self) -> Any:
-        """The process group decisions are agreed over, or None (nothing to agree)."""
-        return self._ranks.group(self._scale.device, self.rule.needs_loss)
+        """The process group decisions are agreed over, or None (nothing to agree); looked up
+        once a step (several parts of a step ask)."""
+        if self._step_group is None:
+            self._step_group = (self._ranks.group(self._scale.device, self.rule.needs_loss),)
+        return self._step_group[0]
 
     def _agree(self, state: dict[str, Any]) -> None:
-        """Pack this optimizer's step into one vector, agreed across ranks (no host sync)."""
-        if sv.VEC in state:
+        """Pack this optimizer's step into one vector, agreed across ranks (no host sync); on a
+        CPU with nothing to agree, read its values at once instead (:meth:`_read_on_host`)."""
+        if sv.VEC in state or sv.HOST in state:
             return
         group = self._group()
-        gather = None if group is None else (lambda local: self._ranks.gather(local, group))
         loss, n_loss, self._loss_sum, self._loss_count = self._loss_sum, self._loss_count, None, 0
-        stats = state.get(sv.STATS) if self.collect_stats else None
+        stats = state.get(sv.STATS) if self._collect_stats else None
+        if group is None and self._cpu:
+            self._read_on_host(state, stats, loss, n_loss)
+            return
+        dev = self._scale.device
+        gather = None if group is None else (lambda local: self._ranks.gather(local, group))
         guard = self._scale if self._guarded else None  # the step's own scale travels along
-        sv.pack_into(state, stats, loss, n_loss, guard, self._scale.device, gather)
+        sv.pack_into(state, stats, loss, n_loss, guard, dev, gather)
+
+    def _read_on_host(
+        self, state: dict[str, Any], stats: torch.Tensor | None, loss: Any, n_loss: int
+    ) -> None:
+        """The :class:`~autoscale.scalers.step_vector.HostStep` that packing and reading would
+        give (the loss summed in float32, as the vector holds it), read from the CPU tensors
+        themselves: a read is no sync on a CPU, and a vector costs ops every step."""
+        found = False
+        for flag in state["found_inf_per_device"].values():
+            found = found or flag.item() > 0
+        amax, sumsq, count = math.nan, math.nan, 0.0
+        if stats is not None:
+            if stats.dim():
+                amax, sumsq, count = stats.tolist()
+            else:
+                amax = stats.item()
+        loss_sum = loss.float().item() if loss is not None else 0.0
+        state[sv.HOST] = sv.HostStep(found, amax, sumsq, count, loss_sum, float(n_loss))
+        if self._guarded:
+            state[sv.USED] = self._step_scale if self._step_scale is not None else self.get_scale()

@@ -13,12 +13,14 @@ __all__ = ["InverseScale", "unscale_reading_amax"]
 
 class InverseScale:
     """1/scale of a step as GradScaler's ``unscale_`` computes it (the reciprocal in float64,
-    rounded to float32; in float32 on MPS): one op from the guard's scale where the guard ran,
-    else none while the host scale stays (a tensor kept for it). Valid until the next step's:
-    read it within the step."""
+    rounded to float32; in float32 on MPS): one op from the guard's scale where the guard ran on
+    the device, else none for a scale seen lately (a tensor kept for each of the last few host
+    scales). Valid until the next step's: read it within the step."""
+
+    _KEEP = 16  # the 1/scale tensors of this many host scales (a guard's steps take a few)
 
     def __init__(self) -> None:
-        self._cache: tuple[float, torch.Tensor] | None = None  # (host scale, 1/scale)
+        self._cache: dict[tuple[float, torch.device], torch.Tensor] = {}  # 1/scale by scale
         self._buf: torch.Tensor | None = None  # 1/scale of a guarded step
 
     def __call__(
@@ -43,10 +45,12 @@ class InverseScale:
             if buf is None or buf.device != dev:
                 buf = self._buf = torch.empty((), device=dev)
             return torch.reciprocal(g, out=buf)  # computed in g's dtype, rounded on the way out
-        cached = self._cache
-        if cached is None or cached[0] != host or cached[1].device != dev:
-            cached = self._cache = (host, torch.full((), f32(1.0 / host), device=dev))
-        return cached[1]
+        inv = self._cache.get((host, dev))
+        if inv is None:
+            if len(self._cache) >= self._KEEP:
+                self._cache.clear()
+            inv = self._cache[host, dev] = torch.full((), f32(1.0 / host), device=dev)
+        return inv
 
 
 def unscale_reading_amax(

@@ -3,7 +3,6 @@ overflows set and probes (amax-cap), and a per-step guard from the loss (amax-lo
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import deque
 from typing import Any, ClassVar
@@ -132,9 +131,14 @@ class AmaxCapRule(AmaxHistoryRule):
         self.binding = False  # whether the cap set the last scale (read by rules that regrow)
 
     def next_scale(self, scale: float, stats: StepStats) -> float:
+        return self._cap_step(scale, stats, stats.grad_amax)
+
+    def _cap_step(self, scale: float, stats: StepStats, grad_amax: float) -> float:
+        """:meth:`next_scale` with the step's gradient amax given apart (a subclass may give 0:
+        no amax to remember; without a copy of ``stats``, this runs every step)."""
         if stats.loss_nonfinite:
             return scale  # fails at any scale: nothing to learn about the scale from it
-        if stats.found_inf or not math.isfinite(stats.grad_amax):
+        if stats.found_inf or not math.isfinite(grad_amax):
             if 0.0 < self.safe < scale:  # a probe or a growth overflowed: back to the clean level
                 self.cap = self.safe
                 self._probe_failed()
@@ -158,8 +162,8 @@ class AmaxCapRule(AmaxHistoryRule):
             elif self.regrows and self.binding and self.clean >= wait:  # try above the boundary
                 self.safe, self.cap, self.overflowed = self.cap, self.cap * 2.0, math.inf
                 self.clean = 0
-        if stats.grad_amax > 0:
-            self.history.append(stats.grad_amax)
+        if grad_amax > 0:
+            self.history.append(grad_amax)
         if not self.history:
             return min(scale, self.cap)
         amax = max(self.history)
@@ -311,10 +315,9 @@ class AmaxLossRule(AmaxCapRule):
         if learned == SHORT:  # the guard's foresight fell short: the cap stays as it was
             self.base = base
             return base
-        if learned == LEARNED and stats.guarded:
-            # its loss explains its gradients: no amax for the quiet steps
-            stats = dataclasses.replace(stats, grad_amax=0.0)
-        self.base = super().next_scale(base if stats.guarded else scale, stats)
+        # a guarded step whose loss explains its gradients: no amax for the quiet steps
+        amax = 0.0 if learned == LEARNED and stats.guarded else stats.grad_amax
+        self.base = self._cap_step(base if stats.guarded else scale, stats, amax)
         return self.base
 
     def params(self) -> dict[str, Any]:

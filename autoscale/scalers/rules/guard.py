@@ -48,6 +48,8 @@ class LossGuard:
     """
 
     has_guard = True
+    _limit: float | None = None  # (class defaults: a guard pickled before the cache loads)
+    _stale = True
 
     def __init__(
         self, guard_history: int = 16, guard_margin: float = 1.0, guard_floor: float = 0.0
@@ -58,6 +60,9 @@ class LossGuard:
         self.ratios: deque[float] = deque(maxlen=self.guard_history)  # gradient amax per |loss|
         self.ratio_losses: deque[float] = deque(maxlen=self.guard_history)  # |loss| of each
         self.losses: deque[float] = deque(maxlen=self.guard_history)  # recent steps' |loss|
+        # the limit, kept until the memory changes (the scaler reads it every step)
+        self._limit: float | None = None
+        self._stale = True
 
     def _cut(self) -> float:
         """The ``|loss|`` below which a step teaches nothing (0: every one teaches)."""
@@ -68,13 +73,16 @@ class LossGuard:
     def guard_limit(self) -> float | None:
         """The largest ``scale * |loss|`` a step may take (None before any clean step, or where
         the ``guard_floor`` leaves no remembered ratio)."""
+        if self._stale:
+            self._limit, self._stale = self._compute_limit(), False
+        return self._limit
+
+    def _compute_limit(self) -> float | None:
         if not self.guard_floor:  # every lesson counts
             return FP16_MAX * 2.0**-self.guard_margin / max(self.ratios) if self.ratios else None
         cut = self._cut()
         counted = [r for r, m in zip(self.ratios, self.ratio_losses) if m >= cut]
-        if not counted:
-            return None
-        return FP16_MAX * 2.0**-self.guard_margin / max(counted)
+        return FP16_MAX * 2.0**-self.guard_margin / max(counted) if counted else None
 
     def observe(self, scale: float, stats: StepStats) -> str | None:
         """Learn from one step taken at ``scale``: :data:`SHORT` when a guarded step overflowed
@@ -85,6 +93,7 @@ class LossGuard:
         usable = 0.0 < loss < math.inf
         if usable:
             self.losses.append(loss)
+            self._stale = True
         if stats.found_inf or not math.isfinite(stats.grad_amax):
             if stats.guarded and usable:
                 self._remember(2.0 * FP16_MAX / (scale * loss), loss)
@@ -98,6 +107,7 @@ class LossGuard:
     def _remember(self, ratio: float, loss: float) -> None:
         self.ratios.append(ratio)
         self.ratio_losses.append(loss)
+        self._stale = True
 
     def params(self) -> dict[str, Any]:
         return {
@@ -127,6 +137,7 @@ class LossGuard:
         self.ratio_losses = deque(ratio_losses, maxlen=self.guard_history)
         losses = _positives(state, "losses", [], owner, inf=False)
         self.losses = deque(losses, maxlen=self.guard_history)
+        self._stale = True
 
 
 def _positives(
