@@ -62,6 +62,16 @@ TARGET = 1.05  # every rule, those that read gradient statistics included
 TARGETS = {"auto": 1.03}  # the shipped rule (amax-loss with its per-step guard): tighter
 SMALL_TARGET_US = 20.0  # fixed cost per step on the small model: the counter rules
 SMALL_TARGETS_US = {"auto": 50.0, "amax-history": 50.0, "amax-cap": 50.0, "amax-loss": 50.0}
+
+
+def small_target(name: str) -> float:
+    """A rule's or policy's small-model target: the counter rules' where it reads no gradient
+    statistics, else the amax rules' (a policy on auto's rule reads what auto reads)."""
+    from autoscale import get_scaler
+
+    return 50.0 if get_scaler(name, device="cpu").controller.rule.needs_stats else SMALL_TARGET_US
+
+
 SHIPPED = ("auto",)  # policies timed by default besides the built-in rules
 READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 SCALER_CODE = (
@@ -332,7 +342,7 @@ def measure_small(args, rules: list[str]) -> list[dict]:
     rows = []
     for j in jobs[1:]:
         extra = sorted((t - b) * 1e6 for t, b in zip(times[j.label], base))
-        target = SMALL_TARGETS_US.get(j.label, SMALL_TARGET_US)
+        target = SMALL_TARGETS_US.get(j.label, small_target(j.label))
         over = statistics.median(extra)
         per_step = statistics.median(j.step_s) * 1e6 - base_step_us
         rows.append(
