@@ -94,8 +94,8 @@ class SearchCommand(Command):
             "--no-warm-start",
             dest="warm_start",
             action="store_false",
-            help="with --space rl|both: train every agent from nothing (default: the first "
-            "fine-tunes the general agent shipped with autoscale)",
+            help="with --space rl|both: every agent starts from auto with no offset learned "
+            "(default: the first fine-tunes the residual agent shipped with autoscale)",
         )
         s.add_argument("--n-trials", type=int, help="stop this worker after N trials")
         s.add_argument("--seed", type=int, default=0, help="seed of the sampler and the agents")
