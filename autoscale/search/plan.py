@@ -416,8 +416,8 @@ def _finish(
         if not RLObjective.fits(shaped):  # the rule the RL trials themselves apply
             n = min(len(m.instances["train"]) for m in shaped.members)
             reason = (
-                f"an agent needs 2 train instances per member, one to select it on; the plan "
-                f"keeps {n}"
+                f"an agent needs 2 train instances per member, one to select it on, or the "
+                f"shipped residual agent to start from; the plan keeps {n}"
             )
         elif search_s < RL_MIN_SEARCH_S:
             reason = f"needs {format_duration(RL_MIN_SEARCH_S)} of search, the budget leaves {format_duration(search_s)}"

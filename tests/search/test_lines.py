@@ -18,24 +18,37 @@ from autoscale.search.workload import base_spec
 from tests.search.test_plan import timings_for
 
 
-def test_the_plan_drops_rl_where_a_member_has_one_train_instance_and_says_why():
-    """A suite of 8 members, one train instance each (a re-plan under load keeps one): the RL
-    trials refuse it (one instance is held out to select an agent on), so the plan searches the
-    parametric space and its line says RL was dropped."""
+def test_the_plan_drops_rl_where_a_member_has_one_train_instance_and_says_why(
+    tmp_path, monkeypatch
+):
+    """A suite of 8 members, one train instance each (a re-plan under load keeps one): a cold
+    agent needs one held out to select it on, so without the shipped residual agent to start from
+    the plan searches the parametric space and its line says RL was dropped; with it, RL stays
+    (the warm start is judged by the real-step validation alone)."""
+    from autoscale.agents import warm
+
     suite = load_spec("suite")
     shaped = shape_suite(suite, 64, 1, 1)
-    assert len(shaped.members) == 8 and not RLObjective.fits(shaped)
     no_harm = NoHarmPlan(no_harm_workloads(list(suite.members)), 1000)
-    plan = make_plan(
-        suite, timings_for(suite, 0.002), 3600, no_harm=no_harm, space="both",
-        rules=rules_torch_first(), stored=(shaped, shaped.with_episode_steps(64), 64),
-    )  # fmt: skip
+
+    def plan_of():
+        return make_plan(
+            suite, timings_for(suite, 0.002), 3600, no_harm=no_harm, space="both",
+            rules=rules_torch_first(), stored=(shaped, shaped.with_episode_steps(64), 64),
+        )  # fmt: skip
+
+    assert warm.shipped_agent(which=warm.RESIDUAL) is not None  # it ships
+    assert RLObjective.fits(shaped) and plan_of().space == "both"
+    monkeypatch.setattr(warm, "WARM_DIR", tmp_path)  # none ships
+    assert len(shaped.members) == 8 and not RLObjective.fits(shaped)
+    plan = plan_of()
     assert plan.space == "parametric"
     line = plan.describe()
     assert "parametric space" in line and "both space" not in line
     assert (
-        "RL dropped (an agent needs 2 train instances per member, one to select it on; the plan "
-        "keeps 1): searching the parametric space only" in line
+        "RL dropped (an agent needs 2 train instances per member, one to select it on, or the "
+        "shipped residual agent to start from; the plan keeps 1): searching the parametric space "
+        "only" in line
     )
 
 
