@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from autoscale.envs.suite import load_spec
 from autoscale.scalers import make_scaler
 from autoscale.search.agent_trials import RLObjective
@@ -82,6 +84,7 @@ def test_bars_are_drawn_on_a_terminal_only(tmp_path):
         os.close(slave)
 
 
+@pytest.mark.slow  # a real search, about a minute
 def test_a_piped_search_draws_no_bars_and_a_ctrl_c_after_an_export_names_it(tmp_path):
     """``autoscale search`` piped (CI, nohup, Slurm), without --quiet: its log holds the phase
     lines and no progress bar. Interrupted once a round exported, it says what is exported (the
