@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autoscale.agents.train import AgentResult
 from autoscale.errors import ConfigError
 
 __all__ = ["ResidualResult", "RESIDUAL_ALGOS", "export_residual", "train_residual"]
@@ -30,17 +31,11 @@ SELECT_MULTIPLIERS = {"skip": 4.0, "precision": 4.0}
 
 
 @dataclass
-class ResidualResult:
-    """What :func:`train_residual` produced."""
+class ResidualResult(AgentResult):
+    """What :func:`train_residual` produced: an agent's result, and the multipliers' history
+    ((skip violation, precision violation, skip multiplier, precision multiplier) per episode)."""
 
-    model: Any
-    algo: str
-    timesteps: int
-    wall_s: float
-    best_eval_reward: float
-    policy_dir: Path | None = None
     multipliers: list[tuple[float, float, float, float]] = field(default_factory=list)
-    eval_history: list[tuple[int, float]] = field(default_factory=list)
 
 
 def _hyperparams(algo: str, decisions: int) -> dict[str, Any]:

@@ -189,10 +189,10 @@ class ResidualEnv(gym.Env):
     # ------------------------------------------------------------------ gymnasium API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
+        inner_seed = None  # the inner env is seeded from this one's, once or when asked
         if seed is not None or not getattr(self, "_seeded", False):
-            self.inner.reset(seed=int(self.np_random.integers(2**31)))
-            self._seeded = True
-        _, info = self.inner.reset(options=options)
+            inner_seed, self._seeded = int(self.np_random.integers(2**31)), True
+        _, info = self.inner.reset(seed=inner_seed, options=options)
         self.rule = self.new_rule()
         self.controller = ScaleController(self.rule, self.bounds)
         self.inner.set_guard(self.rule)

@@ -86,13 +86,7 @@ def train_agents(
         if knobs is not None:
             mine["knobs"] = knobs.to_dict()
         entry = known.get(name)
-        if (
-            settings.reuse_agents
-            and entry is not None
-            and entry["settings"] == mine
-            and (folder / name / "policy.yaml").is_file()
-            and (folder / f"{name}.sb3.zip").is_file()
-        ):
+        if _reusable(settings, entry, mine, folder, name):
             out[name], info[name] = folder / name, {**entry, "reused": True}
             log(f"{name}: reused from {folder / name} (trained by an earlier run: "
                 f"{entry['timesteps']} steps in {entry['wall_s']:.0f} s)")  # fmt: skip
@@ -139,12 +133,7 @@ def residual(suite, traces, settings, folder: Path, timings, log, out, info) -> 
                 "seed": settings.seed, "window": settings.window, "base": "auto",
                 "residual": True}  # fmt: skip
         entry = known.get(name)
-        if (
-            settings.reuse_agents
-            and entry is not None
-            and entry["settings"] == mine
-            and (folder / name / "policy.yaml").is_file()
-        ):
+        if _reusable(settings, entry, mine, folder, name):
             out[name], info[name] = folder / name, {**entry, "reused": True}
             log(f"{name}: reused from {folder / name} (trained by an earlier run: "
                 f"{entry['timesteps']} decisions in {entry['wall_s']:.0f} s)")  # fmt: skip
@@ -179,3 +168,15 @@ def _keep(folder: Path, name: str, result, mine: dict, known: dict, out, info, *
     }
     info[name] = {**known[name], "reused": False}
     (folder / "agents.json").write_text(json.dumps(known, indent=1, default=float) + "\n")
+
+
+def _reusable(settings, entry: dict | None, mine: dict, folder: Path, name: str) -> bool:
+    """Whether the ledger's ``entry`` for ``name`` may stand in for training it with ``mine``:
+    reuse asked for, the same settings, its export and SB3 model still there."""
+    return bool(
+        settings.reuse_agents
+        and entry is not None
+        and entry["settings"] == mine
+        and (folder / name / "policy.yaml").is_file()
+        and (folder / f"{name}.sb3.zip").is_file()
+    )
