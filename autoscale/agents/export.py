@@ -98,8 +98,12 @@ def export_neural(
     obs_norm: dict[str, Any] | None = None,
     out_dir: str | os.PathLike | None = None,
     force: bool = False,
+    kind: str = "neural",
+    family: str | None = None,
 ) -> Path:
-    """Export a trained SB3 model as ``out_dir/NAME`` (manifest + weights.pt)."""
+    """Export a trained SB3 model as ``out_dir/NAME`` (manifest + weights.pt): a ``kind``
+    policy (``neural``, or ``residual``: its base rule and window among ``scales``) of
+    ``family`` (default ``mlp-ALGO``)."""
     actor, params = sb3_actor(model)
     params = {**params, "action": action, **(scales or {})}
     with staged_policy(name, out_dir, force=force) as tmp:
@@ -109,8 +113,8 @@ def export_neural(
         torch.save(blob, tmp / "weights.pt")
         manifest = PolicyManifest(
             name=name,
-            kind="neural",
-            family=f"mlp-{params['algo']}",
+            kind=kind,
+            family=family or f"mlp-{params['algo']}",
             parameters=params,
             feature_version=FEATURE_VERSION,
             autoscale_version=autoscale.__version__,

@@ -205,46 +205,16 @@ def export_residual(
     force: bool = False,
 ) -> Path:
     """Export ``model`` (trained on ``env``, a :class:`ResidualEnv`) as ``out_dir/NAME``."""
-    import torch
-
-    import autoscale
-    from autoscale.agents.export import sb3_actor
-    from autoscale.scalers.features import FEATURE_VERSION
-    from autoscale.scalers.policies import (
-        PolicyManifest,
-        sha256_file,
-        staged_policy,
-        write_manifest,
-    )
+    from autoscale.agents.export import export_neural
     from autoscale.scalers.residual import RESIDUAL_VERSION
 
-    actor, net = sb3_actor(model)
-    rule = env.new_rule()
-    ep = env.spec.episode
-    params = {
-        **net,
-        **rule.params(),
-        "residual_version": RESIDUAL_VERSION,
-        "init_scale": ep.init_scale,
-        "min_scale": ep.min_scale,
-        "max_scale": ep.max_scale,
-    }
-    with staged_policy(name, out_dir, force=force) as tmp:
-        torch.save(
-            {"actor": {k: v.detach().cpu().clone() for k, v in actor.state_dict().items()}},
-            tmp / "weights.pt",
-        )
-        manifest = PolicyManifest(
-            name=name,
-            kind="residual",
-            family=f"residual-{rule.base.name}-{net['algo']}",
-            parameters=params,
-            feature_version=FEATURE_VERSION,
-            autoscale_version=autoscale.__version__,
-            torch_version=torch.__version__,
-            workload={**(workload or {}), **({"training": training} if training else {})},
-            scorecard={},
-            weights_sha256=sha256_file(tmp / "weights.pt"),
-        )
-        write_manifest(tmp, manifest)
-    return Path(tmp.parent) / name
+    rule, ep = env.new_rule(), env.spec.episode
+    parts = {k: v for k, v in rule.params().items() if k != "action"}
+    return export_neural(
+        model, name, rule.action.to_dict(),
+        workload={**(workload or {}), **({"training": training} if training else {})},
+        scales={**parts, "residual_version": RESIDUAL_VERSION, "init_scale": ep.init_scale,
+                "min_scale": ep.min_scale, "max_scale": ep.max_scale},
+        out_dir=out_dir, force=force, kind="residual",
+        family=f"residual-{rule.base.name}-{type(model).__name__.lower()}",
+    )  # fmt: skip
