@@ -9,6 +9,7 @@ between the auto markers of experiments/results/README.md.
     python experiments/build_auto.py [--timesteps 300000] [--horizon 512] [--steps 256]
                                      [--long-steps 2000] [--reuse-agents] [--knobs]
                                      [--no-residual] [--residual-timesteps 20000] [--window 16]
+                                     [--residual-as-recorded]
 
 Prints how long each part took, and the total. ``--reuse-agents`` takes the agents an earlier run
 trained with the same settings (experiments/.cache/auto/policies, listed in agents.json there)
@@ -124,6 +125,8 @@ def main(argv=None) -> int:
                    help="decisions each residual agent trains for")  # fmt: skip
     p.add_argument("--window", type=int, default=d.window,
                    help="steps a residual agent's offset holds")  # fmt: skip
+    p.add_argument("--residual-as-recorded", action="store_true",
+                   help="train the residual agents on the recorded steps, without scenario knobs")  # fmt: skip
     p.add_argument("--readme-only", action="store_true",
                    help="rewrite the results block from experiments/results/auto_*.json and stop")  # fmt: skip
     args = p.parse_args(argv)
@@ -143,6 +146,7 @@ def main(argv=None) -> int:
         confirm_episodes=args.confirm_episodes, reuse_agents=args.reuse_agents,
         scale_time=not args.no_scale_time, knobs=args.knobs, residual=not args.no_residual,
         residual_timesteps=args.residual_timesteps, window=args.window,
+        residual_knobs=not args.residual_as_recorded,
     )  # fmt: skip
     t_all = time.monotonic()
     suite = load_spec(ROOT / "envs" / "suite.yaml")

@@ -63,6 +63,7 @@ def train_residual(
     window: int = 16,
     max_offset: int = 4,
     constrained: bool = True,
+    knobs: Any = None,
     seed: int = 0,
     hyperparams: dict[str, Any] | None = None,
     eval_freq: int | None = None,
@@ -79,7 +80,9 @@ def train_residual(
     continuous offset) on ``base`` (a scaler name), to the bar unless ``constrained`` is False.
     The model kept is the best on ``select_on``, instances held out from training that no later
     judgement reads (the build passes a spec whose ``test`` set is one held-out train instance
-    per member; None: no selection, the last model is kept); ``init``: a saved SB3 model of ``algo`` to go on training; ``export_name``:
+    per member; None: no selection, the last model is kept); ``knobs``: scenario knobs
+    (:class:`~autoscale.envs.knobs.Knobs`) drawn per training episode, the held-out selection
+    replayed as recorded; ``init``: a saved SB3 model of ``algo`` to go on training; ``export_name``:
     export it as a policy (into ``export_dir``; ``force`` replaces one)."""
     from stable_baselines3.common.monitor import Monitor
 
@@ -91,7 +94,7 @@ def train_residual(
     spec = load_spec(spec)
     common = {"base": base, "window": window, "mode": RESIDUAL_ALGOS[algo],
               "max_offset": max_offset, "constrained": constrained}  # fmt: skip
-    train_env = ResidualEnv(spec, "train", replay, random_offset=True, **common)
+    train_env = ResidualEnv(spec, "train", replay, random_offset=True, knobs=knobs, **common)
     multipliers = train_env.multipliers
     eval_env = None if select_on is None else Monitor(
         ResidualEnv(spec, select_on, replay, learn_multipliers=False,
@@ -127,6 +130,7 @@ def train_residual(
         result.policy_dir = export_residual(
             model, export_name, train_env.unwrapped, workload=_workload(spec),
             training={"algo": algo, "timesteps": timesteps, "constrained": constrained,
+                      "knobs": knobs.to_dict() if knobs is not None else None,
                       "multipliers": multipliers.to_dict(), "wall_s": round(result.wall_s, 1)},
             out_dir=export_dir, force=force,
         )  # fmt: skip

@@ -94,12 +94,19 @@ def scaler_for(name: str, spec: Any, **overrides: Any) -> LossScaler:
     return make_scaler(name, device="cpu", **kw)
 
 
-def drive_episode(env: ScaleEnvBase, scaler: LossScaler, instance: str, offset: int | None = None):
+def drive_episode(
+    env: ScaleEnvBase,
+    scaler: LossScaler,
+    instance: str,
+    offset: int | None = None,
+    knobs: Any = None,
+):
     """Run one episode of ``instance`` with ``scaler`` choosing every scale.
 
     Args:
         offset: Replay: start this many steps into the instance's trace (a later point of the
             same run).
+        knobs: Replay: this knobs draw (another episode's ``episode_knobs``) on the steps.
 
     Returns:
         (scorecard, step records) of the episode.
@@ -107,6 +114,8 @@ def drive_episode(env: ScaleEnvBase, scaler: LossScaler, instance: str, offset: 
     options: dict[str, Any] = {"instance": instance}
     if offset is not None:
         options["offset"] = offset
+    if knobs is not None:
+        options["knobs"] = knobs
     _, info = env.reset(options=options)
     controller = scaler.controller
     env.set_guard(controller.rule)  # a rule that guards each step does so here too

@@ -226,6 +226,7 @@ class ReplayEnv(ScaleEnvBase):
         self._cur: tuple[InstanceTrace, list[tuple], dict[str, list]] | None = None
         self._offset = 0
         self._requested_offset: int | None = None
+        self._requested_knobs: EpisodeKnobs | None = None
         self.records: list[tuple] = []
         self._episode_records: tuple | None = None
         self._make_record: Callable[[StepStats, float, float], Any] | None = None
@@ -234,9 +235,12 @@ class ReplayEnv(ScaleEnvBase):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         """As :meth:`ScaleEnvBase.reset`; ``options={"offset": k}`` starts ``k`` steps into the
-        instance's trace (``info["offset"]`` says where the episode started)."""
+        instance's trace (``info["offset"]`` says where the episode started), and
+        ``options={"knobs": draw}`` replays another episode's draw (:attr:`episode_knobs`: a
+        reference run on the same knobs) instead of drawing."""
         offset = (options or {}).get("offset")
         self._requested_offset = None if offset is None else int(offset)
+        self._requested_knobs = (options or {}).get("knobs")
         obs, info = super().reset(seed=seed, options=options)
         drawn = self._knobs.drawn if self._knobs is not None else None
         return obs, {**info, "offset": self._offset, "knobs": drawn}
@@ -274,10 +278,25 @@ class ReplayEnv(ScaleEnvBase):
                 kept[i + 1] = (scale, self.features.state_dict())
         self.records = []
         self._episode_records = None
-        self._knobs = (
-            self.knobs.draw(self.np_random, self.episode_steps) if self.knobs is not None else None
-        )
+        if self._requested_knobs is not None:
+            if len(self._requested_knobs.gain) < self.episode_steps:
+                raise ConfigError(
+                    f"a knobs draw of {len(self._requested_knobs.gain)} steps cannot drive an "
+                    f"episode of {self.episode_steps}"
+                )
+            self._knobs = self._requested_knobs
+        else:
+            self._knobs = (
+                self.knobs.draw(self.np_random, self.episode_steps)
+                if self.knobs is not None
+                else None
+            )
         return scale, self.features.state_dict()
+
+    @property
+    def episode_knobs(self) -> EpisodeKnobs | None:
+        """This episode's knobs draw (None: as recorded)."""
+        return self._knobs
 
     def _stats(self, cols: dict[str, list], i: int, scale: float) -> StepStats:
         nonfinite = cols["nonfinite"][i]

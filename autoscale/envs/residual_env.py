@@ -44,6 +44,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+from autoscale.errors import ConfigError
 from autoscale.scalers.actions import ActionMap
 from autoscale.scalers.controller import ScaleController, ScaleRule
 from autoscale.scalers.features import FEATURE_BOUND
@@ -118,6 +119,9 @@ class ResidualEnv(gym.Env):
             None: new ones.
         learn_multipliers: Whether episodes update the multipliers (False: an evaluation env).
         random_offset: Replay: start episodes anywhere in longer traces.
+        knobs: Replay: scenario knobs drawn per episode (:class:`~autoscale.envs.knobs.Knobs`:
+            loss weights, drifts, spikes, bad batches on the recorded steps); torch's reference
+            replays the same draw, so the constraints bind where the knobs make the rule wrong.
     """
 
     metadata = {"render_modes": []}
@@ -137,6 +141,7 @@ class ResidualEnv(gym.Env):
         multipliers: Multipliers | None = None,
         learn_multipliers: bool = True,
         random_offset: bool = False,
+        knobs: Any = None,
     ) -> None:
         super().__init__()
         from autoscale.envs.episodes import make_env
@@ -145,8 +150,15 @@ class ResidualEnv(gym.Env):
         self.spec = load_spec(spec)
         self.inner = make_env(self.spec, instances, trace)
         self._members = list(getattr(self.inner, "envs", {}).values()) or [self.inner]
+        if knobs is not None and trace is None:
+            raise ConfigError(
+                "knobs apply to replayed steps: give the traces (trace=...) or drop knobs"
+            )
         for env in self._members:
             env.random_offset = random_offset
+            if knobs is not None:
+                env.knobs = knobs
+        self.knobs = knobs
         self.ref = (
             make_env(self.spec, instances, trace) if constrained and trace is not None else None
         )
@@ -207,7 +219,11 @@ class ResidualEnv(gym.Env):
         from autoscale.envs.episodes import drive_episode, scaler_for
 
         _, records = drive_episode(
-            self.ref, scaler_for("torch", self.spec), info["instance"], info.get("offset")
+            self.ref,
+            scaler_for("torch", self.spec),
+            info["instance"],
+            info.get("offset"),
+            knobs=self.inner.episode_knobs if self.knobs is not None else None,
         )
         return [r.found_inf for r in records], [r.precision_loss for r in records]
 

@@ -172,6 +172,11 @@ class SuiteEnv(gym.Env):
     def hit_min(self) -> bool:
         return self._env().hit_min
 
+    @property
+    def episode_knobs(self):
+        """The current episode's knobs draw (replay under knobs; else None)."""
+        return getattr(self._env(), "episode_knobs", None)
+
     def scorecard(self):
         """The current episode's scorecard (its member's)."""
         return self._env().scorecard()

@@ -113,25 +113,32 @@ def train_agents(
     return out, info
 
 
-def residual_name(algo: str, window: int) -> str:
-    """``rl-res-ALGO-kWINDOW``: a residual agent on ``auto`` whose offsets hold ``window`` steps."""
-    return f"rl-res-{algo}-k{window}"
+def residual_name(algo: str, window: int, knobs: bool = False) -> str:
+    """``rl-res-ALGO-kWINDOW``: a residual agent on ``auto`` whose offsets hold ``window`` steps
+    (``-knobs``: trained under scenario knobs drawn per episode)."""
+    return f"rl-res-{algo}-k{window}" + ("-knobs" if knobs else "")
 
 
 def residual(suite, traces, settings, folder: Path, timings, log, out, info) -> None:
     """Train (or reuse) the residual agents of :data:`RESIDUAL_RUNS` into ``out`` and ``info``
     (as :func:`train_agents` does its own): ``settings.residual_timesteps`` decisions each, of
-    ``settings.window`` steps, on the replay of the train members, selected on one held-out train
-    instance per member."""
+    ``settings.window`` steps, on the replay of the train members (under the scenario knobs drawn
+    per episode where ``settings.residual_knobs``: the train members have no spiky scenario, so
+    without them the skip constraint never binds), selected on one held-out train instance per
+    member."""
     from autoscale.agents.residual import train_residual
+    from autoscale.envs.knobs import Knobs
 
     ledger = folder / "agents.json"
+    knobs = Knobs() if getattr(settings, "residual_knobs", True) else None
     for algo in RESIDUAL_RUNS:
         known = json.loads(ledger.read_text()) if ledger.is_file() else {}
-        name = residual_name(algo, settings.window)
+        name = residual_name(algo, settings.window, knobs is not None)
         mine = {"timesteps": settings.residual_timesteps, "horizon": settings.horizon,
                 "seed": settings.seed, "window": settings.window, "base": "auto",
                 "residual": True}  # fmt: skip
+        if knobs is not None:
+            mine["knobs"] = knobs.to_dict()
         entry = known.get(name)
         if _reusable(settings, entry, mine, folder, name):
             out[name], info[name] = folder / name, {**entry, "reused": True}
@@ -141,7 +148,7 @@ def residual(suite, traces, settings, folder: Path, timings, log, out, info) -> 
         t0 = time.monotonic()
         result = train_residual(
             rl_suite(suite, settings.horizon, 1), algo, settings.residual_timesteps,
-            replay=traces, select_on="test", window=settings.window, seed=settings.seed,
+            replay=traces, select_on="test", window=settings.window, seed=settings.seed, knobs=knobs,
             progress=True, export_name=name, export_dir=str(folder), force=True,
         )  # fmt: skip
         timings[f"train {name}"] = time.monotonic() - t0

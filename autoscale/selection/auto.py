@@ -72,6 +72,7 @@ class BuildSettings:
     residual: bool = True  # also train residual agents on auto (``rl-res-...``)
     residual_timesteps: int = 20_000  # their decisions
     window: int = 16  # steps a residual agent's offset holds
+    residual_knobs: bool = True  # train the residual agents under scenario knobs (``-knobs``)
 
 
 def parse_extra(text: str) -> tuple[str, tuple[str, dict[str, float | int]]]:

@@ -129,6 +129,30 @@ def test_the_constraint_pays_for_skips_beyond_torch_and_the_multipliers_move(spe
     assert m.skip == 0.0  # never below 0
 
 
+def test_under_knobs_torchs_reference_replays_the_same_draw(spec, trace):
+    from autoscale.envs.knobs import Knobs
+
+    knobs = Knobs(plain=0.0, weight_bits=(4.0, 4.0), drift_bits=(0.0, 0.0), spike=1.0,
+                  spike_bits=(12.0, 12.0), spike_width=(4, 4), bad=0.0)  # fmt: skip
+    env = ResidualEnv(spec, "train", trace, window=8, knobs=knobs)
+    _, info = env.reset(seed=3, options={"instance": "train-s0-t0"})
+    draw = env.inner.episode_knobs
+    assert info["knobs"] is not None and draw is not None and max(draw.gain) >= 12.0
+    # torch on the same draw, driven apart: the very reference the constraint pays against
+    _, same = drive_episode(ReplayEnv(spec, trace), scaler_for("torch", spec), "train-s0-t0",
+                            knobs=draw)  # fmt: skip
+    _, plain = drive_episode(ReplayEnv(spec, trace), scaler_for("torch", spec), "train-s0-t0")
+    assert env._ref[0] == [r.found_inf for r in same]
+    assert sum(env._ref[0]) > sum(r.found_inf for r in plain)  # the spike costs torch skips too
+    done = False
+    while not done:
+        _, _, term, trunc, info = env.step(4)  # auto under the same spike
+        done = term or trunc
+    assert info["constraint"]["torch_skip_rate"] == sum(env._ref[0]) / len(env._ref[0])
+    with pytest.raises(Exception, match="knobs apply to replayed steps"):
+        ResidualEnv(spec, "train", None, knobs=knobs)
+
+
 def test_the_limit_is_what_a_hindsight_driver_reaches(spec, trace):
     t = Trace.load(trace)
     lim = hindsight_limit(t.instance("train-s0-t0"), t.hist_edges, 0, 48, min_scale=1.0,
