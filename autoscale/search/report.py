@@ -10,7 +10,14 @@ from autoscale.progress import draw_bars
 from autoscale.search.study import describe_spec
 from autoscale.search.validate import Validated
 
-__all__ = ["comparison_table", "member_table", "draw_comparison", "draw_bars", "REPLAY_MARK"]
+__all__ = [
+    "comparison_table",
+    "member_table",
+    "limit_block",
+    "draw_comparison",
+    "draw_bars",
+    "REPLAY_MARK",
+]
 
 REPLAY_MARK = " (replay)"
 
@@ -70,6 +77,36 @@ def member_table(rows: list[Validated], reference: Validated, validation: SuiteS
         r = regrets(v.cards, reference.cards, validation.reward)
         out.append(f"{_label(v):<{width}}" + "".join(f"{r[m]:>+24.4f}" for m in members))
     return "\n".join(out)
+
+
+def limit_block(rows: list[Validated], traces: dict, validation: SuiteSpec) -> list[str]:
+    """The hindsight limit of the test episodes' steps (from the recorded traces of the same
+    instances: the same batches, the weights on the recording's own trajectory) and each real-step
+    row's share of it (:func:`~autoscale.envs.limit.limit_lines`); no lines when a member's test
+    instances were not recorded."""
+    import math
+
+    from autoscale.envs.limit import episodes_limit, limit_lines
+
+    steps, limits, unsavable = validation.episode.steps, [], 0
+    for m in validation.members:
+        names = [i.name for i in m.instances["test"]]
+        trace = traces.get(m.name)
+        if trace is None or any(n not in trace.instances for n in names):
+            return []
+        p, lost = episodes_limit(trace, names, steps, m.episode)
+        limits += [p] * len(names)
+        unsavable += lost
+    finite = [p for p in limits if math.isfinite(p)]
+    if not finite:
+        return []
+
+    def mean_p(v: Validated) -> float:
+        values = [c.precision_loss for c in v.all_cards() if math.isfinite(c.precision_loss)]
+        return sum(values) / len(values) if values else math.nan
+
+    precision = {v.label: mean_p(v) for v in rows if v.real}
+    return limit_lines(precision, sum(finite) / len(finite), unsavable)
 
 
 def draw_comparison(rows: list[Validated], path: Path, title: str) -> bool:

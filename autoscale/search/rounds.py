@@ -29,7 +29,7 @@ from autoscale.search.export import (
 )
 from autoscale.search.loop import TrialLoop
 from autoscale.search.plan import CHECKED_CANDIDATES, Plan
-from autoscale.search.report import comparison_table, draw_comparison, member_table
+from autoscale.search.report import comparison_table, draw_comparison, limit_block, member_table
 from autoscale.search.session import Session
 from autoscale.search.space import parametric_families
 from autoscale.search.storage import file_lock, mask_url
@@ -440,6 +440,8 @@ class Rounds:
         table = comparison_table(real, reference, plan.validation, winner)
         if not plan.suite.is_single:
             table += "\n" + member_table(real, reference, plan.validation)
+        limit = limit_block([*real, reference], self.bench.traces, plan.validation)
+        table += "".join("\n" + line for line in limit)
         if table == self.result.table:
             return
         self.result.table = table

@@ -82,3 +82,23 @@ def test_exporting_auto_itself_names_it_once():
     )
     assert "exported (auto): skipped" in lines[2] and "; auto:" not in lines[2]
     assert "; torch: skipped 12.50%" in lines[2]
+
+
+def test_the_final_table_ends_with_the_limit_and_each_real_rows_share(tmp_path):
+    from autoscale.envs.limit import episodes_limit
+    from autoscale.envs.suite import as_suite
+    from autoscale.envs.traces import record_trace
+    from autoscale.search.report import limit_block
+
+    suite = as_suite(SPEC)
+    member = suite.members[0]
+    names = [i.name for i in member.instances["test"]]
+    trace = record_trace(member, suite.episode.steps, tmp_path / "t.npz", instances=("test",))
+    p_limit, _ = episodes_limit(trace, names, suite.episode.steps, member.episode)
+    torch, auto = row("rule:torch", 0.125, 0.3, 3.05), row("policy:auto", 0.125, 0.01, 3.04)
+    replayed = row("rule:amax-cap", 0.0, 0.0, 2.58, real=False)  # no real steps: no share
+    lines = limit_block([auto, torch, replayed], {member.name: trace}, suite)
+    assert lines[0].startswith(f"hindsight limit: precision loss {100 * p_limit:.2f}%")
+    shares = {line.split()[0]: line.split()[1] for line in lines[2:]}
+    assert shares == {"auto": f"{(0.3 - 0.01) / (0.3 - p_limit):.3f}"}
+    assert limit_block([auto, torch], {}, suite) == []  # test steps not recorded: nothing to say

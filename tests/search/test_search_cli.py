@@ -49,6 +49,7 @@ def test_ninety_second_search_spends_its_budget_and_exports_a_loadable_policy(se
     ]
     assert set(RULES) <= set(rows)
     assert "* " in table  # the exported row is marked
+    assert "hindsight limit: precision loss" in table  # and how close each came to the limit
 
     study = _study(searched.url, searched.study)
     attrs = study.user_attrs
