@@ -2,9 +2,10 @@
 
 ``autoscale wrap`` puts :mod:`autoscale.observe.boot` on the program's ``PYTHONPATH``; its
 ``sitecustomize`` waits for ``import torch`` and then calls :func:`install`, which replaces
-``torch.amp.GradScaler`` and the deprecated ``torch.cuda.amp.GradScaler`` (in ``torch.amp``,
-``torch.amp.grad_scaler``, ``torch.cuda.amp`` and ``torch.cuda.amp.grad_scaler``) by classes whose
-construction returns ``autoscale.get_scaler(NAME, ...)``. ``isinstance(x, torch.amp.GradScaler)``
+``torch.amp.GradScaler`` and the deprecated ``torch.cuda.amp.GradScaler`` and
+``torch.cpu.amp.GradScaler`` (in ``torch.amp``, ``torch.amp.grad_scaler``, ``torch.DEVICE.amp``
+and ``torch.DEVICE.amp.grad_scaler``) by classes whose construction returns
+``autoscale.get_scaler(NAME, ...)`` (the deprecated ones warn as torch's do). ``isinstance(x, torch.amp.GradScaler)``
 still answers for the original class, and a program's own subclass of GradScaler is kept as it is
 (and said at exit). The configuration comes from the ``AUTOSCALE_WRAP`` environment variable
 (JSON, written by :mod:`autoscale.observe.launch`). Each process leaves a summary for the
@@ -20,6 +21,7 @@ import importlib
 import json
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,14 +55,15 @@ def install(config: dict[str, Any] | None = None) -> None:
     config = config if config is not None else json.loads(os.environ.get(ENV) or "{}")
     _state.update(installed=True, config=config)
     amp_original = torch.amp.GradScaler
-    amp_cls = _replacement(amp_original, cuda_only=False)
+    amp_cls = _replacement(amp_original)
     for mod in (torch.amp, torch.amp.grad_scaler):
         mod.GradScaler = amp_cls
-    cuda_amp = importlib.import_module("torch.cuda.amp")
-    cuda_module = importlib.import_module("torch.cuda.amp.grad_scaler")
-    cuda_cls = _replacement(cuda_module.GradScaler, cuda_only=True)
-    for mod in (cuda_amp, cuda_module):
-        mod.GradScaler = cuda_cls
+    for device in ("cuda", "cpu"):  # the deprecated torch.DEVICE.amp.GradScaler, warning as torch's
+        package = importlib.import_module(f"torch.{device}.amp")
+        module = importlib.import_module(f"torch.{device}.amp.grad_scaler")
+        cls = _replacement(module.GradScaler, device=device, deprecated=_deprecation(device))
+        for mod in (package, module):
+            mod.GradScaler = cls
     # FSDP1's ShardedGradScaler, when the program imports it (its package takes seconds)
     _state["amp_original"] = amp_original
     when_imported(SHARDED_MODULE, _replace_sharded, during=_torch_grad_scaler)
@@ -83,10 +86,26 @@ def _torch_grad_scaler() -> Iterator[None]:
 def _replace_sharded(module: Any) -> None:
     """``ShardedGradScaler`` builds a :class:`~autoscale.scalers.sharded.ShardedLossScaler`."""
     importlib.import_module("autoscale.scalers.sharded")  # subclasses torch's class: first
-    module.ShardedGradScaler = _replacement(module.ShardedGradScaler, cuda_only=False, sharded=True)
+    module.ShardedGradScaler = _replacement(module.ShardedGradScaler, sharded=True)
 
 
-def _replacement(original: type, cuda_only: bool, sharded: bool = False) -> type:
+def _deprecation(device: str) -> str:
+    """torch's FutureWarning for ``torch.DEVICE.amp.GradScaler(...)``, word for word."""
+    return (
+        f"`torch.{device}.amp.GradScaler(args...)` is deprecated. "
+        f"Please use `torch.amp.GradScaler('{device}', args...)` instead."
+    )
+
+
+def _replacement(
+    original: type,
+    device: str | None = None,
+    deprecated: str | None = None,
+    sharded: bool = False,
+) -> type:
+    """A class in place of ``original`` whose construction builds autoscale's scaler: on
+    ``device`` when the class fixes it (the deprecated per-device classes, which also warn
+    ``deprecated`` as torch's do), else on the device given as torch's first argument."""
     built: weakref.WeakSet = weakref.WeakSet()  # answer isinstance for what this class built
 
     class _Meta(type):
@@ -103,7 +122,9 @@ def _replacement(original: type, cuda_only: bool, sharded: bool = False) -> type
             if cls is not replacement:  # the program's own subclass: kept as it is
                 _state["kept"].append(cls.__name__)
                 return super().__call__(*args, **kwargs)
-            scaler = _build(cuda_only, *args, sharded=sharded, **kwargs)
+            if deprecated is not None:
+                warnings.warn(deprecated, FutureWarning, stacklevel=2)
+            scaler = _build(device, *args, sharded=sharded, **kwargs)
             built.add(scaler)
             return scaler
 
@@ -116,7 +137,7 @@ def _replacement(original: type, cuda_only: bool, sharded: bool = False) -> type
 
 
 def _build(
-    cuda_only: bool,
+    fixed_device: str | None,
     *args: Any,
     sharded: bool = False,
     **kwargs: Any,
@@ -125,11 +146,11 @@ def _build(
     if sharded:  # ShardedGradScaler's order, and its group
         names = ("init_scale", "backoff_factor", "growth_factor", "growth_interval", "enabled")
         names = (*names, "process_group")
-    if not cuda_only:
+    if fixed_device is None:
         names = ("device", *names)
     given = dict(zip(names, args))
     given.update(kwargs)
-    device = "cuda" if cuda_only else given.pop("device", "cuda")
+    device = fixed_device or given.pop("device", "cuda")
     config = _state["config"]
     name = config.get("scaler") or "torch"
     build: dict[str, Any] = {"enabled": given.pop("enabled", True)}
