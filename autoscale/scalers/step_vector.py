@@ -165,13 +165,21 @@ def step_stats(
     """The :class:`StepStats` of one step from its optimizers' packed states (read here, one
     sync), and the scale a guarded step used (None when the guard did not run)."""
     read(states)
-    host: list[HostStep] = [s[HOST] for s in states]
-    used = next((s[USED] for s in states if USED in s), None)
-    amax = max((h.amax for h in host), default=math.nan)
-    sumsq = sum(h.sumsq for h in host)
-    count = sum(h.count for h in host)
-    loss_count = sum(h.loss_count for h in host)
-    loss = sum(h.loss_sum for h in host) / loss_count if loss_count else None
+    if len(states) == 1:  # one optimizer, most loops: its values as they are
+        state = states[0]
+        h: HostStep = state[HOST]
+        used = state.get(USED)
+        found, amax, sumsq, count = h.found, h.amax, h.sumsq, h.count
+        loss = h.loss_sum / h.loss_count if h.loss_count else None
+    else:
+        host: list[HostStep] = [s[HOST] for s in states]
+        used = next((s[USED] for s in states if USED in s), None)
+        found = any(h.found for h in host)
+        amax = max((h.amax for h in host), default=math.nan)
+        sumsq = sum(h.sumsq for h in host)
+        count = sum(h.count for h in host)
+        loss_count = sum(h.loss_count for h in host)
+        loss = sum(h.loss_sum for h in host) / loss_count if loss_count else None
     if not with_stats:
         amax = rms = math.nan
     elif not with_rms:
@@ -185,7 +193,7 @@ def step_stats(
     stats = StepStats(
         step,
         set_scale if used is None else used,
-        any(h.found for h in host),
+        found,
         amax,
         rms,
         math.nan if loss is None else loss,
