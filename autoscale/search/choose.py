@@ -6,7 +6,8 @@ real-step test episodes by the objective against ``torch``
 (:func:`~autoscale.search.export.rank`). ``auto`` is the bar: a user's question is "is there
 something better than ``auto`` for my run?". Walking down the ranking, a candidate above ``auto``
 counts only when its lead over ``auto`` is more than the seed noise
-(:func:`~autoscale.search.objective.lead`: paired episode by episode), and only when the user may
+(:func:`~autoscale.search.objective.lead`: paired episode by episode), when its held-out eval loss
+is not worse than ``auto``'s beyond the seed noise (:func:`loss_refusal`), and only when the user may
 get it (a family that cannot adapt, a fixed scale, only when asked for; a lead that holds on the
 horizon's replay of the same held-out runs, not only on the short real-step episodes a budget
 affords: :func:`refusal`); then it runs the no-harm
@@ -21,6 +22,8 @@ check (the real model where the first checked its proxy) runs its own.
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +44,7 @@ __all__ = [
     "refusal",
     "family_refusal",
     "horizon_refusal",
+    "loss_refusal",
     "stored_verdict",
     "verdict_key",
     "VERDICT_PREFIX",
@@ -146,7 +150,8 @@ def choose(
         choice.leads[v.key] = ld = lead(v.cards, bar.cards, reference.cards, weights)
         if not ld.clear:
             continue
-        why = refuse(v) if refuse is not None else None
+        why = None if replay_counts else loss_refusal(v, bar)  # replay keeps the recorded loss
+        why = why or (refuse(v) if refuse is not None else None)
         if why:
             choice.refused[v.key] = why
             continue
@@ -190,6 +195,35 @@ def choose(
         f"auto harms this run ({'; '.join(verdict.reasons)}): torch's own rule, the reference"
     )
     return choice
+
+
+def loss_refusal(v: Validated, bar: Validated) -> str | None:
+    """Why a lead over ``auto`` does not count on the loss, or None: ``v``'s held-out eval loss,
+    paired episode by episode with ``auto``'s and relative to it, is higher by more than the
+    seed noise (``CONFIRM_Z`` standard errors of the paired differences, at least
+    ``NOISE_FLOOR``, as the ``auto`` build's bar judges it), or not finite where ``auto``'s is.
+    The objective prices skips and precision, not the loss a run ends at; a user runs for that."""
+    from autoscale.training.bar import CONFIRM_Z, NOISE_FLOOR
+
+    rel = []
+    for member, mine in v.cards.items():
+        for a, b in zip(mine, bar.cards.get(member) or []):
+            if not math.isfinite(b.eval_loss) or b.eval_loss == 0.0:
+                continue
+            if not math.isfinite(a.eval_loss):
+                return "its held-out eval loss is not finite where auto's is"
+            rel.append((a.eval_loss - b.eval_loss) / abs(b.eval_loss))
+    if not rel:
+        return None
+    diff = statistics.fmean(rel)
+    err = statistics.stdev(rel) / math.sqrt(len(rel)) if len(rel) > 1 else math.inf
+    noise = max(CONFIRM_Z * err, NOISE_FLOOR)
+    if diff <= noise:
+        return None
+    return (
+        f"its held-out eval loss is {100 * diff:.1f}% above auto's, beyond the seed noise "
+        f"({100 * noise:.1f}% on {len(rel)} episodes)"
+    )
 
 
 def _label(rows: list[Validated], key: str) -> str:

@@ -94,17 +94,20 @@ def test_torch_itself_passes_and_its_runs_are_cached(check):
     assert check.cost(timings, 1) == pytest.approx(2 * (0.1 + STEPS * 0.01 + 0.01))
 
 
-def card(skip_rate, precision, steps=64):
+def card(skip_rate, precision, steps=64, eval_loss=1.0):
     return Scorecard(
-        steps, round(skip_rate * steps), skip_rate, precision, 1.0, 1.0, 1.0, 2.0**16, False,
-        False, 1.0, 64.0,
+        steps, round(skip_rate * steps), skip_rate, precision, eval_loss, eval_loss, eval_loss,
+        2.0**16, False, False, 1.0, 64.0,
     )  # fmt: skip
 
 
-def validated(key, skip, precision, second=None):
+def validated(key, skip, precision, second=None, eval_loss=(1.0, 1.0)):
     """Two held-out episodes of one member: the same card twice, or ``second`` for the other."""
     key = Candidate.parse(key)
-    cards = [card(skip, precision), card(*(second or (skip, precision)))]
+    cards = [
+        card(skip, precision, eval_loss=eval_loss[0]),
+        card(*(second or (skip, precision)), eval_loss=eval_loss[1]),
+    ]
     return Validated(key, key.name, {"mlp/bad-batches": cards})
 
 
@@ -191,6 +194,23 @@ def test_a_clear_lead_of_a_fixed_scale_is_refused_unless_asked_for(check):
         f"auto is the best found for this run: static led it beyond the seed noise, but "
         f"{refuse('rule:static')}"
     )
+
+
+def test_a_clear_lead_with_a_worse_held_out_loss_is_refused(check):
+    """The objective prices skips and precision; a lead that ends the held-out episodes at a
+    higher eval loss than auto's, beyond the seed noise, is not what a user runs for."""
+    torch = validated("rule:torch", 0.125, 0.3)
+    auto = validated("policy:auto", 0.0, 0.05, eval_loss=(4.0e-5, 4.0e-5))
+    worse = validated("trial:5", 0.0, 0.0, eval_loss=(5.754e-5, 5.6e-5))  # +42%: refused
+    level = validated("trial:6", 0.0, 0.01, eval_loss=(4.004e-5, 3.99e-5))  # within the noise
+    study = study_with(True, shape=check.shape)
+    study.set_user_attr(verdict_key("trial:6", check.shape), Verdict("6", True, []).to_dict())
+    choice, _, _ = pick(check, [torch, auto, worse, level], {}, study=study)
+    assert choice.leads["trial:5"].clear and "trial:5" in choice.refused
+    assert choice.refused["trial:5"].startswith("its held-out eval loss is 41.9% above auto's")
+    assert choice.winner.key == "trial:6"  # a level loss leaves the lead standing
+    alone, _, _ = pick(check, [torch, auto, worse], {}, study=study_with(True, shape=check.shape))
+    assert alone.winner.key == "policy:auto" and "eval loss is 41.9% above auto's" in alone.why
 
 
 def test_torch_that_clearly_beats_auto_is_exported_without_a_check(check):
