@@ -29,7 +29,8 @@ class RLObjective(Objective):
     study's first RL trial fine-tunes it on the replay instead of training one from nothing, and
     records its objective before (``warm_before``) beside the one after (the trial's value): it
     starts at ``auto`` plus what the suite taught, so even a short budget's agent is level with
-    ``auto`` before it learns anything of the user's run."""
+    ``auto`` before it learns anything of the user's run. A fine-tuning that does not beat the
+    shipped agent on the train replay leaves the trial the shipped agent (``warm_kept``)."""
 
     MIN_TRIAL_S, MAX_TRIAL_S = 10.0, 300.0
     WINDOW = 16  # steps a cold agent's offset holds (the warm one keeps its own)
@@ -120,7 +121,7 @@ class RLObjective(Objective):
             with self.ledger.track("work:rl"):
                 t0 = time.monotonic()
                 if warm is not None:  # the shipped agent as it is, on the same replay
-                    before = self._objective_of_shipped(rl_spec, folder, window)
+                    before, shipped = self._objective_of_shipped(rl_spec, folder, window)
                     trial.set_user_attr("warm_before", before)
                     seconds = max(0.0, seconds - (time.monotonic() - t0))
                 t1 = time.monotonic()
@@ -134,6 +135,10 @@ class RLObjective(Objective):
                 done = int(getattr(result.model, "num_timesteps", 0))
                 self.rate = max(50.0, done / max(1e-3, time.monotonic() - t1))
                 path = result.policy_dir
+                if warm is not None and not self._improved(path, before):
+                    # the fine-tuning did not beat where it started: the trial is the start
+                    path, done = shipped, 0
+                    trial.set_user_attr("warm_kept", True)
             with self.ledger.track("bk:artifacts"):
                 archive = shutil.make_archive(str(folder / "policy"), "zip", path)
                 artifact = store_artifact(
@@ -159,8 +164,14 @@ class RLObjective(Objective):
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _objective_of_shipped(self, rl_spec, folder: Path, window: int) -> float:
-        """The train-replay objective of the shipped agent before any fine-tuning."""
+    def _improved(self, path: Path, before: float) -> bool:
+        """Whether the agent exported at ``path`` beats ``before`` on the train replay."""
+        cards, _ = self.bench.run("train", lambda: self.bench.scaler(str(path)))
+        return float(self.bench.objective("train", cards)) < before
+
+    def _objective_of_shipped(self, rl_spec, folder: Path, window: int) -> tuple[float, Path]:
+        """The train-replay objective of the shipped agent before any fine-tuning, and its
+        export (the trial's policy where fine-tuning does not beat it)."""
         from autoscale.agents.residual import export_residual
         from autoscale.agents.train import saved_agent
         from autoscale.envs.residual_env import ResidualEnv
@@ -169,4 +180,4 @@ class RLObjective(Objective):
         env = ResidualEnv(rl_spec, "train", self.bench.traces, window=window, constrained=False)
         path = export_residual(model, "shipped", env, out_dir=str(folder))
         cards, _ = self.bench.run("train", lambda: self.bench.scaler(str(path)))
-        return float(self.bench.objective("train", cards))
+        return float(self.bench.objective("train", cards)), path

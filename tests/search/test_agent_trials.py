@@ -68,6 +68,8 @@ def test_the_first_rl_trial_fine_tunes_the_shipped_agent(setup, tmp_path, monkey
     assert policy["algo"] == "ppo" and first.params == {}  # not sampled
     before = first.user_attrs["warm_before"]
     assert isinstance(before, float) and before == before  # the agent as shipped, scored
+    assert first.value <= before  # a fine-tuning that does not beat the start is dropped
+    assert first.user_attrs.get("warm_kept", False) == (first.value == before)
     assert "warm_start" not in second.user_attrs and "algo" in second.params  # sampled, cold
     assert said == []
 
