@@ -1,24 +1,20 @@
-"""What real training costs here: step times measured under a time limit, and the no-harm
+"""What real training costs here: step times measured within a time limit, and the no-harm
 check's shape (whose cost the plan and the check both read).
 
 :func:`measure` times building a run, a few real steps, an evaluation and recorded steps of a
-workload within a limit (a step that would run past it is interrupted by an alarm, and reported as
-a lower bound); :class:`Timings` holds them per :func:`workload_key` (what the step time depends
-on), and every cost estimate of the search (:mod:`~autoscale.search.plan`,
-:mod:`~autoscale.search.replan`, the validator, the no-harm check) is computed from them.
+workload within a limit (checked between steps: a step that runs past it finishes and counts);
+:class:`Timings` holds them per :func:`workload_key` (what the step time depends on), and every
+cost estimate of the search (:mod:`~autoscale.search.plan`, :mod:`~autoscale.search.replan`, the
+validator, the no-harm check) is computed from them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import signal
 import statistics
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +27,6 @@ __all__ = [
     "Timings",
     "measure",
     "measure_all",
-    "time_limit",
     "workload_key",
 ]
 
@@ -46,9 +41,7 @@ class Timing:
         step_s: Seconds per real optimizer step.
         build_s: Seconds to build one run (model, data, optimizer).
         eval_s: Seconds of one held-out evaluation (``TrainingRun.eval_loss``).
-        steps: Steps timed.
-        complete: False when the first step did not finish in the time allowed (``step_s`` is
-            then a lower bound).
+        steps: Steps timed (at least one: the first runs to its end whatever the limit).
         record_step_s: Seconds per recorded step (with the trace's histograms and backward amax).
     """
 
@@ -56,7 +49,6 @@ class Timing:
     build_s: float
     eval_s: float
     steps: int
-    complete: bool = True
     record_step_s: float | None = None
 
     @property
@@ -68,10 +60,6 @@ class Timing:
         return self.build_s + steps * (self.record_s if record else self.step_s) + self.eval_s
 
     def describe(self) -> str:
-        if not self.complete:
-            return (
-                f"one real step takes more than {format_duration(self.step_s)} here (not finished)"
-            )
         return (
             f"{_fmt_s(self.step_s)} per real step, {_fmt_s(self.build_s)} to build a run, "
             f"{_fmt_s(self.eval_s)} per evaluation"
@@ -106,10 +94,6 @@ class Timings:
 
     def of(self, workload: Any) -> Timing:
         return self.by_key[workload_key(workload)]
-
-    @property
-    def complete(self) -> bool:
-        return all(t.complete for t in self.by_key.values())
 
     def slowest(self) -> tuple[str, Timing]:
         key = max(self.by_key, key=lambda k: self.by_key[k].step_s)
@@ -147,123 +131,51 @@ def _fmt_s(s: float) -> str:
     return f"{1000 * s:.0f} ms" if s < 1 else format_duration(s)
 
 
-class _TimeUp(BaseException):
-    """Raised by the alarm of :func:`time_limit`.
-
-    A ``BaseException``, as ``KeyboardInterrupt`` is: code that catches ``Exception`` to carry on
-    (a logging handler's ``emit``, which prints the traceback and returns; a library's fallback)
-    would otherwise swallow the alarm where it lands."""
-
-
-def _importing(frame: Any) -> bool:
-    """Whether ``frame`` runs inside an import."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float) -> Iterator[list[bool]]:
-    """Interrupt the block after ``seconds`` with :class:`_TimeUp` (POSIX main thread; elsewhere
-    no limit). Yields a one-item list that says whether the alarm fired."""
-    fired = [False]
-    if (
-        not hasattr(signal, "setitimer")
-        or threading.current_thread() is not threading.main_thread()
-    ):
-        yield fired
-        return
-
-    active = [True]
-
-    def on_alarm(signum: int, frame: Any) -> None:
-        if not active[0]:
-            return
-        # Fire again shortly: in an import (interrupting one leaves a module half set up, and
-        # a library's registrations with it), the alarm waits for the import to end; and the
-        # exception can land where Python swallows it (a weakref callback or a __del__ run by
-        # the garbage collector), which the next alarm follows up.
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
-        if _importing(frame):
-            return
-        fired[0] = True
-        raise _TimeUp()
-
-    def quiet_unraisable(unraisable: Any) -> None:  # a swallowed alarm is not an error to print
-        if not isinstance(unraisable.exc_value, _TimeUp):
-            previous_hook(unraisable)
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    previous_hook, sys.unraisablehook = sys.unraisablehook, quiet_unraisable
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
-    try:
-        yield fired
-    except _TimeUp:  # a repeat of the alarm after the block handled the first
-        pass
-    finally:
-        active[0] = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        sys.unraisablehook = previous_hook
+def _timed(action: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    action()
+    return time.perf_counter() - t0
 
 
 def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: float = 1.0) -> Timing:
     """Time building a run of ``workload``, a few real steps and two recorded ones, within
     ``limit_s`` seconds.
 
-    A step that would run past the limit is interrupted (an alarm between torch operations) and
-    reported as a lower bound, so a model too slow for the budget costs ``limit_s`` at most, not
-    a step. The first step is a warm-up; later ones are timed while their total stays under
-    ``step_share_s``.
+    Nothing is cut short: the time is checked between steps. The first step (a warm-up) always
+    runs to its end, since every estimate needs a step time, and a step that runs past the limit
+    is measured, not a bound; so a measurement costs at most about the limit plus one step (plus
+    the build's overrun, where building the run alone takes longer than the limit). Later steps are
+    timed while time is left and their total stays under ``step_share_s``; the evaluation and the
+    recorded steps are measured where what is left holds them, and estimated otherwise.
     """
     from autoscale.training import TrainingRun
 
-    times: list[float] = []
-    recorded: list[float] = []
-    build = eval_s = math.nan
     t_begin = time.perf_counter()
-    t_step = t_begin
-    with time_limit(limit_s) as fired:
-        try:
-            t0 = time.perf_counter()
-            run = TrainingRun(workload, "static", init_scale=2.0**16)
-            build = time.perf_counter() - t0
-            if build < 0.2 * limit_s:  # the first build pays one-off imports: build again
-                t0 = time.perf_counter()
-                run = TrainingRun(workload, "static", init_scale=2.0**16)
-                build = time.perf_counter() - t0
-            for i in range(steps):
-                t_step = time.perf_counter()
-                run.step()
-                times.append(time.perf_counter() - t_step)
-                if i and sum(times[1:]) > step_share_s:
-                    break
-            # evaluation and one or two recorded steps, where the limit leaves room for them
-            # (a recorded step of a large model can cost far more or about the same as a plain
-            # one: the estimate of the recording phase, the largest, is measured, not guessed)
-            left = limit_s - (time.perf_counter() - t_begin)
-            if times[-1] < 1.0 or left > 4.0 * times[-1]:
-                t0 = time.perf_counter()
-                run.eval_loss()
-                eval_s = time.perf_counter() - t0
-                run.record = True
-                for _ in range(2 if times[-1] < 1.0 else 1):
-                    t0 = time.perf_counter()
-                    run.step()
-                    recorded.append(time.perf_counter() - t0)
-        except (Exception, _TimeUp):
-            if not fired[0]:
-                raise
-    if not times:
-        lower = time.perf_counter() - (t_step if t_step > t_begin else t_begin)
-        build = build if math.isfinite(build) else time.perf_counter() - t_begin
-        return Timing(lower, build, _eval_estimate(workload, lower), 0, complete=False)
+    run = TrainingRun(workload, "static", init_scale=2.0**16)
+    build = time.perf_counter() - t_begin
+    if build < 0.2 * limit_s:  # the first build pays one-off imports: build again
+        t0 = time.perf_counter()
+        run = TrainingRun(workload, "static", init_scale=2.0**16)
+        build = time.perf_counter() - t0
+
+    def left() -> float:
+        return limit_s - (time.perf_counter() - t_begin)
+
+    times = [_timed(run.step)]
+    while len(times) < steps and left() > 0 and sum(times[1:]) <= step_share_s:
+        times.append(_timed(run.step))
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
-    if not math.isfinite(eval_s):
-        eval_s = _eval_estimate(workload, step)
-    record_step = min(recorded) if recorded else None
+    eval_s, record_step = _eval_estimate(workload, step), None
+    # evaluation and one or two recorded steps, where what is left holds them (a recorded step of
+    # a large model can cost far more or about the same as a plain one: the estimate of the
+    # recording phase, the largest, is measured, not guessed)
+    if left() > 4.0 * times[-1]:
+        eval_s = _timed(run.eval_loss)
+        run.record = True
+        recorded = [_timed(run.step)]
+        if times[-1] < 1.0 and left() > 0:
+            recorded.append(_timed(run.step))
+        record_step = min(recorded)
     return Timing(step, build, eval_s, len(times), record_step_s=record_step)
 
 
@@ -281,8 +193,8 @@ def _warm_up(workload: Any) -> None:
 
 
 def measure_all(workloads: list[Any], *, limit_s: float, step_share_s: float) -> Timings:
-    """:func:`measure` each distinct workload (by :func:`workload_key`) within ``limit_s`` in all;
-    a workload measured last gets what the others left."""
+    """:func:`measure` each distinct workload (by :func:`workload_key`) within ``limit_s`` in all
+    (each may run one step past its share); a workload measured last gets what the others left."""
     distinct: dict[str, Any] = {}
     for w in workloads:
         distinct.setdefault(workload_key(w), w)
