@@ -12,6 +12,12 @@ interleaved in one process; medians of ``--repeats`` calls, microseconds, and ea
 the fused unscale's.
 
     python experiments/benchmarks/amax_read.py [--threads 1] [--out experiments/results/amax_read.md]
+
+``--small`` times them on the gradients of the scaler-overhead benchmark's small conv net instead
+(six tensors of 4 to 2,560 elements), where each op's fixed cost, not memory, is the time: the
+floor under ``auto``'s per-step overhead on a CPU.
+
+    python experiments/benchmarks/amax_read.py --small --threads 1 --out experiments/results/amax_read_small.md
 """
 
 from __future__ import annotations
@@ -32,6 +38,14 @@ def grads_of(depth: int, width: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     shapes = [(width, width), (width,)] * (depth + 1)
     return [torch.randn(s, generator=g) for s in shapes]
+
+
+SMALL_SHAPES = [(4, 3, 3, 3), (4,), (4, 4, 3, 3), (4,), (10, 256), (10,)]  # the small conv net
+
+
+def small_grads() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g) for s in SMALL_SHAPES]
 
 
 def ops(grads: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
@@ -107,10 +121,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--repeats", type=int, default=400)
     p.add_argument("--out", default=None, help="write the table here as markdown too")
+    p.add_argument("--small", action="store_true", help="the small conv net's gradients")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    grads = grads_of(args.depth, args.width)
+    grads = small_grads() if args.small else grads_of(args.depth, args.width)
     table = ops(grads)
     times: dict[str, list[float]] = {k: [] for k in table}
     for f in table.values():  # warm up
@@ -127,7 +142,8 @@ def main(argv=None) -> int:
     lines = [
         "# Reading the amax, op by op",
         "",
-        f"`python experiments/benchmarks/amax_read.py{f' --threads {args.threads}' if args.threads else ''}`"
+        f"`python experiments/benchmarks/amax_read.py{' --small' if args.small else ''}"
+        f"{f' --threads {args.threads}' if args.threads else ''}`"
         f" ({datetime.now(UTC):%Y-%m-%d}, {platform.processor() or platform.machine()}, torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads)",
         "",
@@ -136,7 +152,7 @@ def main(argv=None) -> int:
         "",
         "| op | us | / fused unscale |",
         "|---|---|---|",
-        *(f"| {k} | {v:.0f} | {v / base:.2f} |" for k, v in med.items()),
+        *(f"| {k} | {v:.1f} | {v / base:.2f} |" for k, v in med.items()),
     ]
     text = "\n".join(lines)
     print(text)
