@@ -279,38 +279,40 @@ def make_plan(
             True,
             no_harm_cuts,
         )
-    for h, windows, n, k in _shapes(suite):
-        shaped = shape_suite(suite, h, n, k)
-        rec = rec_cost(shaped, windows * h)
-        if rec > RECORD_SHARE * work_s:
-            continue
-        real_left = min(REAL_SHARE * work_s - rec - no_harm_min, VALIDATE_SHARE * work_s)
-        choice = fit_validation(shaped, timings, real_left, len(rules) + 1)  # + auto
-        if choice is None:
-            continue
-        validation, all_rules, val = choice
-        cuts = _cuts(suite, h, windows, n, k, validation, all_rules) + no_harm_cuts
-        return _finish(
-            suite,
-            shaped,
-            validation,
-            windows * h,
-            space,
-            rules,
-            timings,
-            no_harm,
-            work_s,
-            rec,
-            val,
-            no_harm_s,
-            all_rules,
-            cuts,
-        )
+    if timings.complete:
+        for h, windows, n, k in _shapes(suite):
+            shaped = shape_suite(suite, h, n, k)
+            rec = rec_cost(shaped, windows * h)
+            if rec > RECORD_SHARE * work_s:
+                continue
+            real_left = min(REAL_SHARE * work_s - rec - no_harm_min, VALIDATE_SHARE * work_s)
+            choice = fit_validation(shaped, timings, real_left, len(rules) + 1)  # + auto
+            if choice is None:
+                continue
+            validation, all_rules, val = choice
+            cuts = _cuts(suite, h, windows, n, k, validation, all_rules) + no_harm_cuts
+            return _finish(
+                suite,
+                shaped,
+                validation,
+                windows * h,
+                space,
+                rules,
+                timings,
+                no_harm,
+                work_s,
+                rec,
+                val,
+                no_harm_s,
+                all_rules,
+                cuts,
+            )
     smallest = shape_suite(suite, _horizons(suite)[-1], 1, 1)
     rec = rec_cost(smallest, smallest.episode.steps)
     val = validate_cost(smallest.with_episode_steps(VALIDATION_LADDER[-1]), timings, 3)
     need = max(rec / RECORD_SHARE, (rec + val + no_harm_min) / REAL_SHARE)
     key, slowest = timings.slowest()
+    about = "about" if timings.complete else "more than"
     # the search's own models name it; the slowest workload (maybe one of the check's) says why
     searched = ", ".join(dict.fromkeys(m.workload.model for m in suite.members))
     model = key.split("/")[0]
@@ -318,7 +320,7 @@ def make_plan(
     raise BudgetError(
         f"the budget cannot hold a search of {searched} here: {why}; the "
         f"smallest plan ({smallest.episode.steps}-step episodes, 1 train + 1 test instance per member, "
-        f"validated against torch and auto, with the {no_harm.steps}-step no-harm check) needs about "
+        f"validated against torch and auto, with the {no_harm.steps}-step no-harm check) needs {about} "
         f"{format_duration(1.1 * need + 10)} of budget; give a larger --budget, a GPU, or a smaller --model"
     )
 

@@ -41,7 +41,9 @@ class Timing:
         step_s: Seconds per real optimizer step.
         build_s: Seconds to build one run (model, data, optimizer).
         eval_s: Seconds of one held-out evaluation (``TrainingRun.eval_loss``).
-        steps: Steps timed (at least one: the first runs to its end whatever the limit).
+        steps: Steps timed.
+        complete: False when building the run took all the time allowed and no step was timed:
+            ``step_s`` is then 0, a lower bound, as is every estimate made from it.
         record_step_s: Seconds per recorded step (with the trace's histograms and backward amax).
     """
 
@@ -49,6 +51,7 @@ class Timing:
     build_s: float
     eval_s: float
     steps: int
+    complete: bool = True
     record_step_s: float | None = None
 
     @property
@@ -60,6 +63,11 @@ class Timing:
         return self.build_s + steps * (self.record_s if record else self.step_s) + self.eval_s
 
     def describe(self) -> str:
+        if not self.complete:
+            return (
+                f"building one run takes {_fmt_s(self.build_s)} here, longer than measuring it "
+                "was allowed (no step timed)"
+            )
         return (
             f"{_fmt_s(self.step_s)} per real step, {_fmt_s(self.build_s)} to build a run, "
             f"{_fmt_s(self.eval_s)} per evaluation"
@@ -95,8 +103,13 @@ class Timings:
     def of(self, workload: Any) -> Timing:
         return self.by_key[workload_key(workload)]
 
+    @property
+    def complete(self) -> bool:
+        return all(t.complete for t in self.by_key.values())
+
     def slowest(self) -> tuple[str, Timing]:
-        key = max(self.by_key, key=lambda k: self.by_key[k].step_s)
+        """The workload of the longest step (one not measured first: it is why a plan fails)."""
+        key = max(self.by_key, key=lambda k: (not self.by_key[k].complete, self.by_key[k].step_s))
         return key, self.by_key[key]
 
     def describe(self) -> str:
@@ -104,7 +117,11 @@ class Timings:
             return next(iter(self.by_key.values())).describe()
         return "; ".join(
             f"{_model_label(k)}{'+pref' if k.endswith('+pref') else ''}: "
-            f"{_fmt_s(t.step_s)} per step"
+            + (
+                f"{_fmt_s(t.step_s)} per step"
+                if t.complete
+                else f"a build of {_fmt_s(t.build_s)}, no step timed"
+            )
             for k, t in self.by_key.items()
         )
 
@@ -141,12 +158,13 @@ def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: floa
     """Time building a run of ``workload``, a few real steps and two recorded ones, within
     ``limit_s`` seconds.
 
-    Nothing is cut short: the time is checked between steps. The first step (a warm-up) always
-    runs to its end, since every estimate needs a step time, and a step that runs past the limit
-    is measured, not a bound; so a measurement costs at most about the limit plus one step (plus
-    the build's overrun, where building the run alone takes longer than the limit). Later steps are
-    timed while time is left and their total stays under ``step_share_s``; the evaluation and the
-    recorded steps are measured where what is left holds them, and estimated otherwise.
+    Nothing is cut short: the time is checked after the build and between steps, and a step that
+    runs past the limit finishes and is measured (its time is the step time, not a bound). So a
+    measurement costs at most about the limit plus one step, or the build alone where building
+    the run takes longer than the limit: no step is taken then (one might cost as much again), and
+    the result is not ``complete``. The first step is a warm-up; later ones are timed while time
+    is left and their total stays under ``step_share_s``; the evaluation and the recorded steps
+    are measured where what is left holds them, and estimated otherwise.
     """
     from autoscale.training import TrainingRun
 
@@ -161,6 +179,8 @@ def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: floa
     def left() -> float:
         return limit_s - (time.perf_counter() - t_begin)
 
+    if left() <= 0:
+        return Timing(0.0, build, 0.0, 0, complete=False)
     times = [_timed(run.step)]
     while len(times) < steps and left() > 0 and sum(times[1:]) <= step_share_s:
         times.append(_timed(run.step))

@@ -127,6 +127,12 @@ def test_budget_too_small_says_what_budget_would_do():
     slow = Timings({k: Timing(200.0, 2.4, 0.0, 1) for k in timings_for(suite, 1).by_key})
     with pytest.raises(BudgetError, match=r"3m20s per real step.*needs about \d+h"):
         make_plan(suite, slow, 60, no_harm=no_harm, rules=RULES)
+    # a build that took all the time allowed, no step timed: the step's 0 s is a lower bound
+    unbuilt = Timings(
+        {k: Timing(0.0, 200.0, 0.0, 0, complete=False) for k in timings_for(suite, 1).by_key}
+    )
+    with pytest.raises(BudgetError, match="takes 3m20s here, longer than.*needs more than"):
+        make_plan(suite, unbuilt, 60, no_harm=no_harm, rules=RULES)
 
 
 def test_a_stored_plan_is_kept_as_it_is():
@@ -191,7 +197,7 @@ def make(seed, device):
 
     def loss(m, b):
         SEEN.append(signal.getsignal(signal.SIGALRM))
-        time.sleep(0.3)  # every step outlasts the limit below
+        time.sleep(0.6)  # every step outlasts the limit below
         return m(b).float().square().mean()
 
     return {
@@ -200,30 +206,55 @@ def make(seed, device):
         "batches": [torch.ones(4, 8)] * 8,
         "loss": loss,
     }
+
+
+def slow_build(seed, device):
+    time.sleep(0.6)  # the build alone outlasts the limit below
+    return make(seed, device)
 """
 
 
+@pytest.fixture()
+def slow_step_module(tmp_path, monkeypatch):
+    """``slow_step_wl``: a user workload whose every step (``make``) or whose build
+    (``slow_build``) sleeps 0.6 s; yields its loss's record of the SIGALRM handler it saw. Built
+    once first: the one-off imports of a first build (a second in a fresh process) are not the
+    build time measured (the search warms up alike)."""
+    import sys
+
+    from autoscale.training import TrainingRun, WorkloadSpec
+
+    (tmp_path / "slow_step_wl.py").write_text(SLOW_STEP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    TrainingRun(WorkloadSpec(model="slow_step_wl:make"), "static")
+    yield sys.modules["slow_step_wl"].SEEN
+    sys.modules.pop("slow_step_wl", None)
+
+
 def test_a_step_longer_than_the_limit_is_finished_measured_and_nothing_sets_an_alarm(
-    tmp_path, monkeypatch
+    slow_step_module,
 ):
     """Measuring checks the time between steps: the first step runs to its end past the limit
     and is the step time (not a lower bound), nothing follows it, and no SIGALRM handler is
     installed meanwhile (an alarm raised inside torch ops, imports and ``__del__`` is gone)."""
     import signal
-    import sys
 
     from autoscale.training import WorkloadSpec
 
-    (tmp_path / "slow_step_wl.py").write_text(SLOW_STEP)
-    monkeypatch.syspath_prepend(str(tmp_path))
     before = signal.getsignal(signal.SIGALRM)
-    try:
-        t = measure(WorkloadSpec(model="slow_step_wl:make"), limit_s=0.1, step_share_s=10)
-        seen = sys.modules["slow_step_wl"].SEEN
-    finally:
-        sys.modules.pop("slow_step_wl", None)
-    assert t.steps == 1 and t.step_s >= 0.3  # the sleep alone: a bound from below, not a speed
+    t = measure(WorkloadSpec(model="slow_step_wl:make"), limit_s=0.3, step_share_s=10)
+    assert t.complete and t.steps == 1
+    assert t.step_s >= 0.6  # the sleep alone: a bound from below, not a speed
     assert t.record_step_s is None  # no time left for recorded steps: estimated from the step
     assert "per real step" in t.describe()  # a measured time, not "more than"
-    assert seen == [before]  # one loss, that step's; the handler as it was before
+    assert slow_step_module == [before]  # one loss, that step's; the handler as it was before
     assert signal.getsignal(signal.SIGALRM) is before
+
+
+def test_a_build_longer_than_the_limit_takes_no_step_and_says_so(slow_step_module):
+    from autoscale.training import WorkloadSpec
+
+    t = measure(WorkloadSpec(model="slow_step_wl:slow_build"), limit_s=0.3, step_share_s=10)
+    assert not t.complete and t.steps == 0 and t.step_s == 0.0 and t.build_s >= 0.6
+    assert slow_step_module == []  # no step began
+    assert t.describe().startswith("building one run takes ")
