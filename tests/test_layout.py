@@ -228,7 +228,6 @@ LONG_FUNCTIONS = {
     "autoscale/search/plan.py:make_plan": 101,
     "autoscale/report/page.py:write_report": 95,
     "autoscale/commands/search.py:run": 81,
-    "autoscale/search/choose.py:choose": 89,
     "autoscale/envs/spec.py:from_dict": 87,
     "autoscale/selection/auto.py:export": 84,
     "autoscale/search/rounds.py:_validate": 84,

@@ -84,6 +84,7 @@ def train_residual(
     (:class:`~autoscale.envs.knobs.Knobs`) drawn per training episode, the held-out selection
     replayed as recorded; ``init``: a saved SB3 model of ``algo`` to go on training; ``export_name``:
     export it as a policy (into ``export_dir``; ``force`` replaces one)."""
+    from stable_baselines3.common.logger import Logger
     from stable_baselines3.common.monitor import Monitor
 
     from autoscale.agents.train import deadline_callback, load_model, progress_callback, sb3_class
@@ -107,12 +108,8 @@ def train_residual(
     else:
         params = {**_hyperparams(algo, decisions), **(hyperparams or {})}
         model = sb3_class(algo)("MlpPolicy", train_env, seed=seed, verbose=0, **params)
-    from stable_baselines3.common.logger import Logger
-
     model.set_logger(Logger(folder=None, output_formats=[]))
-    callbacks: list[Any] = [deadline_callback(deadline)]
-    if progress:
-        callbacks.append(progress_callback(timesteps))
+    callbacks = [deadline_callback(deadline)] + ([progress_callback(timesteps)] if progress else [])
     t0 = time.monotonic()
     model, best, history = _learn(
         model,

@@ -33,6 +33,7 @@ class RLObjective(Objective):
     shipped agent on the train replay leaves the trial the shipped agent (``warm_kept``)."""
 
     MIN_TRIAL_S, MAX_TRIAL_S = 10.0, 300.0
+    WARM_LEAST_S = 2.0  # less time than this: the warm trial is the shipped agent, untrained
     WINDOW = 16  # steps a cold agent's offset holds (the warm one keeps its own)
 
     def __init__(
@@ -125,17 +126,20 @@ class RLObjective(Objective):
                     trial.set_user_attr("warm_before", before)
                     seconds = max(0.0, seconds - (time.monotonic() - t0))
                 t1 = time.monotonic()
-                result = train_residual(
-                    rl_spec, cfg["algo"], max(64, int(self.rate * seconds)), replay=traces,
-                    select_on="test" if select else None, window=window,
-                    seed=self.seed + trial.number, hyperparams=cfg["hyperparams"],
-                    deadline=t1 + seconds, init=warm.model if warm is not None else None,
-                    export_name="policy", export_dir=str(folder), force=True,
-                )  # fmt: skip
-                done = int(getattr(result.model, "num_timesteps", 0))
-                self.rate = max(50.0, done / max(1e-3, time.monotonic() - t1))
-                path = result.policy_dir
-                if warm is not None and not self._improved(path, before):
+                if warm is not None and seconds < self.WARM_LEAST_S:  # no time: as it came
+                    path, done = shipped, 0
+                else:
+                    result = train_residual(
+                        rl_spec, cfg["algo"], max(64, int(self.rate * seconds)), replay=traces,
+                        select_on="test" if select else None, window=window,
+                        seed=self.seed + trial.number, hyperparams=cfg["hyperparams"],
+                        deadline=t1 + seconds, init=warm.model if warm is not None else None,
+                        export_name="policy", export_dir=str(folder), force=True,
+                    )  # fmt: skip
+                    done = int(getattr(result.model, "num_timesteps", 0))
+                    self.rate = max(50.0, done / max(1e-3, time.monotonic() - t1))
+                    path = result.policy_dir
+                if warm is not None and (done == 0 or not self._improved(path, before)):
                     # the fine-tuning did not beat where it started: the trial is the start
                     path, done = shipped, 0
                     trial.set_user_attr("warm_kept", True)

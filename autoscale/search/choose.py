@@ -164,20 +164,7 @@ def choose(
             choice.winner = v
             choice.why = _beats(v, ld) + " and passed the no-harm check"
             return choice
-    best = next((k for k in choice.leads if k not in choice.refused), None)
-    if best is None and choice.refused:
-        key, why = next(iter(choice.refused.items()))
-        lost = f"{_label(real, key)} led it beyond the seed noise, but {why}"
-    elif best is None:
-        lost = "no candidate ranked above it on these episodes"
-    elif choice.leads[best].clear:
-        lost = "no candidate that led it beyond the seed noise passed the no-harm check"
-    else:
-        ld = choice.leads[best]
-        lost = (
-            f"the best ({_label(real, best)}) led it by {ld.lead:.4f}, within the seed noise "
-            f"({ld.noise:.4f} on {ld.episodes} episodes)"
-        )
+    lost = _why_auto(choice, real)
     verdict = _verdict(study, bar, factories, no_harm, timings, ledger, stop_at, say, choice)
     if verdict is None or verdict.passed:
         choice.winner = bar
@@ -195,6 +182,23 @@ def choose(
         f"auto harms this run ({'; '.join(verdict.reasons)}): torch's own rule, the reference"
     )
     return choice
+
+
+def _why_auto(choice: Choice, real: list[Validated]) -> str:
+    """Why nothing above ``auto`` in the ranking is the pick, in words."""
+    best = next((k for k in choice.leads if k not in choice.refused), None)
+    if best is None and choice.refused:
+        key, why = next(iter(choice.refused.items()))
+        return f"{_label(real, key)} led it beyond the seed noise, but {why}"
+    if best is None:
+        return "no candidate ranked above it on these episodes"
+    if choice.leads[best].clear:
+        return "no candidate that led it beyond the seed noise passed the no-harm check"
+    ld = choice.leads[best]
+    return (
+        f"the best ({_label(real, best)}) led it by {ld.lead:.4f}, within the seed noise "
+        f"({ld.noise:.4f} on {ld.episodes} episodes)"
+    )
 
 
 def loss_refusal(v: Validated, bar: Validated) -> str | None:

@@ -199,24 +199,26 @@ class Rounds:
     # ------------------------------------------------------------------ search
     def _search(self, stop: float, first: bool) -> None:
         study, plan, bench, recorder = self.study, self.plan, self.bench, self.recorder
-        now = time.monotonic()
-        if stop - now < 1.0:
-            if first:
-                self.say(
-                    "search",
-                    "no time left to search after validation's share; validating what the study has",
-                )
-            return
         t0 = time.monotonic()
         before = dict(self.counts)
         rl = plan.space in ("rl", "both") and RLObjective.fits(
             bench.suite, self.warn if first else None, self.cfg.warm_start
         )
-        if plan.space in ("parametric", "both"):
+        if rl and first:  # the agent that starts at auto, whatever the time: it reaches validation
+            self._warm_trial(stop)
+        if stop - time.monotonic() < 1.0:
+            if first and self.counts == before:
+                self.say(
+                    "search",
+                    "no time left to search after validation's share; validating what the study has",
+                )
+            if self.counts == before:
+                return
+        elif plan.space in ("parametric", "both"):
             objective_fn = ParametricObjective(bench, recorder, self.ledger, self.families)
             until = stop if not rl else t0 + (1 - RL_SHARE_OF_BOTH) * (stop - t0)
             self._trials(objective_fn, until)
-        if rl:
+        if rl and stop - time.monotonic() >= 1.0:
             objective_fn = RLObjective(
                 bench, recorder, self.ledger, stop_at=stop, seed=self.cfg.seed,
                 workdir=self.workdir, warm_start=self.cfg.warm_start, warn=self.warn,
@@ -228,6 +230,26 @@ class Rounds:
             f"{sum(c.values())} trials in {format_duration(time.monotonic() - t0)} ({c['complete']} complete, "
             f"{c['pruned']} pruned, {c['failed']} failed); {_best_line(study)}",
         )
+
+    def _warm_trial(self, stop: float) -> None:
+        """The study's first RL trial, the shipped residual agent fine-tuned on the replay
+        (:class:`~autoscale.search.agent_trials.RLObjective`), run first and even where no time
+        is left to search: then it is the shipped agent as it came, scored on the replay alone
+        (seconds), so an agent that starts at ``auto`` always reaches validation."""
+        objective_fn = RLObjective(
+            self.bench, self.recorder, self.ledger, stop_at=stop, seed=self.cfg.seed,
+            workdir=self.workdir, warm_start=self.cfg.warm_start, warn=self.warn,
+        )  # fmt: skip
+        if objective_fn.warm is None or any(
+            t.user_attrs.get("warm_start") for t in self.study.get_trials(deepcopy=False)
+        ):
+            return
+        n = sum(self.counts.values()) + 1
+        n = n if self.cfg.n_trials is None else min(n, self.cfg.n_trials)
+        TrialLoop(
+            self.study, self.ledger, worker=self.worker, warn=self.warn, counts=self.counts,
+            n_trials=n, progress=False,
+        ).run(objective_fn, max(stop, time.monotonic() + RLObjective.MIN_TRIAL_S))  # fmt: skip
 
     def _trials(self, objective_fn, stop_at: float) -> None:
         TrialLoop(

@@ -75,6 +75,24 @@ def test_the_first_rl_trial_fine_tunes_the_shipped_agent(setup, tmp_path, monkey
 
 
 @pytest.mark.slow
+def test_with_no_time_left_the_warm_trial_is_the_shipped_agent_as_it_came(
+    setup,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """A busy machine that left the search no time still gets its agent: the shipped one,
+    scored on the replay, untrained (seconds), so it reaches the real-step validation."""
+    root, suite, traces = setup
+    _ship(suite, traces, tmp_path / "warm")
+    monkeypatch.setattr(warm_mod, "WARM_DIR", tmp_path / "warm")
+    (trial,), said = _warm_trials(root, suite, traces, "late", 1, -5.0)  # the stop is past
+    assert trial.state == TrialState.COMPLETE, said
+    assert trial.user_attrs["warm_start"] == "residual-test" and trial.user_attrs["warm_kept"]
+    assert trial.user_attrs["policy"]["timesteps"] == 0
+    assert trial.value == trial.user_attrs["warm_before"]
+
+
+@pytest.mark.slow
 def test_an_agent_of_other_actions_is_refused_in_a_line_and_agents_start_cold(
     setup,  # noqa: F811
     tmp_path,
