@@ -233,6 +233,11 @@ def _eval_estimate(workload: Any, step_s: float) -> float:
 
 
 # ---------------------------------------------------------------------- the no-harm check's share
+# a long run's fp32 reference backward, one step in 10, makes it this much longer (measured:
+# experiments/results/reference_cost.md)
+REFERENCE_FACTOR = 1.1
+
+
 @dataclass(frozen=True)
 class NoHarmPlan:
     """The no-harm check: long runs of ``workloads`` (clean, and one drifting) next to ``torch``.
@@ -253,7 +258,7 @@ class NoHarmPlan:
         """Seconds for ``candidates`` candidates and the ``torch`` runs not cached yet."""
         total = 0.0
         for w in self.workloads:
-            run = timings.of(w).run_s(self.steps)
+            run = timings.of(w).run_s(self.steps) * REFERENCE_FACTOR
             total += run * sum(1 for s in self.seeds if not cached(w, s))
             total += run * candidates * len(self.candidate_seeds)
         return total
