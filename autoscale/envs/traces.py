@@ -10,6 +10,7 @@ and the scale the recording used. One compressed ``.npz`` file, versioned.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -70,6 +71,16 @@ class InstanceTrace:
     @property
     def steps(self) -> int:
         return int(self.threshold.shape[0])
+
+    def head(self, steps: int) -> InstanceTrace:
+        """The first ``steps`` steps, as :func:`record_trace` keeps a recording cut at its
+        deadline (a trace of that length, as if it had been planned so)."""
+        if steps >= self.steps:
+            return self
+        cut = {
+            k: getattr(self, k)[:steps] for k in _ARRAYS + _OPTIONAL if getattr(self, k) is not None
+        }
+        return dataclasses.replace(self, **cut)
 
 
 @dataclass

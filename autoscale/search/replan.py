@@ -10,12 +10,15 @@ Here the search bends instead, and says what it traded:
   instance shorter (down to :data:`MIN_HORIZON` steps) when even it does not fit; the deadline it
   records to moves with the pace it sees, so that the phases after it keep their time;
 * after recording, the measured step times are **scaled by the pace** (recorded seconds over
-  planned ones) and what is left is planned again: the replay suite is the recorded one, the
-  real-step validation episodes are as long as the time left allows (a study that already holds
-  validation results keeps their length: every result of a study is measured alike), and the
+  planned ones) and what is left is planned again (:func:`replan`): the replay suite is the
+  recorded one, the real-step validation episodes are as long as the time left allows, and the
   no-harm check runs a model too slow for what is left on its tiny proxy;
 * the search itself takes what remains, and the rounds (:mod:`~autoscale.search.runner`) fit
   validation and checks to the time left with the scaled step times.
+
+Only the worker that creates a study bends its shape, once, before anything is scored on it; it
+stores the plan for good. A worker that joins or resumes the study records the plan's traces
+whole and bends only its own time (:func:`retime`): every worker scores and validates alike.
 
 Only the start refuses: when even the smallest plan does not fit the budget
 (:func:`~autoscale.search.plan.make_plan`).
@@ -37,8 +40,17 @@ from autoscale.search.plan import (
     fit_validation,
     validate_cost,
 )
+from autoscale.search.timing import NoHarmPlan, Timings
 
-__all__ = ["MIN_HORIZON", "SLOW", "least_after_record", "pace_of", "recorded_suite", "replan"]
+__all__ = [
+    "MIN_HORIZON",
+    "SLOW",
+    "least_after_record",
+    "pace_of",
+    "recorded_suite",
+    "replan",
+    "retime",
+]
 
 SLOW = 1.15  # a pace above this re-plans the rest with step times scaled by it
 MIN_HORIZON = 32  # the shortest trace a first instance is recorded at, rather than none
@@ -88,6 +100,64 @@ def _instances(suite: SuiteSpec) -> int:
     return sum(len(m.instances["train"]) + len(m.instances["test"]) for m in suite.members)
 
 
+def _at_pace(
+    plan: Plan, pace: float, left_s: float, cached_no_harm: Callable[[Any, int], bool], why: str
+) -> tuple[Timings, NoHarmPlan, list[str]]:
+    """The step times scaled by ``pace`` (when slow), the no-harm check fitted to ``left_s`` at
+    them, and what the fit traded."""
+    timings = plan.timings.scaled(pace) if pace > SLOW else plan.timings
+    no_harm, cuts = fit_no_harm(plan.no_harm, timings, max(left_s, 1.0), cached_no_harm)
+    return timings, no_harm, [f"{c} ({why})" for c in cuts if c not in plan.cuts]
+
+
+def _paced(why: str) -> str:
+    return f"the phases after recording planned at the pace seen ({why})"
+
+
+def _estimated(
+    plan: Plan, left_s: float, cached_no_harm: Callable[[Any, int], bool], **changes: Any
+) -> Plan:
+    """``plan`` with ``changes``, its validation and no-harm estimates at its (new) step times,
+    and the search given what is left of ``left_s``."""
+    new = dataclasses.replace(plan, **changes)
+    scalers = len(new.rules) + 2 if new.all_rules_real else 3
+    val_s = validate_cost(new.validation, new.timings, scalers)
+    no_harm_s = new.no_harm.cost(new.timings, CHECKED_CANDIDATES, cached_no_harm)
+    return dataclasses.replace(
+        new,
+        validate_s=val_s,
+        no_harm_s=no_harm_s,
+        search_s=max(0.0, left_s - val_s - no_harm_s),
+    )
+
+
+def retime(
+    plan: Plan,
+    stats: dict[str, Any],
+    *,
+    left_s: float,
+    cached_no_harm: Callable[[Any, int], bool],
+) -> Plan:
+    """``plan``'s shape as it is (suite, validation, trace length: a study's, which every worker
+    scores and validates alike), its phases after recording timed at the pace the recording kept
+    and its no-harm check fitted to them; ``plan`` itself when the recording kept to the measured
+    step times. What a worker that adopted a study's plan bends: its own time.
+
+    Args:
+        stats: What :func:`~autoscale.search.traces.load_traces` returned.
+        left_s: Working seconds left in the budget.
+    """
+    pace = pace_of(stats)
+    if pace <= SLOW:
+        return plan
+    why = f"steps ran {pace:.1f}x slower than measured"
+    timings, no_harm, no_harm_cuts = _at_pace(plan, pace, left_s, cached_no_harm, why)
+    cuts = (_paced(why), *no_harm_cuts)
+    return _estimated(
+        plan, left_s, cached_no_harm, timings=timings, no_harm=no_harm, cuts=plan.cuts + cuts
+    )
+
+
 def replan(
     plan: Plan,
     traces: dict[str, Any],
@@ -97,68 +167,56 @@ def replan(
     budget_s: float,
     min_search_s: float,
     cached_no_harm: Callable[[Any, int], bool],
-    keep_validation: bool,
 ) -> Plan:
     """The plan for what is left after recording (see the module docstring); ``plan`` itself
-    when the recording kept to it.
+    when the recording kept to it. Only the worker that creates a study re-plans it, before any
+    trial or validation is scored on it.
 
     Args:
         traces, stats: What :func:`~autoscale.search.traces.load_traces` returned.
         left_s: Working seconds left in the budget.
         budget_s: The whole budget (validation's share is a share of it).
         min_search_s: Seconds the search keeps at least.
-        keep_validation: The study holds validation results: their episode length stays.
     """
     pace = pace_of(stats)
     slow = pace > SLOW
     suite = recorded_suite(plan.suite, traces, stats["shortest"])
     if not slow and suite == plan.suite:
         return plan
-    timings = plan.timings.scaled(pace) if slow else plan.timings
     why = f"steps ran {pace:.1f}x slower than measured" if slow else "the recording ran long"
-    cuts = [f"the phases after recording planned at the pace seen ({why})"] if slow else []
+    timings, no_harm, no_harm_cuts = _at_pace(plan, pace, left_s, cached_no_harm, why)
+    cuts = [_paced(why)] if slow else []
     if stats["dropped"]:
         cuts.append(
             f"{len(stats['dropped'])} of {_instances(plan.suite)} instances unrecorded ({why})"
         )
     if suite.episode.steps < plan.horizon:
         cuts.append(f"replay horizon {suite.episode.steps} of the planned {plan.horizon} ({why})")
-    no_harm, no_harm_cuts = fit_no_harm(plan.no_harm, timings, max(left_s, 1.0), cached_no_harm)
-    cuts += [f"{c} ({why})" for c in no_harm_cuts if c not in plan.cuts]
+    cuts += no_harm_cuts
     no_harm_min = no_harm.cost(timings, 1, cached_no_harm)
-    no_harm_s = no_harm.cost(timings, CHECKED_CANDIDATES, cached_no_harm)
-    # a study with validation results keeps its validation whole (episode length and test
-    # instances): real steps need no traces, and results of two lengths must not mix
-    validation = plan.validation
-    all_rules = plan.all_rules_real
-    if not keep_validation:
-        steps = min(plan.steps, suite.episode.steps)
-        validation = recorded_suite(plan.validation, traces, plan.horizon).with_episode_steps(steps)
-        room = min(VALIDATE_SHARE * budget_s, left_s - no_harm_min - min_search_s)
-        choice = fit_validation(suite, timings, room, len(plan.rules) + 1)  # + auto
-        if choice is None:  # the least: torch and the candidate on the shortest episodes
-            validation = suite.with_episode_steps(min(VALIDATION_LADDER[-1], suite.episode.steps))
-            all_rules = False
-        else:
-            validation, all_rules, _ = choice
-        if validation.episode.steps < plan.steps:
-            cuts.append(
-                f"real-step validation episodes of {validation.episode.steps} of the planned "
-                f"{plan.steps} steps ({why})"
-            )
-        if plan.all_rules_real and not all_rules:
-            cuts.append(f"real-step validation of every rule ({why})")
-    val_s = validate_cost(validation, timings, len(plan.rules) + 2 if all_rules else 3)
-    return dataclasses.replace(
+    room = min(VALIDATE_SHARE * budget_s, left_s - no_harm_min - min_search_s)
+    choice = fit_validation(suite, timings, room, len(plan.rules) + 1)  # + auto
+    if choice is None:  # the least: torch and the candidate on the shortest episodes
+        validation = suite.with_episode_steps(min(VALIDATION_LADDER[-1], suite.episode.steps))
+        all_rules = False
+    else:
+        validation, all_rules, _ = choice
+    if validation.episode.steps < plan.steps:
+        cuts.append(
+            f"real-step validation episodes of {validation.episode.steps} of the planned "
+            f"{plan.steps} steps ({why})"
+        )
+    if plan.all_rules_real and not all_rules:
+        cuts.append(f"real-step validation of every rule ({why})")
+    return _estimated(
         plan,
+        left_s,
+        cached_no_harm,
         suite=suite,
         validation=validation,
         trace_steps=min(plan.trace_steps, stats["shortest"]),
         timings=timings,
         no_harm=no_harm,
-        validate_s=val_s,
-        no_harm_s=no_harm_s,
-        search_s=max(0.0, left_s - val_s - no_harm_s),
         all_rules_real=all_rules,
         cuts=plan.cuts + tuple(cuts),
     )

@@ -1,10 +1,12 @@
 """``autoscale search`` end to end: phases with deadlines, one module each.
 
 1. **measure** real steps of each workload (:mod:`~autoscale.search.plan`);
-2. **plan** the search to the budget (a study that exists keeps its stored shape, so every worker
+2. **plan** the search to the budget (a study that exists keeps its stored plan, so every worker
    and every resume scores trials alike);
 3. **record** long traces of every member's train and test instances
-   (:mod:`~autoscale.search.traces`, cached next to the storage);
+   (:mod:`~autoscale.search.traces`, cached next to the storage); the worker that creates the
+   study then plans what is left again, once, when its steps ran slower than measured
+   (:mod:`~autoscale.search.replan`), and stores the plan for good;
 4. **search** on replay (:mod:`~autoscale.search.loop`, :mod:`~autoscale.search.trials`);
 5. **validate** the best candidates and every built-in rule on real steps of the test instances
    (:mod:`~autoscale.search.validate`, shared between workers through the study);
@@ -17,15 +19,16 @@ last seconds go to replay trials kept in the study) or nothing is left to learn 
 validated and checked); the search says which.
 
 Several workers may run this on one storage: Optuna keeps trials unique; the first worker creates
-the study and its plan, the others adopt it; traces and torch's clean runs are recorded once per
-host (locks); each worker validates the study's best candidates not yet validated, and exports
-the study-wide pick when it finishes (under a lock), so the last worker to finish leaves the export.
+the study, plans, records and re-plans it; the others wait for the plan it stores, adopt it and
+never re-plan it (they bend only their own time to their pace); traces and torch's clean runs are
+recorded once per host (locks); each worker validates the study's best candidates not yet
+validated, and exports the study-wide pick when it finishes (under a lock), so the last worker to
+finish leaves the export.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import tempfile
 import time
@@ -35,18 +38,20 @@ from pathlib import Path
 from typing import Any
 
 from autoscale.envs.suite import SuiteSpec, as_suite
-from autoscale.errors import BudgetError
-from autoscale.processes import owner_gone
 from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Budget, Ledger, format_duration
-from autoscale.search.export import (
-    check_export_target,
-    study_suites,
-)
+from autoscale.search.export import check_export_target
 from autoscale.search.no_harm import NO_HARM_STEPS, NoHarmCheck, no_harm_proxy, no_harm_workloads
 from autoscale.search.plan import Plan, make_plan
-from autoscale.search.replan import MIN_HORIZON, SLOW, least_after_record, pace_of, replan
+from autoscale.search.replan import (
+    MIN_HORIZON,
+    SLOW,
+    least_after_record,
+    pace_of,
+    replan,
+    retime,
+)
 from autoscale.search.rounds import Rounds
 from autoscale.search.session import SearchConfig, SearchResult, Session
 from autoscale.search.space import searched_families
@@ -65,25 +70,21 @@ from autoscale.search.study import (
     fail_stale_trials,
     store_plan,
     study_kwargs,
-    study_note,
     wait_for_plan,
 )
 from autoscale.search.timing import NoHarmPlan, Timings, measure_all
-from autoscale.search.traces import cached_share, load_traces
+from autoscale.search.traces import cached_share, keep_planned, load_traces
 from autoscale.search.trials import (
     REFERENCE_RULE,
     TrialRecorder,
     worker_id,
-    write_note,
 )
-from autoscale.search.validate import PREFIX as VALIDATED_PREFIX
 from autoscale.search.validate import Validator
 from autoscale.training.threads import fit_threads
 
 __all__ = ["SearchConfig", "SearchResult", "SearchRunner", "PHASES", "rules_torch_first"]
 
 PHASES = ("measure", "plan", "record", "search", "validate", "export")
-SHAPE_FIXED = "shape_fixed_by"  # the worker whose search first went past re-planning
 
 
 def _print(text: str) -> None:
@@ -107,6 +108,7 @@ class SearchRunner:
         self.out = out or _print
         self.ledger = Ledger()
         self.worker = worker_id()
+        self.creator = False  # this worker created the study: it plans it (see _replan)
         self.counts = {"complete": 0, "pruned": 0, "failed": 0}
         self.min_search_s = max(2.0, 0.02 * budget.seconds)
         if cfg.space != "parametric":  # the first round holds one RL trial (the warm start)
@@ -174,7 +176,7 @@ class SearchRunner:
 
         with self.ledger.track("work:record"):
             traces, stats = self._record(plan)
-        plan = self._replan(study, plan, traces, stats)
+        plan, traces = self._replan(study, plan, traces, stats)
 
         with tempfile.TemporaryDirectory(prefix="autoscale-search-") as tmp:
             workdir = Path(tmp)
@@ -208,12 +210,21 @@ class SearchRunner:
         return self.result
 
     def _record(self, plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Record the plan's traces, bending to the pace the machine keeps (see
-        :mod:`~autoscale.search.replan`): the instances beyond each member's first ones stop
-        where the phases after recording keep their planned time at that pace; the first ones
-        (shortened if need be) where the least of those phases keeps its measured time."""
+        """Record the plan's traces. The worker that creates the study bends to the pace the
+        machine keeps (see :mod:`~autoscale.search.replan`): the instances beyond each member's
+        first ones stop where the phases after recording keep their planned time at that pace;
+        the first ones (shortened if need be) where the least of those phases keeps its measured
+        time. Any other worker records the study's plan whole, or stops where that least begins
+        (a BudgetError: what it recorded stays cached)."""
         after = plan.validate_s + plan.no_harm_s
         least = least_after_record(plan, self.no_harm.cached) + self.min_search_s
+        bend: dict[str, Any] = {"stop_at": self.budget.end - least}
+        if self.creator:
+            bend = {
+                "stop_at": lambda pace: self.budget.end - max(1.0, pace) * after,
+                "floor_at": self.budget.end - least,
+                "shrink_to": MIN_HORIZON,
+            }
 
         def retune(pace: float) -> None:
             before = self.threads.threads
@@ -229,12 +240,10 @@ class SearchRunner:
             self.folder,
             plan.trace_steps,
             cost=lambda m, n: plan.timings.of(m.workload).run_s(n, record=True),
-            stop_at=lambda pace: self.budget.end - max(1.0, pace) * after,
-            floor_at=self.budget.end - least,
-            shrink_to=MIN_HORIZON,
             progress=self.cfg.progress,
             warn=self.warn,
             on_slow=retune,
+            **bend,
         )
         n = sum(len(m.instances["train"]) + len(m.instances["test"]) for m in plan.suite.members)
         pace = pace_of(stats)
@@ -252,28 +261,23 @@ class SearchRunner:
         )
         return traces, stats
 
-    def _replan(self, study: Any, plan: Plan, traces: dict, stats: dict) -> Plan:
-        """Plan what is left after recording again when it ran slower than measured or left
-        instances out; the study keeps the new shape when nothing was scored on the old one."""
-        import optuna
-
-        with self.ledger.track("bk:optuna"):
-            attrs = study.user_attrs
-            scored = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-            # a worker past this point searches and validates under the stored shape: from then
-            # on no re-plan changes it, even before any of its trials is scored
-            fixed = bool(scored) or _searching(attrs.get(SHAPE_FIXED))
-            stored_suite, stored_validation, stored_steps = study_suites(study)
-        if (stored_suite, stored_validation) != (plan.suite, plan.validation):
-            # another worker re-planned while this one recorded
-            self.say(
-                "plan", "another worker re-planned the study while recording: adopting its plan"
-            )
-            plan = dataclasses.replace(
-                plan, suite=stored_suite, validation=stored_validation, trace_steps=stored_steps
-            )
-            traces.update(_only_planned(traces, stored_suite))
-            stats = {**stats, "dropped": []}
+    def _replan(
+        self, study: Any, plan: Plan, traces: dict, stats: dict
+    ) -> tuple[Plan, dict[str, Any]]:
+        """After recording. The worker that created the study plans what is left again when it
+        ran slower than measured or left instances out, caches the traces of the new plan under
+        its keys, and stores the plan for good (nothing is scored on the study before). Any
+        other worker keeps the study's plan and only times its own phases at its pace."""
+        if not self.creator:
+            new = retime(plan, stats, left_s=self.budget.left(), cached_no_harm=self.no_harm.cached)
+            if new is not plan:
+                self.say(
+                    "plan",
+                    f"steps ran {pace_of(stats):.1f}x slower than measured: this worker's phases "
+                    "are timed at that pace (the study's plan stays)",
+                )
+                self._use(new)
+            return new, traces
         new = replan(
             plan,
             traces,
@@ -282,43 +286,43 @@ class SearchRunner:
             budget_s=self.budget.seconds,
             min_search_s=self.min_search_s,
             cached_no_harm=self.no_harm.cached,
-            keep_validation=any(k.startswith(VALIDATED_PREFIX) for k in attrs),
         )
-        if new is plan:
-            self._fix_shape(study)
-            return plan
-        traded = new.cuts[len(plan.cuts) :]
-        changed = new.suite != plan.suite or new.validation != plan.validation
-        if changed and fixed:  # trials are scored (or being scored) on the stored shape: keep it
-            if new.suite != stored_suite:
-                raise BudgetError(_ran_out_shared(stats))
-            new = dataclasses.replace(new, validation=stored_validation)
-        self.say("plan", "re-planned: " + ("; ".join(traded) or "steps ran slower than measured"))
-        self.result.plan = new
-        self.result.replanned = list(traded)
-        self.no_harm = NoHarmCheck(
-            new.no_harm, self.folder, self.ledger, _scale_kw(new.suite), progress=self.cfg.progress
-        )
+        if new is not plan:
+            traded = new.cuts[len(plan.cuts) :]
+            self.say(
+                "plan", "re-planned: " + ("; ".join(traded) or "steps ran slower than measured")
+            )
+            self.result.replanned = list(traded)
+            self._use(new)
+            with self.ledger.track("work:record"):
+                traces = keep_planned(new.suite, traces, self.folder, new.trace_steps)
         with self.ledger.track("bk:optuna"):
-            if changed and not fixed:
-                store_plan(study, new)  # the shape, and the note with what was traded
-            else:
-                write_note(study, study_note(self.cfg.study, new))
-        self._fix_shape(study)
-        return new
+            store_plan(study, None if new is plan else new)  # the workers waiting adopt it
+        return new, traces
 
-    def _fix_shape(self, study: Any) -> None:
-        """This worker searches under the stored shape from now on: no other re-plans it."""
-        with self.ledger.track("bk:attrs"):
-            if not _searching(study.user_attrs.get(SHAPE_FIXED)):
-                study.set_user_attr(SHAPE_FIXED, self.worker)
+    def _use(self, plan: Plan) -> None:
+        """Go on with ``plan`` (its no-harm check may be another)."""
+        self.result.plan = plan
+        self.no_harm = NoHarmCheck(
+            plan.no_harm,
+            self.folder,
+            self.ledger,
+            _scale_kw(plan.suite),
+            progress=self.cfg.progress,
+        )
 
     def _adopt(self, stored: Any) -> tuple[SuiteSpec, SuiteSpec, int]:
         check_source(stored.user_attrs, self.cfg.study)
-        kept = wait_for_plan(stored)
+        kept = wait_for_plan(stored, self._waiting, give_up_at=self.budget.end)
         if self.cfg.explicit:
             check_workload(kept[0], as_suite(self.cfg.base), self.cfg.study)
         return kept
+
+    def _waiting(self, planner: str) -> None:
+        self.out(
+            f"study '{self.cfg.study}' is being planned by the worker that created it ({planner}): "
+            "waiting for the plan it stores after recording"
+        )
 
     def _plan(
         self,
@@ -370,11 +374,20 @@ class SearchRunner:
                         study_name=cfg.study, storage=storage, direction="minimize", **kwargs
                     )
                     budget = {"text": cfg.budget_text, "seconds": self.budget.seconds}
-                    describe_new_study(study, plan, command=cfg.command, budget=budget)
+                    until = time.time() + self.budget.left()
+                    describe_new_study(
+                        study,
+                        plan,
+                        command=cfg.command,
+                        budget=budget,
+                        planner=self.worker,
+                        until=until,
+                    )
+                    self.creator = True
                 except optuna.exceptions.DuplicatedStudyError:  # another worker was faster
                     study = optuna.load_study(study_name=cfg.study, storage=storage, **kwargs)
                     self.say("plan", "another worker created the study first: adopting its plan")
-                    kept = wait_for_plan(study)
+                    kept = wait_for_plan(study, self._waiting, give_up_at=self.budget.end)
                     check_source(study.user_attrs, cfg.study)
                     self._plan(plan.suite, plan.timings, plan.no_harm, kept)
             study.set_user_attr(
@@ -387,27 +400,6 @@ class SearchRunner:
                 },
             )
         return study
-
-
-def _only_planned(traces: dict[str, Any], suite: SuiteSpec) -> dict[str, Any]:
-    """Each member's trace with the instances ``suite`` plans (a worker that adopts a smaller
-    plan may have recorded more)."""
-    out = {}
-    for m in suite.members:
-        trace = traces[m.name]
-        keep = {i.name for i in m.instances["train"] + m.instances["test"]}
-        instances = {k: v for k, v in trace.instances.items() if k in keep}
-        out[m.name] = dataclasses.replace(trace, instances=instances)
-    return out
-
-
-def _ran_out_shared(stats: dict[str, Any]) -> str:
-    return (
-        f"the budget ran out while recording traces ({stats['recorded']} recorded, "
-        f"{len(stats['dropped'])} left out, steps at {pace_of(stats):.1f}x the measured time), "
-        "and trials of this study were scored on all of them; they stay cached: rerun with a "
-        "larger --budget and the same --study to continue"
-    )
 
 
 def _scale_kw(suite: SuiteSpec) -> dict[str, float]:
@@ -435,10 +427,3 @@ def rules_torch_first(families: Sequence[str] | None = None) -> tuple[str, ...]:
     ``families`` (None: every family whose scale adapts to the gradients)."""
     rules = list(searched_families(families))
     return tuple([REFERENCE_RULE] + [r for r in rules if r != REFERENCE_RULE])
-
-
-def _searching(worker: str | None) -> bool:
-    """Whether the worker that marked a study's shape may still be searching under it: any worker
-    of another host, one of this host while its process runs (a lone worker resuming its own
-    stopped search may re-plan, as if unmarked)."""
-    return bool(worker) and not owner_gone(worker)

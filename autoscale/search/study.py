@@ -3,12 +3,14 @@ that joins or resumes one checks and cleans up."""
 
 from __future__ import annotations
 
+import math
 import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
 from autoscale.envs.suite import SuiteSpec
-from autoscale.errors import ConfigError
+from autoscale.errors import BudgetError, ConfigError
 from autoscale.processes import owner_gone
 from autoscale.search.budget import Ledger
 from autoscale.search.export import study_suites
@@ -23,12 +25,18 @@ __all__ = [
     "store_plan",
     "study_note",
     "wait_for_plan",
+    "PLANNING",
     "check_workload",
     "check_source",
     "records_id",
     "fail_stale_trials",
     "fail_worker_trials",
 ]
+
+
+# The worker that created a study, until it stores the study's plan for good (after its recording
+# and re-plan): ``{"worker": host:pid, "until": the epoch second its budget ends}``; None after.
+PLANNING = "planning"
 
 
 def study_kwargs(seed: int, trials_before: int, ledger: Ledger | None = None) -> dict[str, Any]:
@@ -135,9 +143,12 @@ def study_note(name: str, plan: Plan, table: str = "") -> str:
     return "\n".join(text) + "\n"
 
 
-def describe_new_study(study: Any, plan: Plan, *, command: str, budget: dict[str, Any]) -> None:
+def describe_new_study(
+    study: Any, plan: Plan, *, command: str, budget: dict[str, Any], planner: str, until: float
+) -> None:
     """Record what a new study is (user attributes and note) and enqueue every rule family's
-    defaults, so the search starts from the built-in rules."""
+    defaults, so the search starts from the built-in rules. ``planner`` (this worker) plans it
+    until ``until`` (epoch seconds) at the latest: see :func:`store_plan`."""
     from autoscale.search.trials import write_note
 
     attrs = {
@@ -148,6 +159,7 @@ def describe_new_study(study: Any, plan: Plan, *, command: str, budget: dict[str
         "objective": OBJECTIVE_DOC,
         "validation": plan.validation.to_dict(),
         "trace_steps": plan.trace_steps,
+        PLANNING: {"worker": planner, "until": until},  # before the suite: joiners then wait
         "suite": plan.suite.to_dict(),  # last: joining workers wait for it
     }
     for key, value in attrs.items():
@@ -163,23 +175,60 @@ def describe_new_study(study: Any, plan: Plan, *, command: str, budget: dict[str
     write_note(study, study_note(study.study_name, plan))
 
 
-def store_plan(study: Any, plan: Plan) -> None:
-    """Keep a re-planned shape in the study (before any trial was scored on the old one), so
-    that workers joining or resuming it score trials alike; the note says what was traded."""
+def store_plan(study: Any, plan: Plan | None = None) -> None:
+    """Store a new study's plan for good: the worker that created the study does, after its
+    recording and re-plan, before any trial is scored; ``plan`` when it re-planned (the note says
+    what was traded), else the plan stored at creation stays. Workers joining or resuming the
+    study adopt it (:func:`wait_for_plan`) and never re-plan it, so every worker scores and
+    validates alike."""
     from autoscale.search.trials import write_note
 
-    study.set_user_attr("plan", plan.to_dict())
-    study.set_user_attr("validation", plan.validation.to_dict())
-    study.set_user_attr("trace_steps", plan.trace_steps)
-    study.set_user_attr("suite", plan.suite.to_dict())
-    write_note(study, study_note(study.study_name, plan))
+    if plan is not None:
+        study.set_user_attr("plan", plan.to_dict())
+        study.set_user_attr("validation", plan.validation.to_dict())
+        study.set_user_attr("trace_steps", plan.trace_steps)
+        study.set_user_attr("suite", plan.suite.to_dict())
+        write_note(study, study_note(study.study_name, plan))
+    study.set_user_attr(PLANNING, None)
 
 
-def wait_for_plan(study: Any, timeout: float = 60.0) -> tuple[SuiteSpec, SuiteSpec, int]:
-    """The study's planned suites, waiting for a worker that is creating the study to store them."""
+def wait_for_plan(
+    study: Any,
+    on_wait: Callable[[str], None] | None = None,
+    *,
+    give_up_at: float = math.inf,
+    timeout: float = 60.0,
+    poll_s: float = 0.5,
+) -> tuple[SuiteSpec, SuiteSpec, int]:
+    """The study's planned suites for good: waits for a worker that is creating the study to
+    store them (``timeout`` seconds at most), then, while that worker plans (it records and may
+    re-plan), until it stores its plan, its budget ends, or it is a process of this host that no
+    longer runs (then the plan stored at creation is the study's, and this says so in the study).
+    ``on_wait`` hears the planner's ``host:pid`` once, when there is something to wait for.
+
+    Raises:
+        BudgetError: the planner still plans at ``give_up_at`` (``time.monotonic()``: this
+            worker's budget end).
+    """
     deadline = time.monotonic() + timeout
     while "suite" not in study.user_attrs and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(poll_s)
+    told = False
+    while planning := study.user_attrs.get(PLANNING):
+        worker = str(planning.get("worker"))
+        if owner_gone(worker) or time.time() > planning.get("until", 0.0):
+            study.set_user_attr(PLANNING, None)  # stopped before storing its plan
+            break
+        if time.monotonic() >= give_up_at:
+            raise BudgetError(
+                f"study '{study.study_name}' is still planned by the worker that created it "
+                f"({worker}): the budget ran out waiting for the plan it stores after recording; "
+                "run this worker again once that one searches"
+            )
+        if on_wait is not None and not told:
+            on_wait(worker)
+            told = True
+        time.sleep(poll_s)
     return study_suites(study)
 
 

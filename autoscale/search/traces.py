@@ -5,6 +5,9 @@ Each instance is recorded and cached on its own, under a hash of everything the 
 on (workload, episode, the instance's seed and start, the trace length, trace and feature
 versions, torch version), so an interrupted recording keeps the instances it finished. A lock per instance makes a second
 local worker wait for the first one's recording and then read it, instead of recording it too.
+Only the worker that creates a study records it bending (a trace cut at its deadline is cached
+under its own, shorter length); its re-plan then caches every trace of the plan it stores under
+that plan's keys (:func:`keep_planned`), so a worker adopting the plan reads what it replays.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from autoscale.errors import BudgetError, ConfigError
 from autoscale.search.budget import format_duration
 from autoscale.search.storage import file_lock
 
-__all__ = ["instance_key", "cached_share", "load_traces"]
+__all__ = ["instance_key", "cached_share", "load_traces", "keep_planned"]
 
 
 def instance_key(spec: EnvSpec, inst: InstanceSpec, steps: int) -> str:
@@ -225,6 +228,33 @@ def load_traces(
         for m in suite.members
     }
     return out, stats
+
+
+def keep_planned(
+    suite: SuiteSpec, traces: dict[str, Trace], folder: Path, steps: int
+) -> dict[str, Trace]:
+    """``traces`` as a re-plan made them: the instances ``suite`` plans, each cut to ``steps``
+    steps and cached under ``suite``'s key (a re-plan may shorten the traces and the replay
+    episodes, which the key holds), so that every worker of the study replays the same steps."""
+    cache = folder / "traces"
+    out = {}
+    for m in suite.members:
+        trace = traces[m.name]
+        kept = {}
+        for inst in m.instances["train"] + m.instances["test"]:
+            kept[inst.name] = trace.instances[inst.name].head(steps)
+            key = instance_key(m, inst, steps)
+            with file_lock(folder / "locks" / f"trace-{key}.lock"):
+                if not (cache / f"{key}.npz").is_file():
+                    one = Trace(
+                        m.to_dict(),
+                        {inst.name: kept[inst.name]},
+                        trace.hist_edges,
+                        trace.feature_version,
+                    )
+                    one.save(cache / f"{key}.npz")
+        out[m.name] = dataclasses.replace(trace, spec=m.to_dict(), instances=kept)
+    return out
 
 
 def _ran_out(stats: dict[str, Any], member: EnvSpec, inst: InstanceSpec, need: float) -> str:

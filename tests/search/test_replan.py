@@ -1,13 +1,37 @@
 """The plan after a recording that ran slower than measured: what is left is planned again with
-the step times scaled by the pace, on the instances recorded, and every trade is said."""
+the step times scaled by the pace, on the instances recorded, and every trade is said. Only the
+worker that creates a study re-plans it, once, and stores the plan for good; a worker joining or
+resuming the study waits for that plan, adopts it and bends only its own time."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import threading
+import time
 
-from autoscale.search.replan import least_after_record, pace_of, recorded_suite, replan
+import numpy as np
+import optuna
+import pytest
+
+from autoscale.envs.suite import as_suite
+from autoscale.errors import BudgetError
+from autoscale.search.export import study_suites
+from autoscale.search.plan import shape_suite, validate_cost
+from autoscale.search.replan import (
+    SLOW,
+    least_after_record,
+    pace_of,
+    recorded_suite,
+    replan,
+    retime,
+)
+from autoscale.search.storage import open_storage
+from autoscale.search.study import PLANNING, describe_new_study, store_plan, wait_for_plan
+from autoscale.search.traces import cached_share, load_traces
 from autoscale.search.workload import base_spec
-from tests.search.test_plan import plan_for
+from tests.search.test_plan import plan_for, timings_for
+from tests.training.conftest import torch  # noqa: F401  (one intra-op thread: deterministic steps)
 
 
 def _recorded(plan, keep_per_set: int, steps: int | None = None):
@@ -51,7 +75,6 @@ def test_a_recording_on_plan_changes_nothing():
         budget_s=600,
         min_search_s=12,
         cached_no_harm=lambda w, s: False,
-        keep_validation=False,
     )
     assert same is plan
 
@@ -69,7 +92,6 @@ def test_slow_steps_scale_the_timings_shorten_validation_and_say_what_was_traded
         budget_s=600,
         min_search_s=12,
         cached_no_harm=lambda w, s: False,
-        keep_validation=False,
     )
     member = new.suite.members[0]
     assert len(member.instances["train"]) == 1 and len(member.instances["test"]) == 1
@@ -105,50 +127,12 @@ def test_a_shorter_first_trace_shortens_the_replay_horizon():
         budget_s=600,
         min_search_s=12,
         cached_no_harm=lambda w, s: False,
-        keep_validation=False,
     )
     assert new.horizon == short and new.trace_steps == short
     assert new.steps <= short
     assert any(
         c.startswith(f"replay horizon {short} of the planned {plan.horizon}") for c in new.cuts
     )
-
-
-def test_a_study_with_validation_results_keeps_their_episode_length():
-    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
-    traces, dropped = _recorded(plan, 99)
-    new = replan(
-        plan,
-        traces,
-        _stats(2.5, dropped, plan.trace_steps),
-        left_s=60,
-        budget_s=600,
-        min_search_s=12,
-        cached_no_harm=lambda w, s: False,
-        keep_validation=True,
-    )
-    assert new.steps == plan.steps and new.timings != plan.timings
-
-
-def test_validation_results_keep_their_length_and_instances_when_the_traces_ran_short():
-    """A study with validation results keeps its validation whole: a shorter recording shortens
-    the replay horizon, never the real-step episodes already scored (results of two lengths
-    would mix), nor drops its test instances (validation runs real steps, not the traces)."""
-    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
-    short = plan.steps // 2
-    traces, dropped = _recorded(plan, 1, steps=short)
-    new = replan(
-        plan,
-        traces,
-        _stats(3.0, dropped, short),
-        left_s=200,
-        budget_s=600,
-        min_search_s=12,
-        cached_no_harm=lambda w, s: False,
-        keep_validation=True,
-    )
-    assert new.horizon == short  # the replay is what was recorded
-    assert new.validation == plan.validation and new.steps == plan.steps
 
 
 def test_helpers():
@@ -162,88 +146,165 @@ def test_helpers():
     assert all(len(m.instances["train"]) == 1 for m in suite.members)
 
 
-def _runner(tmp_path, plan, name: str):
-    """A worker of a search, past its recording: what ``_replan`` reads of it."""
-    import time
+def test_retime_keeps_the_shape_and_times_the_rest_at_the_pace_seen():
+    """What a worker that adopted a study's plan bends: its own step times, not the study's
+    suite, validation or trace length."""
+    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
+    kept = dict(left_s=200, cached_no_harm=lambda w, s: False)
+    assert retime(plan, _stats(SLOW, [], plan.trace_steps), **kept) is plan
+    new = retime(plan, _stats(2.0, [], plan.trace_steps), **kept)
+    shape = (new.suite, new.validation, new.trace_steps, new.all_rules_real)
+    assert shape == (plan.suite, plan.validation, plan.trace_steps, plan.all_rules_real)
+    key = next(iter(plan.timings.by_key))
+    assert new.timings.by_key[key].step_s == 2 * plan.timings.by_key[key].step_s
+    # the same episodes (every rule, auto and a candidate) at twice the step time
+    at_measured = validate_cost(plan.validation, plan.timings, len(plan.rules) + 2)
+    assert new.validate_s == pytest.approx(2 * at_measured)
+    assert new.search_s == pytest.approx(max(0.0, 200 - new.validate_s - new.no_harm_s))
+    assert new.cuts[len(plan.cuts)] == (
+        "the phases after recording planned at the pace seen (steps ran 2.0x slower than measured)"
+    )
 
+
+# ---------------------------------------------------------------------- who re-plans
+def _tiny_plan():
+    """A real plan of mlp cut to 2 train + 2 test instances, 64-step traces replayed in episodes
+    of 32 steps, validated on 16: seconds of real steps to record."""
+    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
+    suite = shape_suite(as_suite(base_spec(model="mlp")), 32, 2, 1)
+    return dataclasses.replace(
+        plan, suite=suite, validation=suite.with_episode_steps(16), trace_steps=64
+    )
+
+
+def _worker(folder, plan, name: str, said: list[str]):
+    """A worker of the search of ``plan`` whose artifacts are in ``folder``."""
     from autoscale.search.budget import Budget, Ledger
     from autoscale.search.no_harm import NoHarmCheck
     from autoscale.search.runner import SearchRunner, _scale_kw
     from autoscale.search.session import SearchConfig
+    from autoscale.training.threads import fit_threads
 
     cfg = SearchConfig(base=plan.suite, study="shared", export="shared", progress=False)
-    runner = SearchRunner(cfg, Budget(600.0, time.monotonic(), 5.0), out=lambda s: None)
+    runner = SearchRunner(cfg, Budget(600.0, time.monotonic(), 5.0), out=said.append)
     runner.worker = name
-    runner.folder = tmp_path
-    runner.no_harm = NoHarmCheck(plan.no_harm, tmp_path, Ledger(), _scale_kw(plan.suite))
+    runner.folder = folder
+    runner.no_harm = NoHarmCheck(plan.no_harm, folder, Ledger(), _scale_kw(plan.suite))
     runner.result.plan = plan
+    runner.threads = fit_threads()  # as its measure phase leaves them
     return runner
 
 
-def test_a_worker_that_re_plans_after_another_went_past_keeps_the_stored_shape(tmp_path):
-    """Two workers of one study: the first re-plans nothing and searches under the stored shape
-    before any of its trials is scored; the second recorded slowly and would shorten validation.
-    It keeps the stored validation (and stores nothing), so both validate alike; a worker
-    whose own plan differs from the stored one adopts the stored one."""
-    import optuna
+def _recorded_as_on_a_busy_machine(plan, folder):
+    """Real traces of ``plan`` recorded as :func:`load_traces` bends: the first train instance
+    whole, the first test one down to a quarter (16 steps, below the replay horizon: the
+    re-plan shortens the episodes), the others left out; planned at a millisecond each, so the
+    pace is far above SLOW."""
+    calls: list[int] = []
 
-    from autoscale.search.export import study_suites
-    from autoscale.search.runner import SHAPE_FIXED
-    from autoscale.search.study import store_plan
+    def cost(member, n):
+        calls.append(n)
+        return 1e-3 if len(calls) == 1 or n <= 16 else 1e6
 
-    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
-    study = optuna.create_study()
-    store_plan(study, plan)
-    traces, dropped = _recorded(plan, 99)
-    first = _runner(tmp_path, plan, "a")
-    assert first._replan(study, plan, traces, _stats(1.05, dropped, plan.trace_steps)) is plan
-    assert study.user_attrs[SHAPE_FIXED] == "a"
-    assert not study.get_trials()  # nothing scored yet: only the mark holds the shape
-    second = _runner(tmp_path, plan, "b")
-    slow = second._replan(study, plan, traces, _stats(3.0, dropped, plan.trace_steps))
-    assert slow.validation == plan.validation  # alone, it would have shortened it:
-    alone = replan(
-        plan,
-        traces,
-        _stats(3.0, dropped, plan.trace_steps),
-        left_s=second.budget.left(),
-        budget_s=600,
-        min_search_s=second.min_search_s,
-        cached_no_harm=lambda w, s: False,
-        keep_validation=False,
-    )
-    assert alone.validation != plan.validation
-    assert study_suites(study)[1] == plan.validation
-    # a third worker, whose plan was made before the first stored a shorter validation
-    shorter = dataclasses.replace(plan, validation=alone.validation)
-    store_plan(study, shorter)
-    third = _runner(tmp_path, plan, "c")
-    adopted = third._replan(study, plan, traces, _stats(1.05, dropped, plan.trace_steps))
-    assert adopted.validation == alone.validation
+    far = time.monotonic() + 600
+    return load_traces(plan.suite, folder, plan.trace_steps, cost=cost, stop_at=far, shrink_to=8)
 
 
-def test_a_lone_worker_resuming_its_own_stopped_search_may_re_plan(tmp_path):
-    """The mark holds a study's shape only while its worker may still search: a stopped search of
-    this host (its process gone) resumed by the same user re-plans as if unmarked."""
+def _cost(m, n):
+    return float(n)
+
+
+def test_the_creator_re_plans_once_and_a_joining_worker_adopts_its_plan(tmp_path):
+    """The worker that creates the study records as its machine allows, re-plans and stores the
+    plan for good, with every trace of it cached under its keys. A worker joining afterwards
+    (another host: its own artifacts) records that plan whole; its steps ran slower than it
+    measured, and it bends only its own time: the study's attributes stay as the creator left
+    them, it says no 're-planned' line, and it replays the same steps as the creator."""
+    plan = _tiny_plan()
+    storage = open_storage(str(tmp_path / "runs.log"))
+    said_a: list[str] = []
+    creator = _worker(tmp_path / "a", plan, "host-a:1", said_a)
+    study = creator._open_study(storage, None, plan)
+    assert creator.creator and study.user_attrs[PLANNING]["worker"] == "host-a:1"
+    traces, stats = _recorded_as_on_a_busy_machine(plan, creator.folder)
+    assert stats["dropped"] and stats["shortest"] == 16 and pace_of(stats) > SLOW
+    new, replayed = creator._replan(study, plan, traces, stats)
+    assert any(line.startswith("[2/6 plan] re-planned: ") for line in said_a), said_a
+    assert (new.horizon, new.trace_steps) == (16, 16)
+    assert study_suites(study) == (new.suite, new.validation, 16)
+    assert study.user_attrs[PLANNING] is None  # stored for good
+    # the creator replays what the study's plan says, and the cache holds all of it under it
+    assert {i.steps for t in replayed.values() for i in t.instances.values()} == {16}
+    assert cached_share(new.suite, creator.folder, new.trace_steps, _cost) == 1.0
+
+    said_b: list[str] = []
+    joiner = _worker(tmp_path / "b", plan, "host-b:2", said_b)
+    kept = joiner._adopt(study)
+    measured = timings_for(new.suite, 1e-5)  # faster than its steps will run
+    joined = joiner._plan(new.suite, measured, new.no_harm, kept)
+    before = study.user_attrs
+    traces_b, stats_b = joiner._record(joined)
+    assert stats_b["recorded"] == 2 and pace_of(stats_b) > SLOW
+    bent, _ = joiner._replan(study, joined, traces_b, stats_b)
+    assert study.user_attrs == before
+    assert not [line for line in said_b if "re-planned" in line], said_b
+    assert any("x slower than measured: this worker's phases are timed" in x for x in said_b)
+    assert (bent.suite, bent.validation, bent.trace_steps) == (new.suite, new.validation, 16)
+    assert bent.timings != joined.timings  # its own time, bent to its pace
+    for m in new.suite.members:
+        for name, mine in traces_b[m.name].instances.items():
+            theirs = replayed[m.name].instances[name]
+            assert np.array_equal(mine.threshold, theirs.threshold), name
+
+
+def _new_study(tmp_path, plan, planner: str, until: float):
+    study = optuna.create_study(storage=open_storage(str(tmp_path / "runs.log")))
+    budget = {"text": "10m", "seconds": 600.0}
+    describe_new_study(study, plan, command="", budget=budget, planner=planner, until=until)
+    return study
+
+
+def test_a_worker_joining_while_the_creator_records_waits_for_its_stored_plan(tmp_path):
+    """The creator (a live process) stores a re-planned shape a moment after the joiner arrives;
+    the joiner says once that it waits, and adopts the stored plan, not the one of creation."""
+    from autoscale.processes import owner_tag
+
+    plan = _tiny_plan()
+    study = _new_study(tmp_path, plan, owner_tag(), time.time() + 600)
+    replanned = dataclasses.replace(plan, validation=plan.validation.with_episode_steps(8))
+
+    def creator_stores():
+        time.sleep(1.0)
+        theirs = optuna.load_study(study_name=study.study_name, storage=study._storage)
+        store_plan(theirs, replanned)
+
+    # a worker whose budget ends first stops waiting, in one line
+    with pytest.raises(BudgetError, match=r"^study '.+' is still planned by the worker that"):
+        wait_for_plan(study, give_up_at=time.monotonic(), poll_s=0.05)
+    thread = threading.Thread(target=creator_stores)
+    thread.start()
+    said: list[str] = []
+    got = wait_for_plan(study, said.append, poll_s=0.05)
+    thread.join()
+    assert got == (plan.suite, replanned.validation, plan.trace_steps)
+    assert said == [owner_tag()]
+
+
+def test_a_worker_does_not_wait_for_a_creator_that_stopped_before_storing_its_plan(tmp_path):
+    """A creator of this host that no longer runs, or one of another host past its budget's end,
+    stored no plan after recording: the plan of creation is the study's, for good."""
     import subprocess
-    import sys
 
-    import optuna
+    from autoscale.processes import host_name
 
-    from autoscale.processes import host_name, owner_tag
-    from autoscale.search.export import study_suites
-    from autoscale.search.runner import SHAPE_FIXED
-    from autoscale.search.study import store_plan
-
-    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
-    study = optuna.create_study()
-    store_plan(study, plan)
+    plan = _tiny_plan()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    study.set_user_attr(SHAPE_FIXED, f"{host_name()}:{gone.pid}")
-    traces, dropped = _recorded(plan, 99)
-    resumed = _runner(tmp_path, plan, owner_tag())
-    slow = resumed._replan(study, plan, traces, _stats(3.0, dropped, plan.trace_steps))
-    assert slow.validation != plan.validation  # re-planned, and the study keeps the new shape
-    assert study_suites(study)[1] == slow.validation
-    assert study.user_attrs[SHAPE_FIXED] == resumed.worker
+    gone_here = (f"{host_name()}:{gone.pid}", time.time() + 600)
+    for k, (planner, until) in enumerate((gone_here, ("elsewhere:1", time.time() - 1))):
+        (tmp_path / str(k)).mkdir()
+        study = _new_study(tmp_path / str(k), plan, planner, until)
+        said: list[str] = []
+        got = wait_for_plan(study, said.append, poll_s=0.05)
+        assert got == (plan.suite, plan.validation, plan.trace_steps) and said == []
+        assert study.user_attrs[PLANNING] is None
