@@ -230,10 +230,8 @@ LONG_FUNCTIONS = {
     "autoscale/commands/search.py:run": 81,
     "autoscale/envs/spec.py:from_dict": 87,
     "autoscale/selection/auto.py:export": 84,
-    "autoscale/search/rounds.py:_validate": 84,
     "autoscale/search/loop.py:run": 84,
     "autoscale/envs/traces.py:record_trace": 83,
-    "autoscale/search/runner.py:run": 81,
 }
 FUNCTION_CAP = 80
 

@@ -55,7 +55,7 @@ from autoscale.search.choose import Choice, choose, family_refusal
 from autoscale.search.headroom import Room, headroom
 from autoscale.search.no_harm_records import WHERE, RecordsCheck, totals
 from autoscale.search.objective import episode_cost
-from autoscale.search.session import SearchResult
+from autoscale.search.runner import SearchResult
 from autoscale.search.storage import DEFAULT_STORAGE
 from autoscale.search.study import check_source, records_id
 from autoscale.search.validate import PREFIX, Validated

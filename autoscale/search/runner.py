@@ -1,8 +1,8 @@
-"""``autoscale search`` end to end: phases with deadlines, one module each.
+"""``autoscale search`` end to end: one worker's phases, each a method of :class:`SearchRunner`.
 
-1. **measure** real steps of each workload (:mod:`~autoscale.search.plan`);
-2. **plan** the search to the budget (a study that exists keeps its stored plan, so every worker
-   and every resume scores trials alike);
+1. **measure** real steps of each workload (:mod:`~autoscale.search.timing`);
+2. **plan** the search to the budget (:mod:`~autoscale.search.plan`; a study that exists keeps
+   its stored plan, so every worker and every resume scores trials alike);
 3. **record** long traces of every member's train and test instances
    (:mod:`~autoscale.search.traces`, cached next to the storage); the worker that creates the
    study then plans what is left again, once, when its steps ran slower than measured
@@ -16,7 +16,9 @@
 The budget is spent: phases 4-6 run in rounds, and a round that ends with time left gives it to
 more trials, more validated candidates and their checks, until less than a round is left (its
 last seconds go to replay trials kept in the study) or nothing is left to learn (every candidate
-validated and checked); the search says which.
+validated and checked); the search says which. When a round starts, what it does and where it
+stops is decided in one place, :meth:`SearchRunner._next_round`. Candidates and built-in rules are
+keyed ``rule:NAME`` and ``trial:NUMBER`` in :attr:`SearchRunner.validated`.
 
 Several workers may run this on one storage: Optuna keeps trials unique; the first worker creates
 the study, plans, records and re-plans it; the others wait for the plan it stores, adopt it and
@@ -34,6 +36,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,23 +44,27 @@ from autoscale.envs.suite import SuiteSpec, as_suite
 from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Budget, Ledger, format_duration
-from autoscale.search.export import check_export_target
-from autoscale.search.no_harm import NO_HARM_STEPS, NoHarmCheck, no_harm_proxy, no_harm_workloads
-from autoscale.search.plan import Plan, make_plan
-from autoscale.search.replan import (
-    MIN_HORIZON,
-    SLOW,
-    least_after_record,
-    pace_of,
-    replan,
-    retime,
+from autoscale.search.candidates import AUTO, TORCH, Candidate
+from autoscale.search.choose import choose, refusal
+from autoscale.search.export import (
+    card_summary,
+    check_export_target,
+    export_candidate,
+    policy_label,
+    rank,
+    top_candidates,
 )
-from autoscale.search.rounds import Rounds
-from autoscale.search.session import SearchConfig, SearchResult, Session
-from autoscale.search.space import searched_families
+from autoscale.search.loop import TrialLoop
+from autoscale.search.no_harm import NO_HARM_STEPS, NoHarmCheck, no_harm_proxy, no_harm_workloads
+from autoscale.search.plan import CHECKED_CANDIDATES, Plan, make_plan
+from autoscale.search.replan import MIN_HORIZON, SLOW, least_after_record, pace_of, replan, retime
+from autoscale.search.report import comparison_table, draw_comparison, limit_block, member_table
+from autoscale.search.space import parametric_families, searched_families
 from autoscale.search.storage import (
+    DEFAULT_STORAGE,
     artifact_store,
     artifacts_dir,
+    file_lock,
     mask_url,
     open_storage,
     study_names,
@@ -70,21 +77,113 @@ from autoscale.search.study import (
     fail_stale_trials,
     store_plan,
     study_kwargs,
+    study_note,
     wait_for_plan,
 )
 from autoscale.search.timing import NoHarmPlan, Timings, measure_all
 from autoscale.search.traces import cached_share, keep_planned, load_traces
 from autoscale.search.trials import (
     REFERENCE_RULE,
+    ParametricObjective,
     TrialRecorder,
+    store_artifact,
     worker_id,
+    write_note,
 )
-from autoscale.search.validate import Validator
+from autoscale.search.validate import Validated, Validator
 from autoscale.training.threads import fit_threads
 
-__all__ = ["SearchConfig", "SearchResult", "SearchRunner", "PHASES", "rules_torch_first"]
+__all__ = [
+    "SearchConfig",
+    "SearchResult",
+    "SearchRunner",
+    "Round",
+    "PHASES",
+    "CANDIDATES_PER_ROUND",
+    "MAX_ROUNDS",
+    "rules_torch_first",
+]
 
 PHASES = ("measure", "plan", "record", "search", "validate", "export")
+CANDIDATES_PER_ROUND = 3  # candidates the first round and the tail validate (the best first)
+MAX_ROUNDS = 12
+TAIL_SHARE = 0.05  # the tail's replay trials need this share of the budget left
+RL_SHARE_OF_BOTH = 0.7  # with --space both, RL gets this share of the search time
+AUTO_UNMEASURED = "exporting auto, the shipped general policy, unmeasured here"
+
+
+@dataclass
+class SearchConfig:
+    """What ``autoscale search`` was asked for (strings already turned into objects).
+
+    Attributes:
+        base: The env spec or suite of the workloads (reshaped by the plan).
+        explicit: The user named the workload (``--env``/``--model``/``--scenario``); a study
+            that exists must then have those workloads, else its own are adopted.
+        families: The rule families searched (``--family``; None: every family that adapts, a
+            fixed scale only when asked for). ``torch`` is always validated: it is the reference.
+        warm_start: The study's first RL trial fine-tunes the shipped general agent
+            (:mod:`autoscale.agents.warm`) instead of training one from nothing.
+    """
+
+    base: Any
+    study: str
+    export: str
+    explicit: bool = True
+    space: str = "parametric"
+    storage: str = DEFAULT_STORAGE
+    n_trials: int | None = None
+    seed: int = 0
+    force: bool = False
+    artifacts: str | None = None
+    policy_dir: str | None = None
+    progress: bool = True
+    command: str = ""
+    budget_text: str = ""
+    families: tuple[str, ...] | None = None
+    warm_start: bool = True
+
+
+@dataclass
+class SearchResult:
+    """What a search did (this worker's share of the study)."""
+
+    study: str
+    plan: Plan | None
+    trials: dict[str, int]
+    winner: str | None = None
+    builtin: bool = False
+    exported: Path | None = None
+    table: str = ""
+    wall_s: float = 0.0
+    budget_s: float = 0.0
+    rounds: int = 0
+    stopped_early: str | None = None
+    answer: list[str] = field(default_factory=list)
+    replanned: list[str] = field(default_factory=list)
+    ledger: Ledger = field(default_factory=Ledger)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round, as :meth:`SearchRunner._next_round` decided it when the round started.
+
+    Attributes:
+        number: 1 for the first.
+        candidates: How many of the best candidates not validated yet it validates.
+        search_until: Its replay search stops here (``time.monotonic()``; None: the tail, which
+            searches only after validating).
+        check_at: Validation past torch and auto stops here, where a check of the pick still
+            fits after it.
+        tail_before: The tail's replay trials run if its validation and pick end before this
+            (None: not the tail).
+    """
+
+    number: int
+    candidates: int
+    search_until: float | None
+    check_at: float
+    tail_before: float | None = None
 
 
 def _print(text: str) -> None:
@@ -101,6 +200,14 @@ class SearchRunner:
         cfg: The request.
         budget: The wall-clock budget (started when the process did, for the CLI).
         out: Where phase messages go (default: printed above the progress bars).
+
+    Attributes:
+        plan: The plan in use (the study's; re-planned or re-timed after recording).
+        no_harm: Its no-harm check, rebuilt only where a plan changes it.
+        study: The Optuna study, once opened.
+        counts: This worker's trials by outcome (``complete``, ``pruned``, ``failed``).
+        validated: Scorecards of everything validated so far, by :class:`Candidate` key.
+        result: What the search did so far.
     """
 
     def __init__(self, cfg: SearchConfig, budget: Budget, out: Callable[[str], None] | None = None):
@@ -116,6 +223,15 @@ class SearchRunner:
         self.result = SearchResult(
             cfg.study, None, self.counts, budget_s=budget.seconds, ledger=self.ledger
         )
+        self.plan: Plan | None = None
+        self.no_harm: NoHarmCheck | None = None  # the check of the plan (see _use)
+        self.study: Any = None
+        self.validated: dict[str, Validated] = {}
+        self.factories: dict[str, Callable[[], Any]] = {}
+        self.exported: Candidate | None = None  # the key exported last
+        self.said: set[str] = set()  # lines about the pick said once
+        self.choice: Any = None  # the last pick (autoscale.search.choose.Choice)
+        self.auto_replays: dict[Any, Any] = {}  # auto's horizon replay, once a bench
 
     # ------------------------------------------------------------------ messages
     def say(self, phase: str, text: str) -> None:
@@ -146,76 +262,151 @@ class SearchRunner:
         kept = self._adopt(stored) if stored is not None else None
         base = kept[0] if kept is not None else as_suite(cfg.base)
         self.folder = artifacts_dir(cfg.storage, cfg.artifacts)
-        store = artifact_store(self.folder)
+        self.store = artifact_store(self.folder)
         self.out(
             f"search {cfg.space} policies for {describe_spec(base)} in {format_duration(self.budget.seconds)}; "
             f"study '{cfg.study}' in {mask_url(cfg.storage)}" + (" (resuming)" if stored else "")
         )
+        timings, no_harm = self._measure(base)
+        self._plan(base, timings, no_harm, kept)
+        self._open_study(storage, stored)
+        with self.ledger.track("work:record"):
+            traces, stats = self._record()
+        traces = self._replan(traces, stats)
+        with tempfile.TemporaryDirectory(prefix="autoscale-search-") as tmp:
+            self._rounds(traces, Path(tmp))
+        self.result.wall_s = self.budget.elapsed()
+        return self.result
 
-        no_harm_plan = NoHarmPlan(no_harm_workloads(list(base.members)), NO_HARM_STEPS)
-        proxies = [p for p in map(no_harm_proxy, no_harm_plan.workloads) if p is not None]
+    def _measure(self, base: SuiteSpec) -> tuple[Timings, NoHarmPlan]:
+        """Time the workloads, the no-harm check's and their proxies; (timings, the check as it
+        would run unfitted: its cache answers the plan what torch's runs cost still)."""
+        no_harm = NoHarmPlan(no_harm_workloads(list(base.members)), NO_HARM_STEPS)
+        proxies = [p for p in map(no_harm_proxy, no_harm.workloads) if p is not None]
         with self.ledger.track("work:measure"):
             self.threads = fit_threads()  # measured with the threads it records with
             timings = measure_all(
-                [m.workload for m in base.members] + list(no_harm_plan.workloads) + proxies,
+                [m.workload for m in base.members] + list(no_harm.workloads) + proxies,
                 limit_s=max(1.0, min(0.25 * self.budget.seconds, self.budget.left())),
                 step_share_s=max(0.2, 0.01 * self.budget.seconds),
             )
         self.say("measure", f"{timings.describe()}; {self.threads.describe()}")
-        self.no_harm = NoHarmCheck(
-            no_harm_plan, self.folder, self.ledger, _scale_kw(base), progress=cfg.progress
-        )
-        plan = self._plan(base, timings, no_harm_plan, kept)
-        study = self._open_study(storage, stored, plan)
-        plan = self.result.plan
-        # the check the plan fitted to the budget (a model too slow for long runs is checked on
-        # its tiny proxy): its cost decides what the rounds leave time for
-        self.no_harm = NoHarmCheck(
-            plan.no_harm, self.folder, self.ledger, _scale_kw(base), progress=cfg.progress
-        )
+        self._check(no_harm, base)
+        return timings, no_harm
 
-        with self.ledger.track("work:record"):
-            traces, stats = self._record(plan)
-        plan, traces = self._replan(study, plan, traces, stats)
-
-        with tempfile.TemporaryDirectory(prefix="autoscale-search-") as tmp:
-            workdir = Path(tmp)
-            with self.ledger.track("work:replay"):
-                bench = ReplayBench(plan.suite, traces)
-            recorder = TrialRecorder(bench, store, self.ledger, workdir, self.warn)
-            validator = Validator(
-                study,
-                plan.validation,
-                self.ledger,
-                plan.timings,
-                worker=self.worker,
-                progress=cfg.progress,
+    def _check(self, no_harm: NoHarmPlan, suite: SuiteSpec) -> None:
+        """Check with ``no_harm``: the check in use is kept where it is that one."""
+        kw = _scale_kw(suite)
+        if self.no_harm is None or (self.no_harm.no_harm, self.no_harm.scale_kw) != (no_harm, kw):
+            self.no_harm = NoHarmCheck(
+                no_harm, self.folder, self.ledger, kw, progress=self.cfg.progress
             )
-            session = Session(
-                cfg,
-                self.budget,
-                self.ledger,
-                self.result,
-                self.counts,
-                self.no_harm,
+
+    def _use(self, plan: Plan) -> None:
+        """Go on with ``plan``, and the check it fitted to the budget (a model too slow for long
+        runs is checked on its tiny proxy): its cost decides what the rounds leave time for."""
+        self.plan = self.result.plan = plan
+        self._check(plan.no_harm, plan.suite)
+
+    def _plan(
+        self,
+        base: SuiteSpec,
+        timings: Timings,
+        no_harm: NoHarmPlan,
+        kept: tuple[SuiteSpec, SuiteSpec, int] | None,
+    ) -> Plan:
+        def cached(shaped: SuiteSpec, steps: int) -> float:
+            return cached_share(
+                shaped,
                 self.folder,
-                self.worker,
-                self.min_search_s,
-                self.say,
-                self.warn,
-                self.out,
+                steps,
+                lambda m, k: timings.of(m.workload).run_s(k, record=True),
             )
-            Rounds(session, study, plan, bench, recorder, validator, store, workdir).run()
-        self.result.wall_s = self.budget.elapsed()
-        return self.result
 
-    def _record(self, plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+        plan = make_plan(
+            base,
+            timings,
+            self.budget.left(),
+            no_harm=no_harm,
+            space=self.cfg.space,
+            rules=rules_torch_first(self.cfg.families),
+            cached_traces=cached,
+            cached_no_harm=self.no_harm.cached,
+            stored=kept,
+        )
+        self.say("plan", plan.describe())
+        self._use(plan)
+        return plan
+
+    def _adopt(self, stored: Any) -> tuple[SuiteSpec, SuiteSpec, int]:
+        check_source(stored.user_attrs, self.cfg.study)
+        kept = wait_for_plan(stored, self._waiting, give_up_at=self.budget.end)
+        if self.cfg.explicit:
+            check_workload(kept[0], as_suite(self.cfg.base), self.cfg.study)
+        return kept
+
+    def _waiting(self, planner: str) -> None:
+        self.out(
+            f"study '{self.cfg.study}' is being planned by the worker that created it ({planner}): "
+            "waiting for the plan it stores after recording"
+        )
+
+    def _open_study(self, storage: Any, stored: Any) -> Any:
+        """Create the study (recording its plan), or load it; a worker that loses the race to
+        create it adopts the winner's plan."""
+        import optuna
+
+        cfg, plan = self.cfg, self.plan
+        before = len(stored.get_trials(deepcopy=False)) if stored is not None else 0
+        kwargs = study_kwargs(cfg.seed, before, self.ledger)
+        with self.ledger.track("bk:optuna"):
+            if stored is not None:
+                study = optuna.load_study(study_name=cfg.study, storage=storage, **kwargs)
+                stale = fail_stale_trials(study, storage)
+                if stale:
+                    self.say("plan", f"failed {stale} trial(s) left running by stopped workers")
+            else:
+                try:
+                    study = optuna.create_study(
+                        study_name=cfg.study, storage=storage, direction="minimize", **kwargs
+                    )
+                    budget = {"text": cfg.budget_text, "seconds": self.budget.seconds}
+                    until = time.time() + self.budget.left()
+                    describe_new_study(
+                        study,
+                        plan,
+                        command=cfg.command,
+                        budget=budget,
+                        planner=self.worker,
+                        until=until,
+                    )
+                    self.creator = True
+                except optuna.exceptions.DuplicatedStudyError:  # another worker was faster
+                    study = optuna.load_study(study_name=cfg.study, storage=storage, **kwargs)
+                    self.say("plan", "another worker created the study first: adopting its plan")
+                    kept = wait_for_plan(study, self._waiting, give_up_at=self.budget.end)
+                    check_source(study.user_attrs, cfg.study)
+                    self._plan(plan.suite, plan.timings, plan.no_harm, kept)
+            study.set_user_attr(
+                f"worker:{self.worker}",
+                {
+                    "command": cfg.command,
+                    "budget_s": self.budget.seconds,
+                    "started": time.time(),
+                    "timing": self.plan.timings.to_dict(),
+                },
+            )
+        self.study = study
+        return study
+
+    def _record(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Record the plan's traces. The worker that creates the study bends to the pace the
         machine keeps (see :mod:`~autoscale.search.replan`): the instances beyond each member's
         first ones stop where the phases after recording keep their planned time at that pace;
         the first ones (shortened if need be) where the least of those phases keeps its measured
         time. Any other worker records the study's plan whole, or stops where that least begins
         (a BudgetError: what it recorded stays cached)."""
+        plan = self.plan
         after = plan.validate_s + plan.no_harm_s
         least = least_after_record(plan, self.no_harm.cached) + self.min_search_s
         bend: dict[str, Any] = {"stop_at": self.budget.end - least}
@@ -261,13 +452,13 @@ class SearchRunner:
         )
         return traces, stats
 
-    def _replan(
-        self, study: Any, plan: Plan, traces: dict, stats: dict
-    ) -> tuple[Plan, dict[str, Any]]:
-        """After recording. The worker that created the study plans what is left again when it
-        ran slower than measured or left instances out, caches the traces of the new plan under
-        its keys, and stores the plan for good (nothing is scored on the study before). Any
-        other worker keeps the study's plan and only times its own phases at its pace."""
+    def _replan(self, traces: dict, stats: dict) -> dict[str, Any]:
+        """After recording; the traces to replay. The worker that created the study plans what
+        is left again when it ran slower than measured or left instances out, caches the traces
+        of the new plan under its keys, and stores the plan for good (nothing is scored on the
+        study before). Any other worker keeps the study's plan and only times its own phases at
+        its pace."""
+        plan = self.plan
         if not self.creator:
             new = retime(plan, stats, left_s=self.budget.left(), cached_no_harm=self.no_harm.cached)
             if new is not plan:
@@ -277,7 +468,7 @@ class SearchRunner:
                     "are timed at that pace (the study's plan stays)",
                 )
                 self._use(new)
-            return new, traces
+            return traces
         new = replan(
             plan,
             traces,
@@ -297,109 +488,460 @@ class SearchRunner:
             with self.ledger.track("work:record"):
                 traces = keep_planned(new.suite, traces, self.folder, new.trace_steps)
         with self.ledger.track("bk:optuna"):
-            store_plan(study, None if new is plan else new)  # the workers waiting adopt it
-        return new, traces
+            store_plan(self.study, None if new is plan else new)  # the workers waiting adopt it
+        return traces
 
-    def _use(self, plan: Plan) -> None:
-        """Go on with ``plan`` (its no-harm check may be another)."""
-        self.result.plan = plan
-        self.no_harm = NoHarmCheck(
-            plan.no_harm,
-            self.folder,
+    # ------------------------------------------------------------------ the rounds
+    def _rounds(self, traces: dict[str, Any], workdir: Path) -> None:
+        """Search, validate, pick and export, in rounds while :meth:`_next_round` starts one."""
+        plan = self.plan
+        self.workdir = workdir
+        with self.ledger.track("work:replay"):
+            self.bench = bench = ReplayBench(plan.suite, traces)
+        self.recorder = TrialRecorder(bench, self.store, self.ledger, workdir, self.warn)
+        self.validator = Validator(
+            self.study,
+            plan.validation,
             self.ledger,
-            _scale_kw(plan.suite),
+            plan.timings,
+            worker=self.worker,
             progress=self.cfg.progress,
         )
+        self.factories = {Candidate.rule(r): (lambda r=r: bench.scaler(r)) for r in plan.rules}
+        self.factories[AUTO] = lambda: bench.scaler(AUTO.name)
+        self.families = {r: parametric_families()[r] for r in plan.rules}
+        last, new = None, False
+        while (r := self._next_round(last, new, time.monotonic())) is not None:
+            self.result.rounds = r.number
+            if r.search_until is not None:
+                self._search(r.search_until, r.number == 1)
+            new = self._validate(r)
+            if new or r.tail_before is None:  # the tail picks again only where it validated
+                self._pick()
+            if r.tail_before is not None:
+                self._tail_search(r.tail_before)
+            last = r
 
-    def _adopt(self, stored: Any) -> tuple[SuiteSpec, SuiteSpec, int]:
-        check_source(stored.user_attrs, self.cfg.study)
-        kept = wait_for_plan(stored, self._waiting, give_up_at=self.budget.end)
-        if self.cfg.explicit:
-            check_workload(kept[0], as_suite(self.cfg.base), self.cfg.study)
-        return kept
+    def _next_round(self, last: Round | None, new: bool, now: float) -> Round | None:
+        """The round to start at ``now`` after ``last`` (which validated something ``new``), or
+        None to stop. The stop rule, in order:
 
-    def _waiting(self, planner: str) -> None:
-        self.out(
-            f"study '{self.cfg.study}' is being planned by the worker that created it ({planner}): "
-            "waiting for the plan it stores after recording"
-        )
+        1. The first round always runs. Its search stops where validating the
+           :data:`CANDIDATES_PER_ROUND` best candidates, the rules and the bar (``auto``), and
+           checking :data:`~autoscale.search.plan.CHECKED_CANDIDATES` picks, still fits before
+           the end. Where the phases before it overran (recording a slow model under load), it
+           still searches ``min_search_s`` (replay trials are cheap) as long as the least a round
+           does after it fits (torch and a candidate validated, one check); what it validates
+           then is cut to the time left.
+        2. Torch has no validation after a round (its pick said so): stop; nothing is scored
+           without the reference.
+        3. The last round validated nothing new and this worker ran its ``--n-trials``: stop,
+           saying so (nothing is left to learn).
+        4. :data:`MAX_ROUNDS` rounds ran, or the last one was the tail: stop.
+        5. A later round runs where its share (one candidate validated, one check)
+           and ``min_search_s`` of search fit in the time left; its search stops where that
+           share begins.
+        6. Else the tail: no search first; the :data:`CANDIDATES_PER_ROUND` best candidates not
+           validated yet in the time left, a new pick if any was; then, where more than
+           :data:`TAIL_SHARE` of the budget is left, parametric replay trials to the end (kept in
+           the study for a resumed search or another worker; not RL trials: one trains to its
+           deadline, then exports and scores its agent past it).
 
-    def _plan(
-        self,
-        base: SuiteSpec,
-        timings: Timings,
-        no_harm: NoHarmPlan,
-        kept: tuple[SuiteSpec, SuiteSpec, int] | None,
-    ) -> Plan:
-        def cached(shaped: SuiteSpec, steps: int) -> float:
-            return cached_share(
-                shaped,
-                self.folder,
-                steps,
-                lambda m, k: timings.of(m.workload).run_s(k, record=True),
+        Within a round, a trial starts only before the search's stop (:class:`TrialLoop`, which
+        also stops at ``--n-trials``); torch and auto are validated in any time left, the others
+        until :attr:`Round.check_at` (a pick's check still fits after it, with a margin over the
+        check's own 1.2: a machine busier now would leave it a few seconds short), or, where
+        that has passed when they start, in any time left too (a lead over auto cannot be
+        exported unchecked, but the answer names it); a scaler starts only where all its
+        episodes fit (:class:`~autoscale.search.validate.Validator`).
+        """
+        plan, validator, end = self.plan, self.validator, self.budget.end
+        check_at = end - 1.4 * self.no_harm.cost(plan.timings, 1)
+        number = 1 if last is None else last.number + 1
+        if last is None:  # after its search: validate (the best few, the rules), check picks
+            rules_left = [r for r in plan.rules if Candidate.rule(r) not in self.validated]
+            n_rules = len(rules_left) if plan.all_rules_real else min(1, len(rules_left))
+            n_rules += not self._bar_real()  # the bar
+            k = CANDIDATES_PER_ROUND
+            after = validator.cost(k + n_rules) + 1.2 * self.no_harm.cost(
+                plan.timings, CHECKED_CANDIDATES
             )
+            stop = end - after
+            if stop - now < self.min_search_s:
+                least = validator.cost(2) + 1.2 * self.no_harm.cost(plan.timings, 1)
+                stop = max(stop, min(now + self.min_search_s, end - least))
+            return Round(number, k, stop, check_at)
+        if TORCH not in self.validated:
+            return None
+        if not new and self._exhausted():
+            self.result.stopped_early = (
+                "every candidate of the study is validated and checked: nothing left to learn"
+            )
+            self.say(
+                "export",
+                f"stopping with {format_duration(end - now)} left: {self.result.stopped_early}",
+            )
+            return None
+        if last.number >= MAX_ROUNDS or last.tail_before is not None:
+            return None
+        after = validator.cost(1) + 1.2 * self.no_harm.cost(plan.timings, 1)
+        if end - now >= after + self.min_search_s:
+            return Round(number, 1, end - after, check_at)
+        tail_before = end - TAIL_SHARE * self.budget.seconds
+        return Round(number, CANDIDATES_PER_ROUND, None, check_at, tail_before)
 
-        plan = make_plan(
-            base,
-            timings,
-            self.budget.left(),
-            no_harm=no_harm,
-            space=self.cfg.space,
-            rules=rules_torch_first(self.cfg.families),
-            cached_traces=cached,
-            cached_no_harm=self.no_harm.cached,
-            stored=kept,
+    def _exhausted(self) -> bool:
+        """No trial to run (``--n-trials`` reached) and none left to validate."""
+        return self.cfg.n_trials is not None and sum(self.counts.values()) >= self.cfg.n_trials
+
+    # ------------------------------------------------------------------ search
+    def _search(self, stop: float, first: bool) -> None:
+        plan, bench = self.plan, self.bench
+        t0 = time.monotonic()
+        before = dict(self.counts)
+        rl = plan.space in ("rl", "both") and RLObjective.fits(
+            bench.suite, self.warn if first else None, self.cfg.warm_start
         )
-        self.say("plan", plan.describe())
-        self.result.plan = plan
-        return plan
+        if rl and first:  # the agent that starts at auto, whatever the time: it reaches validation
+            self._warm_trial(stop)
+        if stop - time.monotonic() < 1.0:
+            if first and self.counts == before:
+                self.say(
+                    "search",
+                    "no time left to search after validation's share; validating what the study has",
+                )
+            if self.counts == before:
+                return
+        elif plan.space in ("parametric", "both"):
+            until = stop if not rl else t0 + (1 - RL_SHARE_OF_BOTH) * (stop - t0)
+            self._trials(self._parametric(), until)
+        if rl and stop - time.monotonic() >= 1.0:
+            self._trials(self._rl(stop), stop - RLObjective.MIN_TRIAL_S / 2)
+        c = self._since(before)
+        self.say(
+            "search",
+            f"{sum(c.values())} trials in {format_duration(time.monotonic() - t0)} ({c['complete']} complete, "
+            f"{c['pruned']} pruned, {c['failed']} failed); {_best_line(self.study)}",
+        )
 
-    def _open_study(self, storage: Any, stored: Any, plan: Plan) -> Any:
-        """Create the study (recording its plan), or load it; a worker that loses the race to
-        create it adopts the winner's plan."""
+    def _warm_trial(self, stop: float) -> None:
+        """The study's first RL trial, the shipped residual agent fine-tuned on the replay
+        (:class:`~autoscale.search.agent_trials.RLObjective`), run first and even where no time
+        is left to search: then it is the shipped agent as it came, scored on the replay alone
+        (seconds), so an agent that starts at ``auto`` always reaches validation."""
+        objective_fn = self._rl(stop)
+        if objective_fn.warm is None or any(
+            t.user_attrs.get("warm_start") for t in self.study.get_trials(deepcopy=False)
+        ):
+            return
+        n = sum(self.counts.values()) + 1
+        n = n if self.cfg.n_trials is None else min(n, self.cfg.n_trials)
+        stop_at = max(stop, time.monotonic() + RLObjective.MIN_TRIAL_S)
+        self._trials(objective_fn, stop_at, n_trials=n, progress=False)
+
+    def _tail_search(self, start_by: float) -> None:
+        """The tail's last seconds: parametric replay trials to the end, where it is not past
+        ``start_by`` (see :meth:`_next_round`)."""
+        left = self.budget.left()
+        if time.monotonic() >= start_by:
+            return
+        why = "less than a round is left (searching, then validating and checking candidates)"
+        before = dict(self.counts)
+        t0 = time.monotonic()
+        if self.plan.space in ("parametric", "both"):
+            self._trials(self._parametric(), self.budget.end)
+        c = self._since(before)
+        if not sum(c.values()):  # an RL space, the trial limit (--n-trials) reached, no trial fit
+            self.result.stopped_early = why
+            self.say("export", f"stopping with {format_duration(self.budget.left())} left: {why}")
+            return
+        self.result.stopped_early = (
+            f"{why}; its last {format_duration(time.monotonic() - t0)} went to the replay search: "
+            f"{c['complete']} complete trials ({c['pruned']} pruned, {c['failed']} failed) kept "
+            "in the study for a resumed search, not validated in this run"
+        )
+        self.say("export", f"{format_duration(left)} left: {self.result.stopped_early}")
+
+    def _parametric(self) -> ParametricObjective:
+        return ParametricObjective(self.bench, self.recorder, self.ledger, self.families)
+
+    def _rl(self, stop: float) -> RLObjective:
+        return RLObjective(
+            self.bench, self.recorder, self.ledger, stop_at=stop, seed=self.cfg.seed,
+            workdir=self.workdir, warm_start=self.cfg.warm_start, warn=self.warn,
+        )  # fmt: skip
+
+    def _trials(
+        self, objective_fn: Any, stop_at: float, n_trials: int | None = None, progress: bool = True
+    ) -> None:
+        """Trials until ``stop_at`` or ``n_trials`` of this worker in all (``--n-trials``)."""
+        TrialLoop(
+            self.study,
+            self.ledger,
+            worker=self.worker,
+            warn=self.warn,
+            counts=self.counts,
+            n_trials=self.cfg.n_trials if n_trials is None else n_trials,
+            progress=self.cfg.progress and progress,
+        ).run(objective_fn, stop_at)
+
+    def _since(self, before: dict[str, int]) -> dict[str, int]:
+        return {k: self.counts[k] - before[k] for k in self.counts}
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, r: Round) -> bool:
+        """Validate torch, auto, the round's best candidates not validated yet and the rules
+        (first round); True if anything new was."""
+        first, validator = r.number == 1, self.validator
+        order, rules, trials = self._to_validate(r.candidates)
+        if not order:
+            return False
+        t0 = time.monotonic()
+
+        def note(v: Validated) -> None:
+            self._note_validated(trials.get(v.key.number) if v.key.is_trial else None, v)
+
+        # torch and auto in any time left, the rest until the round's check_at (_next_round)
+        first_two = [o for o in order if o[0] in (TORCH, AUTO)]
+        results = validator.run(first_two, self.budget.end, on_done=note) if first_two else {}
+        rest = [o for o in order if o[0] not in (TORCH, AUTO)]
+        until = r.check_at if r.check_at > time.monotonic() else self.budget.end
+        results.update(validator.run(rest, until, on_done=note) if rest else {})
+        self.validated.update(results)
+        if not results and not first:  # a later round that fitted nothing says nothing new
+            validator.skipped.clear()
+            return False
+        n_cand = sum(1 for k in results if Candidate.parse(k).is_trial)
+        n_rules = sum(1 for k in self.validated if Candidate.parse(k).is_rule)
+        msg = (
+            f"{n_cand} candidate(s); auto{'' if self._bar_real() else ' not yet'}; "
+            f"{n_rules} of {len(self.plan.rules)} built-in rules so far; on "
+            f"{len(validator.names)} test episodes x {self.plan.steps} real steps in {format_duration(time.monotonic() - t0)}"
+        )
+        if validator.skipped:
+            msg += f"; no time left for: {' | '.join(validator.skipped)}"
+            validator.skipped.clear()
+        self.say("validate", msg)
+        if first:
+            self._replay_rules(rules)
+        return bool(results)
+
+    def _to_validate(self, k: int) -> tuple[list, list, dict[int, Any]]:
+        """(key, label, factory) to validate in order: torch first (every objective is measured
+        against it), auto (the bar a candidate must clear), the best of the ``k`` best candidates
+        not validated yet (and the best agent), the other rules, the other candidates; (that
+        order, the rules in it, the candidates' trials by number)."""
         import optuna
 
-        cfg = self.cfg
-        before = len(stored.get_trials(deepcopy=False)) if stored is not None else 0
-        kwargs = study_kwargs(cfg.seed, before, self.ledger)
+        plan = self.plan
         with self.ledger.track("bk:optuna"):
-            if stored is not None:
-                study = optuna.load_study(study_name=cfg.study, storage=storage, **kwargs)
-                stale = fail_stale_trials(study, storage)
-                if stale:
-                    self.say("plan", f"failed {stale} trial(s) left running by stopped workers")
-            else:
-                try:
-                    study = optuna.create_study(
-                        study_name=cfg.study, storage=storage, direction="minimize", **kwargs
-                    )
-                    budget = {"text": cfg.budget_text, "seconds": self.budget.seconds}
-                    until = time.time() + self.budget.left()
-                    describe_new_study(
-                        study,
-                        plan,
-                        command=cfg.command,
-                        budget=budget,
-                        planner=self.worker,
-                        until=until,
-                    )
-                    self.creator = True
-                except optuna.exceptions.DuplicatedStudyError:  # another worker was faster
-                    study = optuna.load_study(study_name=cfg.study, storage=storage, **kwargs)
-                    self.say("plan", "another worker created the study first: adopting its plan")
-                    kept = wait_for_plan(study, self._waiting, give_up_at=self.budget.end)
-                    check_source(study.user_attrs, cfg.study)
-                    self._plan(plan.suite, plan.timings, plan.no_harm, kept)
-            study.set_user_attr(
-                f"worker:{self.worker}",
-                {
-                    "command": cfg.command,
-                    "budget_s": self.budget.seconds,
-                    "started": time.time(),
-                    "timing": self.result.plan.timings.to_dict(),
-                },
+            complete = self.study.get_trials(
+                deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)
             )
-        return study
+        done = {c.number for c in map(Candidate.parse, self.validated) if c.is_trial}
+        # an agent in the race reaches validation: the best one, where none has yet
+        kinds = {self.study.trials[n].user_attrs.get("policy", {}).get("kind") for n in done}
+        agent = "residual" if plan.space != "parametric" and "residual" not in kinds else None
+        candidates = top_candidates(
+            complete, plan.suite, self.store, self.workdir, k, self.warn, skip=done, one_of=agent
+        )
+        order = []
+        for t, factory in candidates:
+            self.factories[Candidate.trial(t.number)] = factory
+            order.append((Candidate.trial(t.number), policy_label(t), factory))
+        kinds = [t.user_attrs.get("policy", {}).get("kind") for t, _ in candidates]
+        if agent and "residual" in kinds[1:] and kinds[0] != "residual":  # the agent after the best
+            order.insert(1, order.pop(kinds.index("residual")))
+        rules = [
+            (Candidate.rule(r), r, self.factories[Candidate.rule(r)])
+            for r in plan.rules
+            if Candidate.rule(r) not in self.validated
+        ]
+        bar = [] if self._bar_real() else [(AUTO, AUTO.name, self.factories[AUTO])]
+        rules = rules[:1] + bar + rules[1:]
+        n = 2 if agent and "residual" in kinds else 1  # the best agent beside the best
+        order = rules[:2] + order[:n] + rules[2:] + order[n:]
+        return order, rules, {t.number: t for t, _ in candidates}
+
+    def _replay_rules(self, rules: list) -> None:
+        """The rules the first round left without real steps: on the replay of the test
+        instances, marked so."""
+        for key, label, factory in rules:
+            if key not in self.validated:
+                cards: dict[str, list] = {}
+                with self.ledger.track("work:replay"):
+                    for m in self.bench.members:
+                        cards[m] = [
+                            self.bench.episode("test", factory, ep)[0]
+                            for ep in self.bench.member_episodes("test", m)
+                            if ep.offset == 0
+                        ]
+                self.validated[key] = Validated(key, label, cards, False, None)
+
+    def _bar_real(self) -> bool:
+        """Whether ``auto`` (the bar) is validated on real steps (replay does not count)."""
+        v = self.validated.get(AUTO)
+        return v is not None and v.real
+
+    def _note_validated(self, trial, v: Validated) -> None:
+        if trial is None:
+            return
+        import optuna
+        from optuna_dashboard import get_note
+
+        with self.ledger.track("bk:notes"):
+            try:
+                handle = optuna.trial.Trial(self.study, trial._trial_id)
+                body = get_note(handle)
+                body += (
+                    f"\n**Validated on real steps** of {sum(len(c) for c in v.cards.values())} test "
+                    f"episodes x {self.plan.steps} steps.\n"
+                )
+                write_note(handle, body)
+            except Exception as exc:
+                self.warn(f"could not update trial {trial.number}'s note: {exc}")
+
+    # ------------------------------------------------------------------ pick and export
+    def _pick(self) -> None:
+        """Rank, check, export what changed, report (nothing without torch's validation)."""
+        if TORCH not in self.validated:
+            self.say(
+                "export",
+                "nothing exported: torch could not be validated on real steps in the budget",
+            )
+            return
+        reference = self.validated[TORCH]
+        ranked = rank(self.validated, reference, self.plan.suite.reward)
+        chosen = self._choose(ranked)
+        key = AUTO if chosen is None else chosen.key
+        if key != self.exported:  # None only where auto had no real validation: auto itself
+            self._export(chosen, reference)
+            self.exported = key
+        self._report(ranked, reference, self.exported)
+
+    def _choose(self, ranked: list[Validated]) -> Validated | None:
+        choice = choose(
+            self.study,
+            ranked,
+            self.factories,
+            self.no_harm,
+            self.plan.timings,
+            self.ledger,
+            weights=self.plan.suite.reward,
+            stop_at=self.budget.end,
+            say=lambda text: self.say("export", text),
+            refuse=lambda v: refusal(
+                v, self.study, self.cfg.families, self.bench, self.factories, self.auto_replays
+            ),
+        )
+        self.choice = choice
+        # each said once: (what marks it said, the line)
+        lines = [
+            (text, text)
+            for text in (
+                f"{self.validated[key].label} leads auto beyond the seed noise, but {why}"
+                for key, why in choice.refused.items()
+            )
+        ] + [(text, f"not checked: {text}") for text in choice.unchecked]
+        if choice.winner is None and choice.bar is None:
+            lines.append(("auto unmeasured", f"{choice.why}: " + AUTO_UNMEASURED))
+        for mark, text in lines:
+            if mark not in self.said:
+                self.said.add(mark)
+                self.say("export", text)
+        return choice.winner
+
+    def _export(self, chosen: Validated | None, reference: Validated) -> None:
+        from autoscale.scalers import make_scaler
+        from autoscale.search.answer import answer_lines, evidence
+
+        cfg, choice, plan, study = self.cfg, self.choice, self.plan, self.study
+        provenance = {
+            "storage": mask_url(cfg.storage),
+            "searched_on": "replay of recorded real steps",
+        }
+        if chosen is not None:
+            where = f"real steps: {sum(len(c) for c in chosen.cards.values())} test episodes of {plan.steps} steps"
+            summary = card_summary(chosen.cards, reference.cards, plan.suite.reward, where)
+            summary["evidence"] = evidence(choice, chosen, reference, plan.suite.reward)
+        else:
+            summary = {"evidence": {"why": choice.why, "bar": AUTO.name}}
+        with (
+            self.ledger.track("work:export"),
+            file_lock(self.folder / "locks" / f"export-{cfg.export}.lock"),
+        ):
+            kw = {
+                "out_dir": cfg.policy_dir,
+                "force": cfg.force,
+                "scorecard": summary,
+                "provenance": provenance,
+            }
+            key = AUTO if chosen is None else chosen.key
+            path, how = export_candidate(
+                study, key, cfg.export, suite=plan.suite, store=self.store, **kw
+            )
+            make_scaler(str(path), device="cpu")  # it loads
+        self.result.exported, self.result.winner = path, f"{cfg.export} ({how})"
+        self.result.builtin = key.is_named
+        self.say("export", f"{path} ({how}); use it with autoscale.get_scaler('{cfg.export}')")
+        if chosen is None:
+            self.result.answer = [f"answer: exported '{cfg.export}' = {how}", f"why: {choice.why}"]
+        else:
+            self.result.answer = answer_lines(
+                cfg.export, how, choice, chosen, reference, plan.suite.reward, plan.steps
+            )
+
+    def _report(self, ranked, reference, winner) -> None:
+        plan = self.plan
+        real = [v for v in ranked if v.real] + [v for v in ranked if not v.real]
+        table = comparison_table(real, reference, plan.validation, winner)
+        if not plan.suite.is_single:
+            table += "\n" + member_table(real, reference, plan.validation)
+        limit = limit_block([*real, reference], self.bench.traces, plan.validation)
+        table += "".join("\n" + line for line in limit)
+        if table == self.result.table:
+            return
+        self.result.table = table
+        self.out(table)
+        with self.ledger.track("bk:notes"):
+            try:
+                write_note(self.study, study_note(self.cfg.study, plan, table))
+            except Exception as exc:
+                self.warn(f"could not update the study note: {exc}")
+        self._comparison_plot(real[:4])
+
+    def _comparison_plot(self, rows: list[Validated]) -> None:
+        """A PNG of the real-step trajectories, kept as a study artifact, where time and the
+        bookkeeping share allow (a matplotlib figure costs far more than a trial's SVG)."""
+        if self.budget.left() + 0.5 * self.budget.reserve < 1.0:
+            return
+        from matplotlib.figure import Figure  # noqa: F401  (import outside the timed drawing)
+
+        path = self.workdir / "comparison.png"
+        first = self.plan.validation.members[0]
+        title = f"{self.cfg.study}: {first.name} {first.instances['test'][0].name}, real steps"
+        with self.ledger.track("bk:plots"):
+            try:
+                drawn = draw_comparison(rows, path, title)
+            except Exception as exc:
+                self.warn(f"could not draw the comparison: {exc}")
+                return
+        if drawn:
+            with self.ledger.track("bk:artifacts"):
+                try:
+                    store_artifact(self.store, path, self.study, "image/png")
+                except Exception as exc:
+                    self.warn(f"could not store the comparison plot: {exc}")
+
+
+def _best_line(study: Any) -> str:
+    try:
+        best = study.best_trial
+    except ValueError:
+        return "no completed trial yet"
+    p = best.user_attrs.get("policy", {})
+    what = p.get("rule") or f"{p.get('algo')} agent"
+    return f"best: trial {best.number} ({what}), objective {best.value:+.4f} on the train replay"
 
 
 def _scale_kw(suite: SuiteSpec) -> dict[str, float]:

@@ -179,18 +179,15 @@ def _tiny_plan():
 
 def _worker(folder, plan, name: str, said: list[str]):
     """A worker of the search of ``plan`` whose artifacts are in ``folder``."""
-    from autoscale.search.budget import Budget, Ledger
-    from autoscale.search.no_harm import NoHarmCheck
-    from autoscale.search.runner import SearchRunner, _scale_kw
-    from autoscale.search.session import SearchConfig
+    from autoscale.search.budget import Budget
+    from autoscale.search.runner import SearchConfig, SearchRunner
     from autoscale.training.threads import fit_threads
 
     cfg = SearchConfig(base=plan.suite, study="shared", export="shared", progress=False)
     runner = SearchRunner(cfg, Budget(600.0, time.monotonic(), 5.0), out=said.append)
     runner.worker = name
     runner.folder = folder
-    runner.no_harm = NoHarmCheck(plan.no_harm, folder, Ledger(), _scale_kw(plan.suite))
-    runner.result.plan = plan
+    runner._use(plan)
     runner.threads = fit_threads()  # as its measure phase leaves them
     return runner
 
@@ -224,11 +221,12 @@ def test_the_creator_re_plans_once_and_a_joining_worker_adopts_its_plan(tmp_path
     storage = open_storage(str(tmp_path / "runs.log"))
     said_a: list[str] = []
     creator = _worker(tmp_path / "a", plan, "host-a:1", said_a)
-    study = creator._open_study(storage, None, plan)
+    study = creator._open_study(storage, None)
     assert creator.creator and study.user_attrs[PLANNING]["worker"] == "host-a:1"
     traces, stats = _recorded_as_on_a_busy_machine(plan, creator.folder)
     assert stats["dropped"] and stats["shortest"] == 16 and pace_of(stats) > SLOW
-    new, replayed = creator._replan(study, plan, traces, stats)
+    replayed = creator._replan(traces, stats)
+    new = creator.plan
     assert any(line.startswith("[2/6 plan] re-planned: ") for line in said_a), said_a
     assert (new.horizon, new.trace_steps) == (16, 16)
     assert study_suites(study) == (new.suite, new.validation, 16)
@@ -243,9 +241,10 @@ def test_the_creator_re_plans_once_and_a_joining_worker_adopts_its_plan(tmp_path
     measured = timings_for(new.suite, 1e-5)  # faster than its steps will run
     joined = joiner._plan(new.suite, measured, new.no_harm, kept)
     before = study.user_attrs
-    traces_b, stats_b = joiner._record(joined)
+    traces_b, stats_b = joiner._record()
     assert stats_b["recorded"] == 2 and pace_of(stats_b) > SLOW
-    bent, _ = joiner._replan(study, joined, traces_b, stats_b)
+    joiner._replan(traces_b, stats_b)
+    bent = joiner.plan
     assert study.user_attrs == before
     assert not [line for line in said_b if "re-planned" in line], said_b
     assert any("x slower than measured: this worker's phases are timed" in x for x in said_b)

@@ -10,7 +10,6 @@ import pytest
 
 from autoscale.search import runner as runner_mod
 from autoscale.search.budget import Budget
-from autoscale.search.rounds import search_stop
 from autoscale.search.runner import SearchConfig, SearchRunner
 from autoscale.search.workload import base_spec
 
@@ -70,19 +69,65 @@ def test_a_slow_models_search_checks_no_harm_on_the_proxy_the_plan_chose(tmp_pat
     assert runner.no_harm.cost(plan.timings) < 0.3 * 7200
 
 
+def _decider(n_trials=None, done=0):
+    """A runner whose round costs are round numbers: validating n scalers 100 n s, checking n
+    picks 50 n s, a 4000 s budget ending at 4000, 60 s of search at least."""
+    from types import SimpleNamespace
+
+    cfg = SearchConfig(base_spec(model="mlp"), study="s", export="s", n_trials=n_trials)
+    said: list[str] = []
+    runner = SearchRunner(cfg, Budget(4000.0, 0.0, 0.0), out=said.append)
+    runner.plan = SimpleNamespace(rules=("torch", "a", "b"), all_rules_real=True, timings=None)
+    runner.validator = SimpleNamespace(cost=lambda n: 100.0 * n)
+    runner.no_harm = SimpleNamespace(cost=lambda timings, n=1: 50.0 * n)
+    runner.min_search_s = 60.0
+    runner.counts["complete"] = done
+    return runner, said
+
+
 @pytest.mark.parametrize(
-    "now, after, first, expected",
+    "now, expected",
     [
-        (0.0, 600.0, True, 3400.0),  # time enough: the search stops where the round's share begins
-        (3380.0, 600.0, True, 3440.0),  # recording overran: the first round still searches 60 s
-        (3380.0, 600.0, False, 3400.0),  # later rounds keep their share (the caller starts none)
-        (3560.0, 600.0, True, 3600.0),  # then as much of the 60 s as leaves the least a round does
-        (3650.0, 600.0, True, 3600.0),  # not even that fits: no search (the stop has passed)
+        (0.0, 3180.0),  # time enough: the search stops where the round's 820 s share begins
+        (3150.0, 3210.0),  # recording overran: the first round still searches 60 s
+        (3700.0, 3740.0),  # then as much of the 60 s as leaves the 260 s least a round does
+        (3900.0, 3740.0),  # not even that fits: no search (the stop has passed)
     ],
 )
-def test_search_stop(now, after, first, expected):
-    end, least, min_search = 4000.0, 400.0, 60.0
-    assert search_stop(now, end, after, least, min_search, first) == pytest.approx(expected)
+def test_the_first_round_searches_a_minimum_after_overrunning_phases(now, expected):
+    runner, _ = _decider()
+    assert runner._next_round(None, False, now).search_until == pytest.approx(expected)
+
+
+def test_the_stop_rule_in_order():
+    """:meth:`SearchRunner._next_round`: the first round always runs; a round without torch's
+    validation, or after one that learned nothing with --n-trials spent, stops the search (the
+    latter says so); so do the last round and the tail; a later round runs where its share and
+    a minimal search fit, else the tail validates more and searches only after."""
+    from autoscale.search.candidates import TORCH
+    from autoscale.search.runner import MAX_ROUNDS, Round
+
+    runner, said = _decider()
+    # 3 candidates + 3 rules + the bar validated, 2 picks checked: 820 s before the end
+    first = runner._next_round(None, False, 0.0)
+    assert first == Round(1, 3, 3180.0, 4000.0 - 1.4 * 50)
+    assert runner._next_round(first, True, 1000.0) is None  # no torch: no reference
+    runner.validated[TORCH] = None
+    # one candidate, one check: 160 s; with 60 s of search, a round needs 220 s
+    assert runner._next_round(first, False, 1000.0) == Round(2, 1, 3840.0, 3930.0)
+    tail = runner._next_round(first, False, 3781.0)
+    assert tail == Round(2, 3, None, 3930.0, tail_before=4000.0 - 0.05 * 4000)
+    assert runner._next_round(tail, True, 3790.0) is None
+    last = Round(MAX_ROUNDS, 1, 0.0, 0.0)
+    assert runner._next_round(last, True, 1000.0) is None
+    assert said == [] and runner.result.stopped_early is None
+
+    runner, said = _decider(n_trials=2, done=2)
+    runner.validated[TORCH] = None
+    assert runner._next_round(first, True, 1000.0) is not None  # it validated something new
+    assert runner._next_round(first, False, 1000.0) is None
+    assert runner.result.stopped_early.endswith("nothing left to learn")
+    assert said == [f"[6/6 export] stopping with 50m left: {runner.result.stopped_early}"]
 
 
 @pytest.mark.slow
