@@ -230,7 +230,7 @@ LONG_FUNCTIONS = {
     "autoscale/commands/search.py:run": 81,
     "autoscale/envs/spec.py:from_dict": 87,
     "autoscale/selection/auto.py:export": 84,
-    "autoscale/search/loop.py:run": 84,
+    "autoscale/search/loop.py:run": 81,
     "autoscale/envs/traces.py:record_trace": 83,
 }
 FUNCTION_CAP = 80

@@ -4,7 +4,8 @@ Optuna does the asking, telling, failing of trials that raise and the RDB heartb
 killed worker is failed by the next one, see :mod:`autoscale.search.storage`); this module adds
 what a budgeted, interruptible search needs on top:
 
-* the deadline and this worker's trial count (``timeout`` and a callback that stops the study);
+* the deadline and this worker's trial count (Optuna's ``timeout``, and its ``n_trials`` set to
+  what is left of the count: this worker's trials of earlier calls count too);
 * Ctrl-C that leaves no trial RUNNING: the whole ``optimize`` runs under
   :func:`~autoscale.search.interrupts.deferred_interrupt`, and only the objective itself (and the
   end of each trial's callback) runs :func:`~autoscale.search.interrupts.interruptible`: a SIGINT
@@ -60,10 +61,9 @@ class TrialLoop:
 
         from autoscale.search.study import fail_worker_trials
 
-        if self.n_trials is not None and sum(self.counts.values()) >= self.n_trials:
-            return
+        left = None if self.n_trials is None else self.n_trials - sum(self.counts.values())
         timeout = stop_at - time.monotonic()
-        if timeout <= 0:
+        if timeout <= 0 or (left is not None and left <= 0):
             return
         bar = None
         if self.progress:
@@ -112,9 +112,6 @@ class TrialLoop:
                 bar.n = round(min(time.monotonic() - t_start, bar.total), 1)
                 bar.set_postfix_str(f"trials {sum(self.counts.values())}", refresh=False)
                 bar.refresh()
-            done = self.n_trials is not None and sum(self.counts.values()) >= self.n_trials
-            if done or time.monotonic() >= stop_at:
-                study.stop()
             with interruptible():  # a Ctrl-C held through the tell: out now, before the next ask
                 raise_if_interrupted()
 
@@ -124,7 +121,8 @@ class TrialLoop:
                 try:
                     self.study.optimize(
                         objective,
-                        timeout=timeout,
+                        n_trials=left,
+                        timeout=stop_at - time.monotonic(),
                         catch=(Exception,),
                         callbacks=[after],
                         gc_after_trial=False,
