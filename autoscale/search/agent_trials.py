@@ -49,6 +49,13 @@ class RLObjective(Objective):
         self.warn = warn or (lambda text: None)
 
     @staticmethod
+    def warm_ships() -> bool:
+        """Whether the residual agent a study's first RL trial starts from ships here."""
+        from autoscale.agents.warm import RESIDUAL, shipped_agent
+
+        return shipped_agent(which=RESIDUAL) is not None
+
+    @staticmethod
     def fits(suite: Any, warn: Callable[[str], Any] | None = None, warm_start: bool = True) -> bool:
         """Whether agents can train on ``suite``'s recorded train instances: with two per member
         one selects the agent; with one, only where a shipped residual agent starts them (it is

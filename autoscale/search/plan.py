@@ -233,6 +233,7 @@ def make_plan(
     cached_traces: Callable[[SuiteSpec, int], float] | None = None,
     cached_no_harm: Callable[[Any, int], bool] | None = None,
     stored: tuple[SuiteSpec, SuiteSpec, int] | None = None,
+    warm_start: bool = True,
 ) -> Plan:
     """Size the search of ``suite`` to ``work_s`` seconds (see the module docstring).
 
@@ -241,7 +242,9 @@ def make_plan(
             cached already).
         cached_traces: Share (0..1) of a shaped suite's recording of ``trace_steps`` already in
             the trace cache (a resume or a second worker records less).
-        cached_gate: Whether the no-harm check's ``torch`` run of a workload and seed is cached.
+        cached_no_harm: Whether the no-harm check's ``torch`` run of a workload and seed is cached.
+        warm_start: The first RL trial starts from the shipped residual agent (asked for): then
+            RL is not dropped for search time (that trial is scored in seconds where none is left).
         stored: A study's stored ``(suite, validation, trace_steps)``: kept as they are (every
             worker of a study must score alike), only the costs are estimated.
 
@@ -264,21 +267,9 @@ def make_plan(
         rec = rec_cost(shaped, trace_steps)
         val = validate_cost(validation, timings, len(rules) + 2)  # + auto and a candidate
         return _finish(
-            suite,
-            shaped,
-            validation,
-            trace_steps,
-            space,
-            rules,
-            timings,
-            no_harm,
-            work_s,
-            rec,
-            val,
-            no_harm_s,
-            True,
-            no_harm_cuts,
-        )
+            suite, shaped, validation, trace_steps, space, rules, timings, no_harm, work_s, rec,
+            val, no_harm_s, True, no_harm_cuts, warm_start=warm_start,
+        )  # fmt: skip
     if timings.complete:
         for h, windows, n, k in _shapes(suite):
             shaped = shape_suite(suite, h, n, k)
@@ -292,21 +283,9 @@ def make_plan(
             validation, all_rules, val = choice
             cuts = _cuts(suite, h, windows, n, k, validation, all_rules) + no_harm_cuts
             return _finish(
-                suite,
-                shaped,
-                validation,
-                windows * h,
-                space,
-                rules,
-                timings,
-                no_harm,
-                work_s,
-                rec,
-                val,
-                no_harm_s,
-                all_rules,
-                cuts,
-            )
+                suite, shaped, validation, windows * h, space, rules, timings, no_harm, work_s,
+                rec, val, no_harm_s, all_rules, cuts, warm_start=warm_start,
+            )  # fmt: skip
     smallest = shape_suite(suite, _horizons(suite)[-1], 1, 1)
     rec = rec_cost(smallest, smallest.episode.steps)
     val = validate_cost(smallest.with_episode_steps(VALIDATION_LADDER[-1]), timings, 3)
@@ -406,6 +385,7 @@ def _finish(
     no_harm_s: float,
     all_rules: bool,
     cuts: tuple[str, ...],
+    warm_start: bool = True,
 ) -> Plan:
     cuts = list(cuts)
     search_s = max(0.0, work_s - rec - val - no_harm_s)
@@ -419,7 +399,8 @@ def _finish(
                 f"an agent needs 2 train instances per member, one to select it on, or the "
                 f"shipped residual agent to start from; the plan keeps {n}"
             )
-        elif search_s < RL_MIN_SEARCH_S:
+        elif search_s < RL_MIN_SEARCH_S and not (warm_start and RLObjective.warm_ships()):
+            # (a shipped residual agent needs no search time: its trial is scored in seconds)
             reason = f"needs {format_duration(RL_MIN_SEARCH_S)} of search, the budget leaves {format_duration(search_s)}"
         if reason:
             cuts.append(f"RL dropped ({reason}): searching the parametric space only")

@@ -333,6 +333,7 @@ class SearchRunner:
             cached_traces=cached,
             cached_no_harm=self.no_harm.cached,
             stored=kept,
+            warm_start=self.cfg.warm_start,
         )
         self.say("plan", plan.describe())
         self._use(plan)
@@ -603,6 +604,7 @@ class SearchRunner:
             bench.suite, self.warn if first else None, self.cfg.warm_start
         )
         if rl and first:  # the agent that starts at auto, whatever the time: it reaches validation
+            self._baselines()  # the rules' enqueued defaults first: an agent must not take one
             self._warm_trial(stop)
         if stop - time.monotonic() < 1.0:
             if first and self.counts == before:
@@ -613,7 +615,8 @@ class SearchRunner:
             if self.counts == before:
                 return
         elif plan.space in ("parametric", "both"):
-            until = stop if not rl else t0 + (1 - RL_SHARE_OF_BOTH) * (stop - t0)
+            t1 = time.monotonic()  # (after the warm trial: RL's share holds the rest)
+            until = stop if not rl else t1 + (1 - RL_SHARE_OF_BOTH) * (stop - t1)
             self._trials(self._parametric(), until)
         if rl and stop - time.monotonic() >= 1.0:
             self._trials(self._rl(stop), stop - RLObjective.MIN_TRIAL_S / 2)
@@ -623,6 +626,21 @@ class SearchRunner:
             f"{sum(c.values())} trials in {format_duration(time.monotonic() - t0)} ({c['complete']} complete, "
             f"{c['pruned']} pruned, {c['failed']} failed); {_best_line(self.study)}",
         )
+
+    def _baselines(self) -> None:
+        """Score the built-in rules' defaults the study enqueued (parametric trials marked
+        ``baseline``) with the parametric objective, whatever the time (replays: seconds): any
+        objective takes an enqueued trial first, and an agent trial that took one would carry
+        the mark and never reach validation."""
+        import optuna
+
+        waiting = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+        if not waiting or self.plan.space not in ("parametric", "both"):
+            return
+        n = sum(self.counts.values()) + len(waiting)
+        n = n if self.cfg.n_trials is None else min(n, self.cfg.n_trials)
+        stop_at = time.monotonic() + RLObjective.MIN_TRIAL_S * len(waiting)
+        self._trials(self._parametric(), stop_at, n_trials=n, progress=False)
 
     def _warm_trial(self, stop: float) -> None:
         """The study's first RL trial, the shipped residual agent fine-tuned on the replay

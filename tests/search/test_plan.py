@@ -70,6 +70,20 @@ def test_fast_model_gets_long_horizon_two_windows_and_extra_seeds():
     assert "early and late in 4096-step runs" in plan.describe()
 
 
+def test_a_shipped_residual_agent_keeps_rl_in_a_budget_that_leaves_no_search_time():
+    """The warm RL trial is the shipped agent scored on the replay where no time is left (seconds):
+    RL is not dropped for time while it ships and the warm start is on; a cold start is."""
+    from autoscale.agents import warm
+    from autoscale.search.plan import RL_MIN_SEARCH_S
+
+    assert warm.shipped_agent(which=warm.RESIDUAL) is not None
+    plan, _ = plan_for(base_spec(), 0.05, 300, space="both")
+    assert plan.search_s < RL_MIN_SEARCH_S and plan.space == "both"
+    cold, _ = plan_for(base_spec(), 0.05, 300, space="both", warm_start=False)
+    assert cold.space == "parametric"
+    assert f"RL dropped (needs {RL_MIN_SEARCH_S:.1f}s of search" in cold.describe()
+
+
 def test_plan_keeps_recording_and_real_steps_within_their_shares_and_says_what_it_traded():
     spec = base_spec()
     plan, no_harm = plan_for(spec, 0.05, 300)

@@ -219,7 +219,30 @@ def test_torch_and_auto_are_validated_even_where_no_check_would_fit_after_them(
     assert "passed the no-harm check" not in text or "auto passed" in text, text
 
 
-def _mlp_search_in_60s(tmp_path, study: str, said: list[str]):
+@pytest.mark.slow
+def test_in_a_search_of_both_spaces_the_warm_agent_reaches_validation(tmp_path):
+    """The warm RL trial runs first in the first round; the rules' defaults the study enqueued
+    are scored by the parametric objective before it, so no agent trial takes one (it would
+    carry their ``baseline`` mark and never be validated), and the agent reaches real steps."""
+    import optuna
+
+    from autoscale.search.storage import open_storage
+    from autoscale.search.validate import PREFIX
+
+    said: list[str] = []
+    cfg, _, result = _mlp_search_in_60s(tmp_path, "both", said, space="both")
+    assert result.exported is not None, "\n".join(said)
+    study = optuna.load_study(study_name="both", storage=open_storage(cfg.storage))
+    warm = [t for t in study.trials if t.user_attrs.get("warm_start")]
+    assert len(warm) == 1 and not warm[0].user_attrs.get("baseline"), "\n".join(said)
+    baselines = [t for t in study.trials if t.user_attrs.get("baseline")]
+    assert baselines and all("rule" in t.user_attrs.get("policy", {}) for t in baselines)
+    agents = [t for t in study.trials if t.user_attrs.get("policy", {}).get("kind") == "residual"]
+    validated = {k[len(PREFIX) :] for k in study.user_attrs if k.startswith(PREFIX)}
+    assert any(f"trial:{t.number}" in validated for t in agents), sorted(validated)
+
+
+def _mlp_search_in_60s(tmp_path, study: str, said: list[str], space: str = "parametric"):
     """A 60-second search of mlp in ``tmp_path``; (its config, budget, result)."""
     import time
 
@@ -230,6 +253,7 @@ def _mlp_search_in_60s(tmp_path, study: str, said: list[str]):
         storage=f"sqlite:///{tmp_path / 'db.sqlite'}",
         policy_dir=str(tmp_path / "policies"),
         progress=False,
+        space=space,
     )
     budget = Budget.from_process_start(0.0)
     budget = dataclasses.replace(budget, seconds=60.0, start=time.monotonic(), reserve=3.0)
