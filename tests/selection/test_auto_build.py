@@ -191,14 +191,17 @@ def test_a_tiny_build_ships_the_first_candidate_through_every_check(first_build)
     assert result.validation == ["autoencoder/clean"] and result.test == list(TEST)
     agents = {"rl-ppo-h2", "rl-dqn-h2", "rl-ppo-h1"}
     agents |= {f"{n}-now" for n in agents}  # each also acting at scale time
-    agents |= {"rl-res-ppo-k4", "rl-res-dqn-k4"}  # residual agents on auto
+    agents |= {"rl-res-ppo-k4-knobs", "rl-res-dqn-k4-knobs"}  # residual, on auto, under knobs
     assert set(result.ranked) == agents | {"amax-history", "torch(growth_interval=2000)"}
     for name in ("rl-ppo-h1-now", "rl-dqn-h2-now"):  # they act at scale time, with drops
         p = read_manifest(tmp_path / "cache" / "policies" / name).parameters
         assert p["scale_time"] is True and p["action"]["drops"] == [4.0, 8.0, 12.0, 16.0]
-    for name in ("rl-res-ppo-k4", "rl-res-dqn-k4"):  # an offset on auto, chosen every 4 steps
+    for name in ("rl-res-ppo-k4-knobs", "rl-res-dqn-k4-knobs"):  # an offset on auto, every 4 steps
         m = read_manifest(tmp_path / "cache" / "policies" / name)
         assert m.kind == "residual" and m.parameters["window"] == 4
+        assert (
+            m.workload["training"]["knobs"]["spike"] > 0
+        )  # under drawn spikes: the skip bar binds
         assert m.parameters["base"]["parameters"]["guard_floor"] == 12.0  # the shipped auto's
     assert result.ranked_on == "validation"
     assert result.ranked == sorted(result.ranked, key=result.objective_validation.__getitem__)
