@@ -59,10 +59,26 @@ class _Sticky:
 
     def __init__(self) -> None:
         self.pending = False
+        self.deferred = False  # came inside an import: raised after it, not in it
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self.pending = True
+        if _importing(frame):
+            # an exception raised inside an import can leave a module half set up, and a class
+            # body's __set_name__ wraps it in a RuntimeError that a caller's `except Exception`
+            # takes for a failure (a search then ran on past Ctrl-C): raised at the next check
+            self.deferred = True
+            return
         raise KeyboardInterrupt
+
+
+def _importing(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 _STICKY: list[_Sticky] = []  # the handler installed by sticky_interrupt, while it is
@@ -77,7 +93,8 @@ def sticky_interrupt() -> Iterator[None]:
     no further: the command runs on as if Ctrl-C had never been pressed. Inside this block the
     handler also remembers the signal, and :func:`raise_if_interrupted` (called at every training
     step and between trials) raises it again where it was dropped; the "Exception ignored"
-    traceback of a dropped one is not printed. A SIGINT that is ignored, or
+    traceback of a dropped one is not printed. A Ctrl-C that comes inside an import is raised
+    after it (at the next check, or at the end of the block). A SIGINT that is ignored, or
     handled by the program's own handler, stays so; outside the main thread nothing changes.
     """
     if threading.current_thread() is not threading.main_thread():
@@ -99,6 +116,9 @@ def sticky_interrupt() -> Iterator[None]:
     _STICKY.append(handler)
     try:
         yield
+        if handler.deferred:  # a Ctrl-C that came inside an import and no check saw since
+            handler.pending = handler.deferred = False
+            raise KeyboardInterrupt
     finally:
         _STICKY.remove(handler)
         sys.unraisablehook = previous_hook
@@ -109,5 +129,5 @@ def raise_if_interrupted() -> None:
     """Raise KeyboardInterrupt once for a Ctrl-C that came inside :func:`sticky_interrupt` and
     was not seen since; nothing otherwise (a list lookup: cheap enough for every step)."""
     if _STICKY and _STICKY[-1].pending:
-        _STICKY[-1].pending = False
+        _STICKY[-1].pending = _STICKY[-1].deferred = False
         raise KeyboardInterrupt

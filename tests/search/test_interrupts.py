@@ -139,3 +139,31 @@ def test_an_owner_is_gone_only_when_it_is_a_dead_process_of_this_host():
     assert not owner_gone(f"some-other-host:{child.pid}")  # another host's: not ours to judge
     for not_a_tag in (None, "", "no-colon", f"{host_name()}:pid"):
         assert not owner_gone(not_a_tag)
+
+
+def test_a_ctrl_c_inside_an_import_is_raised_after_it_not_in_it(tmp_path, monkeypatch):
+    """A KeyboardInterrupt raised inside an import can leave the module half set up, and inside a
+    class body's ``__set_name__`` Python wraps it in a RuntimeError that a caller's ``except
+    Exception`` takes for a failure: a piped search that got Ctrl-C while matplotlib was being
+    imported for its plot exited 1, another ran on to its budget's end. Under
+    ``sticky_interrupt`` the import completes and the Ctrl-C comes at the next check, or at the
+    block's end when no check comes."""
+    import importlib
+    import sys
+
+    from autoscale.processes import raise_if_interrupted, sticky_interrupt
+
+    (tmp_path / "sigint_mid_import.py").write_text(
+        "import signal\nsignal.raise_signal(signal.SIGINT)\nAFTER = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with sticky_interrupt():
+        module = importlib.import_module("sigint_mid_import")
+        assert module.AFTER  # the import ran to its end
+        with pytest.raises(KeyboardInterrupt):
+            raise_if_interrupted()
+    del sys.modules["sigint_mid_import"]
+    with pytest.raises(KeyboardInterrupt), sticky_interrupt():  # no check: at the block's end
+        importlib.import_module("sigint_mid_import")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    del sys.modules["sigint_mid_import"]
