@@ -177,8 +177,12 @@ class RLObjective(Objective):
 
     def _improved(self, path: Path, before: float) -> bool:
         """Whether the agent exported at ``path`` beats ``before`` on the train replay."""
+        return self._train_objective(path) < before
+
+    def _train_objective(self, path: Path) -> float:
+        """The train-replay objective of the policy exported at ``path``."""
         cards, _ = self.bench.run("train", lambda: self.bench.scaler(str(path)))
-        return float(self.bench.objective("train", cards)) < before
+        return float(self.bench.objective("train", cards))
 
     def _objective_of_shipped(self, rl_spec, folder: Path, window: int) -> tuple[float, Path]:
         """The train-replay objective of the shipped agent before any fine-tuning, and its
@@ -190,5 +194,4 @@ class RLObjective(Objective):
         model = saved_agent(self.warm.algo, self.warm.model)
         env = ResidualEnv(rl_spec, "train", self.bench.traces, window=window, constrained=False)
         path = export_residual(model, "shipped", env, out_dir=str(folder))
-        cards, _ = self.bench.run("train", lambda: self.bench.scaler(str(path)))
-        return float(self.bench.objective("train", cards)), path
+        return self._train_objective(path), path
