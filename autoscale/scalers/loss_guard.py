@@ -81,9 +81,11 @@ def guard_on_host(
     """:func:`apply_guard` where ``scale`` and ``loss`` are CPU tensors and no ranks agree: the
     same float64 arithmetic on the host (IEEE division, the C library's log2 as torch's scalar
     kernel calls it, an exact power of two, the clamp) and one fill, instead of nine tensor
-    ops. Returns the step's scale (a CPU scaler calls it directly: it knows where it runs)."""
+    ops. Returns the step's scale (a CPU scaler calls it directly: it knows where it runs).
+    ``scale`` holds ``set_scale`` when a step starts: most steps the guard keeps it, no fill."""
     value = guard_scale_host(limit, float(loss), min_scale, set_scale)
-    scale.fill_(value)
+    if value != set_scale:
+        scale.fill_(value)
     return value
 
 

@@ -94,7 +94,7 @@ def test_inverse_scales_are_kept_for_a_few_scales():
 @pytest.mark.parametrize("floor", [0.0, 4.0])
 def test_the_guards_kept_limit_is_the_computed_one(floor):
     """The limit is kept between steps and recomputed whenever the memory it is of changes
-    (each lesson, each loss, a load)."""
+    (each lesson, a loss that moves the floor's cut, a load)."""
     guard = LossGuard(guard_history=4, guard_margin=1.0, guard_floor=floor)
     g = torch.Generator().manual_seed(3)
     for i in range(40):

@@ -50,6 +50,7 @@ class LossGuard:
     has_guard = True
     _limit: float | None = None  # (class defaults: a guard pickled before the cache loads)
     _stale = True
+    _limit_cut = math.nan  # the cut the cached limit was computed with
 
     def __init__(
         self, guard_history: int = 16, guard_margin: float = 1.0, guard_floor: float = 0.0
@@ -80,7 +81,7 @@ class LossGuard:
     def _compute_limit(self) -> float | None:
         if not self.guard_floor:  # every lesson counts
             return FP16_MAX * 2.0**-self.guard_margin / max(self.ratios) if self.ratios else None
-        cut = self._cut()
+        cut = self._limit_cut = self._cut()
         counted = [r for r, m in zip(self.ratios, self.ratio_losses) if m >= cut]
         return FP16_MAX * 2.0**-self.guard_margin / max(counted) if counted else None
 
@@ -93,13 +94,17 @@ class LossGuard:
         usable = 0.0 < loss < math.inf
         if usable:
             self.losses.append(loss)
+        # the limit depends on the losses only through the cut (none without a floor): most
+        # steps leave it as it was, and the scaler reads it every step
+        cut = self._cut()
+        if cut != self._limit_cut and self.guard_floor:
             self._stale = True
         if stats.found_inf or not math.isfinite(stats.grad_amax):
             if stats.guarded and usable:
                 self._remember(2.0 * FP16_MAX / (scale * loss), loss)
                 return SHORT
             return None
-        if usable and stats.grad_amax > 0 and loss >= self._cut():
+        if usable and stats.grad_amax > 0 and loss >= cut:
             self._remember(stats.grad_amax / loss, loss)
             return LEARNED
         return None
