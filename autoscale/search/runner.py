@@ -711,7 +711,7 @@ class SearchRunner:
         """Validate torch, auto, the round's best candidates not validated yet and the rules
         (first round); True if anything new was."""
         first, validator = r.number == 1, self.validator
-        order, rules, trials = self._to_validate(r.candidates)
+        order, rules, trials, agent = self._to_validate(r.candidates)
         if not order:
             return False
         t0 = time.monotonic()
@@ -719,10 +719,12 @@ class SearchRunner:
         def note(v: Validated) -> None:
             self._note_validated(trials.get(v.key.number) if v.key.is_trial else None, v)
 
-        # torch and auto in any time left, the rest until the round's check_at (_next_round)
-        first_two = [o for o in order if o[0] in (TORCH, AUTO)]
-        results = validator.run(first_two, self.budget.end, on_done=note) if first_two else {}
-        rest = [o for o in order if o[0] not in (TORCH, AUTO)]
+        # torch, auto and the round's agent (the best, where none reached real steps yet: it
+        # starts at auto, and whether it is level with auto is the question RL answers) in any
+        # time left, the rest until the round's check_at (_next_round)
+        always = [o for o in order if o[0] in (TORCH, AUTO, agent)]
+        results = validator.run(always, self.budget.end, on_done=note) if always else {}
+        rest = [o for o in order if o not in always]
         until = r.check_at if r.check_at > time.monotonic() else self.budget.end
         results.update(validator.run(rest, until, on_done=note) if rest else {})
         self.validated.update(results)
@@ -744,11 +746,12 @@ class SearchRunner:
             self._replay_rules(rules)
         return bool(results)
 
-    def _to_validate(self, k: int) -> tuple[list, list, dict[int, Any]]:
+    def _to_validate(self, k: int) -> tuple[list, list, dict[int, Any], Candidate | None]:
         """(key, label, factory) to validate in order: torch first (every objective is measured
         against it), auto (the bar a candidate must clear), the best of the ``k`` best candidates
         not validated yet (and the best agent), the other rules, the other candidates; (that
-        order, the rules in it, the candidates' trials by number)."""
+        order, the rules in it, the candidates' trials by number, the best agent's key where no
+        agent reached real steps before and one is in the order)."""
         import optuna
 
         plan = self.plan
@@ -778,8 +781,13 @@ class SearchRunner:
         bar = [] if self._bar_real() else [(AUTO, AUTO.name, self.factories[AUTO])]
         rules = rules[:1] + bar + rules[1:]
         n = 2 if agent and "residual" in kinds else 1  # the best agent beside the best
+        first_agent = (
+            Candidate.trial(candidates[kinds.index("residual")][0].number)
+            if agent and "residual" in kinds
+            else None
+        )
         order = rules[:2] + order[:n] + rules[2:] + order[n:]
-        return order, rules, {t.number: t for t, _ in candidates}
+        return order, rules, {t.number: t for t, _ in candidates}, first_agent
 
     def _replay_rules(self, rules: list) -> None:
         """The rules the first round left without real steps: on the replay of the test

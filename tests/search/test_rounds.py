@@ -130,6 +130,36 @@ def test_the_stop_rule_in_order():
     assert said == [f"[6/6 export] stopping with 50m left: {runner.result.stopped_early}"]
 
 
+def test_the_rounds_agent_is_validated_in_any_time_left_beside_torch_and_auto(monkeypatch):
+    """Past the round's check_at, torch, auto and the agent (where none reached real steps yet)
+    are validated until the budget's end; the rest only until check_at (here: passed)."""
+    from types import SimpleNamespace
+
+    from autoscale.search.candidates import AUTO, TORCH, Candidate
+    from autoscale.search.runner import Round
+
+    runner, said = _decider()
+    best, agent, other = Candidate.trial(3), Candidate.trial(7), Candidate.trial(9)
+    order = [(k, str(k), None) for k in (TORCH, AUTO, best, agent, Candidate.rule("a"), other)]
+    monkeypatch.setattr(runner, "_to_validate", lambda k: (order, [], {}, agent))
+    calls = []
+
+    def run(scalers, stop_at, on_done=None):
+        calls.append(([k for k, _, _ in scalers], stop_at))
+        return {}
+
+    runner.validator = SimpleNamespace(run=run, skipped=[], names=["e"])
+    runner.plan = SimpleNamespace(rules=("torch", "a"), steps=8)
+    runner._validate(Round(2, 3, None, 0.0))  # check_at long past
+    assert calls[0] == ([TORCH, AUTO, agent], runner.budget.end)
+    assert calls[1][0] == [best, Candidate.rule("a"), other]
+    # no agent to bring (one reached real steps before): torch and auto alone
+    calls.clear()
+    monkeypatch.setattr(runner, "_to_validate", lambda k: (order, [], {}, None))
+    runner._validate(Round(2, 3, None, 0.0))
+    assert calls[0] == ([TORCH, AUTO], runner.budget.end)
+
+
 @pytest.mark.slow
 def test_a_machine_that_turns_slower_after_measuring_gets_a_re_planned_search_in_budget(
     tmp_path, monkeypatch
