@@ -140,8 +140,9 @@ def top_candidates(
     """The ``k`` best complete trials (by their train objective) with distinct policies, each
     with a factory of its scaler; enqueued built-in defaults (validated as rules) and trials in
     ``skip`` are passed over, and so is a trial whose policy cannot be loaded here. ``one_of``: a
-    policy kind (``residual``: an agent) of which the best is added when none of the ``k`` is one,
-    so that a kind in the race reaches validation on real steps."""
+    policy kind (``residual``: an agent) whose warm-started trial (it starts at ``auto``), else
+    whose best, is added where the ``k`` do not hold it, so that a kind in the race reaches
+    validation on real steps."""
     import json
 
     seen, out = set(), []
@@ -168,8 +169,10 @@ def top_candidates(
         if len(out) == k:
             break
         add(t)
-    if kind and not any(c.user_attrs["policy"].get("kind") == one_of for c, _ in out):
-        add(kind[0])  # the kind's best, beside the k
+    if kind:  # the kind's warm-started trial or best, beside the k
+        pick = next((t for t in kind if t.user_attrs.get("warm_start")), kind[0])
+        if all(c.number != pick.number for c, _ in out):
+            add(pick)
     return out
 
 

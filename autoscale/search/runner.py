@@ -719,9 +719,9 @@ class SearchRunner:
         def note(v: Validated) -> None:
             self._note_validated(trials.get(v.key.number) if v.key.is_trial else None, v)
 
-        # torch, auto and the round's agent (the best, where none reached real steps yet: it
-        # starts at auto, and whether it is level with auto is the question RL answers) in any
-        # time left, the rest until the round's check_at (_next_round)
+        # torch, auto and the round's agent (where none reached real steps yet: the warm-started
+        # one, which starts at auto, else the best; whether an agent is level with auto is the
+        # question RL answers) in any time left, the rest until the round's check_at
         always = [o for o in order if o[0] in (TORCH, AUTO, agent)]
         results = validator.run(always, self.budget.end, on_done=note) if always else {}
         rest = [o for o in order if o not in always]
@@ -750,8 +750,8 @@ class SearchRunner:
         """(key, label, factory) to validate in order: torch first (every objective is measured
         against it), auto (the bar a candidate must clear), the best of the ``k`` best candidates
         not validated yet (and the best agent), the other rules, the other candidates; (that
-        order, the rules in it, the candidates' trials by number, the best agent's key where no
-        agent reached real steps before and one is in the order)."""
+        order, the rules in it, the candidates' trials by number, the key of the agent brought to
+        real steps where none reached them before: the warm-started one, else the best)."""
         import optuna
 
         plan = self.plan
@@ -760,7 +760,7 @@ class SearchRunner:
                 deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)
             )
         done = {c.number for c in map(Candidate.parse, self.validated) if c.is_trial}
-        # an agent in the race reaches validation: the best one, where none has yet
+        # an agent in the race reaches validation, where none has yet
         kinds = {self.study.trials[n].user_attrs.get("policy", {}).get("kind") for n in done}
         agent = "residual" if plan.space != "parametric" and "residual" not in kinds else None
         candidates = top_candidates(
@@ -770,9 +770,15 @@ class SearchRunner:
         for t, factory in candidates:
             self.factories[Candidate.trial(t.number)] = factory
             order.append((Candidate.trial(t.number), policy_label(t), factory))
-        kinds = [t.user_attrs.get("policy", {}).get("kind") for t, _ in candidates]
-        if agent and "residual" in kinds[1:] and kinds[0] != "residual":  # the agent after the best
-            order.insert(1, order.pop(kinds.index("residual")))
+        # the agent brought to real steps: the warm-started one (it starts at auto), else the best
+        agents = [
+            i for i, (t, _) in enumerate(candidates)
+            if t.user_attrs.get("policy", {}).get("kind") == "residual"
+        ]  # fmt: skip
+        warm = [i for i in agents if candidates[i][0].user_attrs.get("warm_start")]
+        first = (warm or agents)[0] if agent and agents else None
+        if first is not None and first > 0:  # the agent after the best
+            order.insert(1, order.pop(first))
         rules = [
             (Candidate.rule(r), r, self.factories[Candidate.rule(r)])
             for r in plan.rules
@@ -780,12 +786,8 @@ class SearchRunner:
         ]
         bar = [] if self._bar_real() else [(AUTO, AUTO.name, self.factories[AUTO])]
         rules = rules[:1] + bar + rules[1:]
-        n = 2 if agent and "residual" in kinds else 1  # the best agent beside the best
-        first_agent = (
-            Candidate.trial(candidates[kinds.index("residual")][0].number)
-            if agent and "residual" in kinds
-            else None
-        )
+        n = 2 if first is not None else 1  # the agent beside the best
+        first_agent = None if first is None else Candidate.trial(candidates[first][0].number)
         order = rules[:2] + order[:n] + rules[2:] + order[n:]
         return order, rules, {t.number: t for t, _ in candidates}, first_agent
 

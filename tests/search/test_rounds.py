@@ -160,6 +160,40 @@ def test_the_rounds_agent_is_validated_in_any_time_left_beside_torch_and_auto(mo
     assert calls[0] == ([TORCH, AUTO], runner.budget.end)
 
 
+def test_the_agent_brought_to_real_steps_is_the_warm_started_one(monkeypatch):
+    """Where no agent reached real steps yet, the warm-started agent (it starts at auto) goes
+    right after the best candidate and is the one validated in any time left, even where a
+    cold agent did better on the replay."""
+    from types import SimpleNamespace
+
+    from autoscale.search.candidates import AUTO, TORCH, Candidate
+
+    def trial(number, kind, warm=False):
+        attrs = {"policy": {"kind": kind}, **({"warm_start": "rl-res-ppo-k16"} if warm else {})}
+        return SimpleNamespace(number=number, user_attrs=attrs)
+
+    best, cold, other, warm = (
+        trial(4, "parametric"), trial(17, "residual"), trial(5, "parametric"),
+        trial(9, "residual", warm=True),
+    )  # fmt: skip
+    ranked = [best, cold, other, warm]  # as top_candidates returns them, best first
+    monkeypatch.setattr(runner_mod, "top_candidates", lambda *a, **k: [(t, None) for t in ranked])
+    monkeypatch.setattr(runner_mod, "policy_label", lambda t: f"trial {t.number}")
+    runner, _ = _decider()
+    runner.plan = SimpleNamespace(rules=("torch", "a"), space="both", suite=None)
+    runner.study = SimpleNamespace(get_trials=lambda **k: [], trials=[])
+    runner.factories = {Candidate.rule("torch"): None, Candidate.rule("a"): None, AUTO: None}
+    runner.store = runner.workdir = None
+    order, _, _, agent = runner._to_validate(3)
+    keys = [k for k, _, _ in order]
+    assert agent == Candidate.trial(9)
+    assert keys == [TORCH, AUTO, *map(Candidate.trial, (4, 9)), Candidate.rule("a"),
+                    *map(Candidate.trial, (17, 5))]  # fmt: skip
+    # no warm-started agent: the best one
+    ranked.remove(warm)
+    assert runner._to_validate(3)[3] == Candidate.trial(17)
+
+
 @pytest.mark.slow
 def test_a_machine_that_turns_slower_after_measuring_gets_a_re_planned_search_in_budget(
     tmp_path, monkeypatch

@@ -171,6 +171,17 @@ def test_rl_trial_on_a_suite_stores_its_policy_and_exports_it_later(setup):
     picked = top_candidates(done, suite, store, work / "c2", 1, print, one_of="residual")
     assert trial.number in [t.number for t, _ in picked]
     assert [t.number for t, _ in picked][: len(plain)] == [t.number for t, _ in plain]
+    # a better agent among the k: the warm-started one (it starts at auto) is still added
+    import copy
+
+    better = copy.deepcopy(trial)
+    better.number, better.value = 99, -1e9
+    better.user_attrs = {**trial.user_attrs, "policy": {**policy, "timesteps": 1}}
+    warm = copy.deepcopy(trial)
+    warm.user_attrs = {**trial.user_attrs, "warm_start": "rl-res-ppo-k16"}
+    pool = [t for t in done if t.number != trial.number] + [better, warm]
+    picked = top_candidates(pool, suite, store, work / "c3", 1, print, one_of="residual")
+    assert [t.number for t, _ in picked] == [99, trial.number]
 
 
 def test_loop_fails_a_raising_trial_and_goes_on(setup):
