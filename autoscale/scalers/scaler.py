@@ -374,6 +374,10 @@ class LossScaler(torch.amp.GradScaler):
             self._guarded = False
         try:
             self._set_scale(self.controller.step(stats), adopted=True)
+        except BaseException:  # (raise_at_min): the tensor goes back to the scale a step starts at
+            if self._guarded:
+                self._scale.fill_(self._host_scale)
+            raise
         finally:
             self._end_step()
         for obs in self._observers:

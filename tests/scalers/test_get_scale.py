@@ -78,3 +78,29 @@ def test_get_scale_is_the_factor_of_the_scaled_loss(name):
 def test_get_base_scale_when_disabled():
     scaler = make("auto", enabled=False)
     assert scaler.get_scale() == scaler.get_base_scale() == 1.0
+
+
+def test_a_guarded_step_that_raises_at_the_minimum_leaves_the_next_step_honest():
+    """The guard lowered a step to the minimum, it overflowed there and ``update()`` raised
+    (``raise_at_min``); a loop that catches the error and goes on multiplies the next loss by
+    the scale ``get_scale()`` reports, not by the guarded step's minimum left in the tensor."""
+    from autoscale.errors import MinimumLossScaleError
+
+    scaler = autoscale.get_scaler(
+        "amax-loss", device="cpu", init_scale=1024.0, min_scale=1.0, raise_at_min=True
+    )
+    scaler.rule.ratios.append(1e6)  # foresees a huge amax per loss: the guard takes the minimum
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    # a finite loss whose gradient overflows (d sqrt(x)/dx at 0), at the guarded scale 1.0
+    scaler.scale((torch.sqrt(w - 1.0) + 2.0).sum()).backward()
+    assert scaler.get_scale() == 1.0
+    scaler.step(opt)
+    with pytest.raises(MinimumLossScaleError):
+        scaler.update()
+    # the next step is not guarded below the base
+    scaler.rule.guard.load_state({"ratios": [], "ratio_losses": [], "losses": []}, "test")
+    opt.zero_grad()
+    loss = (w * 3.0).sum()
+    scaled = scaler.scale(loss)
+    assert scaled.item() / loss.item() == scaler.get_scale() == scaler.get_base_scale()
