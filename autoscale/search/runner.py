@@ -173,8 +173,8 @@ class Round:
         candidates: How many of the best candidates not validated yet it validates.
         search_until: Its replay search stops here (``time.monotonic()``; None: the tail, which
             searches only after validating).
-        check_at: Validation past torch and auto stops here, where a check of the pick still
-            fits after it.
+        check_at: Validation past torch, auto and the agent brought to real steps stops here,
+            where a check of the pick still fits after it.
         tail_before: The tail's replay trials run if its validation and pick end before this
             (None: not the tail).
     """
@@ -549,7 +549,8 @@ class SearchRunner:
            deadline, then exports and scores its agent past it).
 
         Within a round, a trial starts only before the search's stop (:class:`TrialLoop`, which
-        also stops at ``--n-trials``); torch and auto are validated in any time left, the others
+        also stops at ``--n-trials``); torch and auto are validated in any time left, and so is
+        the agent brought to real steps (after the best candidate; :meth:`_validate`), the others
         until :attr:`Round.check_at` (a pick's check still fits after it, with a margin over the
         check's own 1.2: a machine busier now would leave it a few seconds short), or, where
         that has passed when they start, in any time left too (a lead over auto cannot be
@@ -719,14 +720,25 @@ class SearchRunner:
         def note(v: Validated) -> None:
             self._note_validated(trials.get(v.key.number) if v.key.is_trial else None, v)
 
-        # torch, auto and the round's agent (where none reached real steps yet: the warm-started
-        # one, which starts at auto, else the best; whether an agent is level with auto is the
-        # question RL answers) in any time left, the rest until the round's check_at
-        always = [o for o in order if o[0] in (TORCH, AUTO, agent)]
-        results = validator.run(always, self.budget.end, on_done=note) if always else {}
-        rest = [o for o in order if o not in always]
-        until = r.check_at if r.check_at > time.monotonic() else self.budget.end
-        results.update(validator.run(rest, until, on_done=note) if rest else {})
+        # torch, auto and, after the best candidate, the round's agent (where none reached real
+        # steps yet: the warm-started one, which starts at auto, else the best; whether an agent
+        # is level with auto is the question RL answers) in any time left; the others until the
+        # round's check_at (a pick's check still fits after it), or in any time left where it
+        # has passed when they start
+        results: dict[str, Validated] = {}
+        keys = [o[0] for o in order]
+        cut = keys.index(agent) if agent in keys else len(order)
+        groups = [
+            ([o for o in order if o[0] in (TORCH, AUTO)], True),
+            ([o for o in order[:cut] if o[0] not in (TORCH, AUTO)], False),
+            (order[cut : cut + 1], True),
+            ([o for o in order[cut + 1 :] if o[0] not in (TORCH, AUTO)], False),
+        ]
+        for group, any_time in groups:
+            late = any_time or r.check_at <= time.monotonic()
+            if group:
+                until = self.budget.end if late else r.check_at
+                results.update(validator.run(group, until, on_done=note))
         self.validated.update(results)
         if not results and not first:  # a later round that fitted nothing says nothing new
             validator.skipped.clear()

@@ -130,9 +130,11 @@ def test_the_stop_rule_in_order():
     assert said == [f"[6/6 export] stopping with 50m left: {runner.result.stopped_early}"]
 
 
-def test_the_rounds_agent_is_validated_in_any_time_left_beside_torch_and_auto(monkeypatch):
-    """Past the round's check_at, torch, auto and the agent (where none reached real steps yet)
-    are validated until the budget's end; the rest only until check_at (here: passed)."""
+def test_the_rounds_agent_is_validated_in_any_time_left_after_the_best_candidate(monkeypatch):
+    """torch and auto, then the best candidate until the round's check_at, then the agent (where
+    none reached real steps yet) in any time left, then the rest until check_at; once check_at
+    has passed, everything in any time left."""
+    import time
     from types import SimpleNamespace
 
     from autoscale.search.candidates import AUTO, TORCH, Candidate
@@ -140,7 +142,8 @@ def test_the_rounds_agent_is_validated_in_any_time_left_beside_torch_and_auto(mo
 
     runner, said = _decider()
     best, agent, other = Candidate.trial(3), Candidate.trial(7), Candidate.trial(9)
-    order = [(k, str(k), None) for k in (TORCH, AUTO, best, agent, Candidate.rule("a"), other)]
+    rule = Candidate.rule("a")
+    order = [(k, str(k), None) for k in (TORCH, AUTO, best, agent, rule, other)]
     monkeypatch.setattr(runner, "_to_validate", lambda k: (order, [], {}, agent))
     calls = []
 
@@ -150,14 +153,22 @@ def test_the_rounds_agent_is_validated_in_any_time_left_beside_torch_and_auto(mo
 
     runner.validator = SimpleNamespace(run=run, skipped=[], names=["e"])
     runner.plan = SimpleNamespace(rules=("torch", "a"), steps=8)
-    runner._validate(Round(2, 3, None, 0.0))  # check_at long past
-    assert calls[0] == ([TORCH, AUTO, agent], runner.budget.end)
-    assert calls[1][0] == [best, Candidate.rule("a"), other]
-    # no agent to bring (one reached real steps before): torch and auto alone
+    end, check_at = runner.budget.end, time.monotonic() + 10_000.0
+    runner._validate(Round(2, 3, None, check_at))
+    assert calls == [
+        ([TORCH, AUTO], end),
+        ([best], check_at),
+        ([agent], end),
+        ([rule, other], check_at),
+    ]
+    calls.clear()
+    runner._validate(Round(2, 3, None, 0.0))  # check_at long past: all in any time left
+    assert calls == [([TORCH, AUTO], end), ([best], end), ([agent], end), ([rule, other], end)]
+    # no agent to bring (one reached real steps before): the rest until check_at, in order
     calls.clear()
     monkeypatch.setattr(runner, "_to_validate", lambda k: (order, [], {}, None))
-    runner._validate(Round(2, 3, None, 0.0))
-    assert calls[0] == ([TORCH, AUTO], runner.budget.end)
+    runner._validate(Round(2, 3, None, check_at))
+    assert calls == [([TORCH, AUTO], end), ([best, agent, rule, other], check_at)]
 
 
 def test_the_agent_brought_to_real_steps_is_the_warm_started_one(monkeypatch):
