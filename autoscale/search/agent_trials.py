@@ -60,11 +60,9 @@ class RLObjective(Objective):
         """Whether agents can train on ``suite``'s recorded train instances: with two per member
         one selects the agent; with one, only where a shipped residual agent starts them (it is
         judged by the real-step validation alone); ``warn`` says why not."""
-        from autoscale.agents.warm import RESIDUAL, shipped_agent
-
         if min(len(m.instances["train"]) for m in suite.members) >= 2:
             return True
-        if warm_start and shipped_agent(which=RESIDUAL) is not None:
+        if warm_start and RLObjective.warm_ships():
             return True
         if warn is not None:
             warn(

@@ -638,10 +638,8 @@ class SearchRunner:
         waiting = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
         if not waiting or self.plan.space not in ("parametric", "both"):
             return
-        n = sum(self.counts.values()) + len(waiting)
-        n = n if self.cfg.n_trials is None else min(n, self.cfg.n_trials)
         stop_at = time.monotonic() + RLObjective.MIN_TRIAL_S * len(waiting)
-        self._trials(self._parametric(), stop_at, n_trials=n, progress=False)
+        self._trials(self._parametric(), stop_at, n_trials=self._more(len(waiting)), progress=False)
 
     def _warm_trial(self, stop: float) -> None:
         """The study's first RL trial, the shipped residual agent fine-tuned on the replay
@@ -653,10 +651,13 @@ class SearchRunner:
             t.user_attrs.get("warm_start") for t in self.study.get_trials(deepcopy=False)
         ):
             return
-        n = sum(self.counts.values()) + 1
-        n = n if self.cfg.n_trials is None else min(n, self.cfg.n_trials)
         stop_at = max(stop, time.monotonic() + RLObjective.MIN_TRIAL_S)
-        self._trials(objective_fn, stop_at, n_trials=n, progress=False)
+        self._trials(objective_fn, stop_at, n_trials=self._more(1), progress=False)
+
+    def _more(self, k: int) -> int:
+        """This worker's trial count after ``k`` more, within ``--n-trials``."""
+        n = sum(self.counts.values()) + k
+        return n if self.cfg.n_trials is None else min(n, self.cfg.n_trials)
 
     def _tail_search(self, start_by: float) -> None:
         """The tail's last seconds: parametric replay trials to the end, where it is not past

@@ -97,7 +97,7 @@ class LossGuard:
         # the limit depends on the losses only through the cut (none without a floor): most
         # steps leave it as it was, and the scaler reads it every step
         cut = self._cut()
-        if cut != self._limit_cut and self.guard_floor:
+        if self.guard_floor and cut != self._limit_cut:
             self._stale = True
         if stats.found_inf or not math.isfinite(stats.grad_amax):
             if stats.guarded and usable:
