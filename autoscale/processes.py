@@ -59,23 +59,36 @@ class _Sticky:
 
     def __init__(self) -> None:
         self.pending = False
-        self.deferred = False  # came inside an import: raised after it, not in it
+        self.deferred = False  # came inside an import or a storage call: raised after it
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self.pending = True
-        if _importing(frame):
+        if not self.deferred and _held_back(frame):
             # an exception raised inside an import can leave a module half set up, and a class
             # body's __set_name__ wraps it in a RuntimeError that a caller's `except Exception`
-            # takes for a failure (a search then ran on past Ctrl-C): raised at the next check
+            # takes for a failure (a search then ran on past Ctrl-C); one raised inside a
+            # storage call makes SQLAlchemy close the connection under its own cursor and log
+            # "Error closing cursor" with a traceback: raised at the next check instead. A
+            # second Ctrl-C meanwhile is raised where it lands.
             self.deferred = True
             return
+        self.deferred = False  # a held one goes out with this one
         raise KeyboardInterrupt
 
 
-def _importing(frame: FrameType | None) -> bool:
-    """Whether ``frame`` runs inside an import."""
+_HELD_BACK = (
+    "<frozen importlib",  # an import
+    f"{os.sep}sqlalchemy{os.sep}",  # a storage call: Optuna's RDB storage and its driver
+    f"{os.sep}optuna{os.sep}storages{os.sep}",  # any Optuna storage (a journal file's lock)
+)
+
+
+def _held_back(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside an import or a storage call, where a KeyboardInterrupt
+    raised at once does harm."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
+        name = frame.f_code.co_filename
+        if name.startswith(_HELD_BACK[0]) or any(part in name for part in _HELD_BACK[1:]):
             return True
         frame = frame.f_back
     return False
@@ -93,9 +106,10 @@ def sticky_interrupt() -> Iterator[None]:
     no further: the command runs on as if Ctrl-C had never been pressed. Inside this block the
     handler also remembers the signal, and :func:`raise_if_interrupted` (called at every training
     step and between trials) raises it again where it was dropped; the "Exception ignored"
-    traceback of a dropped one is not printed. A Ctrl-C that comes inside an import is raised
-    after it (at the next check, or at the end of the block). A SIGINT that is ignored, or
-    handled by the program's own handler, stays so; outside the main thread nothing changes.
+    traceback of a dropped one is not printed. A Ctrl-C that comes inside an import or a storage
+    call (SQLAlchemy, an Optuna storage) is raised after it, at the next check or at the end of
+    the block; a second one is raised at once. A SIGINT that is ignored, or handled by the
+    program's own handler, stays so; outside the main thread nothing changes.
     """
     if threading.current_thread() is not threading.main_thread():
         yield

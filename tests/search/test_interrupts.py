@@ -167,3 +167,51 @@ def test_a_ctrl_c_inside_an_import_is_raised_after_it_not_in_it(tmp_path, monkey
         importlib.import_module("sigint_mid_import")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     del sys.modules["sigint_mid_import"]
+
+
+def test_a_ctrl_c_inside_a_storage_call_is_raised_after_it_not_in_it(tmp_path, caplog):
+    """A KeyboardInterrupt raised inside SQLAlchemy's fetch (a pruner reading the study mid-trial)
+    made it close the connection under its own cursor and log "Error closing cursor" with a
+    traceback: a records search's Ctrl-C printed one (a CI failure). Under ``sticky_interrupt``
+    the storage call completes and the Ctrl-C comes at the next check; a second Ctrl-C while one
+    is held is raised where it lands."""
+    import logging
+
+    import optuna
+    from sqlalchemy import event
+
+    from autoscale.processes import raise_if_interrupted, sticky_interrupt
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'study.db'}")
+    study = optuna.create_study(storage=storage, study_name="s")
+    for x in range(3):
+        study.add_trial(optuna.trial.create_trial(value=float(x), params={}, distributions={}))
+    presses: list[int] = []
+
+    def ctrl_c(*_args) -> None:  # runs inside SQLAlchemy's execute, as a SIGINT during it would
+        for _ in range(presses.pop() if presses else 0):
+            signal.raise_signal(signal.SIGINT)
+
+    event.listen(storage.engine, "after_cursor_execute", ctrl_c)
+    caplog.set_level(logging.WARNING, logger="sqlalchemy")
+    with sticky_interrupt():
+        presses.append(1)
+        try:
+            trials = study.get_trials(deepcopy=False)
+        except KeyboardInterrupt:
+            pytest.fail("the Ctrl-C was raised inside the storage call")
+        assert len(trials) == 3  # the call ran to its end
+        assert presses == []
+        with pytest.raises(KeyboardInterrupt):
+            raise_if_interrupted()
+        raise_if_interrupted()  # once only
+        presses.append(2)
+        with pytest.raises(KeyboardInterrupt):
+            study.get_trials(deepcopy=False)  # pressed again: out at once
+        with pytest.raises(KeyboardInterrupt):
+            raise_if_interrupted()  # remembered until a check sees it (one Python may drop)
+    # the held one went out with the second: the block's end raises nothing
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("sqlalchemy")] == []
+    assert len(study.get_trials(deepcopy=False)) == 3  # the storage still answers
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

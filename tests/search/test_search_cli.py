@@ -36,8 +36,11 @@ def test_ninety_second_search_spends_its_budget_and_exports_a_loadable_policy(se
     assert run.wall_s <= SEARCH_BUDGET_S * 1.05, f"took {run.wall_s:.1f} s of {SEARCH_BUDGET_S} s"
     done = re.search(r"done in ([\dms.]+) of a 1m30s budget", run.out)
     assert done, run.out[-2000:]
-    if "stopping with" not in run.out:  # the budget is spent, or the search says why not
-        assert parse_budget(done.group(1)) >= 0.9 * SEARCH_BUDGET_S, run.out[-2000:]
+    # the budget is spent, but for what the search says it left and why (a slow machine's tail)
+    stop = re.search(r"stopping with ([\dms.]+) left: (.+)", run.out)
+    left = parse_budget(stop.group(1)) if stop else 0.0
+    assert parse_budget(done.group(1)) + left >= 0.9 * SEARCH_BUDGET_S, run.out[-2000:]
+    assert stop is None or stop.group(2).startswith("less than a round is left"), stop.group(0)
     for k, phase in enumerate(("measure", "plan", "record", "search", "validate", "export"), 1):
         assert f"[{k}/6 {phase}]" in run.out
     # the ranking: every built-in rule and the candidates on the same real test episodes
