@@ -17,6 +17,14 @@ _SESSION_HOME = tempfile.mkdtemp(prefix="autoscale-home-")
 atexit.register(shutil.rmtree, _SESSION_HOME, ignore_errors=True)
 os.environ["AUTOSCALE_HOME"] = _SESSION_HOME
 
+# Under pytest-xdist (`-n 2`) each worker is one of the processes sharing the cores: one torch
+# thread each, as the scaler and integration tests already run (two workers of two threads each
+# on two cores spend their time waiting for each other). Subprocesses keep torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def autoscale_home(tmp_path, monkeypatch):

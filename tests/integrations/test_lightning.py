@@ -2,59 +2,46 @@
 
 from __future__ import annotations
 
+import importlib.util
+from typing import TYPE_CHECKING
+
 import pytest
-
-pytest.importorskip("lightning", reason="needs lightning: pip install -e '.[dev]'")
-
-
-import lightning.pytorch as L
 import torch
-from lightning.pytorch.plugins import FSDPPrecision, MixedPrecision
 
 import autoscale
-from autoscale.integrations.lightning import fsdp_precision_plugin, mixed_precision_plugin
 from autoscale.scalers.scaler import LossScaler
 from tests.integrations.helpers import (
     FAST_TORCH,
     SCALE,
     assert_three_clean_fp16_steps,
     lightning_trainer,
-    record_output_dtypes,
-    regression_batches,
-    tiny_mlp,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as L
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from tests.integrations.lightning_modules import Regression
+
+# Lightning is imported by the tests that run it (tests.integrations.lightning_modules)
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None,
+    reason="needs lightning: pip install -e '.[dev]'",
 )
 
 
-class _Regression(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = tiny_mlp()
-        self.dtypes = record_output_dtypes(self.net[0])
-        self.stats = []
+def _fit(plugin: MixedPrecision, max_steps: int, ckpt_path=None) -> tuple[L.Trainer, Regression]:
+    from tests.integrations.lightning_modules import Regression
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x).float(), y)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.stats.append(self.trainer.precision_plugin.scaler.last_stats)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def train_dataloader(self):
-        x, y = (torch.cat(t) for t in zip(*regression_batches(3)))  # 3 steps an epoch
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
-
-
-def _fit(plugin: MixedPrecision, max_steps: int, ckpt_path=None) -> tuple[L.Trainer, _Regression]:
     trainer = lightning_trainer(plugin, max_steps, gradient_clip_val=1.0)
-    module = _Regression()
+    module = Regression()
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, module
 
 
 def _plugin(init_scale: float) -> MixedPrecision:
+    from autoscale.integrations.lightning import mixed_precision_plugin
+
     return mixed_precision_plugin("torch", device="cpu", **{**FAST_TORCH, "init_scale": init_scale})
 
 
@@ -84,6 +71,10 @@ def test_fit_uses_the_scaler_and_checkpoints_it(tmp_path, clip_spy):
 def test_fsdp_plugin_holds_the_scaler():
     # FSDPPrecision autocasts on CUDA only, and Lightning's FSDP needs CUDA: only the plugin is
     # checked here (its own scaler= argument raises in Lightning 2.6, hence the workaround).
+    from lightning.pytorch.plugins import FSDPPrecision
+
+    from autoscale.integrations.lightning import fsdp_precision_plugin
+
     plugin = fsdp_precision_plugin(
         "deepspeed", device="cpu", init_scale=2.0**10, loss_scale_window=5
     )
@@ -100,37 +91,6 @@ def test_fsdp_plugin_holds_the_scaler():
     assert other.scaler.get_scale() == 2.0**10
 
 
-class _Scheduled(_Regression):
-    """Infinite loss at the batches in ``bad``; a StepLR stepped every batch. With
-    ``skip_aware`` the module's ``lr_scheduler_step`` asks the scaler first (the README's)."""
-
-    def __init__(self, bad: set[int], skip_aware: bool) -> None:
-        super().__init__()
-        self.bad, self.skip_aware, self.lrs = bad, skip_aware, []
-
-    def training_step(self, batch, batch_idx):
-        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
-        loss = super().training_step(batch, batch_idx)
-        return loss * float("inf") if batch_idx in self.bad else loss
-
-    def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        pass  # a GradScaler has no last_stats
-
-    def lr_scheduler_step(self, scheduler, metric):
-        if self.skip_aware and self.trainer.precision_plugin.scaler.step_was_skipped:
-            return  # the optimizer did not step: neither does the schedule
-        super().lr_scheduler_step(scheduler, metric)
-
-    def train_dataloader(self):
-        x, y = (torch.cat(t) for t in zip(*regression_batches(6)))
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
-
-
 @pytest.mark.parametrize(
     ("scaler", "skip_aware"),
     [("GradScaler", False), ("autoscale", False), ("autoscale", True)],
@@ -139,12 +99,16 @@ def test_scheduler_on_skipped_steps(scaler, skip_aware):
     """Lightning (2.6) steps a step-interval scheduler after every optimizer step, skipped or
     not, with GradScaler as with ours; overriding ``lr_scheduler_step`` with the scaler's
     ``step_was_skipped`` holds it on skipped steps."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from tests.integrations.lightning_modules import Scheduled
+
     plugin = (
         MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=SCALE))
         if scaler == "GradScaler"
         else _plugin(SCALE)
     )
-    module = _Scheduled(bad={2, 4}, skip_aware=skip_aware)
+    module = Scheduled(bad={2, 4}, skip_aware=skip_aware)
     trainer = lightning_trainer(plugin, 6)
     trainer.fit(module)
     sched = trainer.lr_scheduler_configs[0].scheduler

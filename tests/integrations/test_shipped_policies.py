@@ -4,23 +4,15 @@ Lightning) and carries its state through each framework's checkpoint."""
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("lightning", reason="needs lightning: pip install -e '.[dev]'")
-pytest.importorskip("accelerate", reason="needs accelerate: pip install -e '.[dev]'")
-pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[dev]'")
-
-
+import importlib.util
 import math
 from pathlib import Path
 
-import lightning.pytorch as L
+import pytest
 import torch
 
 import autoscale
 from autoscale.integrations import make_accelerator
-from autoscale.integrations.lightning import mixed_precision_plugin
-from autoscale.integrations.trainer import AutoscaleTrainer
 from tests.integrations.helpers import (
     ByteDataset,
     lightning_trainer,
@@ -35,11 +27,20 @@ SHIPPED = sorted(p.name for p in (ROOT / "policies").iterdir() if (p / "policy.y
 BAD = 2  # the step whose loss is made infinite: skipped at any scale
 
 
+# each framework is imported by its test, not at collection (seconds each)
+_NEEDS = "needs {}: pip install -e '.[dev]'"
+
+
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
 def _params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
 
 
 @pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.skipif(not _installed("accelerate"), reason=_NEEDS.format("accelerate"))
 def test_accelerate(name, tmp_path):
     accelerator = make_accelerator(name, cpu=True)
     scaler = accelerator.scaler
@@ -72,8 +73,11 @@ def test_accelerate(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.skipif(not _installed("transformers"), reason=_NEEDS.format("transformers"))
 def test_hf_trainer(name, tmp_path):
     from transformers import TrainerCallback
+
+    from autoscale.integrations.trainer import AutoscaleTrainer
 
     def trainer(max_steps: int) -> AutoscaleTrainer:
         args = trainer_args(tmp_path, max_steps)
@@ -107,31 +111,18 @@ def test_hf_trainer(name, tmp_path):
     assert resumed.loss_scaler.steps == 3
 
 
-class _Regression(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = tiny_mlp()
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x).float(), y)
-        return loss * math.inf if batch_idx == BAD else loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-    def train_dataloader(self):
-        x, y = (torch.cat(t) for t in zip(*regression_batches(6)))
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
-
-
 @pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.skipif(not _installed("lightning"), reason=_NEEDS.format("lightning"))
 def test_lightning(name, tmp_path):
+    # Lightning is imported here, not at collection (seconds)
+    from autoscale.integrations.lightning import mixed_precision_plugin
+    from tests.integrations.lightning_modules import InfAtBatch
+
     plugin = mixed_precision_plugin(name, device="cpu")
     scaler = plugin.scaler
     assert scaler.name == autoscale.get_scaler(name, device="cpu").name
     trainer = lightning_trainer(plugin, 6, gradient_clip_val=1.0)
-    module = _Regression()
+    module = InfAtBatch(BAD)
     before = _params(module)
     trainer.fit(module)
     assert trainer.precision_plugin.scaler is scaler

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+from typing import TYPE_CHECKING
+
 import pytest
-
-pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[dev]'")
-
-
 import torch
-from transformers import TrainerCallback, TrainingArguments
 
 from autoscale.errors import ConfigError
-from autoscale.integrations.trainer import AutoscaleTrainer
 from autoscale.scalers.scaler import LossScaler
 from tests.integrations.helpers import (
     SCALE,
@@ -23,23 +20,21 @@ from tests.integrations.helpers import (
     trainer_args,
 )
 
+if TYPE_CHECKING:
+    from autoscale.integrations.trainer import AutoscaleTrainer
+    from tests.integrations.trainer_parts import Record
 
-class _Record(TrainerCallback):
-    """The scale each step starts with, and the scaler's record of each step."""
-
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
-        self.scales: list[float] = []
-        self.stats = []
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.scales.append(self.trainer.loss_scaler.get_scale())
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.stats.append(self.trainer.loss_scaler.last_stats)
+# transformers is imported by the tests that run it (tests.integrations.trainer_parts)
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="needs transformers: pip install -e '.[dev]'",
+)
 
 
-def _trainer(out, max_steps: int, init_scale: float) -> tuple[AutoscaleTrainer, _Record]:
+def _trainer(out, max_steps: int, init_scale: float) -> tuple[AutoscaleTrainer, Record]:
+    from autoscale.integrations.trainer import AutoscaleTrainer
+    from tests.integrations.trainer_parts import Record
+
     trainer = AutoscaleTrainer(
         model=tiny_gpt2(),
         args=trainer_args(out, max_steps),
@@ -47,7 +42,7 @@ def _trainer(out, max_steps: int, init_scale: float) -> tuple[AutoscaleTrainer, 
         scaler="torch",
         scaler_overrides={"init_scale": init_scale, "growth_interval": 3, "collect_stats": True},
     )
-    record = _Record(trainer)
+    record = Record(trainer)
     trainer.add_callback(record)
     return trainer, record
 
@@ -83,6 +78,10 @@ def test_trains_with_the_scaler_and_resumes_its_state(tmp_path, clip_spy):
 
 
 def test_requires_fp16(tmp_path):
+    from transformers import TrainingArguments
+
+    from autoscale.integrations.trainer import AutoscaleTrainer
+
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
     with pytest.raises(
         ConfigError,
@@ -91,32 +90,16 @@ def test_requires_fp16(tmp_path):
         AutoscaleTrainer(model=tiny_gpt2(), args=args, train_dataset=ByteDataset(), scaler="torch")
 
 
-class _InfLossTrainer(AutoscaleTrainer):
-    """Multiplies the loss of the optimizer steps in ``bad`` (0-based) by inf."""
-
-    bad: frozenset[int] = frozenset()
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        loss = super().compute_loss(model, inputs, *args, **kwargs)
-        return loss * float("inf") if self.state.global_step in self.bad else loss
-
-
-class _LearningRates(TrainerCallback):
-    def __init__(self) -> None:
-        self.lrs: list[float] = []
-
-    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
-        self.lrs.append(optimizer.param_groups[0]["lr"])
-
-
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
 def test_skipped_steps_hold_the_learning_rate_schedule(tmp_path, optim):
     """The Trainer steps its scheduler only when ``accelerator.optimizer_step_was_skipped`` is
     False, which our skips set as GradScaler's do (tests/integrations/test_accelerate.py); a
     fused optimizer skips inside its kernel, unseen by Accelerate, so the schedule advances."""
+    from tests.integrations.trainer_parts import InfLossTrainer, LearningRates
+
     args = trainer_args(tmp_path, max_steps=6, optim=optim, lr_scheduler_type="linear")
     args.save_strategy = "no"
-    trainer = _InfLossTrainer(
+    trainer = InfLossTrainer(
         model=tiny_gpt2(),
         args=args,
         train_dataset=ByteDataset(n=24),
@@ -124,7 +107,7 @@ def test_skipped_steps_hold_the_learning_rate_schedule(tmp_path, optim):
         scaler_overrides={"init_scale": SCALE},
     )
     trainer.bad = frozenset({2, 3})
-    lrs = _LearningRates()
+    lrs = LearningRates()
     trainer.add_callback(lrs)
     trainer.train()
 

@@ -47,6 +47,7 @@ def test_tensorboard_tags_of_a_second_scaler(tmp_path):
     assert [e.value for e in acc.Scalars("autoscale/scaler1/scale")] == [2.0**10] * 3
 
 
+@pytest.mark.slow  # importing wandb takes over a second
 def test_wandb_never_moves_the_programs_own_step(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb", reason="W&B logging needs wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -9,6 +9,8 @@ minimum, as eager use does.)
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -22,9 +24,15 @@ from tests.reference.helpers import (
     sequences,
 )
 
-jax = pytest.importorskip("jax", reason="JAX is not installed: pip install -e '.[reference]'")
-jmp = pytest.importorskip("jmp", reason="jmp is not installed: pip install -e '.[reference]'")
-jnp = jax.numpy
+
+@functools.cache
+def _jax():
+    """JAX and jmp, imported by the first test that runs them (a second of import each time the
+    tests are collected otherwise); the test skips where they are not installed."""
+    jax = pytest.importorskip("jax", reason="JAX is not installed: pip install -e '.[reference]'")
+    jmp = pytest.importorskip("jmp", reason="jmp is not installed: pip install -e '.[reference]'")
+    return jax, jmp, jax.numpy
+
 
 # DynamicLossScale's (loss_scale, period, factor, min_loss_scale); the first is jmp's defaults
 # with the initial scale of its examples
@@ -37,6 +45,8 @@ CASES = {
 
 
 def upstream(overflows, init, period, factor, min_scale):
+    jax, jmp, jnp = _jax()
+
     def step(carry, finite):
         loss_scale, counter = carry
         state = jmp.DynamicLossScale(
@@ -98,6 +108,7 @@ def test_jmp_grows_past_our_default_max_scale():
 
 def eager(overflows, init, period, factor, min_scale):
     """jmp's adjust step by step, outside jit."""
+    _, jmp, jnp = _jax()
     state = jmp.DynamicLossScale(
         jnp.float32(init), period=period, factor=factor, min_loss_scale=jnp.float32(min_scale)
     )

@@ -8,6 +8,7 @@ float32 arithmetic and asserts are Megatron's.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import warnings
@@ -24,17 +25,25 @@ from tests.reference.helpers import (
     sequences,
 )
 
-with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed"
-    warnings.simplefilter("ignore")
-    grad_scaler = pytest.importorskip(
-        "megatron.core.optimizer.grad_scaler",
-        reason="megatron-core is not installed: pip install -e '.[reference]'",
-    )
-
 CUDA_ARG = "device='cuda'"
 
 
-def _on_cpu() -> types.ModuleType:
+@functools.cache
+def _grad_scaler() -> types.ModuleType:
+    """megatron-core's grad_scaler module, imported by the first test that runs it (a second of
+    import each time the tests are collected otherwise); the test skips where it is missing."""
+    with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed"
+        warnings.simplefilter("ignore")
+        return pytest.importorskip(
+            "megatron.core.optimizer.grad_scaler",
+            reason="megatron-core is not installed: pip install -e '.[reference]'",
+        )
+
+
+@functools.cache
+def _megatron() -> types.ModuleType:
+    """Megatron's grad_scaler module, run once more with its scale tensors on the CPU."""
+    grad_scaler = _grad_scaler()
     source = inspect.getsource(grad_scaler)
     patched = source.replace(CUDA_ARG, "device='cpu'")
     assert source.count(CUDA_ARG) == 4  # the scale, min_scale and the two factors
@@ -45,8 +54,6 @@ def _on_cpu() -> types.ModuleType:
     exec(compile(patched, inspect.getsourcefile(grad_scaler), "exec"), module.__dict__)
     return module
 
-
-MEGATRON = _on_cpu()
 
 # DynamicGradScaler's arguments: (initial_scale, min_scale, growth_factor, backoff_factor,
 # growth_interval, hysteresis); the first is Megatron's defaults (megatron/training/arguments.py).
@@ -60,7 +67,7 @@ CASES = {
 
 
 def upstream(overflows, init, min_scale, growth, backoff, interval, hysteresis):
-    s = MEGATRON.DynamicGradScaler(init, min_scale, growth, backoff, interval, hysteresis)
+    s = _megatron().DynamicGradScaler(init, min_scale, growth, backoff, interval, hysteresis)
     assert s.scale.device.type == "cpu" and s.scale.dtype == torch.float32
     out = []
     for flag in overflows:
@@ -82,10 +89,10 @@ def ours(overflows, init, min_scale, growth, backoff, interval, hysteresis, max_
 
 
 def test_running_megatrons_own_code_on_cpu():
-    s = MEGATRON.DynamicGradScaler(2.0**32, 1.0, 2.0, 0.5, 1000, 2)
-    assert type(s).update.__code__.co_filename == inspect.getsourcefile(grad_scaler)
+    s = _megatron().DynamicGradScaler(2.0**32, 1.0, 2.0, 0.5, 1000, 2)
+    assert type(s).update.__code__.co_filename == inspect.getsourcefile(_grad_scaler())
     with pytest.raises(AssertionError):  # its own argument checks run too
-        MEGATRON.DynamicGradScaler(2.0**32, 1.0, 0.5, 0.5, 1000, 2)
+        _megatron().DynamicGradScaler(2.0**32, 1.0, 0.5, 0.5, 1000, 2)
 
 
 @pytest.mark.slow  # 10,000-step sequences x 10 seeds

@@ -37,6 +37,7 @@ def test_an_export_without_a_folder_goes_to_the_users_home(home):
     assert not (Path.cwd() / "policies").exists()  # not the working directory's
 
 
+@pytest.mark.slow  # a Python subprocess that imports torch
 def test_an_exported_policy_is_found_from_any_folder(home, tmp_path):
     export_parametric("torch", {"growth_interval": 100}, "mine")
     sub = Path.cwd() / "src" / "deep"
@@ -90,6 +91,7 @@ def test_an_unknown_name_says_where_it_looked_and_how_to_point_at_a_folder(home,
     assert f"{policies.POLICY_PATH_ENV}=DIR" in message
 
 
+@pytest.mark.slow  # an `autoscale wrap` subprocess
 def test_the_cli_line_for_an_unknown_policy(home, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOSCALE_HOME": str(home)}
     env.pop(policies.POLICY_PATH_ENV, None)

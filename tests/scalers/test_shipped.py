@@ -71,6 +71,7 @@ def test_manifest_is_intact(name):
         assert m.weights_sha256 is None and m.feature_version is None
 
 
+@pytest.mark.slow  # a Python subprocess that imports torch
 @pytest.mark.parametrize("name", SHIPPED)
 def test_plain_loop_with_torch_alone(name):
     code = f"NAME = {name!r}\nHEAVY = {HEAVY!r}\n{LOOP}"

@@ -816,6 +816,7 @@ def test_gradscalers_deprecated_constructors_warn():
                 getattr(torch, what).amp.GradScaler(init_scale=2.0)
 
 
+@pytest.mark.slow  # a Python subprocess under autoscale wrap
 @pytest.mark.parametrize("what", ["cuda", "cpu"])
 def test_a_wrapped_deprecated_constructor_builds_autoscales_scaler_and_warns(
     wrapped_deprecated, what

@@ -29,7 +29,13 @@ def _factories(**named):
     ("member", "rule", "kw", "steps"),
     [
         ("mlp/bad-batches", "torch", {}, 12),
-        ("gpt2-tiny/rl-finetune", "amax-loss", {"probe_after": 8, "guard_floor": 12}, 5),
+        pytest.param(
+            "gpt2-tiny/rl-finetune",
+            "amax-loss",
+            {"probe_after": 8, "guard_floor": 12},
+            5,
+            marks=pytest.mark.slow,  # a transformer's run: seconds
+        ),
     ],
 )
 def test_the_reference_backward_leaves_the_run_where_it_was(member, rule, kw, steps):
@@ -83,6 +89,7 @@ def test_a_rollout_the_step_samples_is_sampled_as_the_step_samples_it(monkeypatc
     assert torch.equal(ref_tokens, step_tokens)
 
 
+@pytest.mark.slow  # long runs of a conv net with the reference backward: seconds
 def test_exact_zeros_are_the_models_and_flushed_ones_the_scales():
     """On cnn/token-sum many gradient elements are zero in exact arithmetic too (ReLUs off for
     the whole batch): torch keeps nearly all of the others, so they do not count against it,
