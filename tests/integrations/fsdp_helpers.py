@@ -5,6 +5,7 @@ overflow in one element of its shard alone, on the last rank."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import traceback
@@ -192,6 +193,9 @@ def _worker(
         results = {"error": traceback.format_exc()}
     # written before the process group goes away, so that a failure is reported with its cause
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    # the scenarios' sharded models hold the group through reference cycles: collected before
+    # it, or its gloo threads are destroyed at exit, which can abort (scripts/fsdp_run.py)
+    gc.collect()
     dist.destroy_process_group()
 
 
