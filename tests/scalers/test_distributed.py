@@ -7,6 +7,7 @@ amax a rule reads is the maximum over the ranks.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import traceback
@@ -258,6 +259,7 @@ def _worker2(rank: int, init_file: str, out_dir: str) -> None:
     except Exception:
         out = {"error": traceback.format_exc()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    gc.collect()  # DDP's reducers hold the group: gone before it (tests/integrations/fsdp_helpers)
     dist.destroy_process_group()
 
 
@@ -338,6 +340,7 @@ def _worker4(rank: int, init_file: str, out_dir: str) -> None:
     except Exception:
         out = {"error": traceback.format_exc()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    gc.collect()  # DDP's reducers hold the group: gone before it (tests/integrations/fsdp_helpers)
     dist.destroy_process_group()
 
 
