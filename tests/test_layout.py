@@ -227,11 +227,6 @@ LONG_FUNCTIONS = {
     "autoscale/envs/from_records.py:suite_from_records": 108,
     "autoscale/search/plan.py:make_plan": 101,
     "autoscale/report/page.py:write_report": 95,
-    "autoscale/commands/search.py:run": 81,
-    "autoscale/envs/spec.py:from_dict": 87,
-    "autoscale/selection/auto.py:export": 84,
-    "autoscale/search/loop.py:run": 81,
-    "autoscale/envs/traces.py:record_trace": 83,
 }
 FUNCTION_CAP = 80
 

@@ -118,7 +118,7 @@ class SearchCommand(Command):
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        from autoscale.search.budget import Budget, format_duration, parse_budget
+        from autoscale.search.budget import Budget, parse_budget
 
         budget = Budget.from_process_start(parse_budget(args.budget))
         from autoscale.commands.run import parse_pairs
@@ -187,16 +187,7 @@ class SearchCommand(Command):
         except KeyboardInterrupt:
             print(_interrupted(runner.counts, study, runner.result), file=sys.stderr)
             return 130
-        ledger = result.ledger
-        work, bk = ledger.total("work:"), ledger.total("bk:")
-        print(
-            f"done in {format_duration(result.wall_s)} of a {format_duration(result.budget_s)} budget; "
-            f"training and evaluation {100 * work / result.wall_s:.0f}%, bookkeeping (storage, plots, notes, "
-            f"artifacts) {100 * bk / result.wall_s:.1f}%; this worker ran {sum(result.trials.values())} trials"
-        )
-        for line in result.answer:
-            print(line)
-        print(f"review it with: autoscale dashboard --storage {mask_url(args.storage)}")
+        _print_done(result, mask_url(args.storage))
         return 0
 
     def _on_traces(self, args: argparse.Namespace, budget: Any) -> int:
@@ -268,3 +259,19 @@ def _interrupted(counts: dict[str, int], study: str, result: Any, held: str = ""
         f"interrupted: this worker's {counts['complete']} complete and {counts['pruned']} pruned "
         f"trials are kept in study '{study}'{held}; {exported}; the same command resumes it"
     )
+
+
+def _print_done(result: Any, storage: str) -> None:
+    """A workload search's last lines: its time and where it went, the answer, the dashboard."""
+    from autoscale.search.budget import format_duration
+
+    ledger = result.ledger
+    work, bk = ledger.total("work:"), ledger.total("bk:")
+    print(
+        f"done in {format_duration(result.wall_s)} of a {format_duration(result.budget_s)} budget; "
+        f"training and evaluation {100 * work / result.wall_s:.0f}%, bookkeeping (storage, plots, notes, "
+        f"artifacts) {100 * bk / result.wall_s:.1f}%; this worker ran {sum(result.trials.values())} trials"
+    )
+    for line in result.answer:
+        print(line)
+    print(f"review it with: autoscale dashboard --storage {storage}")

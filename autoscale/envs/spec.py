@@ -320,29 +320,7 @@ class EnvSpec:
             scale_time=scale_time,
             **{k: _num(k, v) for k, v in ep.items()},
         )
-        inst_data = data.get("instances") or {}
-        if not isinstance(inst_data, dict):
-            raise ConfigError(f"{where}: 'instances' must map set names to lists")
-        instances: dict[str, tuple[InstanceSpec, ...]] = {}
-        for set_name, items in inst_data.items():
-            if not isinstance(items, list):
-                raise ConfigError(f"{where}: instances.{set_name} must be a list")
-            group = []
-            for item in items:
-                if isinstance(item, int):
-                    item = {"seed": item}
-                if not isinstance(item, dict):
-                    raise ConfigError(
-                        f"{where}: instances.{set_name} entries must be mappings or seeds, got {item!r}"
-                    )
-                check_keys(f"{where}: instances.{set_name}", item, ["name", "seed", "start"])
-                seed, start = item.get("seed", 0), item.get("start", 0)
-                group.append(
-                    InstanceSpec(
-                        str(item.get("name") or f"{set_name}-s{seed}-t{start}"), seed, start
-                    )
-                )
-            instances[set_name] = tuple(group)
+        instances = _instances(where, data.get("instances") or {})
         rw = data.get("reward") or {}
         check_keys(f"{where}: reward", rw, [f.name for f in fields(RewardWeights)])
         return cls(name, workload, episode, instances, RewardWeights(**rw), source)
@@ -441,3 +419,28 @@ def read_spec_yaml(path: Path) -> Any:
         raise ConfigError(
             f"env spec '{path}' is not valid YAML: {yaml_problem(exc)}; fix that line"
         ) from exc
+
+
+def _instances(where: str, inst_data: Any) -> dict[str, tuple[InstanceSpec, ...]]:
+    """An env spec's ``instances``: set names to instances (a seed alone, or a mapping)."""
+    if not isinstance(inst_data, dict):
+        raise ConfigError(f"{where}: 'instances' must map set names to lists")
+    instances: dict[str, tuple[InstanceSpec, ...]] = {}
+    for set_name, items in inst_data.items():
+        if not isinstance(items, list):
+            raise ConfigError(f"{where}: instances.{set_name} must be a list")
+        group = []
+        for item in items:
+            if isinstance(item, int):
+                item = {"seed": item}
+            if not isinstance(item, dict):
+                raise ConfigError(
+                    f"{where}: instances.{set_name} entries must be mappings or seeds, got {item!r}"
+                )
+            check_keys(f"{where}: instances.{set_name}", item, ["name", "seed", "start"])
+            seed, start = item.get("seed", 0), item.get("start", 0)
+            group.append(
+                InstanceSpec(str(item.get("name") or f"{set_name}-s{seed}-t{start}"), seed, start)
+            )
+        instances[set_name] = tuple(group)
+    return instances

@@ -284,7 +284,6 @@ def record_trace(
     the scale used: it is stored as that scale minus one bit) and few gradients underflow.
     """
     from autoscale.envs.loss_scale_env import LossScaleEnv
-    from autoscale.scalers.catalog import make_scaler
     from autoscale.scalers.features import FEATURE_VERSION
     from autoscale.training import HIST_EDGES
 
@@ -295,50 +294,13 @@ def record_trace(
     for group in instances:
         names.extend(i.name for i in env.env_spec.instance_set(group))
     chosen = env.env_spec.instance_set(names)
-    ep = env.env_spec.episode
     total = steps * len(chosen)
     bar = None
     if progress:
         from autoscale.progress import progress_bar
 
         bar = progress_bar(total, desc="recording", unit="step")
-    traced: dict[str, InstanceTrace] = {}
-    for inst in chosen:
-        run, snap, start_features, scale = env.prepare(inst)
-        start_scale = scale
-        run.restore(snap)
-        rule = make_scaler(
-            RECORD_RULE["name"],
-            device="cpu",
-            margin=RECORD_RULE["margin"],
-            init_scale=scale,
-            min_scale=ep.min_scale,
-            max_scale=ep.max_scale,
-        )
-        records = []
-        for i in range(steps):
-            if stop_at is not None and i >= least and time.monotonic() > stop_at:
-                break
-            run.scaler.set_scale(scale)
-            rec = run.step()
-            records.append(rec)
-            scale = rule.controller.step(rec.stats)
-            if bar is not None:
-                bar.update(1)
-        if len(records) < steps:  # cut at the deadline
-            n = steps
-            while n > len(records):
-                n //= 2
-            records = records[:n]
-        traced[inst.name] = instance_trace(
-            inst.name,
-            inst.seed,
-            inst.start,
-            records,
-            eval_loss=float(run.eval_loss()),
-            start_scale=start_scale,
-            start_features=start_features,
-        )
+    traced = {inst.name: _record_instance(env, inst, steps, stop_at, least, bar) for inst in chosen}
     if bar is not None:
         bar.close()
     trace = Trace(
@@ -347,6 +309,51 @@ def record_trace(
     if out is not None:
         trace.save(out)
     return trace
+
+
+def _record_instance(
+    env: Any, inst: Any, steps: int, stop_at: float | None, least: int, bar: Any
+) -> InstanceTrace:
+    """One instance's trace for :func:`record_trace`: its steps under the recording rule, cut
+    to a power-of-two share of ``steps`` at ``stop_at``."""
+    from autoscale.scalers.catalog import make_scaler
+
+    ep = env.env_spec.episode
+    run, snap, start_features, scale = env.prepare(inst)
+    start_scale = scale
+    run.restore(snap)
+    rule = make_scaler(
+        RECORD_RULE["name"],
+        device="cpu",
+        margin=RECORD_RULE["margin"],
+        init_scale=scale,
+        min_scale=ep.min_scale,
+        max_scale=ep.max_scale,
+    )
+    records = []
+    for i in range(steps):
+        if stop_at is not None and i >= least and time.monotonic() > stop_at:
+            break
+        run.scaler.set_scale(scale)
+        rec = run.step()
+        records.append(rec)
+        scale = rule.controller.step(rec.stats)
+        if bar is not None:
+            bar.update(1)
+    if len(records) < steps:  # cut at the deadline
+        n = steps
+        while n > len(records):
+            n //= 2
+        records = records[:n]
+    return instance_trace(
+        inst.name,
+        inst.seed,
+        inst.start,
+        records,
+        eval_loss=float(run.eval_loss()),
+        start_scale=start_scale,
+        start_features=start_features,
+    )
 
 
 def member_file(member: str) -> str:

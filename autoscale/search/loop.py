@@ -55,6 +55,19 @@ class TrialLoop:
         self.study, self.ledger, self.worker, self.warn = study, ledger, worker, warn
         self.counts, self.n_trials, self.progress = counts, n_trials, progress
 
+    def _bar(self, seconds: float) -> Any:
+        """The seconds' progress bar, where progress is drawn; else None."""
+        if not self.progress:
+            return None
+        from autoscale.progress import progress_bar
+
+        return progress_bar(
+            round(seconds, 1),
+            desc="search",
+            unit="s",
+            bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s {postfix}",
+        )
+
     def run(self, objective_fn: Callable[[Any], float], stop_at: float) -> None:
         """Run trials until ``stop_at`` (``time.monotonic()``) or ``n_trials``."""
         import optuna
@@ -65,16 +78,7 @@ class TrialLoop:
         timeout = stop_at - time.monotonic()
         if timeout <= 0 or (left is not None and left <= 0):
             return
-        bar = None
-        if self.progress:
-            from autoscale.progress import progress_bar
-
-            bar = progress_bar(
-                round(timeout, 1),
-                desc="search",
-                unit="s",
-                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s {postfix}",
-            )
+        bar = self._bar(timeout)
         t_start = time.monotonic()
         # seconds in objectives (their own ledger accounting), and the sampler's and pruner's
         # seconds there: what is left of optimize's wall time is Optuna's bookkeeping

@@ -418,36 +418,13 @@ class AutoBuild:
             r.verdicts[r.chosen] = {"passed": False, "reasons": [*verdict["reasons"], *reasons]}
             r.pick = None
 
-    def export(self, r: BuildResult, dest_root: Path, built_by: str):
-        """Write ``r.pick`` as ``dest_root/auto`` (an extra rule with its parameters, an agent's or
-        the suite search's folder renamed, or a built-in rule with its defaults; the episode's
-        scale bounds with it), its selection, evidence, no-harm verdict and long runs in the
-        manifest; check that it loads. Returns the manifest."""
-        from autoscale.scalers import make_scaler
-        from autoscale.scalers.policies import read_manifest, staged_policy, write_manifest
-        from autoscale.search.export import export_parametric
+    @staticmethod
+    def _scorecard(r: BuildResult, pick: str) -> dict:
+        """The exported ``auto``'s scorecard: its selection, evidence, no-harm verdict and long
+        runs."""
         from autoscale.search.objective import OBJECTIVE_DOC
         from autoscale.search.trials import member_summary
 
-        if r.pick is None or r.evidence is None or r.evidence_acceptance is None:
-            raise ValueError("nothing to export: no candidate passed")
-        pick, ep = r.pick, self.member.episode
-        bounds = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
-        source = self.agents.get(pick) or (
-            self.searched_pick if pick == "suite-parametric" else None
-        )
-        if pick in self.extras:
-            rule, params = self.extras[pick]
-            export_parametric(rule, {**bounds, **params}, "auto", out_dir=dest_root, force=True)
-        elif source is not None:
-            manifest = read_manifest(source)
-            with staged_policy("auto", dest_root, force=True) as tmp:
-                for f in Path(source).iterdir():
-                    if not f.name.startswith("."):
-                        (tmp / f.name).write_bytes(f.read_bytes())
-                write_manifest(tmp, dataclasses.replace(manifest, name="auto"))
-        else:  # a built-in rule
-            export_parametric(pick, bounds, "auto", out_dir=dest_root, force=True)
         ev_obj = ev.objective_of(r.evidence, r.searched, r.weights)
         on_validation = ev.objective_of(r.evidence, r.validation, r.weights) if r.validation else {}
         scorecard = {
@@ -486,6 +463,37 @@ class AutoBuild:
                 "members": r.long_summary(pick),
             },
         }
+        return scorecard
+
+    def export(self, r: BuildResult, dest_root: Path, built_by: str):
+        """Write ``r.pick`` as ``dest_root/auto`` (an extra rule with its parameters, an agent's or
+        the suite search's folder renamed, or a built-in rule with its defaults; the episode's
+        scale bounds with it), its selection, evidence, no-harm verdict and long runs in the
+        manifest; check that it loads. Returns the manifest."""
+        from autoscale.scalers import make_scaler
+        from autoscale.scalers.policies import read_manifest, staged_policy, write_manifest
+        from autoscale.search.export import export_parametric
+
+        if r.pick is None or r.evidence is None or r.evidence_acceptance is None:
+            raise ValueError("nothing to export: no candidate passed")
+        pick, ep = r.pick, self.member.episode
+        bounds = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
+        source = self.agents.get(pick) or (
+            self.searched_pick if pick == "suite-parametric" else None
+        )
+        if pick in self.extras:
+            rule, params = self.extras[pick]
+            export_parametric(rule, {**bounds, **params}, "auto", out_dir=dest_root, force=True)
+        elif source is not None:
+            manifest = read_manifest(source)
+            with staged_policy("auto", dest_root, force=True) as tmp:
+                for f in Path(source).iterdir():
+                    if not f.name.startswith("."):
+                        (tmp / f.name).write_bytes(f.read_bytes())
+                write_manifest(tmp, dataclasses.replace(manifest, name="auto"))
+        else:  # a built-in rule
+            export_parametric(pick, bounds, "auto", out_dir=dest_root, force=True)
+        scorecard = self._scorecard(r, pick)
         manifest = read_manifest(dest_root / "auto")
         workload = {
             **manifest.workload,
