@@ -138,7 +138,3 @@ class ReplayBench:
         member, inst = ep.instance.split(":", 1)[0], ep.instance.rsplit(":", 1)[1]
         t = self.traces[member].instance(inst)
         return t.threshold[ep.offset : ep.offset + self.suite.episode.steps].tolist()
-
-    def steps_per_trial(self) -> int:
-        """Replayed steps of one trial on the train episodes (its cost)."""
-        return len(self.episodes["train"]) * self.suite.episode.steps
