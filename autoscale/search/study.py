@@ -11,7 +11,7 @@ from typing import Any
 
 from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import BudgetError, ConfigError
-from autoscale.processes import owner_gone
+from autoscale.processes import owner_gone, raise_if_interrupted
 from autoscale.search.budget import Ledger
 from autoscale.search.export import study_suites
 from autoscale.search.objective import OBJECTIVE_DOC
@@ -212,6 +212,7 @@ def wait_for_plan(
     """
     deadline = time.monotonic() + timeout
     while "suite" not in study.user_attrs and time.monotonic() < deadline:
+        raise_if_interrupted()  # one held through the storage read (processes.sticky_interrupt)
         time.sleep(poll_s)
     told = False
     while planning := study.user_attrs.get(PLANNING):
@@ -228,6 +229,7 @@ def wait_for_plan(
         if on_wait is not None and not told:
             on_wait(worker)
             told = True
+        raise_if_interrupted()
         time.sleep(poll_s)
     return study_suites(study)
 

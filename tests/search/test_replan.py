@@ -307,3 +307,29 @@ def test_a_worker_does_not_wait_for_a_creator_that_stopped_before_storing_its_pl
         got = wait_for_plan(study, said.append, poll_s=0.05)
         assert got == (plan.suite, plan.validation, plan.trace_steps) and said == []
         assert study.user_attrs[PLANNING] is None
+
+
+def test_a_ctrl_c_held_through_a_storage_read_stops_the_wait_for_a_plan(tmp_path):
+    """Under the CLI a Ctrl-C that lands inside a storage call is held to the next check
+    (``processes.sticky_interrupt``): a joiner waiting for the creator's plan reads the study in
+    a loop, so it checks before each sleep, and stops at once instead of waiting out the
+    creator's budget (or its own)."""
+    import signal
+
+    from autoscale.processes import owner_tag, sticky_interrupt
+
+    study = _new_study(tmp_path, _tiny_plan(), owner_tag(), time.time() + 600)
+    storage = study._storage  # the journal file's: its reads run in optuna/storages
+    backend = storage._backend
+    read, pressed = backend.read_logs, []
+
+    def read_logs(*args, **kwargs):  # called by the storage, as a SIGINT during a read would land
+        if not pressed:
+            pressed.append(time.monotonic())
+            signal.raise_signal(signal.SIGINT)
+        return read(*args, **kwargs)
+
+    backend.read_logs = read_logs
+    with pytest.raises(KeyboardInterrupt), sticky_interrupt():
+        wait_for_plan(study, give_up_at=time.monotonic() + 5, poll_s=0.05)
+    assert pressed and time.monotonic() - pressed[0] < 1.0
