@@ -49,8 +49,10 @@ class LossGuard:
 
     has_guard = True
     _limit: float | None = None  # (class defaults: a guard pickled before the cache loads)
-    _stale = True
+    _fresh = False  # the kept limit is of the memory as it is (False: compute it when read)
     _limit_cut = math.nan  # the cut the cached limit was computed with
+    _top: float | None = None  # the largest ratio the cached limit counts
+    _least = math.inf  # the least |loss| of the remembered ratios, with the kept limit
 
     def __init__(
         self, guard_history: int = 16, guard_margin: float = 1.0, guard_floor: float = 0.0
@@ -63,7 +65,7 @@ class LossGuard:
         self.losses: deque[float] = deque(maxlen=self.guard_history)  # recent steps' |loss|
         # the limit, kept until the memory changes (the scaler reads it every step)
         self._limit: float | None = None
-        self._stale = True
+        self._fresh = False
 
     def _cut(self) -> float:
         """The ``|loss|`` below which a step teaches nothing (0: every one teaches)."""
@@ -74,16 +76,27 @@ class LossGuard:
     def guard_limit(self) -> float | None:
         """The largest ``scale * |loss|`` a step may take (None before any clean step, or where
         the ``guard_floor`` leaves no remembered ratio)."""
-        if self._stale:
-            self._limit, self._stale = self._compute_limit(), False
+        if not self._fresh:
+            self._limit, self._top, self._limit_cut = self._computed()
+            self._least = min(self.ratio_losses, default=math.inf)
+            self._fresh = True
         return self._limit
 
-    def _compute_limit(self) -> float | None:
+    def _computed(self) -> tuple[float | None, float | None, float]:
+        """The limit from the whole memory, the largest ratio it counts, and the cut."""
+        cut = self._cut()
         if not self.guard_floor:  # every lesson counts
-            return FP16_MAX * 2.0**-self.guard_margin / max(self.ratios) if self.ratios else None
-        cut = self._limit_cut = self._cut()
-        counted = [r for r, m in zip(self.ratios, self.ratio_losses) if m >= cut]
-        return FP16_MAX * 2.0**-self.guard_margin / max(counted) if counted else None
+            counted = self.ratios
+        else:
+            counted = [r for r, m in zip(self.ratios, self.ratio_losses) if m >= cut]
+        top = max(counted) if counted else None
+        return self._limit_of(top), top, cut
+
+    def _compute_limit(self) -> float | None:
+        return self._computed()[0]
+
+    def _limit_of(self, top: float | None) -> float | None:
+        return FP16_MAX * 2.0**-self.guard_margin / top if top is not None else None
 
     def observe(self, scale: float, stats: StepStats) -> str | None:
         """Learn from one step taken at ``scale``: :data:`SHORT` when a guarded step overflowed
@@ -97,8 +110,13 @@ class LossGuard:
         # the limit depends on the losses only through the cut (none without a floor): most
         # steps leave it as it was, and the scaler reads it every step
         cut = self._cut()
-        if self.guard_floor and cut != self._limit_cut:
-            self._stale = True
+        if self.guard_floor and cut != self._limit_cut and self._fresh:
+            # a cut under the loss of every remembered ratio, before and after, counts them all
+            # (a loss that falls step by step moves the cut on most steps): the same limit
+            if max(cut, self._limit_cut) <= self._least:
+                self._limit_cut = cut
+            else:
+                self._fresh = False
         if stats.found_inf or not math.isfinite(stats.grad_amax):
             if stats.guarded and usable:
                 self._remember(2.0 * FP16_MAX / (scale * loss), loss)
@@ -110,9 +128,27 @@ class LossGuard:
         return None
 
     def _remember(self, ratio: float, loss: float) -> None:
+        if self._fresh:  # the kept limit follows one lesson in (and the oldest out)
+            self._fresh = self._follow(ratio, loss)
         self.ratios.append(ratio)
         self.ratio_losses.append(loss)
-        self._stale = True
+
+    def _follow(self, ratio: float, loss: float) -> bool:
+        """Bring the kept limit up to date for ``ratio`` learned at ``loss`` joining the memory
+        (and a full memory's oldest ratio leaving it), at the kept cut, without reading the
+        whole memory; False where that needs the whole memory (the largest counted ratio, or
+        under a floor the least |loss|, leaves). The same limit as :meth:`_computed`, bit for
+        bit: the same largest ratio."""
+        cut, top = self._limit_cut, self._top
+        if len(self.ratios) == self.guard_history and (
+            (self.ratios[0] == top and (not self.guard_floor or self.ratio_losses[0] >= cut))
+            or (self.guard_floor and self.ratio_losses[0] == self._least)
+        ):
+            return False
+        if loss >= cut and (top is None or ratio > top):
+            self._top, self._limit = ratio, self._limit_of(ratio)
+        self._least = min(self._least, loss)
+        return True
 
     def params(self) -> dict[str, Any]:
         return {
@@ -142,7 +178,7 @@ class LossGuard:
         self.ratio_losses = deque(ratio_losses, maxlen=self.guard_history)
         losses = _positives(state, "losses", [], owner, inf=False)
         self.losses = deque(losses, maxlen=self.guard_history)
-        self._stale = True
+        self._fresh = False
 
 
 def _positives(
