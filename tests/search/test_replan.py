@@ -330,6 +330,12 @@ def test_a_ctrl_c_held_through_a_storage_read_stops_the_wait_for_a_plan(tmp_path
         return read(*args, **kwargs)
 
     backend.read_logs = read_logs
-    with pytest.raises(KeyboardInterrupt), sticky_interrupt():
-        wait_for_plan(study, give_up_at=time.monotonic() + 5, poll_s=0.05)
+    # the command's process: SIGINT at Python's own handler, which sticky_interrupt replaces
+    # (in the paced tier an earlier test had left another one installed: it then held nothing)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), sticky_interrupt():
+            wait_for_plan(study, give_up_at=time.monotonic() + 5, poll_s=0.05)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert pressed and time.monotonic() - pressed[0] < 1.0
