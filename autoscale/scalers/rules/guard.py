@@ -92,9 +92,6 @@ class LossGuard:
         top = max(counted) if counted else None
         return self._limit_of(top), top, cut
 
-    def _compute_limit(self) -> float | None:
-        return self._computed()[0]
-
     def _limit_of(self, top: float | None) -> float | None:
         return FP16_MAX * 2.0**-self.guard_margin / top if top is not None else None
 
