@@ -22,11 +22,14 @@ HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(items):
-    """Every search test is ``paced``: a search spends a wall-clock budget, plans from the pace it
-    measures and re-plans when the machine slows down, so these tests run alone (the README's
-    test command runs the rest two at a time first)."""
+    """The search's ``slow`` tests are ``paced``: real searches (``autoscale search``
+    subprocesses, a runner's whole run) and long real runs against a deadline, which spend a
+    wall-clock budget, plan from the pace they measure and re-plan when the machine slows down;
+    they run alone (the README's test command runs the rest two at a time first). The others
+    decide on injected timings and clocks, or on deadlines far from what they do, and run with
+    the rest."""
     for item in items:
-        if HERE in Path(str(item.fspath)).resolve().parents:
+        if HERE in Path(str(item.fspath)).resolve().parents and item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.paced)
 
 
