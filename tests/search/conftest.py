@@ -1,5 +1,10 @@
 """Shared setup of the search tests: the CLI run as a real subprocess, and one searched storage.
 
+The tests marked ``paced`` run real searches (``autoscale search`` subprocesses) or long real runs
+against a deadline: they spend a wall-clock budget and plan from the pace they measure, so they
+run alone (the README's test command runs the rest two at a time first). The others decide on
+injected timings and clocks, or on deadlines far from what they do, and run with the rest.
+
 Subprocesses get one intra-op thread, as the tests here do (tests/training/conftest.py): with two
 cores and another process running, OpenMP oversubscription makes steps many times slower.
 """
@@ -17,21 +22,6 @@ from pathlib import Path
 import pytest
 
 from tests.training.conftest import torch  # noqa: F401  (sets one intra-op thread)
-
-HERE = Path(__file__).resolve().parent
-
-
-def pytest_collection_modifyitems(items):
-    """The search's ``slow`` tests are ``paced``: real searches (``autoscale search``
-    subprocesses, a runner's whole run) and long real runs against a deadline, which spend a
-    wall-clock budget, plan from the pace they measure and re-plan when the machine slows down;
-    they run alone (the README's test command runs the rest two at a time first). The others
-    decide on injected timings and clocks, or on deadlines far from what they do, and run with
-    the rest."""
-    for item in items:
-        if HERE in Path(str(item.fspath)).resolve().parents and item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.paced)
-
 
 SEARCH_BUDGET_S = 90.0  # the smallest plan of mlp with its no-harm runs (clean and drifting) fits
 RULES = ("torch", "deepspeed", "megatron", "jmp", "fairseq", "metaseq", "amax-history")

@@ -54,6 +54,7 @@ def _warm_trials(root, suite, traces, name: str, n: int, seconds: float) -> tupl
 
 
 @pytest.mark.slow
+@pytest.mark.paced
 def test_the_first_rl_trial_fine_tunes_the_shipped_agent(setup, tmp_path, monkeypatch):  # noqa: F811
     root, suite, traces = setup
     agent = _ship(suite, traces, tmp_path / "warm")
@@ -75,6 +76,7 @@ def test_the_first_rl_trial_fine_tunes_the_shipped_agent(setup, tmp_path, monkey
 
 
 @pytest.mark.slow
+@pytest.mark.paced
 def test_with_no_time_left_the_warm_trial_is_the_shipped_agent_as_it_came(
     setup,  # noqa: F811
     tmp_path,
@@ -93,6 +95,7 @@ def test_with_no_time_left_the_warm_trial_is_the_shipped_agent_as_it_came(
 
 
 @pytest.mark.slow
+@pytest.mark.paced
 def test_an_agent_of_other_actions_is_refused_in_a_line_and_agents_start_cold(
     setup,  # noqa: F811
     tmp_path,

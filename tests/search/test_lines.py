@@ -85,6 +85,7 @@ def test_bars_are_drawn_on_a_terminal_only(tmp_path):
 
 
 @pytest.mark.slow  # a real search, about a minute
+@pytest.mark.paced
 def test_a_piped_search_draws_no_bars_and_a_ctrl_c_after_an_export_names_it(tmp_path):
     """``autoscale search`` piped (CI, nohup, Slurm), without --quiet: its log holds the phase
     lines and no progress bar. Interrupted once a round exported, it says what is exported (the

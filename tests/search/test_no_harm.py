@@ -62,6 +62,7 @@ def test_the_check_runs_long_clean_runs_and_a_drifting_one_with_a_schedule():
 
 
 @pytest.mark.slow  # long clean runs of mlp
+@pytest.mark.paced
 def test_an_eager_rule_is_refused_on_replay_and_in_real_runs(check):
     screened = check.screen(scaler("fairseq", **EAGER), "eager fairseq")
     assert not screened.passed and screened.screened
@@ -76,6 +77,7 @@ def test_an_eager_rule_is_refused_on_replay_and_in_real_runs(check):
 
 
 @pytest.mark.slow  # long clean runs of mlp
+@pytest.mark.paced
 def test_torch_itself_passes_and_its_runs_are_cached(check):
     assert all(check.cached(w, s) for w in check.no_harm.workloads for s in check.no_harm.seeds)
     verdict = check.check(scaler("torch"), "torch")
@@ -273,6 +275,7 @@ def test_where_replay_is_all_the_evidence_replayed_rows_choose_and_auto_that_har
 
 
 @pytest.mark.slow  # long runs of mlp, clean and drifting
+@pytest.mark.paced
 def test_a_fixed_scale_fails_the_drift_run_that_auto_passes(check):
     static = check.check(scaler("static"), "static")
     assert not static.passed
@@ -286,6 +289,7 @@ def test_a_fixed_scale_fails_the_drift_run_that_auto_passes(check):
 
 
 @pytest.mark.slow  # long runs of mlp
+@pytest.mark.paced
 def test_the_pick_skips_what_fails_the_check_and_exports_the_next_that_clears_auto(check):
     torch = validated("rule:torch", 0.125, 0.3)
     auto = validated("policy:auto", 0.0, 0.05)
@@ -312,6 +316,7 @@ def test_the_pick_skips_what_fails_the_check_and_exports_the_next_that_clears_au
 
 
 @pytest.mark.slow  # torch's long runs of mlp (the screen replays them)
+@pytest.mark.paced
 def test_no_time_for_the_check_means_no_export_of_that_candidate(check):
     torch = validated("rule:torch", 0.125, 0.3)
     auto = validated("policy:auto", 0.0, 0.05)

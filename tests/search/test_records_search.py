@@ -15,9 +15,10 @@ import pytest
 
 from tests.search.conftest import cli_env, run_cli, spawn
 
-pytestmark = (
-    pytest.mark.slow
-)  # real `autoscale` subprocesses and searches, seconds to a minute each
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.paced,
+]  # real `autoscale` subprocesses and searches, seconds to a minute each
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "tiny_loss.py"
 # a loss weighted by 2^-14, a non-finite loss every 25th step (torch's rule halves its scale each

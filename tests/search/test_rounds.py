@@ -297,6 +297,7 @@ def test_with_a_check_dearer_than_the_budget_torch_auto_and_the_rules_are_still_
     assert calls == [([TORCH, AUTO], end), ([best, rule_a, rule_b], end)]
 
 
+@pytest.mark.slow  # an agent trained briefly to ship, then trials: seconds
 def test_in_a_search_of_both_spaces_the_warm_agent_reaches_validation(setup, tmp_path, monkeypatch):  # noqa: F811
     """The first round of a search of both spaces, on a machine that left it no time to search
     (the stop has passed): the rules' defaults the study enqueued are scored by the parametric

@@ -19,7 +19,10 @@ from autoscale.search.storage import artifact_store, artifacts_dir, open_storage
 from tests.search.conftest import RULES, SEARCH_BUDGET_S, run_cli, spawn
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-pytestmark = pytest.mark.slow  # real `autoscale` subprocesses, seconds to a minute each
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.paced,
+]  # real `autoscale` subprocesses, seconds to a minute each
 
 
 def _study(url: str, name: str):

@@ -126,6 +126,7 @@ def test_a_parametric_trial_is_scored_on_every_member_against_torch(setup):
 
 
 @pytest.mark.slow
+@pytest.mark.paced
 def test_rl_trial_on_a_suite_stores_its_policy_and_exports_it_later(setup):
     root, suite, traces = setup
     ledger = Ledger()

@@ -18,7 +18,10 @@ from autoscale.search.storage import open_storage
 from tests.search.conftest import run_cli, spawn
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-pytestmark = pytest.mark.slow  # real `autoscale` subprocesses, seconds to a minute each
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.paced,
+]  # real `autoscale` subprocesses, seconds to a minute each
 TrialState = optuna.trial.TrialState
 
 
