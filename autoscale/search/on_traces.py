@@ -392,7 +392,6 @@ class TraceSearch:
         )  # fmt: skip
         make_scaler(str(path), device="cpu")  # it loads
         self.result.exported, self.result.winner = path, f"{name} ({how})"
-        self.result.builtin = pick.key.is_named
         report = write_report(records[0], Path(path) / "report.html", [*compare_names(), path.name])
         self.say(
             "export",

@@ -60,7 +60,6 @@ NO_HARM_SHARE = 0.30  # a no-harm workload whose runs need more is checked on it
 REAL_SHARE = 0.80  # recording + validation + the no-harm check fit in this share
 VALIDATE_SHARE = 0.30  # validation takes at most this share
 VALIDATED_CANDIDATES = 3  # validation is planned for every rule and this many candidates
-MIN_SEARCH_SHARE = 0.10  # the search keeps at least this share of the working budget
 # RL is tried where the search leaves room for the warm start: an RL trial starts after the
 # parametric trials' share (with --space both) and only before the search's last
 # RLObjective.MIN_TRIAL_S / 2, and this much search leaves it time between the two to fine-tune

@@ -152,12 +152,10 @@ class SearchResult:
     plan: Plan | None
     trials: dict[str, int]
     winner: str | None = None
-    builtin: bool = False
     exported: Path | None = None
     table: str = ""
     wall_s: float = 0.0
     budget_s: float = 0.0
-    rounds: int = 0
     stopped_early: str | None = None
     answer: list[str] = field(default_factory=list)
     replanned: list[str] = field(default_factory=list)
@@ -513,7 +511,6 @@ class SearchRunner:
         self.families = {r: parametric_families()[r] for r in plan.rules}
         last, new = None, False
         while (r := self._next_round(last, new, time.monotonic())) is not None:
-            self.result.rounds = r.number
             if r.search_until is not None:
                 self._search(r.search_until, r.number == 1)
             new = self._validate(r)
@@ -923,7 +920,6 @@ class SearchRunner:
             )
             make_scaler(str(path), device="cpu")  # it loads
         self.result.exported, self.result.winner = path, f"{cfg.export} ({how})"
-        self.result.builtin = key.is_named
         self.say("export", f"{path} ({how}); use it with autoscale.get_scaler('{cfg.export}')")
         if chosen is None:
             self.result.answer = [f"answer: exported '{cfg.export}' = {how}", f"why: {choice.why}"]

@@ -38,7 +38,6 @@ __all__ = [
     "REFERENCE_RULE",
 ]
 
-POLICY_ARTIFACT = "policy.zip"
 DETAILED_TOP = 10  # complete trials ranking among this many best get a note and a plot
 
 
