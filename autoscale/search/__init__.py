@@ -12,7 +12,7 @@ Example::
 """
 
 from autoscale.search.budget import Budget, Ledger, format_duration, parse_budget
-from autoscale.search.export import export_rule, export_trial, rank, stored_pick
+from autoscale.search.export import export_candidate, rank, stored_pick
 from autoscale.search.objective import (
     OBJECTIVE_DOC,
     ROBUSTNESS,
@@ -40,7 +40,7 @@ __all__ = [
     "artifact_store",
     "artifacts_dir",
     "base_spec",
-    "export_rule",
+    "export_candidate",
     "rank",
     "regrets",
     "ROBUSTNESS",
@@ -48,7 +48,6 @@ __all__ = [
     "measure_all",
     "default_study_name",
     "episode_cost",
-    "export_trial",
     "format_duration",
     "make_plan",
     "measure",

@@ -7,7 +7,7 @@ The search ranks its validated candidates, every built-in rule and ``auto`` on t
 test episodes (:func:`rank`) and picks (:mod:`autoscale.search.choose`). A built-in rule that is
 picked is exported with its defaults and the episode's scale bounds, as a parametric policy; when
 nothing clears ``auto``, ``auto`` itself is exported under the requested name
-(:func:`export_policy`), so ``get_scaler(NAME)`` works and the manifest says why.
+(:func:`export_candidate`), so ``get_scaler(NAME)`` works and the manifest says why.
 
 Parametric trials are re-exported from their parameters; RL trials from the policy each one stored
 as an artifact (``policy.zip``) when it completed, so any trial can be exported later, from any
@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -42,9 +43,6 @@ __all__ = [
     "trial_factory",
     "extract_policy",
     "check_export_target",
-    "export_trial",
-    "export_rule",
-    "export_policy",
     "stored_pick",
     "export_candidate",
     "card_summary",
@@ -285,131 +283,6 @@ def _workload(study: Any, suite: SuiteSpec, extra: dict[str, Any]) -> dict[str, 
     return {**base, "horizon": suite.episode.steps, "study": study.study_name, **extra}
 
 
-def export_rule(
-    study: Any,
-    rule: str,
-    name: str,
-    *,
-    suite: SuiteSpec,
-    out_dir: Any = None,
-    force: bool = False,
-    own_study_ok: bool = True,
-    scorecard: dict[str, Any] | None = None,
-    provenance: dict[str, Any] | None = None,
-) -> Path:
-    """Export the built-in ``rule`` with its defaults and the episode's scale bounds (what was
-    validated) as the parametric policy ``NAME``."""
-    replace = check_export_target(name, out_dir, study.study_name, force, own_study_ok=own_study_ok)
-    ep = suite.episode
-    params = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
-    return export_parametric(
-        rule,
-        params,
-        name,
-        workload=_workload(study, suite, {"builtin_rule": rule, **(provenance or {})}),
-        scorecard=scorecard or {},
-        out_dir=out_dir,
-        force=replace,
-    )
-
-
-def export_policy(
-    study: Any,
-    source: str,
-    name: str,
-    *,
-    suite: SuiteSpec,
-    out_dir: Any = None,
-    force: bool = False,
-    own_study_ok: bool = True,
-    scorecard: dict[str, Any] | None = None,
-    provenance: dict[str, Any] | None = None,
-) -> Path:
-    """Export the installed policy ``source`` (``auto``) unchanged as ``out_dir/NAME``: its files
-    copied, its manifest renamed, with this search's workload and ``scorecard`` (the evidence)."""
-    import shutil
-
-    from autoscale.scalers.policies import find_policy, read_manifest
-
-    folder = find_policy(source)
-    if folder is None:
-        raise ConfigError(f"no installed policy '{source}' to export (autoscale list shows them)")
-    replace = check_export_target(name, out_dir, study.study_name, force, own_study_ok=own_study_ok)
-    manifest = read_manifest(folder)
-    workload = _workload(study, suite, {"exported_policy": source, **(provenance or {})})
-    with staged_policy(name, out_dir, force=replace) as tmp:
-        for f in folder.iterdir():
-            if f.is_file() and f.name != "policy.yaml":
-                shutil.copy2(f, tmp / f.name)
-        write_manifest(
-            tmp,
-            dataclasses.replace(
-                manifest,
-                name=name,
-                workload={**workload, "built": manifest.workload},
-                scorecard=scorecard or {},
-            ),
-        )
-    return tmp.parent / name
-
-
-def export_trial(
-    study: Any,
-    trial: Any,
-    name: str,
-    *,
-    suite: SuiteSpec,
-    store: Any,
-    out_dir: Any = None,
-    force: bool = False,
-    own_study_ok: bool = True,
-    scorecard: dict[str, Any] | None = None,
-    provenance: dict[str, Any] | None = None,
-) -> Path:
-    """Export ``trial``'s policy as ``out_dir/NAME`` (nothing half-written on interrupt).
-
-    The manifest's workload records the suite, the study and the trial; ``scorecard`` is its
-    summary (validation on real steps where there is one). Replacing an existing folder follows
-    :func:`check_export_target`.
-    """
-    from autoscale.scalers.policies import read_manifest, staged_policy, write_manifest
-
-    replace = check_export_target(name, out_dir, study.study_name, force, own_study_ok=own_study_ok)
-    policy = trial_policy(trial)
-    ep = suite.episode
-    workload = _workload(study, suite, {"trial": trial.number, **(provenance or {})})
-    scorecard = scorecard or {}
-    if policy["kind"] == "parametric":
-        params = {
-            "init_scale": ep.init_scale,
-            "min_scale": ep.min_scale,
-            "max_scale": ep.max_scale,
-            **policy["params"],
-        }
-        return export_parametric(
-            policy["rule"],
-            params,
-            name,
-            workload=workload,
-            scorecard=scorecard,
-            out_dir=out_dir,
-            force=replace,
-        )
-    with staged_policy(name, out_dir, force=replace) as tmp:
-        extract_policy(trial, store, tmp)
-        manifest = read_manifest(tmp)
-        write_manifest(
-            tmp,
-            dataclasses.replace(
-                manifest,
-                name=name,
-                workload={**manifest.workload, **workload},
-                scorecard=scorecard or manifest.scorecard,
-            ),
-        )
-    return tmp.parent / name
-
-
 def stored_pick(study: Any, validation: SuiteSpec, weights: Any) -> StoredPick:
     """What the search exports, decided from what ``study`` holds now by the search's own code:
     every row validated on real steps, by any worker, ranked (:func:`rank`) and walked down to
@@ -454,19 +327,71 @@ def stored_pick(study: Any, validation: SuiteSpec, weights: Any) -> StoredPick:
 
 
 def export_candidate(
-    study: Any, key: Candidate, name: str, *, suite: SuiteSpec, store: Any, **kw: Any
+    study: Any,
+    key: Candidate,
+    name: str,
+    *,
+    suite: SuiteSpec,
+    store: Any = None,
+    out_dir: Any = None,
+    force: bool = False,
+    own_study_ok: bool = True,
+    scorecard: dict[str, Any] | None = None,
+    provenance: dict[str, Any] | None = None,
 ) -> tuple[Path, str]:
-    """Export ``key`` (``auto``, a built-in rule or a trial) as ``NAME`` as the search exports
-    its pick (``kw``: :func:`export_trial`'s keywords); returns the folder and what it holds, in
-    words."""
+    """Export ``key`` as ``out_dir/NAME`` as the search exports its pick (nothing half-written on
+    interrupt); returns the folder and what it holds, in words:
+
+    - ``auto`` (an installed policy): its files copied unchanged, its manifest renamed;
+    - a built-in rule: its defaults and the episode's scale bounds (what was validated), as a
+      parametric policy;
+    - a trial: a parametric one from its parameters and the bounds, an agent from the policy it
+      stored as an artifact in ``store``.
+
+    The manifest's workload records the suite, the study and what was exported, with
+    ``provenance``; ``scorecard`` is the evidence (validation on real steps where there is
+    one). Replacing an existing folder follows :func:`check_export_target`."""
+    from autoscale.scalers.policies import find_policy, read_manifest
+
+    source = find_policy(key.name) if key.is_policy else None
+    if key.is_policy and source is None:
+        raise ConfigError(f"no installed policy '{key.name}' to export (autoscale list shows them)")
+    replace = check_export_target(name, out_dir, study.study_name, force, own_study_ok=own_study_ok)
+    trial = study.trials[key.number] if key.is_trial else None
+    policy = trial_policy(trial) if trial is not None else {"kind": "named"}
     if key.is_policy:
-        how = f"{key.name}, the shipped general policy, unchanged"
-        return export_policy(study, key.name, name, suite=suite, **kw), how
-    if key.is_rule:
-        how = f"the built-in rule {key.name} with its defaults"
-        return export_rule(study, key.name, name, suite=suite, **kw), how
-    trial = study.trials[key.number]
-    return export_trial(study, trial, name, suite=suite, store=store, **kw), policy_label(trial)
+        extra, how = (
+            {"exported_policy": key.name},
+            f"{key.name}, the shipped general policy, unchanged",
+        )
+    elif key.is_rule:
+        extra, how = {"builtin_rule": key.name}, f"the built-in rule {key.name} with its defaults"
+    else:
+        extra, how = {"trial": trial.number}, policy_label(trial)
+    workload = _workload(study, suite, {**extra, **(provenance or {})})
+    scorecard = scorecard or {}
+    if key.is_rule or policy["kind"] == "parametric":
+        ep = suite.episode
+        bounds = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
+        rule, params = (key.name, {}) if key.is_rule else (policy["rule"], policy["params"])
+        kw = {"workload": workload, "scorecard": scorecard, "out_dir": out_dir, "force": replace}
+        return export_parametric(rule, {**bounds, **params}, name, **kw), how
+    with staged_policy(name, out_dir, force=replace) as tmp:
+        if key.is_policy:  # the shipped policy's files; its manifest, renamed, below
+            for f in source.iterdir():
+                if f.is_file() and f.name != "policy.yaml":
+                    shutil.copy2(f, tmp / f.name)
+            manifest = read_manifest(source)
+            workload = {**workload, "built": manifest.workload}
+        else:  # the agent's folder as the trial stored it
+            extract_policy(trial, store, tmp)
+            manifest = read_manifest(tmp)
+            workload = {**manifest.workload, **workload}
+            scorecard = scorecard or manifest.scorecard
+        write_manifest(
+            tmp, dataclasses.replace(manifest, name=name, workload=workload, scorecard=scorecard)
+        )
+    return tmp.parent / name, how
 
 
 def export_parametric(

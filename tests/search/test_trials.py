@@ -17,7 +17,8 @@ from autoscale.scalers.policies import read_manifest
 from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Ledger
-from autoscale.search.export import export_trial, top_candidates, trial_factory
+from autoscale.search.candidates import Candidate
+from autoscale.search.export import export_candidate, top_candidates, trial_factory
 from autoscale.search.loop import TrialLoop
 from autoscale.search.plan import shape_suite
 from autoscale.search.space import parametric_families
@@ -79,6 +80,41 @@ def _parts(root, suite, traces, ledger):
     work = root / "work"
     work.mkdir(exist_ok=True)
     return bench, store, TrialRecorder(bench, store, ledger, work, warn=print), work
+
+
+def test_export_writes_auto_a_rule_and_a_parametric_trial_as_loadable_policies(setup, tmp_path):
+    """The one export step, for each kind of candidate a search picks: ``auto`` copied as it
+    ships, a built-in rule with its defaults and the episode's scale bounds, a parametric trial
+    with its parameters; each manifest names what it holds and its study, and each loads."""
+    _, suite, _ = setup
+    study = _study(tmp_path, "kinds")
+    policy = {"kind": "parametric", "rule": "torch", "params": {"growth_interval": 7}}
+    study.add_trial(optuna.trial.create_trial(value=0.0, user_attrs={"policy": policy}))
+    ep = suite.episode
+    out = tmp_path / "policies"
+    kinds = {
+        "a": (Candidate.parse("policy:auto"), "auto, the shipped general policy, unchanged"),
+        "b": (Candidate.rule("deepspeed"), "the built-in rule deepspeed with its defaults"),
+        "c": (Candidate.trial(0), "torch, trial 0"),
+    }
+    for name, (key, said) in kinds.items():
+        path, how = export_candidate(
+            study, key, name, suite=suite, out_dir=out, provenance={"p": 1}
+        )
+        m = read_manifest(path)
+        assert how == said and path == out / name and m.name == name
+        assert m.workload["study"] == "kinds" and m.workload["p"] == 1
+        assert isinstance(make_scaler(str(path), device="cpu"), LossScaler)
+    assert read_manifest(out / "a").workload["exported_policy"] == "auto"
+    assert read_manifest(out / "a").workload["built"]  # what auto was built on, kept
+    rule = read_manifest(out / "b")
+    assert rule.workload["builtin_rule"] == "deepspeed" and rule.family == "deepspeed"
+    assert rule.parameters == {
+        "init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale,
+    }  # fmt: skip
+    trial = read_manifest(out / "c")
+    assert trial.workload["trial"] == 0 and trial.parameters["growth_interval"] == 7
+    assert trial.parameters["max_scale"] == ep.max_scale
 
 
 def test_the_bench_replays_early_and_late_episodes_of_every_member(setup):
@@ -151,8 +187,9 @@ def test_rl_trial_on_a_suite_stores_its_policy_and_exports_it_later(setup):
     assert type(scaler.rule).__name__ == "ResidualRule" and isinstance(scaler, LossScaler)
     assert scaler.rule.base.name == "amax-loss"  # on auto's rule, with auto's guard
     assert suite.episode.min_scale <= scaler.get_scale() <= suite.episode.max_scale
-    path = export_trial(study, trial, "rl-policy", suite=suite, store=store,
-                        out_dir=root / "policies")  # fmt: skip
+    path, how = export_candidate(study, Candidate.trial(trial.number), "rl-policy", suite=suite,
+                                 store=store, out_dir=root / "policies")  # fmt: skip
+    assert how == f"residual {policy['algo']} agent, trial {trial.number}"
     m = read_manifest(path)
     assert m.kind == "residual" and m.name == "rl-policy"
     assert m.workload["study"] == "rl" and m.workload["trial"] == trial.number
