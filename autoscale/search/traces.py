@@ -128,21 +128,10 @@ def load_traces(
             first train and test instance, at ``shrink_to`` steps) was recorded (those recorded
             stay cached: a rerun continues).
     """
-    cache = folder / "traces"
-    cache.mkdir(parents=True, exist_ok=True)
-    bend = shrink_to is not None
-    jobs = _essential_first(suite) if bend else [(m, i, True) for m, i in _jobs(suite)]
+    (folder / "traces").mkdir(parents=True, exist_ok=True)
     floor = stop_at if floor_at is None else floor_at
-    stats: dict[str, Any] = {
-        "recorded": 0,
-        "cached": 0,
-        "steps": 0,
-        "wall_s": 0.0,
-        "planned_s": 0.0,
-        "dropped": [],
-        "shortened": [],
-        "shortest": steps,
-    }
+    rec = _Recording(folder, cost, stop_at, floor, shrink_to, warn, on_slow, steps)
+    jobs = _essential_first(suite) if rec.bend else [(m, i, True) for m, i in _jobs(suite)]
     bar = None
     if progress:
         from autoscale.progress import progress_bar
@@ -150,84 +139,108 @@ def load_traces(
         bar = progress_bar(sum(i.start + steps for _, i, _ in jobs), desc="record", unit="step")
     traced: dict[str, dict] = {m.name: {} for m in suite.members}
     edges = version = None
-
-    def pace() -> float:
-        return stats["wall_s"] / stats["planned_s"] if stats["planned_s"] > 0 else 1.0
-
     try:
         for member, inst, essential in jobs:
-            n = steps
-            trace = None
-            while trace is None:
-                key = instance_key(member, inst, n)
-                path = cache / f"{key}.npz"
-                with file_lock(folder / "locks" / f"trace-{key}.lock"):
-                    trace = _read(path, warn)
-                    if trace is not None:
-                        stats["cached"] += 1
-                        break
-                    need = cost(member, inst.start + n)
-                    at = _deadline(floor if essential else stop_at, pace())
-                    if time.monotonic() + need <= at:
-                        # bending, a recording slower than planned is cut where the phases after
-                        # it keep their time at this pace (a first instance: once it has
-                        # shrink_to steps); an instance beyond the first ones is then left out
-                        t0 = time.monotonic()
-                        trace = record_trace(
-                            member,
-                            n,
-                            instances=(inst.name,),
-                            stop_at=_deadline(stop_at, pace()) if bend else None,
-                            least=min(shrink_to, n) if bend and essential else 1,
-                        )
-                        took = time.monotonic() - t0
-                        stats["wall_s"] += took
-                        stats["planned_s"] += need
-                        if on_slow is not None and took > 1.3 * need:
-                            on_slow(pace())
-                        got = next(iter(trace.instances.values())).steps
-                        if got < n and not essential:
-                            trace = None
-                            break
-                        if got < n:
-                            path = cache / f"{instance_key(member, inst, got)}.npz"
-                        trace.save(path)
-                        stats["recorded"] += 1
-                        stats["steps"] += inst.start + got
-                        break
-                if bend and not essential:
-                    break
-                if bend and n // 2 >= shrink_to:
-                    n //= 2
-                    continue
-                raise BudgetError(_ran_out(stats, member, inst, need))
+            trace = rec.instance(member, inst, essential)
             if trace is None:
-                stats["dropped"].append(f"{member.name}:{inst.name}")
+                rec.stats["dropped"].append(f"{member.name}:{inst.name}")
             else:
                 (only,) = trace.instances.values()
                 traced[member.name][inst.name] = dataclasses.replace(only, name=inst.name)
-                stats["shortest"] = min(stats["shortest"], only.steps)
+                rec.stats["shortest"] = min(rec.stats["shortest"], only.steps)
                 if only.steps < steps:
-                    stats["shortened"].append(f"{member.name}:{inst.name}")
+                    rec.stats["shortened"].append(f"{member.name}:{inst.name}")
                 edges, version = trace.hist_edges, trace.feature_version
             if bar is not None:
                 bar.update(inst.start + steps)
     finally:
         if bar is not None:
             bar.close()
-    order = {
-        m.name: [i.name for i in m.instances["train"] + m.instances["test"]] for m in suite.members
-    }
-    out = {
-        m.name: Trace(
-            m.to_dict(),
-            {k: traced[m.name][k] for k in order[m.name] if k in traced[m.name]},
-            edges,
-            version,
+    out = {}
+    for m in suite.members:
+        order = [i.name for i in m.instances["train"] + m.instances["test"]]
+        kept = {k: traced[m.name][k] for k in order if k in traced[m.name]}
+        out[m.name] = Trace(m.to_dict(), kept, edges, version)
+    return out, rec.stats
+
+
+@dataclasses.dataclass
+class _Recording:
+    """One :func:`load_traces` call: its cache, deadlines and bending (its arguments), and its
+    ``stats``; :meth:`instance` reads or records one instance."""
+
+    folder: Path
+    cost: Callable[[EnvSpec, int], float]
+    stop_at: float | Callable[[float], float]
+    floor: float | Callable[[float], float]
+    shrink_to: int | None
+    warn: Callable[[str], None] | None
+    on_slow: Callable[[float], None] | None
+    steps: int
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.bend = self.shrink_to is not None
+        self.stats = {
+            "recorded": 0, "cached": 0, "steps": 0, "wall_s": 0.0, "planned_s": 0.0,
+            "dropped": [], "shortened": [], "shortest": self.steps,
+        }  # fmt: skip
+
+    def pace(self) -> float:
+        """Recorded seconds over planned ones so far (1.0 before the first recording)."""
+        return self.stats["wall_s"] / self.stats["planned_s"] if self.stats["planned_s"] else 1.0
+
+    def instance(self, member: EnvSpec, inst: InstanceSpec, essential: bool) -> Trace | None:
+        """``inst``'s trace, from the cache or recorded where it fits its deadline (``floor``
+        for a first instance, ``stop_at`` for the others); bending, a first instance that does
+        not fit is recorded shorter (halving down to ``shrink_to`` steps) and any other is left
+        out (None); else a BudgetError."""
+        n = self.steps
+        while True:
+            key = instance_key(member, inst, n)
+            with file_lock(self.folder / "locks" / f"trace-{key}.lock"):
+                trace = _read(self.folder / "traces" / f"{key}.npz", self.warn)
+                if trace is not None:
+                    self.stats["cached"] += 1
+                    return trace
+                need = self.cost(member, inst.start + n)
+                at = _deadline(self.floor if essential else self.stop_at, self.pace())
+                if time.monotonic() + need <= at:
+                    return self._record(member, inst, n, need, essential)
+            if self.bend and not essential:
+                return None
+            if self.bend and n // 2 >= self.shrink_to:
+                n //= 2
+                continue
+            raise BudgetError(_ran_out(self.stats, member, inst, need))
+
+    def _record(
+        self, member: EnvSpec, inst: InstanceSpec, n: int, need: float, essential: bool
+    ) -> Trace | None:
+        """Record ``n`` steps of ``inst`` and cache them. Bending, a recording slower than planned
+        is cut where the phases after it keep their time at this pace (a first instance: once it
+        has ``shrink_to`` steps); an instance beyond the first ones is then left out (None), a
+        first one cut is cached under its own, shorter length."""
+        t0 = time.monotonic()
+        trace = record_trace(
+            member,
+            n,
+            instances=(inst.name,),
+            stop_at=_deadline(self.stop_at, self.pace()) if self.bend else None,
+            least=min(self.shrink_to, n) if self.bend and essential else 1,
         )
-        for m in suite.members
-    }
-    return out, stats
+        took = time.monotonic() - t0
+        self.stats["wall_s"] += took
+        self.stats["planned_s"] += need
+        if self.on_slow is not None and took > 1.3 * need:
+            self.on_slow(self.pace())
+        got = next(iter(trace.instances.values())).steps
+        if got < n and not essential:
+            return None
+        trace.save(self.folder / "traces" / f"{instance_key(member, inst, got)}.npz")
+        self.stats["recorded"] += 1
+        self.stats["steps"] += inst.start + got
+        return trace
 
 
 def keep_planned(
