@@ -224,7 +224,6 @@ LONG_FUNCTIONS = {
     "autoscale/agents/train.py:train_agent": 151,
     "autoscale/report/findings.py:findings": 127,
     "autoscale/envs/from_records.py:suite_from_records": 108,
-    "autoscale/search/plan.py:make_plan": 101,
     "autoscale/report/page.py:write_report": 95,
 }
 FUNCTION_CAP = 80
