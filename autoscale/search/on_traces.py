@@ -257,7 +257,7 @@ class TraceSearch:
         from autoscale.search.loop import TrialLoop
         from autoscale.search.space import searched_families
         from autoscale.search.storage import artifact_store, artifacts_dir
-        from autoscale.search.trials import ParametricObjective, TrialRecorder
+        from autoscale.search.trials import ParametricObjective, TrialRecorder, best_line
 
         cfg = self.cfg
         families = searched_families(cfg.families)
@@ -295,7 +295,7 @@ class TraceSearch:
             "search",
             f"{sum(c.values())} trials in {format_duration(time.monotonic() - t_search)} "
             f"({c['complete']} complete, {c['pruned']} pruned, {c['failed']} failed) on the train "
-            f"windows' replay; {_best_line(study)}",
+            f"windows' replay; {best_line(study)}",
         )
 
     # ------------------------------------------------------------------ validate
@@ -459,22 +459,6 @@ def _tie_text(
         f"; {', '.join(v.label for v in tied)} tie at {value:+.4f} on every held-out window: the "
         f"records cannot separate them ({'; '.join(why)})" + ("" if said else f"; {SEPARATE}")
     )
-
-
-def _best_line(study: Any) -> str:
-    """The study's best trial on the train windows, and where its row is (an enqueued rule's
-    defaults are validated as that rule)."""
-    try:
-        best = study.best_trial
-    except ValueError:
-        return "no completed trial yet"
-    rule = best.user_attrs.get("policy", {}).get("rule")
-    what = (
-        f"{rule} defaults, validated as the rule {rule}"
-        if best.user_attrs.get("baseline")
-        else rule
-    )
-    return f"best: trial {best.number} ({what}), objective {best.value:+.4f} on the train replay"
 
 
 def describe_records(records: list[Any]) -> dict[str, Any]:

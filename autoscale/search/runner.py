@@ -86,6 +86,7 @@ from autoscale.search.trials import (
     REFERENCE_RULE,
     ParametricObjective,
     TrialRecorder,
+    best_line,
     store_artifact,
     worker_id,
     write_note,
@@ -622,7 +623,7 @@ class SearchRunner:
         self.say(
             "search",
             f"{sum(c.values())} trials in {format_duration(time.monotonic() - t0)} ({c['complete']} complete, "
-            f"{c['pruned']} pruned, {c['failed']} failed); {_best_line(self.study)}",
+            f"{c['pruned']} pruned, {c['failed']} failed); {best_line(self.study)}",
         )
 
     def _baselines(self) -> None:
@@ -969,16 +970,6 @@ class SearchRunner:
                     store_artifact(self.store, path, self.study, "image/png")
                 except Exception as exc:
                     self.warn(f"could not store the comparison plot: {exc}")
-
-
-def _best_line(study: Any) -> str:
-    try:
-        best = study.best_trial
-    except ValueError:
-        return "no completed trial yet"
-    p = best.user_attrs.get("policy", {})
-    what = p.get("rule") or f"{p.get('algo')} agent"
-    return f"best: trial {best.number} ({what}), objective {best.value:+.4f} on the train replay"
 
 
 def _scale_kw(suite: SuiteSpec) -> dict[str, float]:

@@ -28,6 +28,7 @@ from autoscale.search.space import suggest_parametric
 from autoscale.training.scorecard import Scorecard, json_safe
 
 __all__ = [
+    "best_line",
     "store_artifact",
     "write_note",
     "TrialRecorder",
@@ -229,6 +230,20 @@ def store_artifact(store: Any, path: Path, study_or_trial: Any, mimetype: str) -
             study_or_trial=study_or_trial,
             mimetype=mimetype,
         )
+
+
+def best_line(study: Any) -> str:
+    """The study's best trial on the train replay, in words (an enqueued rule's defaults are
+    validated as that rule)."""
+    try:
+        best = study.best_trial
+    except ValueError:
+        return "no completed trial yet"
+    p = best.user_attrs.get("policy", {})
+    what = p.get("rule") or f"{p.get('algo')} agent"
+    if best.user_attrs.get("baseline"):
+        what = f"{what} defaults, validated as the rule {what}"
+    return f"best: trial {best.number} ({what}), objective {best.value:+.4f} on the train replay"
 
 
 def write_note(trial_or_study: Any, body: str) -> None:
