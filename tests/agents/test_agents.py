@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -169,10 +170,11 @@ def test_unknown_or_unfit_algorithm(tiny_spec):
 def test_policy_scaler_checkpoint_round_trip(agents):
     out, _ = agents
     a = autoscale.get_scaler(str(out / "tiny-dqn"), device="cpu")
+    torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(3):
-        a.scale(model(torch.randn(2, 4)).sum()).backward()
+    for _ in range(3):  # a positive loss: the features keep it (a negative one leaves them NaN)
+        a.scale(model(torch.randn(2, 4)).pow(2).sum()).backward()
         a.step(opt)
         a.update()
     state = a.state_dict()
@@ -180,6 +182,7 @@ def test_policy_scaler_checkpoint_round_trip(agents):
     b = autoscale.get_scaler(str(out / "tiny-dqn"), device="cpu")
     b.load_state_dict(torch.load(out / "s.pt", weights_only=True))
     assert b.get_scale() == a.get_scale()
+    assert math.isfinite(a.rule.features.state_dict()["loss_ema"])
     assert b.rule.features.state_dict() == a.rule.features.state_dict()
 
 
