@@ -187,11 +187,41 @@ def train_agent(
             (a spec whose test set is already held out of the train instances, as the search's
             and the build's are).
     """
-    from stable_baselines3.common.callbacks import CallbackList, EvalCallback
-    from stable_baselines3.common.monitor import Monitor
+    from autoscale.envs.episodes import instance_names
 
-    from autoscale.envs.episodes import make_env
+    algo, spec, replay = _checked(spec, algo, timesteps, replay, export_name, export_dir, force,
+                                  tensorboard)  # fmt: skip
+    fit = held_out(spec) if hold_out else spec  # None: nothing to select on, the last model
+    train_env, eval_env = _envs(spec, fit, replay, knobs)
+    selected_on = tuple(instance_names(eval_env.unwrapped)) if eval_env is not None else ()
+    model = _new_model(algo, spec, train_env, seed, tensorboard, hyperparams, init)
+    eval_freq = eval_freq or max(spec.episode.steps, timesteps // 10)
+    t0 = time.monotonic()
+    model, history, best_reward = _learn(
+        model, algo, train_env, eval_env, len(selected_on), timesteps, eval_freq, deadline,
+        progress,
+    )  # fmt: skip
+    result = AgentResult(
+        model,
+        algo,
+        timesteps,
+        time.monotonic() - t0,
+        best_reward,
+        eval_history=history,
+        selected_on=selected_on,
+    )
+    if export_name:
+        result.policy_dir = export_agent(
+            model, spec, export_name, export_dir=export_dir, force=force, replay=replay,
+            knobs=knobs,
+        )  # fmt: skip
+    return result
 
+
+def _checked(spec, algo, timesteps, replay, export_name, export_dir, force, tensorboard):
+    """:func:`train_agent`'s arguments checked before any work, each bad one in one line:
+    ``(algo, spec, replay)`` as it trains on them (a one-member suite as its member, a suite's
+    records folder read into traces)."""
     algo = algo.lower()
     if algo not in ALGOS:
         raise unknown_name("algorithm", algo, ALGOS, "autoscale train-agent --help")
@@ -222,10 +252,17 @@ def train_agent(
             raise ConfigError(
                 "--tensorboard needs the 'tensorboard' package: pip install tensorboard"
             ) from exc
+    return algo, spec, replay
 
-    from autoscale.envs.episodes import instance_names
 
-    fit = held_out(spec) if hold_out else spec  # None: nothing to select on, the last model
+def _envs(spec, fit, replay, knobs) -> tuple[Any, Any]:
+    """(training env, selection env or None): the training env on ``fit``'s train instances
+    (``spec``'s where nothing is held out), its replayed episodes starting anywhere in the
+    traces, under ``knobs``; the selection env on ``fit``'s test instances."""
+    from stable_baselines3.common.monitor import Monitor
+
+    from autoscale.envs.episodes import make_env
+
     train_env = Monitor(make_env(fit or spec, "train", replay))
     if replay is not None:  # episodes start anywhere in longer traces: the whole life of a run
         _set_replay(train_env.unwrapped, random_offset=True, knobs=knobs)
@@ -233,8 +270,12 @@ def train_agent(
         raise ConfigError(
             "knobs apply to replayed episodes: give the traces to train on (--replay)"
         )
-    eval_env = Monitor(make_env(fit, "test", replay)) if fit is not None else None
-    selected_on = tuple(instance_names(eval_env.unwrapped)) if eval_env is not None else ()
+    return train_env, Monitor(make_env(fit, "test", replay)) if fit is not None else None
+
+
+def _new_model(algo, spec, train_env, seed, tensorboard, hyperparams, init) -> Any:
+    """A new SB3 model of ``algo`` on ``train_env`` (the defaults, ``hyperparams`` over them),
+    or the saved one ``init`` to go on training; logging only to ``tensorboard``."""
     params = {**default_hyperparams(algo, spec.episode.steps), **(hyperparams or {})}
     if init is not None:
         model = load_model(algo, init, train_env, seed, tensorboard, hyperparams or {})
@@ -246,8 +287,15 @@ def train_agent(
         from stable_baselines3.common.logger import Logger
 
         model.set_logger(Logger(folder=None, output_formats=[]))
-    eval_freq = eval_freq or max(spec.episode.steps, timesteps // 10)
-    t0 = time.monotonic()
+    return model
+
+
+def _learn(model, algo, train_env, eval_env, n_eval, timesteps, eval_freq, deadline, progress):
+    """Train ``model`` until ``timesteps`` or ``deadline``, evaluating it every ``eval_freq``
+    steps on ``n_eval`` episodes of ``eval_env`` (where there is one) and keeping the best
+    checkpoint; (the model kept, the evaluations as (timestep, mean reward), the best mean)."""
+    from stable_baselines3.common.callbacks import CallbackList, EvalCallback
+
     with tempfile.TemporaryDirectory(prefix="autoscale-agent-") as tmp:
         callbacks = [deadline_callback(deadline)]
         evaluator = None
@@ -257,7 +305,7 @@ def train_agent(
                 best_model_save_path=tmp,
                 log_path=tmp,
                 eval_freq=eval_freq,
-                n_eval_episodes=len(selected_on),
+                n_eval_episodes=n_eval,
                 deterministic=True,
                 verbose=0,
             )
@@ -268,25 +316,13 @@ def train_agent(
         best = Path(tmp) / "best_model.zip"
         if best.exists():
             model = sb3_class(algo).load(best, env=train_env)
-        history = [
-            (int(t), sum(r) / len(r))
-            for t, r in zip(evaluator.evaluations_timesteps, evaluator.evaluations_results)
-        ] if evaluator is not None else []  # fmt: skip
-    result = AgentResult(
-        model,
-        algo,
-        timesteps,
-        time.monotonic() - t0,
-        float(evaluator.best_mean_reward) if evaluator is not None else math.nan,
-        eval_history=history,
-        selected_on=selected_on,
-    )
-    if export_name:
-        result.policy_dir = export_agent(
-            model, spec, export_name, export_dir=export_dir, force=force, replay=replay,
-            knobs=knobs,
-        )  # fmt: skip
-    return result
+    if evaluator is None:
+        return model, [], math.nan
+    history = [
+        (int(t), sum(r) / len(r))
+        for t, r in zip(evaluator.evaluations_timesteps, evaluator.evaluations_results)
+    ]
+    return model, history, float(evaluator.best_mean_reward)
 
 
 def saved_agent(algo: str, path):
