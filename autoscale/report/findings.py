@@ -36,126 +36,149 @@ def findings(
     replay: RecordReplay, recorded: Outcome, outcomes: dict[str, Outcome]
 ) -> list[Finding]:
     """The findings of a record, most serious first."""
-    out: list[Finding] = []
-    rec = replay.record
-    n = recorded.steps
-    if n == 0:
-        return out
-    t = replay.inst
-    skipped = recorded.skipped
+    if recorded.steps == 0:
+        return []
+    found = [
+        _nonfinite_losses(replay, recorded),
+        _at_minimum(recorded),
+        _underflow(replay, recorded, outcomes),
+        _schedule_counted_skips(replay, recorded),
+    ]
+    return [f for f in found if f is not None] or [_nothing_to_fix(recorded)]
+
+
+def _nonfinite_losses(replay: RecordReplay, recorded: Outcome) -> Finding | None:
+    """Steps skipped for a non-finite loss, which no scale saves, and what the scaler did after
+    them. One count of skipped steps everywhere (the table's): what happened after a step is
+    seen on the next one, so the record's last step, when skipped, is counted and said to be
+    last."""
+    n, skipped = recorded.steps, recorded.skipped
     n_skipped = int(skipped.sum())
-    # One count of skipped steps everywhere (the table's): what happened after a step is seen
-    # on the next one, so the record's last step, when skipped, is counted and said to be last.
-    nf = np.flatnonzero(t.nonfinite & skipped)
-    if len(nf):
-        at_min = recorded.scales <= recorded.min_scale  # min_scale 0: unknown, never true
-        pinned = int(at_min[nf].sum())
-        followed = nf[nf + 1 < n]
-        lowered = int((recorded.scales[followed + 1] < recorded.scales[followed]).sum())
-        last = _ends(nf, n)
-        which = "All" if len(nf) == n_skipped else f"{len(nf)} of the"
-        detail = (
-            f"{which} {n_skipped} skipped steps ({100 * len(nf) / n:.1f}% of {n}) had a "
-            f"non-finite loss (steps {_steps(nf)}): the forward pass overflowed or the batch was "
-            "bad before any scaling, and no loss scale fixes such a step."
+    nf = np.flatnonzero(replay.inst.nonfinite & skipped)
+    if not len(nf):
+        return None
+    at_min = recorded.scales <= recorded.min_scale  # min_scale 0: unknown, never true
+    pinned = int(at_min[nf].sum())
+    followed = nf[nf + 1 < n]
+    lowered = int((recorded.scales[followed + 1] < recorded.scales[followed]).sum())
+    last = _ends(nf, n)
+    which = "All" if len(nf) == n_skipped else f"{len(nf)} of the"
+    detail = (
+        f"{which} {n_skipped} skipped steps ({100 * len(nf) / n:.1f}% of {n}) had a "
+        f"non-finite loss (steps {_steps(nf)}): the forward pass overflowed or the batch was "
+        "bad before any scaling, and no loss scale fixes such a step."
+    )
+    if not len(followed):
+        detail += f" The record ends at step {n - 1}: what the scaler did after it is not seen"
+    elif lowered == 0:
+        detail += (
+            f" The scaler kept its scale after each of them{last}, which is right: a lower "
+            "scale saves none of them and loses precision on the steps that follow"
         )
-        if not len(followed):
-            detail += f" The record ends at step {n - 1}: what the scaler did after it is not seen"
-        elif lowered == 0:
-            detail += (
-                f" The scaler kept its scale after each of them{last}, which is right: a lower "
-                "scale saves none of them and loses precision on the steps that follow"
-            )
-        else:
-            which = "every one" if lowered == len(followed) else str(lowered)
-            detail += (
-                f" Yet the scaler lowered its scale after {which} of them{last}, losing precision "
-                "on the steps that followed for nothing"
-            )
-        detail += f"; {pinned} of them came at its minimum scale." if pinned else "."
-        advice = (
-            "Find the batches (the step numbers above) or the layer that overflows in the "
-            "forward pass; bf16 autocast has fp32's range and avoids it where the device "
-            "supports it (torch.cuda.is_bf16_supported())."
+    else:
+        which = "every one" if lowered == len(followed) else str(lowered)
+        detail += (
+            f" Yet the scaler lowered its scale after {which} of them{last}, losing precision "
+            "on the steps that followed for nothing"
         )
-        if lowered:
-            advice += (
-                " Meanwhile a rule that does not lower its scale for a non-finite loss keeps "
-                "the gradients' precision (auto lowers only such a step's own scale): "
-                "autoscale wrap --scaler auto -- <your command>."
-            )
-        out.append(Finding("Non-finite losses: no loss scale fixes these", detail, advice))
-    if recorded.at_min:
-        out.append(
-            Finding(
-                "The scale sat at its minimum",
-                f"{recorded.at_min} of {n} steps ran at the scaler's minimum scale "
-                f"({recorded.min_scale:g}); DeepSpeed and Megatron stop the run there "
-                '("Current loss scale already at minimum").',
-                "See the non-finite losses above, if any; otherwise the gradients overflow at "
-                "every scale: check the loss and the learning rate.",
-            )
+    detail += f"; {pinned} of them came at its minimum scale." if pinned else "."
+    advice = (
+        "Find the batches (the step numbers above) or the layer that overflows in the "
+        "forward pass; bf16 autocast has fp32's range and avoids it where the device "
+        "supports it (torch.cuda.is_bf16_supported())."
+    )
+    if lowered:
+        advice += (
+            " Meanwhile a rule that does not lower its scale for a non-finite loss keeps "
+            "the gradients' precision (auto lowers only such a step's own scale): "
+            "autoscale wrap --scaler auto -- <your command>."
         )
-    prec = recorded.precision_loss
+    return Finding("Non-finite losses: no loss scale fixes these", detail, advice)
+
+
+def _at_minimum(recorded: Outcome) -> Finding | None:
+    """Steps at the scaler's minimum scale, where DeepSpeed and Megatron stop a run."""
+    if not recorded.at_min:
+        return None
+    return Finding(
+        "The scale sat at its minimum",
+        f"{recorded.at_min} of {recorded.steps} steps ran at the scaler's minimum scale "
+        f"({recorded.min_scale:g}); DeepSpeed and Megatron stop the run there "
+        '("Current loss scale already at minimum").',
+        "See the non-finite losses above, if any; otherwise the gradients overflow at "
+        "every scale: check the loss and the learning rate.",
+    )
+
+
+def _underflow(
+    replay: RecordReplay, recorded: Outcome, outcomes: dict[str, Outcome]
+) -> Finding | None:
+    """Gradients below fp16's range after scaling, where a share of them was, and the rule
+    that would have lost fewest on the replay."""
+    t, prec = replay.inst, recorded.precision_loss
+    if not (math.isfinite(prec) and prec > 0.005):
+        return None
     headroom = t.threshold - np.log2(np.maximum(t.scale, 1e-300))
-    clean = ~skipped & np.isfinite(headroom)
+    clean = ~recorded.skipped & np.isfinite(headroom)
     median_room = float(np.median(headroom[clean])) if clean.any() else math.nan
-    if math.isfinite(prec) and prec > 0.005:
-        best = min(
-            (o for o in outcomes.values() if math.isfinite(o.precision_loss)),
-            key=lambda o: o.precision_loss,
-            default=None,
-        )
-        better = (
-            f" Replayed, {best.name} would have lost {100 * best.precision_loss:.2f}% "
-            f"(skipping {100 * best.skip_rate:.2f}% of steps)."
-            if best is not None and best.precision_loss < prec
-            else ""
-        )
-        room = (
-            f" On the median step the scale sat {median_room:.1f} bits below its overflow "
-            "threshold: a higher scale would have kept them."
-            if math.isfinite(median_room) and median_room >= 1
-            else ""
-        )
-        out.append(
-            Finding(
-                "Gradients lost to underflow",
-                f"On average {100 * prec:.2f}% of the non-zero gradient elements fell below "
-                f"fp16's normal range (2^-14) after scaling, and lost precision or became 0.{room}{better}",
-                "Use a scaler that keeps the scale near the overflow threshold: "
-                "autoscale wrap --scaler auto -- <your command>.",
-            )
-        )
-    lr = np.asarray(rec.column("lr"), dtype=np.float64)
-    if np.isfinite(lr).all() and n > 2:
-        moved = np.diff(lr) != 0  # moved[i]: the rate changed between step i and step i + 1
-        sk = np.flatnonzero(skipped)
-        followed = sk[sk + 1 < n]
-        counted = int(moved[followed].sum())
-        clean_moves = moved[~skipped[:-1]]
-        if counted and clean_moves.mean() > 0.5:
-            out.append(
-                Finding(
-                    "The learning-rate schedule counted skipped steps",
-                    f"The learning rate moved after {counted} of the {n_skipped} skipped steps, "
-                    f"steps the optimizer did not take{_ends(sk, n)}, so the schedule ran ahead "
-                    "of training.",
-                    "Step the scheduler only when the step was taken: "
-                    "if not scaler.step_was_skipped: scheduler.step() (every autoscale scaler has "
-                    "step_was_skipped; the Hugging Face Trainer and Lightning check it themselves "
-                    "only in some versions).",
-                )
-            )
-    if not out:
-        out.append(
-            Finding(
-                "Nothing to fix in this run",
-                f"{n_skipped} of {n} steps skipped, "
-                f"{100 * prec:.2f}% of gradient elements below fp16's range on average."
-                if math.isfinite(prec)
-                else f"{n_skipped} of {n} steps skipped.",
-                "The scaler this run used did its job here.",
-            )
-        )
-    return out
+    best = min(
+        (o for o in outcomes.values() if math.isfinite(o.precision_loss)),
+        key=lambda o: o.precision_loss,
+        default=None,
+    )
+    better = (
+        f" Replayed, {best.name} would have lost {100 * best.precision_loss:.2f}% "
+        f"(skipping {100 * best.skip_rate:.2f}% of steps)."
+        if best is not None and best.precision_loss < prec
+        else ""
+    )
+    room = (
+        f" On the median step the scale sat {median_room:.1f} bits below its overflow "
+        "threshold: a higher scale would have kept them."
+        if math.isfinite(median_room) and median_room >= 1
+        else ""
+    )
+    return Finding(
+        "Gradients lost to underflow",
+        f"On average {100 * prec:.2f}% of the non-zero gradient elements fell below "
+        f"fp16's normal range (2^-14) after scaling, and lost precision or became 0.{room}{better}",
+        "Use a scaler that keeps the scale near the overflow threshold: "
+        "autoscale wrap --scaler auto -- <your command>.",
+    )
+
+
+def _schedule_counted_skips(replay: RecordReplay, recorded: Outcome) -> Finding | None:
+    """A learning-rate schedule that moved on steps the optimizer did not take."""
+    n, skipped = recorded.steps, recorded.skipped
+    lr = np.asarray(replay.record.column("lr"), dtype=np.float64)
+    if not (np.isfinite(lr).all() and n > 2):
+        return None
+    moved = np.diff(lr) != 0  # moved[i]: the rate changed between step i and step i + 1
+    sk = np.flatnonzero(skipped)
+    followed = sk[sk + 1 < n]
+    counted = int(moved[followed].sum())
+    clean_moves = moved[~skipped[:-1]]
+    if not (counted and clean_moves.mean() > 0.5):
+        return None
+    return Finding(
+        "The learning-rate schedule counted skipped steps",
+        f"The learning rate moved after {counted} of the {int(skipped.sum())} skipped steps, "
+        f"steps the optimizer did not take{_ends(sk, n)}, so the schedule ran ahead "
+        "of training.",
+        "Step the scheduler only when the step was taken: "
+        "if not scaler.step_was_skipped: scheduler.step() (every autoscale scaler has "
+        "step_was_skipped; the Hugging Face Trainer and Lightning check it themselves "
+        "only in some versions).",
+    )
+
+
+def _nothing_to_fix(recorded: Outcome) -> Finding:
+    n, prec, n_skipped = recorded.steps, recorded.precision_loss, int(recorded.skipped.sum())
+    return Finding(
+        "Nothing to fix in this run",
+        f"{n_skipped} of {n} steps skipped, "
+        f"{100 * prec:.2f}% of gradient elements below fp16's range on average."
+        if math.isfinite(prec)
+        else f"{n_skipped} of {n} steps skipped.",
+        "The scaler this run used did its job here.",
+    )
