@@ -221,7 +221,6 @@ def test_no_import_circle():
 # Functions over the cap when it replaced the 500-line file cap, at their length then: each may
 # only shrink (a refactor that brings one under the cap removes it here).
 LONG_FUNCTIONS = {
-    "autoscale/envs/from_records.py:suite_from_records": 108,
     "autoscale/report/page.py:write_report": 95,
 }
 FUNCTION_CAP = 80

@@ -106,11 +106,9 @@ def suite_from_records(records: list, horizon: int | None = None) -> tuple[Any, 
     Raises:
         ConfigError: as above, or two records of the same folder.
     """
-    from autoscale.envs.spec import EnvSpec, EpisodeSpec, InstanceSpec
+    from autoscale.envs.spec import EnvSpec, EpisodeSpec
     from autoscale.envs.suite import SuiteSpec
     from autoscale.observe import RunRecord, read_record
-    from autoscale.scalers.controller import StepStats
-    from autoscale.scalers.features import FeatureExtractor
     from autoscale.training import WorkloadSpec
 
     loaded = [r if isinstance(r, RunRecord) else read_record(r) for r in records]
@@ -136,48 +134,7 @@ def suite_from_records(records: list, horizon: int | None = None) -> tuple[Any, 
             name += "-2"
         names.add(name)
         workload = WorkloadSpec(model=str(Path(rec.path).resolve()), scenario="clean")
-        # the features' state at each window's start, carried through the run's steps
-        fx = FeatureExtractor()
-        states = {}
-        for i, s in enumerate(rec.steps):
-            if i % horizon == 0:
-                states[i] = fx.state_dict()
-            loss = s.get("loss")
-            fx.update(
-                StepStats(
-                    i,
-                    float(s["scale"]),
-                    bool(s["found_inf"]),
-                    float(s["amax"]),
-                    float(s["rms"]),
-                    math.nan if loss is None else float(loss),
-                    loss is not None,
-                    bool(s.get("guarded", False)),
-                )
-            )
-        n_train = max(1, (2 * windows) // 3)
-        sets: dict[str, list] = {"train": [], "test": []}
-        instances: dict[str, InstanceTrace] = {}
-        for w in range(windows):
-            lo, hi = w * horizon, (w + 1) * horizon
-            which = "train" if w < n_train else "test"
-            iname = f"{which}-w{w}"
-            sets[which].append(InstanceSpec(iname, w, lo))
-            instances[iname] = InstanceTrace(
-                iname,
-                w,
-                lo,
-                threshold=inst.threshold[lo:hi],
-                nonfinite=inst.nonfinite[lo:hi],
-                loss=inst.loss[lo:hi],
-                amax=inst.amax[lo:hi],
-                rms=inst.rms[lo:hi],
-                scale=inst.scale[lo:hi],
-                hist=inst.hist[lo:hi],
-                eval_loss=_window_loss(inst.loss[lo:hi]),
-                start_scale=float(inst.scale[lo]),
-                start_features=states[lo],
-            )
+        sets, instances = _windows(inst, windows, horizon, _window_states(rec, horizon))
         episode = EpisodeSpec(
             steps=horizon,
             init_scale=float(inst.scale[0]),
@@ -196,6 +153,66 @@ def suite_from_records(records: list, horizon: int | None = None) -> tuple[Any, 
         traces[name] = Trace(spec.to_dict(), instances, whole.hist_edges, whole.feature_version)
     suite = SuiteSpec("traces", tuple(members), (), None)
     return suite, traces
+
+
+def _window_states(rec: Any, horizon: int) -> dict[int, dict[str, Any]]:
+    """The features' state at each window's start (step -> state), carried through the run's
+    recorded steps."""
+    from autoscale.scalers.controller import StepStats
+    from autoscale.scalers.features import FeatureExtractor
+
+    fx = FeatureExtractor()
+    states = {}
+    for i, s in enumerate(rec.steps):
+        if i % horizon == 0:
+            states[i] = fx.state_dict()
+        loss = s.get("loss")
+        fx.update(
+            StepStats(
+                i,
+                float(s["scale"]),
+                bool(s["found_inf"]),
+                float(s["amax"]),
+                float(s["rms"]),
+                math.nan if loss is None else float(loss),
+                loss is not None,
+                bool(s.get("guarded", False)),
+            )
+        )
+    return states
+
+
+def _windows(
+    inst: InstanceTrace, windows: int, horizon: int, states: dict[int, dict[str, Any]]
+) -> tuple[dict[str, list], dict[str, InstanceTrace]]:
+    """The run ``inst`` cut into ``windows`` windows of ``horizon`` steps: (set -> instance
+    specs, name -> window trace); the first two thirds in time train, the rest test."""
+    from autoscale.envs.spec import InstanceSpec
+
+    n_train = max(1, (2 * windows) // 3)
+    sets: dict[str, list] = {"train": [], "test": []}
+    instances: dict[str, InstanceTrace] = {}
+    for w in range(windows):
+        lo, hi = w * horizon, (w + 1) * horizon
+        which = "train" if w < n_train else "test"
+        iname = f"{which}-w{w}"
+        sets[which].append(InstanceSpec(iname, w, lo))
+        instances[iname] = InstanceTrace(
+            iname,
+            w,
+            lo,
+            threshold=inst.threshold[lo:hi],
+            nonfinite=inst.nonfinite[lo:hi],
+            loss=inst.loss[lo:hi],
+            amax=inst.amax[lo:hi],
+            rms=inst.rms[lo:hi],
+            scale=inst.scale[lo:hi],
+            hist=inst.hist[lo:hi],
+            eval_loss=_window_loss(inst.loss[lo:hi]),
+            start_scale=float(inst.scale[lo]),
+            start_features=states[lo],
+        )
+    return sets, instances
 
 
 def _window_loss(loss: np.ndarray) -> float:
