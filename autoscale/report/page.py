@@ -9,6 +9,7 @@ import io
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -220,8 +221,38 @@ def write_report(
     outcomes = {name: replay.replay(name) for name in names}
     found = findings(replay, recorded, outcomes)
     shown = {k: outcomes[k] for k in ("torch", "auto") if k in outcomes}
-    meta = record.meta
     esc = html.escape
+    parts = _head(record, recorded)
+    parts.append("<h2>Findings</h2>")
+    for f in found:
+        cls = "finding ok" if f.title.startswith("Nothing") else "finding"
+        parts.append(
+            f"<div class='{cls}'><b>{esc(f.title)}.</b> {esc(f.detail)}"
+            f"<div class='advice'>{esc(f.advice)}</div></div>"
+        )
+    parts.append("<h2>The scale, the gradients and fp16's range</h2>")
+    parts.append(
+        f"<img alt='loss scale over the steps' src='data:image/png;base64,{_scale_plot(replay, recorded, shown)}'>"
+    )
+    parts.append(
+        f"<img alt='gradient underflow' src='data:image/png;base64,{_underflow_plot(recorded, shown)}'>"
+    )
+    loss_png = _loss_plot(replay)
+    if loss_png:
+        parts.append(f"<img alt='training loss' src='data:image/png;base64,{loss_png}'>")
+    parts += _others(replay, recorded, outcomes)
+    parts.append("</body></html>")
+    path = Path(out) if out is not None else record.path / "report.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("\n".join(parts))
+    os.replace(tmp, path)
+    return path
+
+
+def _head(record: RunRecord, recorded: Any) -> list[str]:
+    """The page's head, title and run line, the record's notes and the run's own row."""
+    meta, esc = record.meta, html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>autoscale report: {esc(record.path.name)}</title><style>{_CSS}</style></head><body>",
@@ -251,29 +282,19 @@ def write_report(
         f"<td>{_pct(recorded.precision_loss)}</td><td>{_scale(recorded.scales.min())} .. "
         f"{_scale(recorded.scales.max())}</td><td>{recorded.at_min}</td></tr></table>"
     )
-    parts.append("<h2>Findings</h2>")
-    for f in found:
-        cls = "finding ok" if f.title.startswith("Nothing") else "finding"
-        parts.append(
-            f"<div class='{cls}'><b>{esc(f.title)}.</b> {esc(f.detail)}"
-            f"<div class='advice'>{esc(f.advice)}</div></div>"
-        )
-    parts.append("<h2>The scale, the gradients and fp16's range</h2>")
-    parts.append(
-        f"<img alt='loss scale over the steps' src='data:image/png;base64,{_scale_plot(replay, recorded, shown)}'>"
-    )
-    parts.append(
-        f"<img alt='gradient underflow' src='data:image/png;base64,{_underflow_plot(recorded, shown)}'>"
-    )
-    loss_png = _loss_plot(replay)
-    if loss_png:
-        parts.append(f"<img alt='training loss' src='data:image/png;base64,{loss_png}'>")
-    parts.append("<h2>What the other rules would have done (replay)</h2>")
-    parts.append(f"<p class='note'>{esc(replay.limits)}</p>")
-    parts.append(
+    return parts
+
+
+def _others(replay: RecordReplay, recorded: Any, outcomes: dict[str, Any]) -> list[str]:
+    """What the other rules would have done on the replay, beside the run's own row, and how
+    to use one."""
+    esc, record = html.escape, replay.record
+    parts = [
+        "<h2>What the other rules would have done (replay)</h2>",
+        f"<p class='note'>{esc(replay.limits)}</p>",
         "<table><tr><th>scaler</th><th>skip rate</th><th>below fp16 range</th><th>scale range</th>"
-        "<th>steps at minimum</th></tr>"
-    )
+        "<th>steps at minimum</th></tr>",
+    ]
     rows = [recorded, *sorted(outcomes.values(), key=lambda o: (o.skip_rate, o.precision_loss))]
     for o in rows:
         cls = " class='own'" if o is recorded else ""
@@ -289,10 +310,4 @@ def write_report(
         + "</code>; or search a policy "
         "for this run: <code>autoscale search --traces " + esc(str(record.path)) + "</code>.</p>"
     )
-    parts.append("</body></html>")
-    path = Path(out) if out is not None else record.path / "report.html"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("\n".join(parts))
-    os.replace(tmp, path)
-    return path
+    return parts
