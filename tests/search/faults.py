@@ -27,7 +27,7 @@ from typing import Any
 import optuna
 
 from autoscale.search.storage import open_storage
-from tests.search.conftest import _sigint_as_a_terminal_has_it, autoscale_cmd, cli_env
+from tests.search.conftest import autoscale_cmd, cli_env
 
 TrialState = optuna.trial.TrialState
 REPORT_ENV = "AUTOSCALE_FAULTS_REPORT"  # a JSON-lines file the fault tests append their figures to
@@ -71,10 +71,7 @@ class Worker:
 def start_worker(*args: str, cwd: Path, name: str) -> Worker:
     out, err = cwd / f"{name}.out", cwd / f"{name}.err"
     with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen(
-            autoscale_cmd(*args), cwd=cwd, env=cli_env(), stdout=fo, stderr=fe,
-            preexec_fn=_sigint_as_a_terminal_has_it,
-        )  # fmt: skip
+        proc = subprocess.Popen(autoscale_cmd(*args), cwd=cwd, env=cli_env(), stdout=fo, stderr=fe)
     return Worker(proc, out, err)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
@@ -77,15 +76,6 @@ def warm_cache(tmp_path_factory) -> Path:
     # the same budget as the tests: the plan (trace length) depends on it; the study keeps the
     # plan, for a test that must read exactly these traces (the damaged cache)
     warm = start_worker(*args, cwd=root, name="warm")
-    # all the tests reuse is there once its replay search has run (the plan stored, its traces
-    # cached): its validation and checks would only take time, so it is stopped as a user would
-    wait_for(
-        "the warm search's replay trials",
-        lambda: "[4/6 search]" in warm.out or warm.poll() is not None,
-        timeout=400,
-    )
-    if warm.poll() is None:
-        warm.proc.send_signal(signal.SIGINT)
     rc = warm.finish()
     if rc == 2 and "the budget ran out while recording traces" in warm.err:
         # a machine slower than measured (other jobs on its cores): the traces recorded so far
@@ -94,7 +84,7 @@ def warm_cache(tmp_path_factory) -> Path:
         again = [a if a != BUDGET else "4m" for a in args]
         warm = start_worker(*again, cwd=root, name="warm-again")
         rc = warm.finish()
-    assert rc in (0, 130), warm.err[-3000:]  # 130: stopped after its replay search, as above
+    assert rc == 0, warm.err[-3000:]
     # the plan the study stored, shortened by a re-plan or not, is in the cache under its keys
     assert all(p.is_file() for p in planned_traces(root / WARM_DB, root / "artifacts"))
     _fill_no_harm_cache(root / "artifacts")
