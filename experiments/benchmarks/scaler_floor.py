@@ -81,7 +81,9 @@ class OpProgram:
                         where[id(t)] = f"o{k}[{j}]"
             elif isinstance(out, torch.Tensor) and id(out) not in where:
                 where[id(out)] = f"o{k}"
-            if out is scaled:  # the first part returns the scaled loss and its results
+            if (
+                part == 0 and out is scaled
+            ):  # the first part returns the scaled loss and its results
                 made = ", ".join(f"o{j}" for j in range(k + 1))
                 lines[part].append(f"return {where[id(scaled)]}, ({made},)")
                 lines[1].append(f"{made}, = s")
