@@ -19,10 +19,8 @@ from autoscale.scalers.grad_stats import (
     grad_stats,
     grads_of,
     nonfinite_flag,
-    one_pass_grads,
     stats_vector,
 )
-from autoscale.scalers.unscale import unscale_reading_amax
 
 __all__ = ["GradReader"]
 
@@ -46,20 +44,24 @@ class GradReader:
         self.__init__()
         self.rms, self.keep_abs = state["rms"], state["keep_abs"]
 
-    def one_pass(self, optimizer: torch.optim.Optimizer, dev: torch.device) -> list | None:
-        """The gradients, where they allow reading the statistics in the pass that also finds
-        infs (:func:`~autoscale.scalers.grad_stats.one_pass_grads`) and no ``|g|`` copy is
-        kept."""
-        if self.keep_abs:
-            return None
-        return one_pass_grads(optimizer, dev)
-
     def unscale(
         self, state: dict[str, Any], grads: list[torch.Tensor], inv: torch.Tensor, dev: torch.device
     ) -> None:
-        """Unscale ``grads`` reading their amax: the flag and statistics into ``state``."""
-        flag, state[sv.STATS] = unscale_reading_amax(grads, inv, self._abs_max, dev, self.rms)
-        state["found_inf_per_device"] = {dev: flag}
+        """Unscale ``grads`` (:func:`~autoscale.scalers.grad_stats.one_pass_grads`) in place,
+        reading their amax first: one read of the scaled gradients gives the amax, whose
+        finiteness is the found-inf flag, then one multiply by ``inv`` (GradScaler's kernel
+        multiplies while it checks, and the amax was a second read of every gradient); with
+        ``rms``, the sum of squares of the unscaled gradients in the same pass. The flag goes
+        into ``state`` as GradScaler keeps it, the statistics under
+        :data:`~autoscale.scalers.step_vector.STATS`: the unscaled amax (0-dim), or with ``rms``
+        :func:`~autoscale.scalers.grad_stats.stats_vector`. The same gradients, flag and
+        statistics as GradScaler's unscale followed by a read of them, bit for bit (rounding is
+        monotonic)."""
+        with torch.no_grad():
+            amax, sumsq = self._abs_max.read(grads, dev, then_mul=inv, sumsq=self.rms)
+            unscaled = amax * inv
+            state[sv.STATS] = stats_vector(grads, dev, unscaled, sumsq) if self.rms else unscaled
+            state["found_inf_per_device"] = {dev: nonfinite_flag(amax)}
 
     def amax(
         self, state: dict[str, Any], grads: list[torch.Tensor], inv: Any, dev: torch.device

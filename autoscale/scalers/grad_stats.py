@@ -45,6 +45,7 @@ __all__ = [
 
 #: Gradient elements (float32) that stay in a core's cache between two passes over them.
 CACHED_ELEMENTS = 1 << 14
+_numel = torch.Tensor.numel
 
 
 def grad_amax(grads: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
@@ -209,7 +210,7 @@ class AbsMax:
             self._minmax, self._norms = buf[: 2 * n], buf[2 * n :]
             self._pairs = list(zip(buf[0 : 2 * n : 2].unbind(), buf[1 : 2 * n : 2].unbind()))
             self._norm_outs = list(self._norms.unbind())
-        if then_mul is not None and not sumsq and self._cached(grads):
+        if then_mul is not None and not sumsq and max(map(_numel, grads)) <= CACHED_ELEMENTS:
             # gradients that fit in cache: one multiply over all of them after their reads
             # (each op costs microseconds; a pass per gradient saves nothing here)
             for g, out in zip(grads, self._pairs):
@@ -224,11 +225,6 @@ class AbsMax:
                     torch.linalg.vector_norm(g, 2, dtype=torch.float32, out=norm)
         amax = torch.linalg.vector_norm(self._minmax, math.inf).to(dev)
         return amax, self._norms.square().sum().to(dev) if sumsq else None
-
-    @staticmethod
-    def _cached(grads: list[torch.Tensor]) -> bool:
-        """Whether every gradient is small enough to stay in cache between two passes."""
-        return max(map(torch.Tensor.numel, grads)) <= CACHED_ELEMENTS
 
 
 def nonfinite_flag(amax: torch.Tensor) -> torch.Tensor:

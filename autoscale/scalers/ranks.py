@@ -20,6 +20,8 @@ from autoscale.errors import ConfigError
 
 __all__ = ["RankAgreement"]
 
+_DIST = dist.is_available()  # (fixed by the build: asked once, not every step)
+
 
 class RankAgreement:
     """The process group a scaler agrees over, checked once.
@@ -44,7 +46,7 @@ class RankAgreement:
 
     def group(self, device: torch.device, needs_loss: bool) -> Any:
         """The group decisions are agreed over, or None when there is nothing to agree."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not (_DIST and dist.is_initialized()):
             if self.process_group is not None:
                 raise ConfigError(
                     "process_group was given but torch.distributed is not initialized; call "

@@ -35,6 +35,7 @@ from autoscale.scalers.controller import (
     positive_finite,
 )
 from autoscale.scalers.grad_reader import GradReader
+from autoscale.scalers.grad_stats import one_pass_grads
 from autoscale.scalers.loss_guard import apply_guard, apply_step_scale, guard_on_host, guards
 from autoscale.scalers.ranks import RankAgreement
 from autoscale.scalers.unscale import InverseScale
@@ -252,16 +253,16 @@ class LossScaler(torch.amp.GradScaler):
                 return
         if self._scale is None:
             self._lazy_init_scale_growth_tracker(loss.device)
-        scale, group = self._scale, self._group()
+        scale, group, bounds = self._scale, self._group(), self.controller.bounds
         self._guarded = True
         if limit is not None and self._cpu and group is None and loss.is_cpu:
             self._guard_scale = None
-            self._step_scale = guard_on_host(scale, loss, limit, self.min_scale, self._host_scale)
+            self._step_scale = guard_on_host(scale, loss, limit, bounds.min_scale, self._host_scale)
             return
         self._guard_scale = (
-            apply_step_scale(rule, scale, loss, self.controller.bounds, self._host_scale, group)
+            apply_step_scale(rule, scale, loss, bounds, self._host_scale, group)
             if rule.scale_time
-            else apply_guard(scale, loss, limit, self.min_scale, self._host_scale, group)
+            else apply_guard(scale, loss, limit, bounds.min_scale, self._host_scale, group)
         )
         # set on the host of a CPU (no tensor returned): read once, for get_scale and 1/scale
         self._step_scale = scale.item() if self._guard_scale is None and self._cpu else None
@@ -312,13 +313,13 @@ class LossScaler(torch.amp.GradScaler):
         self._check_scale_growth_tracker("unscale_")
         if self._group() is not None:  # statistics agreed across ranks: the general layout
             return None
-        return self.grads.one_pass(optimizer, self._scale.device)
+        return one_pass_grads(optimizer, self._scale.device)
 
     def _unscale_with_amax(
         self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]
     ) -> None:
         """GradScaler's ``unscale_`` with the amax read in the same place
-        (:func:`~autoscale.scalers.unscale.unscale_reading_amax`)."""
+        (:meth:`~autoscale.scalers.grad_reader.GradReader.unscale`)."""
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(

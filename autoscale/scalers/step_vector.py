@@ -164,7 +164,8 @@ def step_stats(
 ) -> tuple[StepStats, float | None]:
     """The :class:`StepStats` of one step from its optimizers' packed states (read here, one
     sync), and the scale a guarded step used (None when the guard did not run)."""
-    read(states)
+    if len(states) != 1 or HOST not in states[0]:  # (a CPU scaler read its one already)
+        read(states)
     if len(states) == 1:  # one optimizer, most loops: its values as they are
         state = states[0]
         h: HostStep = state[HOST]

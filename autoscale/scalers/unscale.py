@@ -1,14 +1,14 @@
-"""Unscaling on the scaler's hot path: 1/scale as GradScaler computes it, in fewer ops, and the
-one-pass unscale that reads the amax where GradScaler reads the found-inf flag."""
+"""Unscaling on the scaler's hot path: 1/scale as GradScaler computes it, in fewer ops (the
+one-pass unscale that reads the amax where GradScaler reads the found-inf flag is
+:meth:`~autoscale.scalers.grad_reader.GradReader.unscale`)."""
 
 from __future__ import annotations
 
 import torch
 
 from autoscale.scalers.controller import f32
-from autoscale.scalers.grad_stats import AbsMax, nonfinite_flag, stats_vector
 
-__all__ = ["InverseScale", "unscale_reading_amax"]
+__all__ = ["InverseScale"]
 
 
 class InverseScale:
@@ -51,24 +51,3 @@ class InverseScale:
                 self._cache.clear()
             inv = self._cache[host, dev] = torch.full((), f32(1.0 / host), device=dev)
         return inv
-
-
-def unscale_reading_amax(
-    grads: list[torch.Tensor],
-    inv: torch.Tensor,
-    abs_max: AbsMax,
-    dev: torch.device,
-    rms: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unscale ``grads`` in place, reading their amax first: one read of the scaled gradients
-    gives the amax, whose finiteness is the found-inf flag, then one multiply by ``inv``
-    (GradScaler's kernel multiplies while it checks, and the amax was a second read of every
-    gradient); with ``rms``, the sum of squares of the unscaled gradients in the same pass.
-    Returns ``(found_inf flag, statistics)``: the unscaled amax (0-dim), or with ``rms``
-    :func:`~autoscale.scalers.grad_stats.stats_vector`. The same gradients, flag and statistics
-    as GradScaler's unscale followed by a read of them, bit for bit (rounding is monotonic)."""
-    with torch.no_grad():
-        # the amax of the scaled gradients, then each one unscaled, then its squares summed
-        amax, sumsq = abs_max.read(grads, dev, then_mul=inv, sumsq=rms)
-        stats = amax * inv if not rms else stats_vector(grads, dev, amax * inv, sumsq)
-        return nonfinite_flag(amax), stats
