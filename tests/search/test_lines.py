@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 from autoscale.envs.suite import load_spec
 from autoscale.scalers import make_scaler
 from autoscale.search.agent_trials import RLObjective
@@ -82,52 +80,3 @@ def test_bars_are_drawn_on_a_terminal_only(tmp_path):
     finally:
         os.close(master)
         os.close(slave)
-
-
-@pytest.mark.slow  # a real search, about a minute
-@pytest.mark.paced
-def test_a_piped_search_draws_no_bars_and_a_ctrl_c_after_an_export_names_it(tmp_path):
-    """``autoscale search`` piped (CI, nohup, Slurm), without --quiet: its log holds the phase
-    lines and no progress bar. Interrupted once a round exported, it says what is exported (the
-    policy stays, as the round left it), not "nothing was exported"."""
-    import signal
-    import threading
-
-    from tests.search.conftest import spawn
-
-    args = ("search", "--model", "mlp", "--budget", "90s", "--study", "piped")
-    proc = spawn(*args, "--policy-dir", str(tmp_path / "pol"), cwd=tmp_path)
-    err: list[str] = []
-    drain = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
-    drain.start()  # stderr read beside stdout: a full pipe would stall the search
-    out, sent = [], threading.Event()
-
-    def read_out() -> None:
-        for line in proc.stdout:
-            out.append(line)
-            if (
-                not sent.is_set()
-                and line.startswith("[6/6 export]")
-                and "use it with autoscale.get_scaler" in line
-            ):
-                # at once, from this thread: the export may be the search's last line of work
-                # (one round on a busy machine), and a signal that lands after the search, in
-                # the interpreter's teardown, meets SIGINT's default action (rc -2, nothing said)
-                proc.send_signal(signal.SIGINT)
-                sent.set()
-
-    reader = threading.Thread(target=read_out, daemon=True)
-    reader.start()
-    reader.join(timeout=240)
-    assert sent.is_set(), "".join(out + err)
-    proc.wait(timeout=60)
-    reader.join(timeout=10)
-    drain.join(timeout=10)
-    log = "".join(err)
-    assert proc.returncode == 130, "".join(out) + log
-    assert "\r" not in log and "it/s" not in log and "step/s" not in log, log[:2000]
-    assert "[4/6 search]" in "".join(out) and "[5/6 validate]" in "".join(out)
-    (line,) = [line for line in err if line.startswith("interrupted: ")]
-    assert "nothing was exported" not in line
-    assert f"{tmp_path / 'pol' / 'piped'} stays as an earlier round exported it: piped (" in line
-    assert (tmp_path / "pol" / "piped" / "policy.yaml").is_file()

@@ -1,12 +1,14 @@
-"""Interrupt and resume, and two workers on one JournalFile storage from a cold cache, with real
-``autoscale search`` subprocesses. Two workers on SQLite and on PostgreSQL (a private server) form
+"""Interrupt and resume (the resume piped, and interrupted in turn after it exported), and two
+workers on one JournalFile storage from a cold cache, with real ``autoscale search`` subprocesses. Two workers on SQLite and on PostgreSQL (a private server) form
 one study in tests/search/test_faults.py, where one of them is also killed mid-trial."""
 
 from __future__ import annotations
 
 import re
 import signal
+import threading
 import time
+from typing import Any
 
 import optuna
 import pytest
@@ -15,7 +17,7 @@ from autoscale.scalers import LossScaler, make_scaler
 from autoscale.scalers.policies import read_manifest
 from autoscale.search.export import study_suites
 from autoscale.search.storage import open_storage
-from tests.search.conftest import run_cli, spawn
+from tests.search.conftest import spawn
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 pytestmark = [
@@ -90,19 +92,28 @@ def test_interrupt_keeps_finished_trials_and_resume_continues_the_study(tmp_path
 
     # The resume keeps the study's stored plan and re-times it on this machine: a loaded machine
     # measures slower steps, so its budget is generous (the stored plan needs a fraction of it)
-    # and --n-trials, not the clock, ends its search; its validation is bounded by the plan.
-    resumed = run_cli(
-        "search", "--model", "mlp", "--budget", "5m", "--n-trials", "12", "--study", study,
-        "--quiet", cwd=tmp_path, timeout=360,
-    )  # fmt: skip
-    assert resumed.rc == 0, resumed.err[-3000:]
-    assert "(resuming)" in resumed.out and "this worker ran 12 trials" in resumed.out
-    m = RECORD_LINE.search(resumed.out)
+    # and --n-trials, not the clock, ends its search; its validation is bounded by the plan. It
+    # runs piped (CI, nohup, Slurm) without --quiet, and is interrupted in turn once its first
+    # round exported: it says what is exported, not "nothing was exported".
+    resumed, err = _interrupted_after_export(
+        ("search", "--model", "mlp", "--budget", "5m", "--n-trials", "12", "--study", study),
+        tmp_path,
+    )
+    log = "".join(err)
+    assert resumed.returncode == 130, "".join(resumed.out) + log
+    out = "".join(resumed.out)
+    assert "\r" not in log and "it/s" not in log and "step/s" not in log, log[:2000]
+    assert "[4/6 search]" in out and "[5/6 validate]" in out
+    (line,) = [line for line in err if line.startswith("interrupted: ")]
+    assert "nothing was exported" not in line and "Traceback" not in log
+    assert f"{study} stays as an earlier round exported it: {study} (" in line
+    assert "(resuming)" in out
+    m = RECORD_LINE.search(out)
     assert m and int(m.group(1)) == stored  # the stored plan, not a new one
     # every trace of it comes from the cache: the first run's re-plan cached them under the plan
     # it stored, shorter ones included (a busy machine may have recorded a first one shorter)
     assert (int(m.group(2)), int(m.group(3))) == (0, int(first.group(2))) and not m.group(4)
-    assert "re-planned" not in resumed.out
+    assert "re-planned" not in out
     final = _snapshot(url, study)
     for number, entry in after.items():
         if entry[0] == TrialState.COMPLETE:
@@ -112,6 +123,39 @@ def test_interrupt_keeps_finished_trials_and_resume_continues_the_study(tmp_path
     assert new and min(new) == max(after) + 1  # the same study, numbering continued
     assert sorted(final) == list(range(len(final)))
     assert isinstance(make_scaler(str(tmp_path / "policies" / study), device="cpu"), LossScaler)
+
+
+def _interrupted_after_export(args: tuple[str, ...], cwd) -> tuple[Any, list[str]]:
+    """``autoscale ARGS`` piped, sent a Ctrl-C as soon as it says a round exported; the process
+    (its stdout lines in ``.out``) and its stderr lines."""
+    proc = spawn(*args, cwd=cwd)
+    err: list[str] = []
+    drain = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    drain.start()  # stderr read beside stdout: a full pipe would stall the search
+    proc.out, sent = [], threading.Event()
+
+    def read_out() -> None:
+        for line in proc.stdout:
+            proc.out.append(line)
+            if (
+                not sent.is_set()
+                and line.startswith("[6/6 export]")
+                and "use it with autoscale.get_scaler" in line
+            ):
+                # at once, from this thread: the export may be the search's last line of work
+                # (one round on a busy machine), and a signal that lands after the search, in
+                # the interpreter's teardown, meets SIGINT's default action (rc -2, nothing said)
+                proc.send_signal(signal.SIGINT)
+                sent.set()
+
+    reader = threading.Thread(target=read_out, daemon=True)
+    reader.start()
+    reader.join(timeout=360)
+    assert sent.is_set(), "".join(proc.out + err)
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    drain.join(timeout=10)
+    return proc, err
 
 
 def _two_workers(tmp_path, storage: str, study: str) -> list[str]:
