@@ -106,18 +106,12 @@ def _scorecard(study, pick, key, against: list[str], validation, weights) -> dic
     stored no-harm verdict, and why the search does not export ``key`` where it does not."""
     from autoscale.search.answer import evidence
     from autoscale.search.choose import stored_verdict
-    from autoscale.search.export import card_summary
+    from autoscale.search.export import card_summary, rows_where
 
     v, ref = pick.rows.get(key), pick.reference
     summary: dict = {}
     if v is not None and ref is not None:
-        n = sum(len(c) for c in v.cards.values())
-        where = f"real steps: {n} test episodes of {validation.episode.steps} steps"
-        if not v.real:  # a study of records
-            from autoscale.search.on_traces import replay_where
-
-            where = replay_where(v, validation)
-        summary = card_summary(v.cards, ref.cards, weights, where)
+        summary = card_summary(v.cards, ref.cards, weights, rows_where(v, validation))
         if pick.choice is not None:
             summary["evidence"] = evidence(pick.choice, v, ref, weights)
     elif key.is_trial:

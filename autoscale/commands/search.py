@@ -121,11 +121,9 @@ class SearchCommand(Command):
         from autoscale.search.budget import Budget, parse_budget
 
         budget = Budget.from_process_start(parse_budget(args.budget))
-        from autoscale.commands.run import parse_pairs
         from autoscale.errors import ConfigError
-        from autoscale.search import SearchConfig, SearchRunner, base_spec, default_study_name
+        from autoscale.search import SearchConfig, SearchRunner
         from autoscale.search.report import draw_bars
-        from autoscale.search.storage import mask_url
 
         if args.n_trials is not None and args.n_trials <= 0:
             raise ConfigError(f"--n-trials must be a positive number, got {args.n_trials}")
@@ -133,22 +131,7 @@ class SearchCommand(Command):
             from autoscale.search.space import searched_families
 
             searched_families(args.family)  # an unknown name: one line, before any work
-        if args.traces:
-            return self._on_traces(args, budget)
-        params = parse_pairs(args.param, "--param")
-        explicit = any(v is not None for v in (args.env, args.model, args.scenario)) or bool(params)
-        spec = base_spec(
-            args.env,
-            model=args.model,
-            scenario=args.scenario,
-            params=params,
-            dtype=args.dtype,
-            fp16=args.fp16,
-        )
-        from autoscale.search.workload import check_user_workloads
-
-        check_user_workloads(spec)
-        study = args.study or default_study_name(spec, args.space)
+        source, spec, study, explicit = self._source(args)
         cfg = SearchConfig(
             spec,
             study=study,
@@ -167,84 +150,83 @@ class SearchCommand(Command):
             families=tuple(args.family) if args.family else None,
             warm_start=args.warm_start,
         )
-        runner = SearchRunner(cfg, budget)
+        runner = SearchRunner(cfg, budget, source=source)
+        held = ""
         try:
             with sticky_interrupt():
                 result = runner.run()
         except Exception as exc:
-            from autoscale.errors import AutoscaleError, StorageError
-            from autoscale.search.storage import lost_connection
-
-            reason = None if isinstance(exc, AutoscaleError) else lost_connection(exc)
-            if reason is None:
-                raise
-            c = runner.counts
-            raise StorageError(
-                f"lost the storage '{mask_url(args.storage)}' ({reason}); this worker's "
-                f"{c['complete']} complete trials are kept in study '{study}'; the same command "
-                "resumes it once the storage is reachable"
-            ) from None
+            _lost_storage(exc, runner.counts, args.storage, study)
+            raise
         except KeyboardInterrupt:
-            print(_interrupted(runner.counts, study, runner.result), file=sys.stderr)
+            if source is not None:
+                held = f" (it holds {source.held(runner.study)})"
+            print(_interrupted(runner.counts, study, runner.result, held), file=sys.stderr)
             return 130
-        _print_done(result, mask_url(args.storage))
+        if source is None:
+            from autoscale.search.storage import mask_url
+
+            _print_done(result, mask_url(args.storage))
+        else:
+            _print_records_done(result, runner, source)
         return 0
 
-    def _on_traces(self, args: argparse.Namespace, budget: Any) -> int:
+    def _source(self, args: argparse.Namespace) -> tuple[Any, Any, str, bool]:
+        """(the records' source or None, the workload or the records' windows, the study's name,
+        whether the user named the workload) for the arguments; a bad record or flag is one line
+        before anything is written."""
+        from autoscale.commands.run import parse_pairs
         from autoscale.errors import ConfigError
-        from autoscale.search.budget import format_duration
-        from autoscale.search.on_traces import TraceSearch, TraceSearchConfig
-        from autoscale.search.storage import mask_url
+        from autoscale.search import base_spec, default_study_name
 
-        other = [
-            f
-            for f, v in (
-                ("--env", args.env),
-                ("--model/--workload", args.model),
-                ("--scenario", args.scenario),
-                ("--param", args.param),
-            )
-            if v
-        ]
-        if other or args.space != "parametric":
-            raise ConfigError(
-                f"--traces searches parametric rules on your records; it takes no "
-                f"{', '.join(other) or '--space ' + args.space} (drop it, or search a workload instead)"
-            )
-        from autoscale.search.report import draw_bars
+        if args.traces:
+            other = [
+                f
+                for f, v in (
+                    ("--env", args.env),
+                    ("--model/--workload", args.model),
+                    ("--scenario", args.scenario),
+                    ("--param", args.param),
+                )
+                if v
+            ]
+            if other or args.space != "parametric":
+                raise ConfigError(
+                    f"--traces searches parametric rules on your records; it takes no "
+                    f"{', '.join(other) or '--space ' + args.space} (drop it, or search a workload instead)"
+                )
+            from autoscale.search.on_traces import RecordsSource
 
-        cfg = TraceSearchConfig(
-            tuple(args.traces),
-            study=args.study,
-            export=args.export,
-            storage=args.storage,
-            artifacts=args.artifacts,
-            policy_dir=args.policy_dir,
-            force=args.force,
-            seed=args.seed,
-            n_trials=args.n_trials,
-            command=shlex.join(["autoscale", *sys.argv[1:]]) if sys.argv else "autoscale search",
-            families=tuple(args.family) if args.family else None,
-            progress=draw_bars(not args.quiet),
+            source = RecordsSource(tuple(args.traces))
+            return source, source.suite, args.study or source.default_study(), True
+        params = parse_pairs(args.param, "--param")
+        explicit = any(v is not None for v in (args.env, args.model, args.scenario)) or bool(params)
+        spec = base_spec(
+            args.env,
+            model=args.model,
+            scenario=args.scenario,
+            params=params,
+            dtype=args.dtype,
+            fp16=args.fp16,
         )
-        search = TraceSearch(cfg, budget)
-        try:
-            with sticky_interrupt():
-                result = search.run()
-        except KeyboardInterrupt:
-            held = f" (it holds {search.held})"
-            print(
-                _interrupted(search.counts, search.result.study, search.result, held),
-                file=sys.stderr,
-            )
-            return 130
-        stopped = " (stopped early: see the search line)" if result.stopped_early else ""
-        print(
-            f"done in {format_duration(result.wall_s)} of a {format_duration(budget.seconds)} "
-            f"budget{stopped}; {search.summary()}; review it with: autoscale dashboard --storage "
-            f"{mask_url(args.storage)}"
-        )
-        return 0
+        from autoscale.search.workload import check_user_workloads
+
+        check_user_workloads(spec)
+        return None, spec, args.study or default_study_name(spec, args.space), explicit
+
+
+def _lost_storage(exc: Exception, counts: dict[str, int], storage: str, study: str) -> None:
+    """Raise the one line a lost storage is (what this worker keeps), where ``exc`` is that."""
+    from autoscale.errors import AutoscaleError, StorageError
+    from autoscale.search.storage import lost_connection, mask_url
+
+    reason = None if isinstance(exc, AutoscaleError) else lost_connection(exc)
+    if reason is not None:
+        raise StorageError(
+            f"lost the storage '{mask_url(storage)}' ({reason}); this worker's "
+            f"{counts['complete']} complete trials are kept in study '{study}'; the same command "
+            "resumes it once the storage is reachable"
+        ) from None
 
 
 def _interrupted(counts: dict[str, int], study: str, result: Any, held: str = "") -> str:
@@ -258,6 +240,20 @@ def _interrupted(counts: dict[str, int], study: str, result: Any, held: str = ""
     return (
         f"interrupted: this worker's {counts['complete']} complete and {counts['pruned']} pruned "
         f"trials are kept in study '{study}'{held}; {exported}; the same command resumes it"
+    )
+
+
+def _print_records_done(result: Any, runner: Any, source: Any) -> None:
+    """A search on records' last line: its time, its trials and the study's, the dashboard."""
+    from autoscale.search.budget import format_duration
+    from autoscale.search.storage import mask_url
+
+    stopped = " (stopped early: see the search line)" if result.stopped_early else ""
+    print(
+        f"done in {format_duration(result.wall_s)} of a {format_duration(result.budget_s)} "
+        f"budget{stopped}; this run: {sum(runner.counts.values())} trials; the study holds "
+        f"{source.held(runner.study)}; review it with: autoscale dashboard --storage "
+        f"{mask_url(runner.cfg.storage)}"
     )
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "stored_pick",
     "export_candidate",
     "card_summary",
+    "rows_where",
     "top_candidates",
     "study_suites",
     "rank",
@@ -211,6 +212,15 @@ def card_summary(
     out["members"] = member_summary(cards, reference, weights)
     out["evaluated_on"] = where
     return json_safe(out)
+
+
+def rows_where(v: Validated, validation: SuiteSpec) -> str:
+    """Where a validated row was measured, in words: real steps of the test episodes, or, in a
+    search on records, the replay of their held-out windows."""
+    n, steps = sum(len(c) for c in v.cards.values()), validation.episode.steps
+    if v.real:
+        return f"real steps: {n} test episodes of {steps} steps"
+    return f"replay of {n} held-out windows of {steps} recorded steps"
 
 
 def check_export_target(

@@ -1,66 +1,55 @@
-"""``autoscale search --traces DIR...``: a search on the replay of a user's recorded runs.
+"""``autoscale search --traces DIR...``: a user's records as the source of a search.
 
-The records (``autoscale wrap --record DIR``) become the instances: windows of each run, the
-first two thirds train and the rest test, disjoint in time
-(:func:`~autoscale.envs.from_records.suite_from_records`). With no way to take real steps, every phase
-is replay, and says so (terminal, study note, manifest). Its own four phases:
+The records (``autoscale wrap --record DIR``) become the instances: windows of each run, the first
+two thirds train and the rest test, disjoint in time
+(:func:`~autoscale.envs.from_records.suite_from_records`). With no way to take real steps, every
+phase is replay, and says so (terminal, study note, manifest). The phases are the workload
+search's, run by :class:`~autoscale.search.runner.SearchRunner` (the trial loop, the pick against
+``auto``, the export); :class:`RecordsSource` supplies what differs, in four phases:
 
-1. **plan**: the windows, the study (a new one, or the one these records made: "resuming"), and
-   what the held-out windows leave a rule to win over ``auto`` (:func:`headroom`). Where no
-   candidate could be exported over ``auto`` there (one held-out window, or ``auto`` already as
-   good as the windows allow), the search says so and stops: there is nothing for its budget;
-2. **search**: parametric rule families with their knobs, scored on the train windows' replay
-   against ``torch`` with the suite search's objective (the built-in rules' defaults first), in the
-   workload search's trial loop (:class:`~autoscale.search.loop.TrialLoop`: a Ctrl-C never leaves a
-   trial running);
-3. **validate**: the best trials (:func:`~autoscale.search.export.top_candidates`), every built-in
-   rule and ``auto`` on the test windows' replay, kept in the study as the workload search keeps
-   its real-step rows, so that ``autoscale export`` reads them; rows that tie are said to tie, and why;
-4. **export**: the workload search's pick (:func:`~autoscale.search.choose.choose`), with replay
-   as the evidence: ``auto`` is the bar; a candidate ranked above it counts only when its lead over
-   ``auto`` is more than the seed noise (paired window by window), a fixed scale only when asked
-   for (``--family``), and only when it passes the no-harm check, here the replay of each whole
-   run next to ``torch`` (:class:`~autoscale.search.no_harm_records.RecordsCheck`); otherwise the
-   next candidate. When none clears the bar, ``auto`` itself is exported under the requested name
-   (checked the same way; ``torch``'s rule where it harms the runs). Verdicts are kept in the
-   study, as the workload search keeps them. The pick goes out through the one export step
-   (:func:`~autoscale.search.export.export_candidate`), its manifest describing the records (the
-   command, the steps, what the record says of the run), with the report of the first run with it
-   among the counterfactuals.
-
-The export target is checked before anything is written. One study identity check serves both
-searches (:func:`~autoscale.search.study.check_source`): a study of records resumes only from the
-same records, and a study of a workload is never resumed from records, nor the reverse.
-
-The budget is wall clock, per run: the search takes what the later phases do not need (they cost
-seconds). Interrupting keeps every finished trial in the study; the same command resumes it, says
-so and how many trials it keeps, and spends its own budget on new ones beside them.
+1. **plan**, in place of measure, plan and record: the windows, the study (a new one, or the one
+   these records made: "resuming", with the trials it keeps), and what the held-out windows leave
+   a rule to win over ``auto`` (:func:`~autoscale.search.headroom.headroom`). Where no candidate
+   could be exported over ``auto`` there (one held-out window, or ``auto`` already as good as the
+   windows allow), the search says so and does not search: there is nothing for its budget. Else
+   it keeps what the later phases need (seconds, measured here) and searches until then, in one
+   round;
+2. **search** on the train windows' replay (the built-in rules' defaults first);
+3. **validate**: the best trials, every built-in rule and ``auto`` on the test windows' replay
+   (:class:`~autoscale.search.validate.ReplayValidator`), kept in the study as real-step rows
+   are, for ``autoscale export``; rows that tie are said to tie, and why;
+4. **export**: the pick, with replay as the evidence (a lead over ``auto`` paired window by
+   window) and the replay of each whole run next to ``torch`` as the no-harm check
+   (:class:`~autoscale.search.no_harm_records.RecordsCheck`); the manifest describes the records
+   (the command, the steps, what the record says of the run), and the report of the first run,
+   with the policy among the counterfactuals, is written beside it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import ConfigError
-from autoscale.search.budget import Ledger, format_duration
-from autoscale.search.candidates import AUTO, TORCH, Candidate
-from autoscale.search.choose import Choice, choose, family_refusal
+from autoscale.search.bench import ReplayBench
+from autoscale.search.budget import format_duration
+from autoscale.search.candidates import TORCH
+from autoscale.search.export import rank
 from autoscale.search.headroom import Room, headroom
 from autoscale.search.no_harm_records import WHERE, RecordsCheck, totals
 from autoscale.search.objective import episode_cost
-from autoscale.search.runner import SearchResult
-from autoscale.search.storage import DEFAULT_STORAGE
-from autoscale.search.study import check_source, records_id
-from autoscale.search.validate import PREFIX, Validated
+from autoscale.search.runner import Round, rules_torch_first
+from autoscale.search.validate import ReplayValidator, Validated
 
-__all__ = ["TraceSearch", "TraceSearchConfig", "PHASES", "describe_records", "replay_where"]
+if TYPE_CHECKING:
+    from autoscale.search.runner import SearchRunner
+
+__all__ = ["RecordsSource", "RecordsPlan", "PHASES", "describe_records"]
 
 PHASES = ("plan", "search", "validate", "export")
 CANDIDATES = 5  # best trials validated
@@ -75,126 +64,138 @@ SEPARATE = (
 
 
 @dataclass(frozen=True)
-class TraceSearchConfig:
-    """What ``autoscale search --traces`` was asked."""
+class RecordsPlan:
+    """What a search on records plans: its windows, replayed for the search and for validation
+    alike (no real step), and the built-in rules validated (``torch`` first)."""
 
-    traces: tuple[str, ...]
-    study: str | None = None
-    export: str | None = None
-    storage: str = DEFAULT_STORAGE
-    artifacts: str | None = None
-    policy_dir: str | None = None
-    force: bool = False
-    seed: int = 0
-    n_trials: int | None = None
-    horizon: int | None = None
-    command: str = "autoscale search --traces"
-    families: tuple[str, ...] | None = None  # --family (None: every family that adapts)
-    progress: bool = False
+    suite: SuiteSpec
+    rules: tuple[str, ...]
+    space: str = "parametric"
+    timings: None = None  # nothing is measured on real steps
+
+    @property
+    def validation(self) -> SuiteSpec:
+        return self.suite
+
+    @property
+    def steps(self) -> int:
+        return self.suite.episode.steps
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
-class TraceSearch:
-    """Runs the four phases of a search on records within ``budget`` (see the module docstring).
+class RecordsSource:
+    """The records of ``paths`` (read and cut into windows when made: a bad record is refused
+    before anything is written), as a search's source (see the module docstring).
 
     Attributes:
-        counts: This run's trials by outcome (``complete``, ``pruned``, ``failed``).
-        kept: The trials the study held when this run opened it.
-        result: What the search did (the workload search's :class:`SearchResult`).
+        records: The runs (:class:`~autoscale.observe.RunRecord`).
+        suite: Their windows, as a suite.
+        kept: The finished trials the study held when the search opened it.
     """
 
-    def __init__(
-        self, cfg: TraceSearchConfig, budget: Any, out: Callable[[str], None] | None = None
-    ):
-        from autoscale.search.trials import worker_id
+    phases = PHASES
+    searched_on = "on the train windows' replay"
+    provenance = {"validated_on": REPLAY_NOTE}
 
-        self.cfg, self.budget = cfg, budget
-        self.out = out or (lambda s: print(s, flush=True))
-        self.ledger = Ledger()
-        self.worker = worker_id()
-        self.counts = {"complete": 0, "pruned": 0, "failed": 0}
-        self.kept = 0
-        self.study: Any = None
-        self.result = SearchResult(
-            cfg.study or "", None, self.counts, budget_s=budget.seconds, ledger=self.ledger
-        )
-
-    def say(self, phase: str, text: str) -> None:
-        """A phase's line, numbered among this search's own phases."""
-        n = f"{PHASES.index(phase) + 1}/{len(PHASES)} " if phase in PHASES else ""
-        self.out(f"[{n}{phase}] {text}")
-
-    def warn(self, text: str) -> None:
-        print(f"warning: {text}", file=sys.stderr, flush=True)
-
-    @property
-    def held(self) -> int:
-        """Finished trials the study holds now (the kept ones and this run's, an interrupted one
-        included)."""
-        if self.study is None:
-            return self.kept
-        return len(_finished(self.study.get_trials(deepcopy=False)))
-
-    def run(self) -> SearchResult:
-        import warnings
-
-        import optuna
-
+    def __init__(self, paths: tuple[str, ...], horizon: int | None = None) -> None:
         from autoscale.envs.from_records import suite_from_records
         from autoscale.observe import read_record
-        from autoscale.search.bench import ReplayBench
-        from autoscale.search.export import check_export_target
 
-        optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are said once, here
-        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-        cfg = self.cfg
-        records = [read_record(p) for p in cfg.traces]
-        for rec in records:
-            if rec.notes:
-                self.out(f"note: {rec.path}: {rec.notes[0]}")
-        suite, traces = suite_from_records(records, cfg.horizon)
-        name = self.result.study = cfg.study or _default_name(suite)
-        # before anything is written: a search must not spend its budget to fail here
-        check_export_target(cfg.export or name, cfg.policy_dir, name, cfg.force)
-        study = self.study = self._open(name, records, suite)
-        bench = ReplayBench(suite, traces)
-        room = headroom(bench)
-        windows = {m.name: {k: len(v) for k, v in m.instances.items()} for m in suite.members}
-        self.say(
-            "plan",
-            f"{len(records)} record(s), {sum(len(r.steps) for r in records)} steps; windows of "
-            f"{suite.episode.steps} steps: {_windows_text(windows)}; {room.describe()}",
-        )
-        self.result.stopped_early = room.reason()
-        if self.result.stopped_early is None:
-            self._search(study, bench, records)
-        else:
-            self.say(
-                "search",
-                f"none: the records cannot separate a candidate from auto ({room.reason()}); "
-                f"stopping after {format_duration(self.budget.elapsed())} instead of spending "
-                f"the {format_duration(self.budget.seconds)} budget; {SEPARATE}",
-            )
-        ranked, factories = self._validate(study, bench, room)
-        self._export(study, suite, records, ranked, factories)
-        self.result.wall_s = self.budget.elapsed()
-        return self.result
+        self.records = [read_record(p) for p in paths]
+        self.suite, self.traces = suite_from_records(self.records, horizon)
+        self.kept = 0
+        self.round = Round(1, CANDIDATES, None, math.inf)
+        self.room: Room | None = None
+        self.no_harm: dict[str, Any] = {}
+
+    def default_study(self) -> str:
+        """The study's name where none is given: the records' folders'."""
+        import re
+
+        names = "-".join(m.name for m in self.suite.members)[:60]
+        return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{names}-traces").strip("-.") or "traces"
+
+    def held(self, study: Any) -> int:
+        """Finished trials ``study`` holds now (the kept ones and this run's, an interrupted one
+        included); None: not opened yet."""
+        return self.kept if study is None else len(_finished(study.get_trials(deepcopy=False)))
 
     # ------------------------------------------------------------------ plan
-    def _open(self, name: str, records: list[Any], suite: Any) -> Any:
+    def open(self, runner: SearchRunner) -> ReplayBench:
+        """The plan phase: the study, the windows and what they leave to win; the search's stop."""
+        from autoscale.search.space import searched_families
+
+        for rec in self.records:
+            if rec.notes:
+                runner.out(f"note: {rec.path}: {rec.notes[0]}")
+        runner.artifacts()
+        runner.plan = RecordsPlan(self.suite, rules_torch_first(runner.cfg.families))
+        runner.families = searched_families(runner.cfg.families)
+        study = runner.study = self._open_study(runner)
+        bench = ReplayBench(self.suite, self.traces)
+        room = self.room = headroom(bench)
+        windows = {m.name: {k: len(v) for k, v in m.instances.items()} for m in self.suite.members}
+        runner.say(
+            "plan",
+            f"{len(self.records)} record(s), {sum(len(r.steps) for r in self.records)} steps; "
+            f"windows of {self.suite.episode.steps} steps: {_windows_text(windows)}; "
+            f"{room.describe()}",
+        )
+        torch = lambda: bench.scaler(TORCH.name)  # noqa: E731
+        runner.no_harm = RecordsCheck(self.records, runner.ledger, torch)
+        runner.validator = ReplayValidator(bench, study, runner.ledger, worker=runner.worker)
+        runner.result.stopped_early = room.reason()
+        if room.reason() is None:
+            self.round = Round(1, CANDIDATES, self._search_until(runner, bench), math.inf)
+        else:
+            runner.say(
+                "search",
+                f"none: the records cannot separate a candidate from auto ({room.reason()}); "
+                f"stopping after {format_duration(runner.budget.elapsed())} instead of spending "
+                f"the {format_duration(runner.budget.seconds)} budget; {SEPARATE}",
+            )
+        return bench
+
+    def _search_until(self, runner: SearchRunner, bench: ReplayBench) -> float:
+        """Where the search stops: what the later phases need is measured (a test replay per
+        candidate and rule, the no-harm replays, the report) and kept."""
+        from autoscale.report.replay import RecordReplay
+
+        t0 = time.perf_counter()
+        bench.run("test", lambda: bench.scaler(TORCH.name))
+        per_test = runner.validator.run_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for rec in self.records:
+            RecordReplay(rec).replay(TORCH.name)
+        per_run = runner.no_harm.run_s = time.perf_counter() - t0
+        # validation: candidates and rules on the test windows; no harm: two whole-run replays
+        # per candidate tried; the report: every rule on the first run, and its plots (~2 s)
+        families = len(runner.families)
+        n = CANDIDATES + families
+        reserve = 1.5 * (per_test * n + per_run * (2 * n + families + 2)) + 3.0
+        stop_at = runner.budget.end - reserve
+        if stop_at <= time.monotonic():
+            need = runner.budget.elapsed() + reserve + runner.budget.reserve + 5
+            raise ConfigError(
+                f"the budget leaves no time to search after validation ({format_duration(reserve)}); "
+                f"give --budget {format_duration(need)} or more"
+            )
+        return stop_at
+
+    def _open_study(self, runner: SearchRunner) -> Any:
         """The study: created with what these records are, or the one they made, resumed (said,
         with the trials it keeps; a trial left running by a stopped search is failed)."""
         import optuna
 
-        from autoscale.search.space import default_trial_params, searched_families
+        from autoscale.search.space import default_trial_params
         from autoscale.search.storage import mask_url, open_storage, study_names
-        from autoscale.search.study import fail_stale_trials, study_kwargs
+        from autoscale.search.study import check_source, fail_stale_trials, records_id, study_kwargs
         from autoscale.search.trials import write_note
 
-        cfg = self.cfg
+        cfg, name, records, suite = runner.cfg, runner.cfg.study, self.records, self.suite
         storage = open_storage(cfg.storage)
         existed, before = name in study_names(storage), []
         if existed:
@@ -204,16 +205,15 @@ class TraceSearch:
             storage=storage,
             direction="minimize",
             load_if_exists=True,
-            **study_kwargs(cfg.seed, len(before), self.ledger),
+            **study_kwargs(cfg.seed, len(before), runner.ledger),
         )
         check_source(study.user_attrs, name, records, suite)  # a study of these records, or new
-        families = searched_families(cfg.families)
         if "traces" not in study.user_attrs:
             study.set_user_attr("traces", [str(Path(r.path).resolve()) for r in records])
             study.set_user_attr("records", records_id(records))
             study.set_user_attr("command", cfg.command)
             study.set_user_attr("suite", suite.to_dict())
-            for rule, defaults in families.items():
+            for rule, defaults in runner.families.items():
                 study.enqueue_trial(
                     default_trial_params(rule, defaults, suite.episode),
                     user_attrs={"baseline": True},
@@ -225,18 +225,17 @@ class TraceSearch:
             study.set_user_attr("validation", suite.to_dict())
             study.set_user_attr("validated_on", REPLAY_NOTE)
         if "plan" not in study.user_attrs:
-            study.set_user_attr("plan", {"rules": ["torch", *families], "source": "records"})
+            study.set_user_attr("plan", {"rules": list(runner.plan.rules), "source": "records"})
         if "workload" not in study.user_attrs:
             study.set_user_attr("workload", describe_records(records))
-        where = f"study '{name}' in {mask_url(cfg.storage)}"
         if not existed:
-            self.say("plan", f"{where}; {REPLAY_NOTE}")
+            runner.say("plan", f"study '{name}' in {mask_url(cfg.storage)}; {REPLAY_NOTE}")
             return study
         stale = fail_stale_trials(study, storage)
         kept = _finished(study.get_trials(deepcopy=False))
         self.kept = len(kept)
         n = {s: sum(1 for t in kept if t.state.name == s) for s in ("COMPLETE", "PRUNED", "FAIL")}
-        self.say(
+        runner.say(
             "plan",
             f"resuming study '{name}': {len(kept)} trials kept ({n['COMPLETE']} complete, "
             f"{n['PRUNED']} pruned, {n['FAIL']} failed"
@@ -245,195 +244,67 @@ class TraceSearch:
                 if stale
                 else ""
             )
-            + f"); this run's {format_duration(self.budget.seconds)} budget goes to new trials "
+            + f"); this run's {format_duration(runner.budget.seconds)} budget goes to new trials "
             f"beside them, and validation weighs them all ({mask_url(cfg.storage)})",
         )
         return study
 
-    # ------------------------------------------------------------------ search
-    def _search(self, study: Any, bench: Any, records: list[Any]) -> None:
-        """Trials on the train windows' replay until what the later phases need is left."""
-        from autoscale.report.replay import RecordReplay
-        from autoscale.search.loop import TrialLoop
-        from autoscale.search.space import searched_families
-        from autoscale.search.storage import artifact_store, artifacts_dir
-        from autoscale.search.trials import ParametricObjective, TrialRecorder, best_line
-
-        cfg = self.cfg
-        families = searched_families(cfg.families)
-        folder = artifacts_dir(cfg.storage, cfg.artifacts)
-        workdir = folder / "work"
-        workdir.mkdir(parents=True, exist_ok=True)
-        recorder = TrialRecorder(bench, artifact_store(folder), self.ledger, workdir, self.warn)
-        objective = ParametricObjective(bench, recorder, self.ledger, families)
-        # what the later phases need: a test replay per candidate and rule, no-harm, the report
-        t0 = time.perf_counter()
-        bench.run("test", lambda: bench.scaler("torch"))
-        per_test = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for rec in records:
-            RecordReplay(rec).replay("torch")
-        per_run = time.perf_counter() - t0
-        # validation: candidates and rules on the test windows; no harm: two whole-run replays
-        # per candidate tried; the report: every rule on the first run, and its plots (~2 s)
-        n = CANDIDATES + len(families)
-        reserve = 1.5 * (per_test * n + per_run * (2 * n + len(families) + 2)) + 3.0
-        stop_at = self.budget.end - reserve
-        if stop_at <= time.monotonic():
-            need = self.budget.elapsed() + reserve + self.budget.reserve + 5
-            raise ConfigError(
-                f"the budget leaves no time to search after validation ({format_duration(reserve)}); "
-                f"give --budget {format_duration(need)} or more"
-            )
-        t_search = time.monotonic()
-        TrialLoop(
-            study, self.ledger, worker=self.worker, warn=self.warn, counts=self.counts,
-            n_trials=cfg.n_trials, progress=cfg.progress,
-        ).run(objective, stop_at)  # fmt: skip
-        c = self.counts
-        self.say(
-            "search",
-            f"{sum(c.values())} trials in {format_duration(time.monotonic() - t_search)} "
-            f"({c['complete']} complete, {c['pruned']} pruned, {c['failed']} failed) on the train "
-            f"windows' replay; {best_line(study)}",
-        )
-
-    # ------------------------------------------------------------------ validate
-    def _validate(
-        self, study: Any, bench: Any, room: Room
-    ) -> tuple[list[Validated], dict[Candidate, Callable[[], Any]]]:
-        """The best distinct trials, every rule and ``auto`` on the test windows' replay, ranked
-        as the workload search ranks (:func:`~autoscale.search.export.rank`), kept in the study,
-        with a factory of fresh scalers of each."""
-        import optuna
-
-        from autoscale.search.export import policy_label, rank, top_candidates
-        from autoscale.search.space import searched_families
-        from autoscale.search.storage import artifact_store, artifacts_dir
-
-        t0 = time.monotonic()
-        cfg = self.cfg
-        folder = artifacts_dir(cfg.storage, cfg.artifacts)
-        complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        best = top_candidates(
-            complete, bench.suite, artifact_store(folder), folder / "work", CANDIDATES, self.warn
-        )
-        rows: dict[Candidate, tuple[str, Callable[[], Any]]] = {}
-        for t, factory in best:
-            rows[Candidate.trial(t.number)] = (policy_label(t), factory)
-        for rule in dict.fromkeys(["torch", *searched_families(cfg.families), AUTO.name]):
-            key = AUTO if rule == AUTO.name else Candidate.rule(rule)
-            rows[key] = (rule, lambda r=rule: bench.scaler(r))
-        validated = {
-            key: Validated(key, label, bench.run("test", factory)[0], False, None)
-            for key, (label, factory) in rows.items()
-        }
-        self._keep(study, validated, bench.suite)
-        ranked = rank(validated, validated[TORCH], bench.suite.reward)
-        weights, torch_row = bench.suite.reward, validated[TORCH]
-        self.say(
-            "validate",
-            f"in {time.monotonic() - t0:.1f}s, on the replay of {room.windows} held-out window(s) "
+    # ------------------------------------------------------------------ validate and export
+    def validated_line(self, runner: SearchRunner, seconds: float) -> str:
+        """Every row's objective against ``torch`` on the held-out windows' replay, best first,
+        and the rows that tie there."""
+        weights, torch_row = self.suite.reward, runner.validated[TORCH]
+        ranked = rank(runner.validated, torch_row, weights)
+        return (
+            f"in {seconds:.1f}s, on the replay of {self.room.windows} held-out window(s) "
             "(objective vs torch, lower is better): "
             + ", ".join(f"{v.label} {v.objective(torch_row, weights):+.4f}" for v in ranked)
-            + _tie_text(ranked, torch_row, weights, room, said=self.result.stopped_early),
+            + _tie_text(ranked, torch_row, weights, self.room, said=runner.result.stopped_early)
         )
-        return ranked, {key: factory for key, (_, factory) in rows.items()}
 
-    def _keep(self, study: Any, validated: dict[Candidate, Validated], suite: Any) -> None:
-        """Each row's cards under the study's validation key, as the workload search keeps its
-        real-step rows (``real:KEY``: the study's held-out episodes, here the test windows'
-        replay, as its ``validated_on`` says), for ``autoscale export``."""
-        from autoscale.envs.suite_env import suite_instances
-        from autoscale.training.scorecard import json_safe
+    def scorecard(self, runner: SearchRunner, chosen: Validated | None) -> dict[str, Any]:
+        """The pick's replay of the whole records, pooled over their clean steps."""
+        if chosen is None:  # torch and auto are always replayed: this says what went wrong
+            raise ConfigError(
+                f"nothing to export from study '{runner.cfg.study}': {runner.choice.why}"
+            )
+        verdict = next((x for x in runner.choice.verdicts if x.label == chosen.label), None)
+        if verdict is None:  # torch, the reference, is not checked: its numbers for the card
+            if chosen.key != TORCH:
+                raise RuntimeError(f"{chosen.label} was picked without a no-harm verdict")
+            verdict = runner.no_harm.check(runner.factories[chosen.key], chosen.label)
+        self.no_harm = totals(verdict)
+        return {"no_harm_replay": self.no_harm}
 
-        names = suite_instances(suite, "test")
-        for key, v in validated.items():
-            cards = [c for m in suite.members for c in v.cards[m.name]]
-            value = {
-                "cards": {n: c.to_dict() for n, c in zip(names, cards, strict=True)},
-                "worker": self.worker,
-                "on": "replay",
-            }
-            with self.ledger.track("bk:attrs"):
-                study.set_user_attr(PREFIX + key, json_safe(value))
-
-    # ------------------------------------------------------------------ export
-    def _export(self, study, suite, records, ranked: list[Validated], factories) -> None:
-        """The workload search's pick, checked on the replay of the whole records, exported."""
+    def exported(
+        self, runner: SearchRunner, path: Path, how: str, chosen: Validated | None, since: float
+    ) -> None:
+        """The export's line, with the pick's no-harm replay and the first run's report written
+        beside the policy, and how to use it."""
         from autoscale.report import write_report
         from autoscale.report.page import compare_names
-        from autoscale.scalers import make_scaler
-        from autoscale.search.export import export_candidate
 
-        cfg, t0 = self.cfg, time.monotonic()
-        name = cfg.export or study.study_name
-        # the check replays the runs (seconds, kept in the reserve): it always runs, so nothing
-        # is exported unchecked
-        check = RecordsCheck(records, self.ledger, factories[TORCH])
-        choice = choose(
-            study, ranked, factories, check, None, self.ledger, weights=suite.reward,
-            stop_at=math.inf, say=lambda text: self.say("export", text),
-            refuse=lambda v: family_refusal(v, study, cfg.families), replay_counts=True,
-        )  # fmt: skip
-        pick = choice.winner
-        if pick is None:  # torch and auto are always replayed: this says what went wrong
-            raise ConfigError(f"nothing to export from study '{study.study_name}': {choice.why}")
-        verdict = next((x for x in choice.verdicts if x.label == pick.label), None)
-        if verdict is None:  # torch, the reference, is not checked: its numbers for the card
-            if pick.key != TORCH:
-                raise RuntimeError(f"{pick.label} was picked without a no-harm verdict")
-            verdict = check.check(factories[pick.key], pick.label)
-        nh = totals(verdict)
-        path, how = export_candidate(
-            study, pick.key, name, suite=suite, store=None, out_dir=cfg.policy_dir,
-            force=cfg.force, scorecard=_scorecard(choice, pick, ranked, suite, nh),
-            provenance={"validated_on": REPLAY_NOTE},
-        )  # fmt: skip
-        make_scaler(str(path), device="cpu")  # it loads
-        self.result.exported, self.result.winner = path, f"{name} ({how})"
-        report = write_report(records[0], Path(path) / "report.html", [*compare_names(), path.name])
-        self.say(
+        nh = self.no_harm
+        report = write_report(
+            self.records[0], Path(path) / "report.html", [*compare_names(), path.name]
+        )
+        runner.say(
             "export",
-            f"{choice.why}; {pick.label} {WHERE}, on their clean steps: skipped "
+            f"{runner.choice.why}; {chosen.label} {WHERE}, on their clean steps: skipped "
             f"{_pct(nh['skip_rate'])} vs torch {_pct(nh['torch_skip_rate'])}, below fp16 range "
             f"{_pct(nh['precision_loss'])} vs {_pct(nh['torch_precision_loss'])}; exported to "
-            f"{path} ({how}); report {report} (in {time.monotonic() - t0:.1f}s)",
+            f"{path} ({how}); report {report} (in {time.monotonic() - since:.1f}s)",
         )
-        self.say(
+        runner.say(
             "done",
             f"use it with autoscale wrap --scaler {path.name} -- <your command>, or "
             f"autoscale.get_scaler('{path.name}'); {REPLAY_NOTE}",
         )
 
-    def summary(self) -> str:
-        """What this run did and what the study holds, in one phrase."""
-        return f"this run: {sum(self.counts.values())} trials; the study holds {self.held}"
-
 
 def _finished(trials: list[Any]) -> list[Any]:
     """The trials that ran to an end (complete, pruned or failed: not waiting or running)."""
     return [t for t in trials if t.state.name in ("COMPLETE", "PRUNED", "FAIL")]
-
-
-def _scorecard(choice: Choice, pick: Validated, ranked, suite, nh) -> dict[str, Any]:
-    """The manifest's scorecard, as ``autoscale export`` writes one from the study: the pick's
-    held-out rows against ``torch`` and ``auto``, the evidence, and the whole records' replay."""
-    from autoscale.search.answer import evidence
-    from autoscale.search.export import card_summary
-
-    reference = next(v for v in ranked if v.key == TORCH)
-    where = replay_where(pick, suite)
-    out = card_summary(pick.cards, reference.cards, suite.reward, where)
-    out["evidence"] = evidence(choice, pick, reference, suite.reward)
-    out["no_harm_replay"] = nh
-    return out
-
-
-def replay_where(v: Validated, suite: Any) -> str:
-    """Where a row of a records search was measured, in words."""
-    n = sum(len(c) for c in v.cards.values())
-    return f"replay of {n} held-out windows of {suite.episode.steps} recorded steps"
 
 
 def _tie_text(
@@ -491,13 +362,6 @@ def describe_records(records: list[Any]) -> dict[str, Any]:
 
 def _windows_text(windows: dict[str, dict[str, int]]) -> str:
     return ", ".join(f"{m}: {w['train']} train, {w['test']} test" for m, w in windows.items())
-
-
-def _default_name(suite) -> str:
-    import re
-
-    names = "-".join(m.name for m in suite.members)[:60]
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{names}-traces").strip("-.") or "traces"
 
 
 def _note(name, records, suite) -> str:

@@ -20,6 +20,11 @@ validated and checked); the search says which. When a round starts, what it does
 stops is decided in one place, :meth:`SearchRunner._next_round`. Candidates and built-in rules are
 keyed ``rule:NAME`` and ``trial:NUMBER`` in :attr:`SearchRunner.validated`.
 
+The search on a user's records runs the same phases from a :class:`Source`
+(:class:`~autoscale.search.on_traces.RecordsSource`): it supplies what precedes the search (its
+own plan, in place of measure, plan and record), a validator (the replay of held-out windows), a
+no-harm check (the replay of the whole records), its one round and the words of its export.
+
 Several workers may run this on one storage: Optuna keeps trials unique; the first worker creates
 the study, plans, records and re-plans it; the others wait for the plan it stores, adopt it and
 never re-plan it (they bend only their own time to their pace); traces and torch's clean runs are
@@ -31,6 +36,7 @@ finish leaves the export.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import tempfile
 import time
@@ -38,20 +44,21 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from autoscale.envs.suite import SuiteSpec, as_suite
 from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Budget, Ledger, format_duration
 from autoscale.search.candidates import AUTO, TORCH, Candidate
-from autoscale.search.choose import choose, refusal
+from autoscale.search.choose import choose, family_refusal, refusal
 from autoscale.search.export import (
     card_summary,
     check_export_target,
     export_candidate,
     policy_label,
     rank,
+    rows_where,
     top_candidates,
 )
 from autoscale.search.loop import TrialLoop
@@ -99,6 +106,7 @@ __all__ = [
     "SearchResult",
     "SearchRunner",
     "Round",
+    "Source",
     "PHASES",
     "CANDIDATES_PER_ROUND",
     "MAX_ROUNDS",
@@ -185,6 +193,39 @@ class Round:
     tail_before: float | None = None
 
 
+class Source(Protocol):
+    """Where a search's episodes come from, other than a workload's real steps (the runner's own
+    measure, plan and record phases): what differs, supplied to the runner's phases
+    (:class:`~autoscale.search.on_traces.RecordsSource`: a user's records).
+
+    Attributes:
+        phases: The phases said, in order (a line of another phase is not numbered).
+        searched_on: What the trials were scored on, in the search's line.
+        provenance: What the exported manifest's workload says of the evidence.
+        round: The one round the search runs (its ``search_until`` None: no search).
+    """
+
+    phases: tuple[str, ...]
+    searched_on: str
+    provenance: dict[str, Any]
+    round: Round
+
+    def open(self, runner: SearchRunner) -> ReplayBench:
+        """The phases before the search: set ``runner.study``, ``plan``, ``families``,
+        ``validator`` and ``no_harm``; the bench of the traces searched."""
+
+    def validated_line(self, runner: SearchRunner, seconds: float) -> str:
+        """The validate phase's line, once the round validated in ``seconds``."""
+
+    def scorecard(self, runner: SearchRunner, chosen: Validated | None) -> dict[str, Any]:
+        """What the exported manifest's scorecard adds for the pick ``chosen``."""
+
+    def exported(
+        self, runner: SearchRunner, path: Path, how: str, chosen: Validated | None, since: float
+    ) -> None:
+        """Say what was exported to ``path`` (``how``), the pick started at ``since``."""
+
+
 def _print(text: str) -> None:
     from tqdm.auto import tqdm
 
@@ -199,6 +240,7 @@ class SearchRunner:
         cfg: The request.
         budget: The wall-clock budget (started when the process did, for the CLI).
         out: Where phase messages go (default: printed above the progress bars).
+        source: Where the episodes come from (None: real steps of ``cfg.base``, the workload).
 
     Attributes:
         plan: The plan in use (the study's; re-planned or re-timed after recording).
@@ -209,9 +251,16 @@ class SearchRunner:
         result: What the search did so far.
     """
 
-    def __init__(self, cfg: SearchConfig, budget: Budget, out: Callable[[str], None] | None = None):
-        self.cfg, self.budget = cfg, budget
+    def __init__(
+        self,
+        cfg: SearchConfig,
+        budget: Budget,
+        out: Callable[[str], None] | None = None,
+        source: Source | None = None,
+    ):
+        self.cfg, self.budget, self.source = cfg, budget, source
         self.out = out or _print
+        self.phases = PHASES if source is None else source.phases
         self.ledger = Ledger()
         self.worker = worker_id()
         self.creator = False  # this worker created the study: it plans it (see _replan)
@@ -234,7 +283,9 @@ class SearchRunner:
 
     # ------------------------------------------------------------------ messages
     def say(self, phase: str, text: str) -> None:
-        self.out(f"[{PHASES.index(phase) + 1}/{len(PHASES)} {phase}] {text}")
+        """A phase's line, numbered among the search's phases."""
+        n = f"{self.phases.index(phase) + 1}/{len(self.phases)} " if phase in self.phases else ""
+        self.out(f"[{n}{phase}] {text}")
 
     def warn(self, text: str) -> None:
         from tqdm.auto import tqdm
@@ -251,6 +302,23 @@ class SearchRunner:
         # what the export will need is checked before anything is written (the storage, caches)
         check_export_target(cfg.export, cfg.policy_dir, cfg.study, cfg.force)
         _preload()
+        bench = self._open() if self.source is None else self.source.open(self)
+        with tempfile.TemporaryDirectory(prefix="autoscale-search-") as tmp:
+            self._rounds(bench, Path(tmp))
+        self.result.wall_s = self.budget.elapsed()
+        return self.result
+
+    def artifacts(self) -> None:
+        """The folder of the storage's artifacts (:attr:`folder`), and its store (:attr:`store`)."""
+        self.folder = artifacts_dir(self.cfg.storage, self.cfg.artifacts)
+        self.store = artifact_store(self.folder)
+
+    def _open(self) -> ReplayBench:
+        """A workload's phases before the search: measure, plan, record (and re-plan); the bench
+        of the traces recorded, with the plan's validator."""
+        import optuna
+
+        cfg = self.cfg
         with self.ledger.track("bk:optuna"):
             storage = open_storage(cfg.storage)
             stored = (
@@ -260,8 +328,7 @@ class SearchRunner:
             )
         kept = self._adopt(stored) if stored is not None else None
         base = kept[0] if kept is not None else as_suite(cfg.base)
-        self.folder = artifacts_dir(cfg.storage, cfg.artifacts)
-        self.store = artifact_store(self.folder)
+        self.artifacts()
         self.out(
             f"search {cfg.space} policies for {describe_spec(base)} in {format_duration(self.budget.seconds)}; "
             f"study '{cfg.study}' in {mask_url(cfg.storage)}" + (" (resuming)" if stored else "")
@@ -272,10 +339,19 @@ class SearchRunner:
         with self.ledger.track("work:record"):
             traces, stats = self._record()
         traces = self._replan(traces, stats)
-        with tempfile.TemporaryDirectory(prefix="autoscale-search-") as tmp:
-            self._rounds(traces, Path(tmp))
-        self.result.wall_s = self.budget.elapsed()
-        return self.result
+        plan = self.plan
+        with self.ledger.track("work:replay"):
+            bench = ReplayBench(plan.suite, traces)
+        self.validator = Validator(
+            self.study,
+            plan.validation,
+            self.ledger,
+            plan.timings,
+            worker=self.worker,
+            progress=self.cfg.progress,
+        )
+        self.families = {r: parametric_families()[r] for r in plan.rules}
+        return bench
 
     def _measure(self, base: SuiteSpec) -> tuple[Timings, NoHarmPlan]:
         """Time the workloads, the no-harm check's and their proxies; (timings, the check as it
@@ -492,24 +568,13 @@ class SearchRunner:
         return traces
 
     # ------------------------------------------------------------------ the rounds
-    def _rounds(self, traces: dict[str, Any], workdir: Path) -> None:
+    def _rounds(self, bench: ReplayBench, workdir: Path) -> None:
         """Search, validate, pick and export, in rounds while :meth:`_next_round` starts one."""
-        plan = self.plan
-        self.workdir = workdir
-        with self.ledger.track("work:replay"):
-            self.bench = bench = ReplayBench(plan.suite, traces)
+        self.workdir, self.bench = workdir, bench
         self.recorder = TrialRecorder(bench, self.store, self.ledger, workdir, self.warn)
-        self.validator = Validator(
-            self.study,
-            plan.validation,
-            self.ledger,
-            plan.timings,
-            worker=self.worker,
-            progress=self.cfg.progress,
-        )
-        self.factories = {Candidate.rule(r): (lambda r=r: bench.scaler(r)) for r in plan.rules}
+        rules = self.plan.rules
+        self.factories = {Candidate.rule(r): (lambda r=r: bench.scaler(r)) for r in rules}
         self.factories[AUTO] = lambda: bench.scaler(AUTO.name)
-        self.families = {r: parametric_families()[r] for r in plan.rules}
         last, new = None, False
         while (r := self._next_round(last, new, time.monotonic())) is not None:
             if r.search_until is not None:
@@ -555,6 +620,8 @@ class SearchRunner:
         exported unchecked, but the answer names it); a scaler starts only where all its
         episodes fit (:class:`~autoscale.search.validate.Validator`).
         """
+        if self.source is not None:  # the one round its source planned
+            return self.source.round if last is None else None
         plan, validator, end = self.plan, self.validator, self.budget.end
         check_at = end - 1.4 * self.no_harm.cost(plan.timings, 1)
         number = 1 if last is None else last.number + 1
@@ -620,10 +687,11 @@ class SearchRunner:
         if rl and stop - time.monotonic() >= 1.0:
             self._trials(self._rl(stop), stop - RLObjective.MIN_TRIAL_S / 2)
         c = self._since(before)
+        on = "" if self.source is None else f" {self.source.searched_on}"
         self.say(
             "search",
             f"{sum(c.values())} trials in {format_duration(time.monotonic() - t0)} ({c['complete']} complete, "
-            f"{c['pruned']} pruned, {c['failed']} failed); {best_line(self.study)}",
+            f"{c['pruned']} pruned, {c['failed']} failed){on}; {best_line(self.study)}",
         )
 
     def _baselines(self) -> None:
@@ -742,13 +810,16 @@ class SearchRunner:
         if not results and not first:  # a later round that fitted nothing says nothing new
             validator.skipped.clear()
             return False
-        n_cand = sum(1 for k in results if Candidate.parse(k).is_trial)
-        n_rules = sum(1 for k in self.validated if Candidate.parse(k).is_rule)
-        msg = (
-            f"{n_cand} candidate(s); auto{'' if self._bar_real() else ' not yet'}; "
-            f"{n_rules} of {len(self.plan.rules)} built-in rules so far; on "
-            f"{len(validator.names)} test episodes x {self.plan.steps} real steps in {format_duration(time.monotonic() - t0)}"
-        )
+        if self.source is not None:
+            msg = self.source.validated_line(self, time.monotonic() - t0)
+        else:
+            n_cand = sum(1 for k in results if Candidate.parse(k).is_trial)
+            n_rules = sum(1 for k in self.validated if Candidate.parse(k).is_rule)
+            msg = (
+                f"{n_cand} candidate(s); auto{'' if self._bar_real() else ' not yet'}; "
+                f"{n_rules} of {len(self.plan.rules)} built-in rules so far; on "
+                f"{len(validator.names)} test episodes x {self.plan.steps} real steps in {format_duration(time.monotonic() - t0)}"
+            )
         if validator.skipped:
             msg += f"; no time left for: {' | '.join(validator.skipped)}"
             validator.skipped.clear()
@@ -831,11 +902,13 @@ class SearchRunner:
         with self.ledger.track("bk:notes"):
             try:
                 handle = optuna.trial.Trial(self.study, trial._trial_id)
-                body = get_note(handle)
-                body += (
-                    f"\n**Validated on real steps** of {sum(len(c) for c in v.cards.values())} test "
-                    f"episodes x {self.plan.steps} steps.\n"
+                n, steps = sum(len(c) for c in v.cards.values()), self.plan.steps
+                on = (
+                    f"real steps** of {n} test episodes x {steps} steps"
+                    if v.real
+                    else f"the replay** of {n} held-out windows x {steps} recorded steps"
                 )
+                body = get_note(handle) + f"\n**Validated on {on}.\n"
                 write_note(handle, body)
             except Exception as exc:
                 self.warn(f"could not update trial {trial.number}'s note: {exc}")
@@ -849,29 +922,38 @@ class SearchRunner:
                 "nothing exported: torch could not be validated on real steps in the budget",
             )
             return
-        reference = self.validated[TORCH]
+        t0, reference = time.monotonic(), self.validated[TORCH]
         ranked = rank(self.validated, reference, self.plan.suite.reward)
         chosen = self._choose(ranked)
         key = AUTO if chosen is None else chosen.key
         if key != self.exported:  # None only where auto had no real validation: auto itself
-            self._export(chosen, reference)
+            self._export(chosen, reference, t0)
             self.exported = key
-        self._report(ranked, reference, self.exported)
+        if self.source is None:  # a source's validate line has said the ranking
+            self._report(ranked, reference, self.exported)
 
     def _choose(self, ranked: list[Validated]) -> Validated | None:
+        # a source's rows are the replay of its held-out windows, at the horizon itself (no lead
+        # to hold there again), all the evidence there is, and its check a replay that its plan
+        # left time for: it always runs, so nothing is exported unchecked
+        replay = self.source is not None
+        study, families = self.study, self.cfg.families
         choice = choose(
-            self.study,
+            study,
             ranked,
             self.factories,
             self.no_harm,
             self.plan.timings,
             self.ledger,
             weights=self.plan.suite.reward,
-            stop_at=self.budget.end,
+            stop_at=math.inf if replay else self.budget.end,
             say=lambda text: self.say("export", text),
-            refuse=lambda v: refusal(
-                v, self.study, self.cfg.families, self.bench, self.factories, self.auto_replays
+            refuse=(lambda v: family_refusal(v, study, families))
+            if replay
+            else (
+                lambda v: refusal(v, study, families, self.bench, self.factories, self.auto_replays)
             ),
+            replay_counts=replay,
         )
         self.choice = choice
         # each said once: (what marks it said, the line)
@@ -890,21 +972,27 @@ class SearchRunner:
                 self.say("export", text)
         return choice.winner
 
-    def _export(self, chosen: Validated | None, reference: Validated) -> None:
+    def _export(self, chosen: Validated | None, reference: Validated, since: float) -> None:
+        """Export the pick ``chosen`` (None: ``auto``, unmeasured), its rows against
+        ``reference`` and the evidence in its manifest, and say so; the pick started at
+        ``since``."""
         from autoscale.scalers import make_scaler
         from autoscale.search.answer import answer_lines, evidence
 
         cfg, choice, plan, study = self.cfg, self.choice, self.plan, self.study
-        provenance = {
-            "storage": mask_url(cfg.storage),
-            "searched_on": "replay of recorded real steps",
-        }
+        provenance = (
+            {"storage": mask_url(cfg.storage), "searched_on": "replay of recorded real steps"}
+            if self.source is None
+            else self.source.provenance
+        )
         if chosen is not None:
-            where = f"real steps: {sum(len(c) for c in chosen.cards.values())} test episodes of {plan.steps} steps"
+            where = rows_where(chosen, plan.validation)
             summary = card_summary(chosen.cards, reference.cards, plan.suite.reward, where)
             summary["evidence"] = evidence(choice, chosen, reference, plan.suite.reward)
         else:
             summary = {"evidence": {"why": choice.why, "bar": AUTO.name}}
+        if self.source is not None:
+            summary.update(self.source.scorecard(self, chosen))
         with (
             self.ledger.track("work:export"),
             file_lock(self.folder / "locks" / f"export-{cfg.export}.lock"),
@@ -921,6 +1009,9 @@ class SearchRunner:
             )
             make_scaler(str(path), device="cpu")  # it loads
         self.result.exported, self.result.winner = path, f"{cfg.export} ({how})"
+        if self.source is not None:
+            self.source.exported(self, path, how, chosen, since)
+            return
         self.say("export", f"{path} ({how}); use it with autoscale.get_scaler('{cfg.export}')")
         if chosen is None:
             self.result.answer = [f"answer: exported '{cfg.export}' = {how}", f"why: {choice.why}"]

@@ -24,7 +24,16 @@ from autoscale.search.objective import objective
 from autoscale.search.timing import Timings
 from autoscale.training.scorecard import Scorecard, json_safe
 
-__all__ = ["Validated", "Validator", "real_cards", "validated_trials", "by_member", "PREFIX"]
+__all__ = [
+    "Validated",
+    "Validator",
+    "ReplayValidator",
+    "keep_cards",
+    "real_cards",
+    "validated_trials",
+    "by_member",
+    "PREFIX",
+]
 
 PREFIX = "real:"
 FLUSH_S = 5.0
@@ -34,6 +43,25 @@ def real_cards(attrs: dict[str, Any], scaler: str, names: Sequence[str]) -> dict
     """The stored real-step scorecards of ``scaler`` among the episodes ``names``."""
     stored = (attrs.get(PREFIX + scaler) or {}).get("cards", {})
     return {n: Scorecard.from_dict(stored[n]) for n in names if n in stored}
+
+
+def keep_cards(
+    study: Any,
+    key: str,
+    cards: dict[str, Scorecard],
+    *,
+    worker: str,
+    ledger: Ledger,
+    on: str | None = None,
+) -> None:
+    """Keep ``key``'s scorecards by episode name in the study, under ``real:KEY`` (``on``: where
+    they were measured, where not on real steps: ``replay``), for every worker and for
+    ``autoscale export``."""
+    value: dict[str, Any] = {"cards": {n: c.to_dict() for n, c in cards.items()}, "worker": worker}
+    if on is not None:
+        value["on"] = on
+    with ledger.track("bk:attrs"):
+        study.set_user_attr(PREFIX + key, json_safe(value))
 
 
 def by_member(cards: dict[str, Scorecard], names: Sequence[str]) -> dict[str, list[Scorecard]]:
@@ -200,6 +228,51 @@ class Validator:
         return result
 
     def _store(self, key: str, cards: dict[str, Scorecard]) -> None:
-        value = {"cards": {n: c.to_dict() for n, c in cards.items()}, "worker": self.worker}
-        with self.ledger.track("bk:attrs"):
-            self.study.set_user_attr(PREFIX + key, json_safe(value))
+        keep_cards(self.study, key, cards, worker=self.worker, ledger=self.ledger)
+
+
+class ReplayValidator:
+    """Validation on the replay of the test episodes of a bench, where no real step can be taken
+    (a search on records: its held-out windows), with :class:`Validator`'s interface; each row is
+    kept in the study as real-step rows are, marked ``on: replay``.
+
+    Args:
+        bench: The :class:`~autoscale.search.bench.ReplayBench` whose test episodes are replayed.
+        run_s: Seconds of one scaler's replay of them, until one is measured.
+    """
+
+    def __init__(
+        self, bench: Any, study: Any, ledger: Ledger, *, worker: str, run_s: float = 0.0
+    ) -> None:
+        from autoscale.envs.suite_env import suite_instances
+
+        self.bench, self.study, self.ledger, self.worker = bench, study, ledger, worker
+        self.names = list(suite_instances(bench.suite, "test"))
+        self.run_s = run_s
+        self.skipped: list[str] = []  # none: every scaler is replayed
+
+    def cost(self, scalers: int) -> float:
+        """Estimated seconds to replay ``scalers`` scalers on every test episode."""
+        return scalers * self.run_s
+
+    def run(
+        self,
+        scalers: Sequence[tuple[str, str, Callable[[], Any]]],
+        stop_at: float,
+        on_done: Callable[[Validated], None] | None = None,
+    ) -> dict[str, Validated]:
+        """Replay ``(key, label, factory)`` scalers in order, each kept in the study; ``stop_at``
+        is not needed: a replay takes a fraction of a second, and the search planned its time."""
+        out: dict[str, Validated] = {}
+        for key, label, factory in scalers:
+            t0 = time.perf_counter()
+            with self.ledger.track("work:validate"):
+                cards = self.bench.run("test", factory)[0]
+            self.run_s = time.perf_counter() - t0
+            flat = [c for m in self.bench.suite.members for c in cards[m.name]]
+            named = dict(zip(self.names, flat, strict=True))
+            keep_cards(self.study, key, named, worker=self.worker, ledger=self.ledger, on="replay")
+            out[key] = Validated(key, label, by_member(named, self.names), False, None)
+            if on_done is not None:
+                on_done(out[key])
+        return out

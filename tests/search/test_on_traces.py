@@ -140,3 +140,91 @@ def test_a_study_is_resumed_only_from_its_own_kind_of_source(tmp_path, monkeypat
         "pass --traces with them to resume it, or --study NEW_NAME to search a workload"
     )
     assert len(recs.trials) == 0 and not (tmp_path / "policies").exists()
+
+
+def test_replay_validation_keeps_its_rows_in_the_study_as_real_steps_are(tmp_path):
+    """A search on records validates on the replay of its held-out windows: every scaler on every
+    test window, whatever the deadline (a replay takes a fraction of a second), kept in the study
+    under its ``real:`` key as real-step rows are, marked ``on: replay``, and read back by what
+    reads those (``autoscale export``)."""
+    import optuna
+
+    from autoscale.search.bench import ReplayBench
+    from autoscale.search.budget import Ledger
+    from autoscale.search.candidates import AUTO, TORCH
+    from autoscale.search.validate import PREFIX, ReplayValidator, real_cards
+
+    suite, traces = suite_from_records([_record(tmp_path / "r")])
+    bench = ReplayBench(suite, traces)
+    study = optuna.create_study()
+    validator = ReplayValidator(bench, study, Ledger(), worker="host:1")
+    done = []
+    scalers = [(k, k.name, lambda k=k: bench.scaler(k.name)) for k in (TORCH, AUTO)]
+    rows = validator.run(scalers, stop_at=0.0, on_done=done.append)
+    assert list(rows) == [TORCH, AUTO] and [v.key for v in done] == [TORCH, AUTO]
+    assert validator.skipped == [] and validator.cost(3) == 3 * validator.run_s > 0
+    (member,) = suite.members
+    for key, v in rows.items():
+        assert not v.real and len(v.cards[member.name]) == len(member.instances["test"])
+        stored = study.user_attrs[PREFIX + key]
+        assert (stored["on"], stored["worker"]) == ("replay", "host:1")
+        back = real_cards(study.user_attrs, key, validator.names)
+        assert [c.to_dict() for c in back.values()] == [c.to_dict() for c in v.cards[member.name]]
+    replayed = bench.run("test", lambda: bench.scaler("torch"))[0][member.name]
+    assert [c.skipped for c in rows[TORCH].cards[member.name]] == [c.skipped for c in replayed]
+    auto = rows[AUTO].cards[member.name]
+    assert [c.precision_loss for c in auto] != [c.precision_loss for c in replayed]
+
+
+@pytest.mark.slow  # a record of 600 real steps (an `autoscale wrap` subprocess), then 14 trials
+def test_the_search_runner_runs_a_search_on_records_through_their_source(tmp_path):
+    """The one driver runs the records' four phases: their plan (the study, the windows and what
+    they leave to win), one round (the search on the train windows' replay, to --n-trials here,
+    far from the budget's end), validation on the test windows' replay kept in the study, the pick
+    with the records' check, and the export, its manifest describing the records; each line is
+    numbered among the four phases."""
+    import re
+    import time
+
+    import optuna
+    import yaml
+
+    from autoscale.search.budget import Budget
+    from autoscale.search.candidates import AUTO
+    from autoscale.search.choose import VERDICT_PREFIX
+    from autoscale.search.on_traces import RecordsSource
+    from autoscale.search.runner import SearchConfig, SearchRunner
+    from autoscale.search.validate import PREFIX
+    from tests.search.test_records_search import SPREAD, wrap_record
+
+    source = RecordsSource((str(wrap_record(tmp_path / "run", *SPREAD)),))
+    name = source.default_study()
+    storage = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    cfg = SearchConfig(
+        source.suite, study=name, export="mine", storage=storage, n_trials=14,
+        policy_dir=str(tmp_path / "policies"), progress=False,
+    )  # fmt: skip
+    said: list[str] = []
+    budget = Budget(300.0, time.monotonic(), 5.0)
+    result = SearchRunner(cfg, budget, out=said.append, source=source).run()
+    text = "\n".join(said)
+    heads = [re.match(r"\[(?:(\d)/4 )?(\w+)\] ", line).groups() for line in said]
+    assert [p for _, p in heads] == ["plan", "plan", "search", "validate"] + ["export"] * (
+        len(said) - 5
+    ) + ["done"], text
+    assert all(n == str(1 + source.phases.index(p)) for n, p in heads[:-1]), text
+    assert name == "run-traces" and result.stopped_early is None
+    assert "14 trials in" in said[2] and "on the train windows' replay" in said[2]
+    assert result.wall_s < 0.5 * budget.seconds  # the trials ran out, not the budget
+    study = optuna.load_study(study_name=name, storage=storage)
+    rows = {k: v for k, v in study.user_attrs.items() if k.startswith(PREFIX)}
+    assert PREFIX + AUTO in rows and any(k.startswith(PREFIX + "trial:") for k in rows)
+    assert {v["on"] for v in rows.values()} == {"replay"}
+    verdicts = [v for k, v in study.user_attrs.items() if k.startswith(VERDICT_PREFIX)]
+    assert verdicts and {v["where"] for v in verdicts} == {"on the replay of the whole records"}
+    manifest = yaml.safe_load((tmp_path / "policies" / "mine" / "policy.yaml").read_text())
+    assert manifest["workload"]["records"][0]["steps"] == 600
+    assert manifest["scorecard"]["no_harm_replay"]["clean_steps"] > 500
+    assert manifest["scorecard"]["evaluated_on"].startswith("replay of 2 held-out windows")
+    assert result.exported == tmp_path / "policies" / "mine"
+    assert (result.exported / "report.html").is_file()
