@@ -86,6 +86,19 @@ def ops(grads: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
             torch.linalg.vector_norm(g, 2, dtype=torch.float32, out=norm)
         return torch.linalg.vector_norm(buf, math.inf), norms.square().sum()
 
+    flat = torch.empty(sum(g.numel() for g in grads))
+    pair = torch.empty(2)
+    pair_outs = pair.unbind()
+
+    def cat_then_aminmax():  # one copy of all of them, one read of it
+        torch.cat([g.view(-1) for g in grads], out=flat)
+        torch.aminmax(flat, out=pair_outs)
+        return torch.linalg.vector_norm(pair, math.inf)
+
+    def cat_then_norm():
+        torch.cat([g.view(-1) for g in grads], out=flat)
+        return torch.linalg.vector_norm(flat, math.inf)
+
     def amax_and_amin():
         return max(max(float(g.amax()), -float(g.amin())) for g in grads)
 
@@ -100,6 +113,8 @@ def ops(grads: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
             torch.linalg.vector_norm(g, math.inf) for g in grads
         ],
         "_foreach_norm(inf)": lambda: torch._foreach_norm(grads, math.inf),
+        "cat of all, then aminmax": cat_then_aminmax,
+        "cat of all, then linalg.vector_norm(inf)": cat_then_norm,
         "_foreach_max(_foreach_abs)": lambda: torch._foreach_max(torch._foreach_abs(grads)),
         "abs().max() per tensor": lambda: [g.abs().max() for g in grads],
         "amax per tensor (max g only: not max |g|)": amax_only,
