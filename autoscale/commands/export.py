@@ -43,6 +43,7 @@ pick, one warning says why. The manifest's evidence says either way.
     def run(self, args: argparse.Namespace) -> int:
         import optuna
 
+        from autoscale.scalers.policies import policy_ref
         from autoscale.search.export import (
             check_export_target,
             export_candidate,
@@ -96,7 +97,9 @@ pick, one warning says why. The manifest's evidence says either way.
             why = "exported by number"
         else:
             why = f"the search's pick: {pick.choice.why}"
-        print(f"exported {path} ({how}; {why}); use it with autoscale.get_scaler('{args.name}')")
+        print(
+            f"exported {path} ({how}; {why}); use it with autoscale.get_scaler('{policy_ref(path)}')"
+        )
         return 0
 
 

@@ -91,7 +91,7 @@ keeps the last model (no checkpoint selection), and says so.
         from autoscale.commands.run import check_output
         from autoscale.envs.spec import GuardSpec, load_env_spec
         from autoscale.errors import ConfigError
-        from autoscale.scalers.policies import default_policy_dir
+        from autoscale.scalers.policies import default_policy_dir, policy_ref
 
         # the agent is exported once trained: a folder it cannot go to fails now
         check_output(args.policy_dir or str(default_policy_dir()), "--policy-dir", folder=True)
@@ -136,7 +136,9 @@ keeps the last model (no checkpoint selection), and says so.
                 f"{trained}; no checkpoint selection: a member has a single train instance, all "
                 "of it trained on, so the last model is kept (the test instances stay unseen)"
             )
-        print(f"exported {result.policy_dir}; use it with autoscale.get_scaler('{args.out}')")
+        print(
+            f"exported {result.policy_dir}; use it with autoscale.get_scaler('{policy_ref(result.policy_dir)}')"
+        )
         return 0
 
 
@@ -146,6 +148,7 @@ def _residual(args: argparse.Namespace) -> int:
     from autoscale.agents.train import held_out
     from autoscale.envs.suite import load_spec
     from autoscale.errors import ConfigError
+    from autoscale.scalers.policies import policy_ref
 
     if args.guard or args.scale_time:
         raise ConfigError(
@@ -174,5 +177,7 @@ def _residual(args: argparse.Namespace) -> int:
         + f"; its last {len(last)} training episodes skipped {over:+.2%} of steps beyond torch's "
         "+ 0.5 points (the bar; below 0 meets it)"
     )
-    print(f"exported {result.policy_dir}; use it with autoscale.get_scaler('{args.out}')")
+    print(
+        f"exported {result.policy_dir}; use it with autoscale.get_scaler('{policy_ref(result.policy_dir)}')"
+    )
     return 0

@@ -16,7 +16,9 @@ only says its threshold lies below the scale it used.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -125,7 +127,9 @@ class RecordReplay:
         """Replay the scaler ``name`` (a rule or an exported policy; ``params`` override its
         parameters) from the run's first scale."""
         params = {"init_scale": float(self.inst.start_scale), **params}
-        return self.replay_scaler(make_scaler(name, device="cpu", **params), name)
+        # a policy given by its folder's path is shown by the folder's name
+        label = Path(name).name if os.sep in name or "/" in name else name
+        return self.replay_scaler(make_scaler(name, device="cpu", **params), label)
 
     def replay_scaler(self, scaler: Any, name: str) -> Outcome:
         """Replay a fresh CPU scaler (from its own initial scale) over the run's steps."""

@@ -59,6 +59,7 @@ __all__ = [
     "default_policy_dir",
     "policy_places",
     "find_policy",
+    "policy_ref",
     "folder_without_manifest",
     "policy_names",
     "policy_rows",
@@ -289,6 +290,18 @@ def find_policy(name: str) -> Path | None:
         if (d / name / MANIFEST).is_file():
             return d / name
     return None
+
+
+def policy_ref(folder: str | os.PathLike) -> str:
+    """What names the exported policy in ``folder`` to ``get_scaler`` and ``--scaler``: its
+    name where :func:`find_policy` finds this folder by it, else the folder's path (an export to
+    a folder outside :func:`~autoscale.scalers.policy_home.policy_dirs`, or one whose name an
+    earlier folder there holds too)."""
+    folder = Path(folder)
+    found = find_policy(folder.name)
+    if found is not None and found.resolve() == folder.resolve():
+        return folder.name
+    return str(folder)
 
 
 def folder_without_manifest(name: str) -> Path | None:

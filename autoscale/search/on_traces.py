@@ -131,10 +131,10 @@ class RecordsSource:
         for rec in self.records:
             if rec.notes:
                 runner.out(f"note: {rec.path}: {rec.notes[0]}")
-        runner.artifacts()
         runner.plan = RecordsPlan(self.suite, rules_torch_first(runner.cfg.families))
         runner.families = searched_families(runner.cfg.families)
         study = runner.study = self._open_study(runner)
+        runner.artifacts()  # (after the storage opened: a bad storage leaves no folder)
         bench = ReplayBench(self.suite, self.traces)
         room = self.room = headroom(bench)
         windows = {m.name: {k: len(v) for k, v in m.instances.items()} for m in self.suite.members}
@@ -283,11 +283,10 @@ class RecordsSource:
         beside the policy, and how to use it."""
         from autoscale.report import write_report
         from autoscale.report.page import compare_names
+        from autoscale.scalers.policies import policy_ref
 
-        nh = self.no_harm
-        report = write_report(
-            self.records[0], Path(path) / "report.html", [*compare_names(), path.name]
-        )
+        nh, ref = self.no_harm, policy_ref(path)
+        report = write_report(self.records[0], Path(path) / "report.html", [*compare_names(), ref])
         runner.say(
             "export",
             f"{runner.choice.why}; {chosen.label} {WHERE}, on their clean steps: skipped "
@@ -297,8 +296,8 @@ class RecordsSource:
         )
         runner.say(
             "done",
-            f"use it with autoscale wrap --scaler {path.name} -- <your command>, or "
-            f"autoscale.get_scaler('{path.name}'); {REPLAY_NOTE}",
+            f"use it with autoscale wrap --scaler {ref} -- <your command>, or "
+            f"autoscale.get_scaler('{ref}'); {REPLAY_NOTE}",
         )
 
 

@@ -977,6 +977,7 @@ class SearchRunner:
         ``reference`` and the evidence in its manifest, and say so; the pick started at
         ``since``."""
         from autoscale.scalers import make_scaler
+        from autoscale.scalers.policies import policy_ref
         from autoscale.search.answer import answer_lines, evidence
 
         cfg, choice, plan, study = self.cfg, self.choice, self.plan, self.study
@@ -1012,7 +1013,9 @@ class SearchRunner:
         if self.source is not None:
             self.source.exported(self, path, how, chosen, since)
             return
-        self.say("export", f"{path} ({how}); use it with autoscale.get_scaler('{cfg.export}')")
+        self.say(
+            "export", f"{path} ({how}); use it with autoscale.get_scaler('{policy_ref(path)}')"
+        )
         if chosen is None:
             self.result.answer = [f"answer: exported '{cfg.export}' = {how}", f"why: {choice.why}"]
         else:

@@ -132,3 +132,19 @@ def test_the_exporting_commands_help_says_where_an_export_goes(command, capsys):
         "else $AUTOSCALE_HOME/policies, else $XDG_DATA_HOME/autoscale/policies, "
         "else ~/.local/share/autoscale/policies)"
     ) in text
+
+
+def test_an_export_is_named_as_get_scaler_finds_it(home, tmp_path):
+    """The line after an export says what ``get_scaler`` takes: the name where the lookup finds
+    that folder by it, else the folder's path (outside the lookup, or a name an earlier folder
+    of the lookup holds too)."""
+    found = export_parametric("torch", {"growth_interval": 100}, "mine")
+    assert policies.policy_ref(found) == "mine"
+    elsewhere = export_parametric(
+        "torch", {"growth_interval": 7}, "other", out_dir=tmp_path / "out"
+    )
+    assert policies.policy_ref(elsewhere) == str(elsewhere)
+    shadowed = export_parametric("torch", {"growth_interval": 9}, "mine", out_dir=tmp_path / "out")
+    assert policies.policy_ref(shadowed) == str(shadowed)  # 'mine' is the home's
+    for ref, interval in ((policies.policy_ref(elsewhere), 7), (policies.policy_ref(shadowed), 9)):
+        assert autoscale.get_scaler(ref, device="cpu").get_growth_interval() == interval

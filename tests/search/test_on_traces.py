@@ -170,6 +170,20 @@ def test_replay_validation_keeps_its_rows_in_the_study_as_real_steps_are(tmp_pat
         assert (stored["on"], stored["worker"]) == ("replay", "host:1")
         back = real_cards(study.user_attrs, key, validator.names)
         assert [c.to_dict() for c in back.values()] == [c.to_dict() for c in v.cards[member.name]]
+    # a resumed study's rows are read back, not replayed, and on_done is not called for them
+    again, done_again = ReplayValidator(bench, study, Ledger(), worker="host:2"), []
+
+    def no_replay():
+        raise AssertionError("a stored row was replayed")
+
+    back_rows = again.run(
+        [(k, k.name, no_replay) for k in (TORCH, AUTO)], stop_at=0.0, on_done=done_again.append
+    )
+    assert done_again == [] and list(back_rows) == [TORCH, AUTO]
+    assert [c.to_dict() for c in back_rows[AUTO].cards[member.name]] == [
+        c.to_dict() for c in rows[AUTO].cards[member.name]
+    ]
+    assert study.user_attrs[PREFIX + AUTO]["worker"] == "host:1"  # not written again
     replayed = bench.run("test", lambda: bench.scaler("torch"))[0][member.name]
     assert [c.skipped for c in rows[TORCH].cards[member.name]] == [c.skipped for c in replayed]
     auto = rows[AUTO].cards[member.name]
@@ -202,7 +216,7 @@ def test_the_search_runner_runs_a_search_on_records_through_their_source(tmp_pat
     storage = f"sqlite:///{tmp_path / 'db.sqlite'}"
     cfg = SearchConfig(
         source.suite, study=name, export="mine", storage=storage, n_trials=14,
-        policy_dir=str(tmp_path / "policies"), progress=False,
+        policy_dir=str(tmp_path / "elsewhere"), progress=False,
     )  # fmt: skip
     said: list[str] = []
     budget = Budget(300.0, time.monotonic(), 5.0)
@@ -222,9 +236,25 @@ def test_the_search_runner_runs_a_search_on_records_through_their_source(tmp_pat
     assert {v["on"] for v in rows.values()} == {"replay"}
     verdicts = [v for k, v in study.user_attrs.items() if k.startswith(VERDICT_PREFIX)]
     assert verdicts and {v["where"] for v in verdicts} == {"on the replay of the whole records"}
-    manifest = yaml.safe_load((tmp_path / "policies" / "mine" / "policy.yaml").read_text())
+    # exported to a folder the policy lookup does not search: named by its path, the report too
+    mine = tmp_path / "elsewhere" / "mine"
+    manifest = yaml.safe_load((mine / "policy.yaml").read_text())
     assert manifest["workload"]["records"][0]["steps"] == 600
     assert manifest["scorecard"]["no_harm_replay"]["clean_steps"] > 500
     assert manifest["scorecard"]["evaluated_on"].startswith("replay of 2 held-out windows")
-    assert result.exported == tmp_path / "policies" / "mine"
-    assert (result.exported / "report.html").is_file()
+    assert result.exported == mine and (mine / "report.html").is_file()
+    assert f"--scaler {mine} --" in said[-1] and f"autoscale.get_scaler('{mine}')" in said[-1]
+    assert "<td>mine</td>" in (mine / "report.html").read_text()  # its row, by its name
+
+
+def test_an_unusable_storage_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch, capsys):
+    """The storage is opened before anything is written: a folder that does not exist is said as
+    the storage's, and no artifacts folder is left behind."""
+    monkeypatch.chdir(tmp_path)
+    _record(tmp_path / "run")
+    args = ["search", "--traces", "run", "--budget", "1m", "--storage", "sqlite:////proc/nope/x.db"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "cannot open storage" in err and "'/proc/nope' does not exist" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "artifacts").exists() and not (tmp_path / "policies").exists()
