@@ -30,7 +30,6 @@ __all__ = [
     "ReplayValidator",
     "keep_cards",
     "real_cards",
-    "validated_trials",
     "by_member",
     "PREFIX",
 ]
@@ -98,26 +97,6 @@ class Validated:
 
     def all_cards(self) -> list[Scorecard]:
         return [c for cs in self.cards.values() for c in cs]
-
-
-def validated_trials(study: Any, validation: SuiteSpec) -> dict[int, dict[str, list[Scorecard]]]:
-    """Trial number -> its real-step scorecards by member, for every trial validated on every test
-    episode of ``validation`` by any worker."""
-    from autoscale.envs.suite_env import suite_instances
-
-    attrs = study.user_attrs
-    names = suite_instances(validation, "test")
-    out = {}
-    for key in attrs:
-        try:
-            cand = Candidate.parse(key[len(PREFIX) :]) if key.startswith(PREFIX) else None
-        except ValueError:
-            cand = None
-        if cand is not None and cand.is_trial:
-            cards = real_cards(attrs, cand, names)
-            if len(cards) == len(names):
-                out[cand.number] = by_member(cards, names)
-    return dict(sorted(out.items()))
 
 
 class Validator:
