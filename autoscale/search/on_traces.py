@@ -120,7 +120,7 @@ class RecordsSource:
 
     def held(self, study: Any) -> int:
         """Finished trials ``study`` holds now (the kept ones and this run's, an interrupted one
-        included); None: not opened yet."""
+        included); with ``study`` None (not opened yet), the kept ones: none."""
         return self.kept if study is None else len(_finished(study.get_trials(deepcopy=False)))
 
     # ------------------------------------------------------------------ plan
