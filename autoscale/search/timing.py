@@ -255,12 +255,14 @@ class NoHarmPlan:
     candidate_seeds: tuple[int, ...] = (0,)
 
     def cost(self, timings: Timings, candidates: int, cached: Callable[[Any, int], bool]) -> float:
-        """Seconds for ``candidates`` candidates and the ``torch`` runs not cached yet."""
+        """Seconds for ``candidates`` candidates and the ``torch`` runs not cached yet (recorded:
+        the check screens candidates on their replay, so they cost recorded steps)."""
         total = 0.0
         for w in self.workloads:
-            run = timings.of(w).run_s(self.steps) * REFERENCE_FACTOR
-            total += run * sum(1 for s in self.seeds if not cached(w, s))
-            total += run * candidates * len(self.candidate_seeds)
+            t = timings.of(w)
+            torch_runs = sum(1 for s in self.seeds if not cached(w, s))
+            total += t.run_s(self.steps, record=True) * REFERENCE_FACTOR * torch_runs
+            total += t.run_s(self.steps) * REFERENCE_FACTOR * candidates * len(self.candidate_seeds)
         return total
 
     def to_dict(self) -> dict[str, Any]:

@@ -97,6 +97,23 @@ def test_torch_itself_passes_and_its_runs_are_cached(check):
     assert check.cost(timings, 1) == pytest.approx(2 * run_s)
 
 
+def test_torchs_uncached_runs_are_priced_at_the_recorded_step_time():
+    """torch's runs record their traces (the screen replays them): a recorded step costs more than
+    a plain one (1.5-1.6x measured here for mlp and gpt2-tiny), and pricing them as plain steps
+    left the check of a fresh machine's first export short of time (it stopped at the budget's
+    end, unchecked). Candidates' runs record nothing: plain steps."""
+    plan = NoHarmPlan(no_harm_workloads([base_spec(model="mlp")], STEPS), STEPS)
+    timings = Timings(
+        {workload_key(w): Timing(0.01, 0.1, 0.01, 4, record_step_s=0.03) for w in plan.workloads}
+    )
+    recorded = (0.1 + STEPS * 0.03 + 0.01) * REFERENCE_FACTOR
+    plain = (0.1 + STEPS * 0.01 + 0.01) * REFERENCE_FACTOR
+    runs = len(plan.workloads)  # mlp clean and drifting
+    assert plan.cost(timings, 0, lambda w, s: False) == pytest.approx(2 * runs * recorded)
+    assert plan.cost(timings, 1, lambda w, s: False) == pytest.approx(runs * (2 * recorded + plain))
+    assert plan.cost(timings, 1, lambda w, s: True) == pytest.approx(runs * plain)
+
+
 def card(skip_rate, precision, steps=64, eval_loss=1.0):
     return Scorecard(
         steps, round(skip_rate * steps), skip_rate, precision, eval_loss, eval_loss, eval_loss,

@@ -77,21 +77,21 @@ def test_a_shipped_residual_agent_keeps_rl_in_a_budget_that_leaves_no_search_tim
     from autoscale.search.plan import RL_MIN_SEARCH_S
 
     assert warm.shipped_agent(which=warm.RESIDUAL) is not None
-    plan, _ = plan_for(base_spec(), 0.05, 300, space="both")
+    plan, _ = plan_for(base_spec(), 0.05, 330, space="both")
     assert plan.search_s < RL_MIN_SEARCH_S and plan.space == "both"
-    cold, _ = plan_for(base_spec(), 0.05, 300, space="both", warm_start=False)
+    cold, _ = plan_for(base_spec(), 0.05, 330, space="both", warm_start=False)
     assert cold.space == "parametric"
     assert f"RL dropped (needs {RL_MIN_SEARCH_S:.1f}s of search" in cold.describe()
 
 
 def test_plan_keeps_recording_and_real_steps_within_their_shares_and_says_what_it_traded():
     spec = base_spec()
-    plan, no_harm = plan_for(spec, 0.05, 300)
+    plan, no_harm = plan_for(spec, 0.05, 360)
     t = timings_for(as_suite(spec), 0.05)
     rec = record_cost(plan.suite, plan.trace_steps, t)
-    assert rec <= RECORD_SHARE * 300
+    assert rec <= RECORD_SHARE * 360
     val = validate_cost(plan.validation, t, 2)
-    assert rec + val + no_harm.cost(t, 1, lambda w, s: False) <= REAL_SHARE * 300
+    assert rec + val + no_harm.cost(t, 1, lambda w, s: False) <= REAL_SHARE * 360
     assert plan.horizon < 2048
     text = plan.describe()
     assert "traded: " in text and f"replay horizon {plan.horizon} of 2048 steps" in text
