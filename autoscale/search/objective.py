@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 ROBUSTNESS = 1.0  # weight of the worst member's regret
-LEAD_Z = 2.0  # a lead beyond 2 standard errors of the paired episode differences is not noise
+LEAD_Z = 2.0  # a lead beyond 2 standard errors of the objective's difference is not noise
 LEAD_FLOOR = 1e-3  # and never below this (a tenth of a point of skipped steps at weight 1)
 
 OBJECTIVE_DOC = (
@@ -162,8 +162,9 @@ class Lead:
     Attributes:
         lead: The bar's objective minus this one's (positive: this one is better).
         noise: What the lead must exceed to be more than seed noise: :data:`LEAD_Z` standard errors
-            of the paired per-episode cost differences, at least :data:`LEAD_FLOOR` (infinite with
-            a single episode: one episode cannot tell a lead from noise).
+            of the objective's difference, from the paired per-episode cost differences (see
+            :func:`lead`), at least :data:`LEAD_FLOOR` (infinite with a single episode: one
+            episode cannot tell a lead from noise).
         episodes: Paired episodes.
     """
 
@@ -184,8 +185,14 @@ def lead(
     weights: RewardWeights,
 ) -> Lead:
     """The :class:`Lead` of ``cards`` over ``bar`` (both against ``reference``, ``torch``), paired
-    episode by episode: the same instance, seed and steps ran under both."""
-    diffs = []
+    episode by episode: the same instance, seed and steps ran under both.
+
+    The lead is taken on the objective, so its noise is the objective's: each member's regret
+    difference is the mean of its paired cost differences, and the objective weighs it by
+    ``1/M``, plus :data:`ROBUSTNESS` for the member whose regret is the bar's worst (with one
+    member, ``1 + ROBUSTNESS``). Its standard error is the paired differences' spread (pooled over
+    every episode) times ``sqrt(sum_m weight_m^2 / episodes_m)``."""
+    diffs: dict[str, list[float]] = {}
     for member, mine in cards.items():
         theirs = bar.get(member) or []
         if len(theirs) != len(mine):
@@ -193,9 +200,19 @@ def lead(
                 f"member '{member}' has {len(mine)} episodes but the bar {len(theirs)}: a lead "
                 "compares the same episodes"
             )
-        diffs += [episode_cost(a, weights) - episode_cost(b, weights) for a, b in zip(mine, theirs)]
+        diffs[member] = [
+            episode_cost(a, weights) - episode_cost(b, weights) for a, b in zip(mine, theirs)
+        ]
     gap = objective(bar, reference, weights) - objective(cards, reference, weights)
-    if len(diffs) < 2:
-        return Lead(gap, math.inf, len(diffs))
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return Lead(gap, max(LEAD_Z * se, LEAD_FLOOR), len(diffs))
+    pooled = [d for ds in diffs.values() for d in ds]
+    if len(pooled) < 2:
+        return Lead(gap, math.inf, len(pooled))
+    bar_regrets = regrets({m: bar[m] for m in diffs}, reference, weights)
+    worst = max(bar_regrets, key=bar_regrets.__getitem__)
+    share = sum(
+        (1 / len(diffs) + (ROBUSTNESS if m == worst else 0.0)) ** 2 / len(ds)
+        for m, ds in diffs.items()
+        if ds
+    )
+    se = statistics.stdev(pooled) * math.sqrt(share)
+    return Lead(gap, max(LEAD_Z * se, LEAD_FLOOR), len(pooled))

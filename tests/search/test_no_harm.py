@@ -185,11 +185,11 @@ def test_a_lead_within_the_seed_noise_exports_auto_and_says_why(check):
     )
     assert choice.winner.key == "policy:auto"
     ld = choice.leads["trial:3"]
-    assert ld.lead == pytest.approx(0.04) and ld.noise == pytest.approx(0.2) and not ld.clear
+    assert ld.lead == pytest.approx(0.04) and ld.noise == pytest.approx(0.4) and not ld.clear
     assert choice.why.startswith(
         "auto is the best found for this run: the best (3) led it by 0.0400"
     )
-    assert "within the seed noise (0.2000 on 2 episodes)" in choice.why
+    assert "within the seed noise (0.4000 on 2 episodes)" in choice.why
     assert said == []  # auto's verdict was stored: nothing ran, nothing said
 
 

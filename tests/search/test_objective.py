@@ -76,3 +76,31 @@ def test_the_objective_compares_the_same_episodes():
         objective({"a": [card()]}, {}, W)
     with pytest.raises(ValueError, match="at least one"):
         mean_cost([], W)
+
+
+def test_a_lead_on_the_objective_is_held_to_the_objectives_own_noise():
+    """The lead is the objective's difference, which weighs a member's mean cost difference by
+    1/M plus ROBUSTNESS on the worst member: with one member, twice the mean. Its noise must be on
+    that scale too; held to the standard error of the cost differences themselves, a gain of one
+    standard error passed as two."""
+    from autoscale.search.objective import LEAD_Z, lead
+
+    ref = {"m": [card(0.25, 0.0)] * 4}
+    bar = {"m": [card(0.1, 0.0)] * 4}
+    # paired cost differences -0.02 +- 0.02: a mean gain of 0.02, its standard error 0.0115
+    gains = (-0.04, 0.0, -0.04, 0.0)
+    mine = {"m": [card(0.1 + g, 0.0) for g in gains]}
+    ld = lead(mine, bar, ref, W)
+    se_cost = (sum((d + 0.02) ** 2 for d in gains) / 3) ** 0.5 / 2
+    assert ld.lead == pytest.approx((1 + ROBUSTNESS) * 0.02)
+    assert ld.noise == pytest.approx(LEAD_Z * (1 + ROBUSTNESS) * se_cost)
+    assert not ld.clear  # 0.02 is 1.7 standard errors of the gain: not beyond the noise
+    assert ld.lead > LEAD_Z * se_cost  # what the cost differences' own error let through
+    # two members of two episodes each, the bar worst on the second: weights 1/2 and 1/2 + 1
+    ref2 = {"a": [card(0.25, 0.0)] * 2, "b": [card(0.25, 0.0)] * 2}
+    bar2 = {"a": [card(0.1, 0.0)] * 2, "b": [card(0.2, 0.0)] * 2}
+    mine2 = {"a": [card(0.06, 0.0), card(0.1, 0.0)], "b": [card(0.16, 0.0), card(0.2, 0.0)]}
+    ld2 = lead(mine2, bar2, ref2, W)
+    spread = (sum((d + 0.02) ** 2 for d in gains) / 3) ** 0.5  # the same four differences
+    share = (0.5**2) / 2 + (1.5**2) / 2
+    assert ld2.noise == pytest.approx(LEAD_Z * spread * share**0.5)
