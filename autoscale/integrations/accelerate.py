@@ -8,7 +8,7 @@ optimizer's ``step`` calls ``scaler.step`` and ``scaler.update``. So the scaler 
 between ``Accelerator(...)`` and ``prepare``: after it, the prepared optimizers keep the old scaler
 and nothing says so. :func:`install_scaler` refuses then.
 
-CPU: Accelerate (checked on 1.15) accepts ``mixed_precision="fp16"`` on a CPU accelerator but sets
+CPU: Accelerate (checked on 1.16) accepts ``mixed_precision="fp16"`` on a CPU accelerator but sets
 ``native_amp = False`` and creates no scaler, so nothing is autocast and nothing is scaled.
 :func:`install_scaler` sets ``native_amp = True``, which turns on Accelerate's own fp16 path: its
 ``prepare`` wraps the model's forward in ``torch.autocast("cpu", dtype=torch.float16)`` and its

@@ -1,7 +1,7 @@
 """Hugging Face ``transformers.Trainer`` with an autoscale scaler.
 
 ``Trainer.__init__`` builds its Accelerator in ``create_accelerator_and_postprocess`` (checked on
-transformers 5.24), before anything is prepared; :class:`AutoscaleTrainerMixin` overrides that method
+transformers 5.25), before anything is prepared; :class:`AutoscaleTrainerMixin` overrides that method
 to install the scaler on the new accelerator with
 :func:`autoscale.integrations.accelerate.install_scaler`. Everything else is the Trainer's own: it
 backpropagates through ``accelerator.backward``, clips through ``accelerator.clip_grad_norm_`` (which
