@@ -189,9 +189,11 @@ def lead(
 
     The lead is taken on the objective, so its noise is the objective's: each member's regret
     difference is the mean of its paired cost differences, and the objective weighs it by
-    ``1/M``, plus :data:`ROBUSTNESS` for the member whose regret is the bar's worst (with one
-    member, ``1 + ROBUSTNESS``). Its standard error is the paired differences' spread (pooled over
-    every episode) times ``sqrt(sum_m weight_m^2 / episodes_m)``."""
+    ``1/M``, plus :data:`ROBUSTNESS` for the worst member's (the bar's and, where it differs, the
+    candidate's: with one member, ``1 + ROBUSTNESS``). Its standard error is
+    ``sqrt(sum_m weight_m^2 * var_m / episodes_m)``, ``var_m`` the variance of member ``m``'s
+    paired differences (a member of one episode: the pooled variance of the others'). Infinite
+    where no member has two episodes: one episode a member cannot tell a lead from noise."""
     diffs: dict[str, list[float]] = {}
     for member, mine in cards.items():
         theirs = bar.get(member) or []
@@ -203,16 +205,20 @@ def lead(
         diffs[member] = [
             episode_cost(a, weights) - episode_cost(b, weights) for a, b in zip(mine, theirs)
         ]
+    diffs = {m: ds for m, ds in diffs.items() if ds}
     gap = objective(bar, reference, weights) - objective(cards, reference, weights)
-    pooled = [d for ds in diffs.values() for d in ds]
-    if len(pooled) < 2:
-        return Lead(gap, math.inf, len(pooled))
-    bar_regrets = regrets({m: bar[m] for m in diffs}, reference, weights)
-    worst = max(bar_regrets, key=bar_regrets.__getitem__)
-    share = sum(
-        (1 / len(diffs) + (ROBUSTNESS if m == worst else 0.0)) ** 2 / len(ds)
+    n = sum(len(ds) for ds in diffs.values())
+    var = {m: statistics.variance(ds) for m, ds in diffs.items() if len(ds) > 1}
+    if not var:
+        return Lead(gap, math.inf, n)
+    dof = sum(len(diffs[m]) - 1 for m in var)
+    pooled = math.fsum((len(diffs[m]) - 1) * v for m, v in var.items()) / dof
+    worst = set()
+    for side in (bar, cards):
+        r = regrets({m: side[m] for m in diffs}, reference, weights)
+        worst.add(max(r, key=r.__getitem__))
+    share = math.fsum(
+        (1 / len(diffs) + (ROBUSTNESS if m in worst else 0.0)) ** 2 * var.get(m, pooled) / len(ds)
         for m, ds in diffs.items()
-        if ds
     )
-    se = statistics.stdev(pooled) * math.sqrt(share)
-    return Lead(gap, max(LEAD_Z * se, LEAD_FLOOR), len(pooled))
+    return Lead(gap, max(LEAD_Z * math.sqrt(share), LEAD_FLOOR), n)

@@ -1,4 +1,5 @@
 import math
+import statistics
 
 import pytest
 
@@ -96,11 +97,28 @@ def test_a_lead_on_the_objective_is_held_to_the_objectives_own_noise():
     assert ld.noise == pytest.approx(LEAD_Z * (1 + ROBUSTNESS) * se_cost)
     assert not ld.clear  # 0.02 is 1.7 standard errors of the gain: not beyond the noise
     assert ld.lead > LEAD_Z * se_cost  # what the cost differences' own error let through
-    # two members of two episodes each, the bar worst on the second: weights 1/2 and 1/2 + 1
+    # two members of two episodes each, the bar worst on the second: weights 1/2 and 1/2 + 1,
+    # each member's mean difference with its own variance
     ref2 = {"a": [card(0.25, 0.0)] * 2, "b": [card(0.25, 0.0)] * 2}
     bar2 = {"a": [card(0.1, 0.0)] * 2, "b": [card(0.2, 0.0)] * 2}
-    mine2 = {"a": [card(0.06, 0.0), card(0.1, 0.0)], "b": [card(0.16, 0.0), card(0.2, 0.0)]}
+    mine2 = {"a": [card(0.1, 0.0)] * 2, "b": [card(0.16, 0.0), card(0.2, 0.0)]}
     ld2 = lead(mine2, bar2, ref2, W)
-    spread = (sum((d + 0.02) ** 2 for d in gains) / 3) ** 0.5  # the same four differences
-    share = (0.5**2) / 2 + (1.5**2) / 2
-    assert ld2.noise == pytest.approx(LEAD_Z * spread * share**0.5)
+    var_b = statistics.variance([-0.04, 0.0])
+    assert ld2.noise == pytest.approx(LEAD_Z * (1.5**2 * var_b / 2) ** 0.5)
+    # a steady member (no difference) does not dilute the noisy one's variance, as one spread
+    # pooled over every episode did (the lead cleared its noise that way)
+    steady = {"clean": [card(0.0, 0.0)] * 4}
+    ref3 = {**steady, "pref": [card(0.0, 0.0)] * 4}
+    bar3 = {**steady, "pref": [card(0.3, 0.0)] * 4}
+    mine3 = {**steady, "pref": [card(0.3 + d, 0.0) for d in (-0.2, -0.2, 0.0, 0.0)]}
+    ld3 = lead(mine3, bar3, ref3, W)
+    assert ld3.lead == pytest.approx(0.15) and not ld3.clear
+    assert ld3.noise == pytest.approx(LEAD_Z * 1.5 * statistics.stdev([-0.2, -0.2, 0, 0]) / 2)
+    # one episode per member: no member can tell its seed noise, whatever the number of members
+    one = lead(
+        {"a": [card(0.018)], "b": [card(0.028)]},
+        {"a": [card(0.02)], "b": [card(0.03)]},
+        {"a": [card(0.0)], "b": [card(0.0)]},
+        W,
+    )
+    assert one.noise == math.inf and not one.clear
