@@ -63,9 +63,14 @@ def paired_difference(mine: list, ref: list, field: str = "eval_loss") -> tuple[
 
 
 def seed_noise(evals: list[float]) -> float:
-    """torch's seed noise from its eval losses on several seeds: their spread, at least
-    :data:`NOISE_FLOOR` of their mean."""
-    return max(max(evals) - min(evals), NOISE_FLOOR * abs(statistics.mean(evals)))
+    """torch's seed noise from its eval losses on several seeds: the spread of the finite ones,
+    at least :data:`NOISE_FLOOR` of their mean (0 where none is: :func:`harm` applies the floor
+    of each seed's own loss). A seed whose eval loss overflowed tells nothing of the spread: as an
+    inf it would forgive any loss, as a NaN refuse every one."""
+    finite = [e for e in evals if math.isfinite(e)]
+    if not finite:
+        return 0.0
+    return max(max(finite) - min(finite), NOISE_FLOOR * abs(statistics.mean(finite)))
 
 
 def acceptance(mine: list, ref: list, paired: bool = False) -> dict[str, Any]:
@@ -133,7 +138,8 @@ def harm(
             f"(+{100 * SKIP_POINTS:.1f} points allowed)"
         )
     tol = max(noise, NOISE_FLOOR * abs(ref.eval_loss))
-    if not mine.eval_loss <= ref.eval_loss + tol:  # NaN or inf: worse
+    # NaN or inf: worse; where torch's own eval loss is not finite there is nothing to be worse than
+    if math.isfinite(ref.eval_loss) and not mine.eval_loss <= ref.eval_loss + tol:
         why.append(
             f"final eval loss {mine.eval_loss:.5g}, torch {ref.eval_loss:.5g} (seed noise {tol:.2g})"
         )

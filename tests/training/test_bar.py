@@ -53,6 +53,19 @@ def test_seed_noise_is_the_spread_with_a_floor():
     assert seed_noise([2.0, 2.0]) == pytest.approx(NOISE_FLOOR * 2.0)
 
 
+def test_a_seed_whose_eval_loss_overflowed_neither_forgives_nor_refuses_every_loss():
+    """An inf among torch's eval losses made the noise inf (a candidate ending at 50 against
+    torch's 2.0 passed); a NaN made it NaN or not by its place in the list."""
+    assert seed_noise([2.0, math.inf]) == pytest.approx(NOISE_FLOOR * 2.0)
+    assert seed_noise([math.nan, 2.0, 2.1]) == seed_noise([2.0, 2.1, math.nan])
+    assert seed_noise([2.0, 2.1, math.nan]) == pytest.approx(0.1)
+    assert seed_noise([math.nan, math.inf]) == 0.0
+    assert harm(card(loss=50.0), card(), noise=seed_noise([2.0, math.inf]))
+    # torch's own run on this seed ended at a non-finite loss: a finite one is not worse
+    assert harm(card(loss=2.5), card(loss=math.nan)) == []
+    assert harm(card(loss=2.5), card(loss=math.inf)) == []
+
+
 def test_acceptance_screens_on_three_episodes_and_confirms_on_pairs():
     ref = [card(loss=x) for x in (2.0, 2.1, 1.9)]
     row = acceptance([card(loss=x) for x in (2.1, 2.2, 2.0)], ref)  # +0.1 within a 0.2 spread
