@@ -262,20 +262,30 @@ def _verdict(
         return None
     if verdict is None:
         factory = factories[v.key]
-        verdict = no_harm.screen(factory, v.label)
-        if verdict.passed:
+
+        def fits() -> bool:  # what the check still needs (torch's runs not cached included)
             need = 1.2 * no_harm.cost(timings, 1)
-            if time.monotonic() + need > stop_at:
-                choice.unchecked.append(
-                    f"{v.label} (its no-harm check needs ~{format_duration(need)}, "
-                    f"{format_duration(max(0.0, stop_at - time.monotonic()))} left)"
-                )
-                return None
-            try:
+            if time.monotonic() + need <= stop_at:
+                return True
+            choice.unchecked.append(
+                f"{v.label} (its no-harm check needs ~{format_duration(need)}, "
+                f"{format_duration(max(0.0, stop_at - time.monotonic()))} left)"
+            )
+            return False
+
+        # the screen may run torch's first runs (not cached yet): it starts only where the whole
+        # check fits, and stops at the deadline as the check does
+        if not fits():
+            return None
+        try:
+            verdict = no_harm.screen(factory, v.label, deadline=stop_at)
+            if verdict.passed:
+                if not fits():
+                    return None
                 verdict = no_harm.check(factory, v.label, deadline=stop_at)
-            except OutOfTime as exc:  # a machine slower than planned: the check says nothing
-                choice.unchecked.append(f"{v.label} ({exc})")
-                return None
+        except OutOfTime as exc:  # a machine slower than planned: the check says nothing
+            choice.unchecked.append(f"{v.label} ({exc})")
+            return None
         stored = {**verdict.to_dict(), "stored_at": time.time()}
         with ledger.track("bk:attrs"):
             study.set_user_attr(verdict_key(v.key, shape), json_safe(stored))

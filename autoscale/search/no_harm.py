@@ -206,7 +206,9 @@ class Check(Protocol):
     for what it ran names that in a ``shape`` attribute (:attr:`NoHarmCheck.shape`), and a
     verdict is reused only by a check of the same shape."""
 
-    def screen(self, factory: Callable[[], Any], label: str) -> Verdict: ...
+    def screen(
+        self, factory: Callable[[], Any], label: str, deadline: float | None = None
+    ) -> Verdict: ...
 
     def check(
         self, factory: Callable[[], Any], label: str, deadline: float | None = None
@@ -363,15 +365,19 @@ class NoHarmCheck:
         }
 
     # ------------------------------------------------------------------ the check
-    def screen(self, factory: Callable[[], Any], label: str) -> Verdict:
-        """The check's skip rule on replay of torch's recorded clean runs (no real steps)."""
+    def screen(
+        self, factory: Callable[[], Any], label: str, deadline: float | None = None
+    ) -> Verdict:
+        """The check's skip rule on replay of torch's recorded clean runs (no real steps of the
+        candidate; torch's first run of each workload where not cached yet, stopped at
+        ``deadline`` as :meth:`check`'s runs are)."""
         from autoscale.envs.episodes import drive_episode
         from autoscale.envs.replay_env import ReplayEnv
 
         reasons = []
         for w in self.no_harm.workloads:
             for seed in self.no_harm.candidate_seeds:
-                ref, trace = self.reference(w, seed)
+                ref, trace = self.reference(w, seed, deadline)
                 skip_ref = ref["card"].skip_rate
                 (inst,) = trace.instances
                 env = ReplayEnv(trace.spec, trace, instances=[inst])

@@ -369,7 +369,7 @@ def test_a_check_that_reaches_the_budgets_end_stops_there_and_says_so(check, tmp
     # check is estimated at microseconds: it starts, and its 800 real steps reach the deadline
     study = study_with(True, shape=check.shape)
     screened = Verdict("trial 5", True, [], screened=True)
-    monkeypatch.setattr(check, "screen", lambda factory, label: screened)
+    monkeypatch.setattr(check, "screen", lambda factory, label, deadline=None: screened)
     timings = Timings({workload_key(w): Timing(1e-6, 0.0, 0.0, 4) for w in check.no_harm.workloads})
     rows = [torch, auto, best]
     choice = choose(
@@ -379,6 +379,34 @@ def test_a_check_that_reaches_the_budgets_end_stops_there_and_says_so(check, tmp
     assert choice.winner.key == "policy:auto"
     assert any("stopped at the budget's end" in u for u in choice.unchecked), choice.unchecked
     assert stored_verdict(study, "trial:5") is None
+
+
+def test_the_screen_runs_torchs_uncached_runs_only_where_the_whole_check_fits(tmp_path):
+    """On a new machine the screen's replay needs torch's first run of each workload: real
+    steps, most of the check. They start only where the whole check's estimate fits before the
+    deadline (they ran before that was asked, unbounded), and stop at it."""
+    import time
+
+    from autoscale.search.no_harm import OutOfTime
+
+    fresh = NoHarmCheck(
+        NoHarmPlan(no_harm_workloads([base_spec(model="mlp")], STEPS), STEPS),
+        tmp_path, Ledger(), SCALE,
+    )  # fmt: skip
+    torch = validated("rule:torch", 0.125, 0.3)
+    auto = validated("policy:auto", 0.0, 0.05)
+    rows = [torch, auto]
+    slow = Timings({workload_key(w): Timing(1.0, 0.1, 0.1, 4) for w in fresh.no_harm.workloads})
+    choice = choose(
+        optuna.create_study(), rank({v.key: v for v in rows}, torch, REWARD),
+        {"policy:auto": scaler("auto")}, fresh, slow, Ledger(), weights=REWARD,
+        stop_at=time.monotonic() + 5.0, say=lambda t: None,
+    )  # fmt: skip
+    assert choice.unchecked and "no-harm check needs" in choice.unchecked[0]
+    assert not any(fresh.cached(w, 0) for w in fresh.no_harm.workloads)  # nothing ran
+    with pytest.raises(OutOfTime, match="torch's mlp run"):
+        fresh.screen(scaler("auto"), "auto", deadline=time.monotonic() + 0.2)
+    assert not any(fresh.cached(w, 0) for w in fresh.no_harm.workloads)
 
 
 FLUSH_STEPS = 60  # six windows of the fp32 reference: enough to see a scale keep nothing
@@ -447,7 +475,7 @@ def test_a_verdict_is_reused_only_by_a_check_of_the_same_shape(tmp_path, monkeyp
     ran = []
     for name, c in (("proxy", small), ("real", large)):
 
-        def screen(factory, label, c=c):
+        def screen(factory, label, deadline=None, c=c):
             return Verdict(label, True, screened=True, shape=c.shape)
 
         def run(factory, label, deadline=None, name=name, c=c):
