@@ -48,9 +48,13 @@ __all__ = [
     "stored_verdict",
     "verdict_key",
     "VERDICT_PREFIX",
+    "record_pick",
+    "stored_refusal",
 ]
 
 VERDICT_PREFIX = "no-harm-v2:"  # v2: the check's long runs include a drifting one
+REFUSED_PREFIX = "refused:"  # why the search refused a lead, by candidate (study attributes)
+CHECK_SHAPE = "no-harm-shape"  # the shape of the check the latest pick of the search ran
 
 
 @dataclass
@@ -81,6 +85,24 @@ def verdict_key(key: Any, shape: str = "") -> str:
     of ``shape`` (:attr:`~autoscale.search.no_harm.NoHarmCheck.shape`; empty: a check that has
     none, the replay of a search's own records)."""
     return f"{VERDICT_PREFIX}{key}@{shape}" if shape else f"{VERDICT_PREFIX}{key}"
+
+
+def record_pick(study: Any, choice: Choice, shape: str) -> None:
+    """Keep in ``study`` what its pick decided that a later ``autoscale export`` cannot decide
+    again from the rows (:func:`~autoscale.search.export.stored_pick`): why each lead was refused
+    (the horizon's replay needs the search's bench) and the shape of the check whose verdicts
+    counted (a resumed search may check another shape; its own decide)."""
+    attrs = study.user_attrs
+    for key, why in choice.refused.items():
+        if attrs.get(REFUSED_PREFIX + str(key)) != why:
+            study.set_user_attr(REFUSED_PREFIX + str(key), why)
+    if attrs.get(CHECK_SHAPE) != shape:
+        study.set_user_attr(CHECK_SHAPE, shape)
+
+
+def stored_refusal(study: Any, key: Any) -> str | None:
+    """Why the search refused ``key``'s lead (:func:`record_pick`), or None."""
+    return study.user_attrs.get(REFUSED_PREFIX + str(key))
 
 
 def stored_verdict(study: Any, key: Any, shape: str | None = None) -> Verdict | None:
@@ -118,6 +140,7 @@ def choose(
     say: Callable[[str], None],
     refuse: Callable[[Validated], str | None] | None = None,
     replay_counts: bool = False,
+    shape: str | None = None,
 ) -> Choice:
     """Walk ``ranked`` (best first) down to ``auto`` (see the module docstring).
 
@@ -131,6 +154,8 @@ def choose(
         refuse: Why the user may not get a scaler (None: they may).
         replay_counts: Replay is all the evidence there is (a search on records, whose check is
             :class:`~autoscale.search.no_harm_records.RecordsCheck`): replayed rows count.
+        shape: Without ``no_harm``, the shape of the check whose stored verdicts count (None:
+            the verdict stored last, of any shape).
     """
     choice = Choice(None)
     real = [v for v in ranked if v.real or replay_counts]
@@ -159,13 +184,15 @@ def choose(
             choice.winner = v
             choice.why = _beats(v, ld)
             return choice
-        verdict = _verdict(study, v, factories, no_harm, timings, ledger, stop_at, say, choice)
+        verdict = _verdict(
+            study, v, factories, no_harm, timings, ledger, stop_at, say, choice, shape
+        )
         if verdict is not None and verdict.passed:
             choice.winner = v
             choice.why = _beats(v, ld) + " and passed the no-harm check"
             return choice
     lost = _why_auto(choice, real)
-    verdict = _verdict(study, bar, factories, no_harm, timings, ledger, stop_at, say, choice)
+    verdict = _verdict(study, bar, factories, no_harm, timings, ledger, stop_at, say, choice, shape)
     if verdict is None or verdict.passed:
         choice.winner = bar
         checked = ""
@@ -251,10 +278,11 @@ def _verdict(
     stop_at: float,
     say: Callable[[str], None],
     choice: Choice,
+    stored_shape: str | None = None,
 ) -> Verdict | None:
     """``v``'s verdict: stored, or screened and checked now; None when the check does not fit
-    (or, without ``no_harm``, none is stored)."""
-    shape = getattr(no_harm, "shape", "") if no_harm is not None else None
+    (or, without ``no_harm``, none of ``stored_shape`` is stored)."""
+    shape = getattr(no_harm, "shape", "") if no_harm is not None else stored_shape
     verdict = stored_verdict(study, v.key, shape)
     fresh = verdict is None
     if verdict is None and no_harm is None:
@@ -389,7 +417,8 @@ class StoredPick:
             return ["it was not validated on real steps of the test instances"]
         if key == self.key:
             return []
-        out = [why] if (why := family_refusal(v, study, self.families)) else []
+        why = stored_refusal(study, key) or family_refusal(v, study, self.families)
+        out = [why] if why else []
         if choice.bar is not None and key != AUTO:
             bar, ref = choice.bar.cards, self.reference.cards
             ld = choice.leads.get(key) or lead(v.cards, bar, ref, self.weights)
@@ -398,7 +427,7 @@ class StoredPick:
                     f"it does not lead auto beyond the seed noise (lead {ld.lead:+.4f}, noise "
                     f"{ld.noise:.4f} on {ld.episodes} episodes)"
                 )
-        verdict = stored_verdict(study, key)
+        verdict = stored_verdict(study, key, study.user_attrs.get(CHECK_SHAPE))
         if key != TORCH and verdict is None:  # the reference is never checked
             out.append("the study holds no no-harm verdict for it")
         elif verdict is not None and not verdict.passed:

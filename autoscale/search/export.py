@@ -298,14 +298,21 @@ def stored_pick(study: Any, validation: SuiteSpec, weights: Any) -> StoredPick:
     every row validated on real steps, by any worker, ranked (:func:`rank`) and walked down to
     ``auto`` by :func:`~autoscale.search.choose.choose`, with the families the study's plan
     searched (:func:`~autoscale.search.choose.family_refusal`) and the no-harm verdicts the study
-    holds; no check runs, so a scaler without a verdict is not the pick. A lead that the search
-    refused on the horizon's replay (:func:`~autoscale.search.choose.horizon_refusal`, which
-    needs the replay bench) left no verdict, so it is not the pick either; only ``torch``, which
-    is never checked, is taken on its real-step lead alone."""
+    holds, of the check the search's latest pick ran; no check runs, so a scaler without a verdict
+    is not the pick. A lead the search refused (on the horizon's replay,
+    :func:`~autoscale.search.choose.horizon_refusal`, which needs the replay bench) is refused
+    again from the reason it stored (:func:`~autoscale.search.choose.record_pick`), ``torch``'s
+    included."""
     import optuna
 
     from autoscale.envs.suite_env import suite_instances
-    from autoscale.search.choose import StoredPick, choose, family_refusal
+    from autoscale.search.choose import (
+        CHECK_SHAPE,
+        StoredPick,
+        choose,
+        family_refusal,
+        stored_refusal,
+    )
     from autoscale.search.validate import PREFIX, by_member, real_cards
 
     attrs, names = study.user_attrs, suite_instances(validation, "test")
@@ -330,8 +337,8 @@ def stored_pick(study: Any, validation: SuiteSpec, weights: Any) -> StoredPick:
         return StoredPick(None, rows, None, families, weights)
     choice = choose(
         study, rank(rows, reference, weights), {}, None, None, None, weights=weights,
-        stop_at=0.0, say=lambda text: None, refuse=lambda v: family_refusal(v, study, families),
-        replay_counts=replay,
+        stop_at=0.0, say=lambda text: None, replay_counts=replay, shape=attrs.get(CHECK_SHAPE),
+        refuse=lambda v: stored_refusal(study, v.key) or family_refusal(v, study, families),
     )  # fmt: skip
     return StoredPick(choice, rows, reference, families, weights)
 

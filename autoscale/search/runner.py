@@ -51,7 +51,7 @@ from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Budget, Ledger, format_duration
 from autoscale.search.candidates import AUTO, TORCH, Candidate
-from autoscale.search.choose import choose, family_refusal, refusal
+from autoscale.search.choose import choose, family_refusal, record_pick, refusal
 from autoscale.search.export import (
     card_summary,
     check_export_target,
@@ -955,6 +955,8 @@ class SearchRunner:
             ),
             replay_counts=replay,
         )
+        with self.ledger.track("bk:attrs"):  # what `autoscale export` cannot decide again
+            record_pick(study, choice, getattr(self.no_harm, "shape", ""))
         self.choice = choice
         # each said once: (what marks it said, the line)
         lines = [

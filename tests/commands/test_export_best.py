@@ -158,3 +158,41 @@ def test_best_without_torchs_validation_exports_nothing_and_says_so(work, capsys
     (line,) = err.strip().splitlines()
     assert "holds no real-step validation of torch" in line and "--trial N" in line
     assert not (work / "pol" / "mine").exists()
+
+
+def test_best_keeps_a_lead_the_search_refused_on_the_horizon_refused_torchs_included(work, capsys):
+    """torch leads auto on the short real-step episodes, and the search refused that lead on the
+    horizon's replay (auto is slow to start, not worse): it exported auto. best, which has no
+    replay to weigh the lead on, read it as torch's win before the search stored its reasons."""
+    from autoscale.search.choose import REFUSED_PREFIX
+
+    study = _study(work, "s")
+    _validated(study, "policy:auto", 0.125, 0.40)  # behind torch on these short episodes
+    why = "its lead does not hold on the 1024-step replay of the same held-out runs"
+    study.set_user_attr(REFUSED_PREFIX + "rule:torch", why)
+    rc, out, err = _export(capsys, "s", "best", "mine")
+    assert rc == 0, err
+    assert "auto, the shipped general policy, unchanged" in out, out
+    assert f"torch led it beyond the seed noise, but {why}" in out
+
+
+def test_best_reads_the_verdicts_of_the_check_the_search_last_decided_with(work, capsys):
+    """A resumed search with another budget checked another shape of the check: its own verdict
+    decided its pick, whatever was stored last of another shape (export read the latest)."""
+    from autoscale.search.choose import CHECK_SHAPE, verdict_key
+
+    study = _study(work, "s")
+    trial = _trial(study, "deepspeed", -0.8, {})
+    _validated(study, f"trial:{trial}", 0.0, 0.01)
+    key = f"trial:{trial}"
+    passed = {**Verdict(key, True, [], shape="P").to_dict(), "stored_at": 1.0}
+    failed = {**Verdict(key, False, ["gpt2 seed 0: worse"], shape="R").to_dict(), "stored_at": 2.0}
+    study.set_user_attr(verdict_key(key, "P"), passed)
+    study.set_user_attr(verdict_key(key, "R"), failed)
+    study.set_user_attr(CHECK_SHAPE, "P")  # the search that picked last ran the check of shape P
+    rc, out, err = _export(capsys, "s", "best", "mine")
+    assert rc == 0, err
+    assert f"deepspeed, trial {trial}; the search's pick: deepspeed, trial {trial} beat auto" in out
+    study.set_user_attr(CHECK_SHAPE, "R")
+    rc, out, err = _export(capsys, "s", "best", "other")
+    assert rc == 0 and "auto, the shipped general policy, unchanged" in out, out

@@ -502,3 +502,20 @@ def test_a_verdict_is_reused_only_by_a_check_of_the_same_shape(tmp_path, monkeyp
     assert resumed.winner.key == "policy:auto" and said[0].startswith("5 fails the no-harm check")
     assert stored_verdict(study, "trial:5", small.shape).passed  # the proxy's verdict is kept
     assert not stored_verdict(study, "trial:5").passed  # export reads the latest
+
+
+def test_the_pick_keeps_what_export_cannot_decide_again():
+    """Why a lead was refused (the horizon's replay needs the search's bench) and the shape of
+    the check whose verdicts counted: kept in the study, written once."""
+    from autoscale.search.choose import CHECK_SHAPE, Choice, record_pick, stored_refusal
+
+    study = optuna.create_study()
+    choice = Choice(None, refused={"rule:torch": "its lead does not hold on the replay"})
+    record_pick(study, choice, "mlp,mlp/drift|1000|x")
+    assert stored_refusal(study, "rule:torch") == "its lead does not hold on the replay"
+    assert stored_refusal(study, "trial:3") is None
+    assert study.user_attrs[CHECK_SHAPE] == "mlp,mlp/drift|1000|x"
+    writes = []
+    study.set_user_attr = lambda k, v: writes.append(k)
+    record_pick(study, choice, "mlp,mlp/drift|1000|x")
+    assert writes == []  # nothing new: no storage write

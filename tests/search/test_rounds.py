@@ -303,6 +303,10 @@ def test_a_machine_that_turns_slower_after_measuring_gets_a_re_planned_search_in
     study = optuna.load_study(study_name="bent", storage=cfg.storage)
     note = get_note(study)
     assert "slower than measured" in note and "traded: " in note  # the study says so too
+    from autoscale.search.choose import CHECK_SHAPE
+
+    # the pick kept the shape of the check it ran, for `autoscale export --trial best`
+    assert study.user_attrs[CHECK_SHAPE].startswith("mlp,mlp/drift|"), study.user_attrs
     elapsed = budget.elapsed()
     assert elapsed <= 1.05 * 60, f"{elapsed:.1f} s\n{text}"
 
