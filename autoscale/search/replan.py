@@ -71,10 +71,11 @@ def _firsts(suite: SuiteSpec) -> SuiteSpec:
 
 def least_after_record(plan: Plan, cached_no_harm: Callable[[Any, int], bool]) -> float:
     """Seconds the least useful end of a search needs after recording, at the measured step
-    times: ``torch`` and one candidate validated on the shortest episodes of each member's first
-    test instance, and one candidate's no-harm check."""
+    times: ``torch``, ``auto`` (the bar, validated in any time left) and one candidate validated
+    on the shortest episodes of each member's first test instance, and one candidate's no-harm
+    check."""
     shortest = _firsts(plan.validation).with_episode_steps(VALIDATION_LADDER[-1])
-    return validate_cost(shortest, plan.timings, 2) + plan.no_harm.cost(
+    return validate_cost(shortest, plan.timings, 3) + plan.no_harm.cost(
         plan.timings, 1, cached_no_harm
     )
 

@@ -630,12 +630,14 @@ class SearchRunner:
             n_rules = len(rules_left) if plan.all_rules_real else min(1, len(rules_left))
             n_rules += not self._bar_real()  # the bar
             k = CANDIDATES_PER_ROUND
-            after = validator.cost(k + n_rules) + 1.2 * self.no_harm.cost(
+            after = validator.cost(k + n_rules + self._agent_pending()) + 1.2 * self.no_harm.cost(
                 plan.timings, CHECKED_CANDIDATES
             )
             stop = end - after
-            if stop - now < self.min_search_s:
-                least = validator.cost(2) + 1.2 * self.no_harm.cost(plan.timings, 1)
+            if stop - now < self.min_search_s:  # torch, the bar where it is not yet, a candidate
+                least = validator.cost(2 + (not self._bar_real())) + 1.2 * self.no_harm.cost(
+                    plan.timings, 1
+                )
                 stop = max(stop, min(now + self.min_search_s, end - least))
             return Round(number, k, stop, check_at)
         if TORCH not in self.validated:
@@ -651,11 +653,21 @@ class SearchRunner:
             return None
         if last.number >= MAX_ROUNDS or last.tail_before is not None:
             return None
-        after = validator.cost(1) + 1.2 * self.no_harm.cost(plan.timings, 1)
+        after = validator.cost(1 + self._agent_pending()) + 1.2 * self.no_harm.cost(plan.timings, 1)
         if end - now >= after + self.min_search_s:
             return Round(number, 1, end - after, check_at)
         tail_before = end - TAIL_SHARE * self.budget.seconds
         return Round(number, CANDIDATES_PER_ROUND, None, check_at, tail_before)
+
+    def _agent_pending(self) -> bool:
+        """An agent in the race reaches real steps beside the round's candidates, in any time
+        left (:meth:`_validate`), where none has yet: the round's reserve counts it."""
+        if self.plan.space == "parametric":
+            return False
+        done = {c.number for c in map(Candidate.parse, self.validated) if c.is_trial}
+        trials = self.study.trials if done else []
+        kinds = {trials[n].user_attrs.get("policy", {}).get("kind") for n in done}
+        return "residual" not in kinds
 
     def _exhausted(self) -> bool:
         """No trial to run (``--n-trials`` reached) and none left to validate."""
@@ -842,9 +854,7 @@ class SearchRunner:
                 deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)
             )
         done = {c.number for c in map(Candidate.parse, self.validated) if c.is_trial}
-        # an agent in the race reaches validation, where none has yet
-        kinds = {self.study.trials[n].user_attrs.get("policy", {}).get("kind") for n in done}
-        agent = "residual" if plan.space != "parametric" and "residual" not in kinds else None
+        agent = "residual" if self._agent_pending() else None
         candidates = top_candidates(
             complete, plan.suite, self.store, self.workdir, k, self.warn, skip=done, one_of=agent
         )

@@ -81,7 +81,9 @@ def _decider(n_trials=None, done=0):
     cfg = SearchConfig(base_spec(model="mlp"), study="s", export="s", n_trials=n_trials)
     said: list[str] = []
     runner = SearchRunner(cfg, Budget(4000.0, 0.0, 0.0), out=said.append)
-    runner.plan = SimpleNamespace(rules=("torch", "a", "b"), all_rules_real=True, timings=None)
+    runner.plan = SimpleNamespace(
+        rules=("torch", "a", "b"), all_rules_real=True, timings=None, space="parametric"
+    )
     runner.validator = SimpleNamespace(cost=lambda n: 100.0 * n)
     runner.no_harm = SimpleNamespace(cost=lambda timings, n=1: 50.0 * n)
     runner.min_search_s = 60.0
@@ -110,8 +112,10 @@ def _validating(runner, rules: tuple[str, ...]) -> list:
     [
         (0.0, 3180.0),  # time enough: the search stops where the round's 820 s share begins
         (3150.0, 3210.0),  # recording overran: the first round still searches 60 s
-        (3700.0, 3740.0),  # then as much of the 60 s as leaves the 260 s least a round does
-        (3900.0, 3740.0),  # not even that fits: no search (the stop has passed)
+        # then as much of the 60 s as leaves the 360 s least a round does (torch, the bar and
+        # a candidate validated, one check)
+        (3600.0, 3640.0),
+        (3900.0, 3640.0),  # not even that fits: no search (the stop has passed)
     ],
 )
 def test_the_first_round_searches_a_minimum_after_overrunning_phases(now, expected):
@@ -141,6 +145,14 @@ def test_the_stop_rule_in_order():
     last = Round(MAX_ROUNDS, 1, 0.0, 0.0)
     assert runner._next_round(last, True, 1000.0) is None
     assert said == [] and runner.result.stopped_early is None
+
+    # an agent in the race reaches real steps beside the candidates, in any time left: where
+    # none has yet, each round's share counts one more scaler validated
+    runner, said = _decider()
+    runner.plan.space = "both"
+    assert runner._next_round(None, False, 0.0).search_until == 3080.0
+    runner.validated[TORCH] = None
+    assert runner._next_round(first, False, 1000.0).search_until == 3740.0
 
     runner, said = _decider(n_trials=2, done=2)
     runner.validated[TORCH] = None
