@@ -181,15 +181,13 @@ def choose(
             choice.refused[v.key] = why
             continue
         if v.key == TORCH:  # the reference: no check
-            choice.winner = v
-            choice.why = _beats(v, ld)
+            choice.winner, choice.why = v, _beats(v, ld)
             return choice
         verdict = _verdict(
             study, v, factories, no_harm, timings, ledger, stop_at, say, choice, shape
         )
         if verdict is not None and verdict.passed:
-            choice.winner = v
-            choice.why = _beats(v, ld) + " and passed the no-harm check"
+            choice.winner, choice.why = v, _beats(v, ld) + " and passed the no-harm check"
             return choice
     lost = _why_auto(choice, real)
     verdict = _verdict(study, bar, factories, no_harm, timings, ledger, stop_at, say, choice, shape)
@@ -204,10 +202,8 @@ def choose(
             )
         choice.why = f"auto is the best found for this run: {lost}{checked}"
         return choice
-    choice.winner = reference
-    choice.why = (
-        f"auto harms this run ({'; '.join(verdict.reasons)}): torch's own rule, the reference"
-    )
+    harms = f"auto harms this run ({'; '.join(verdict.reasons)})"
+    choice.winner, choice.why = reference, f"{harms}: torch's own rule, the reference"
     return choice
 
 
