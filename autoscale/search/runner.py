@@ -626,9 +626,13 @@ class SearchRunner:
         check_at = end - 1.4 * self.no_harm.cost(plan.timings, 1)
         number = 1 if last is None else last.number + 1
         if last is None:  # after its search: validate (the best few, the rules), check picks
-            rules_left = [r for r in plan.rules if Candidate.rule(r) not in self.validated]
+            # what the study holds whole (a resumed search, another worker's) is read back
+            held = self._held([Candidate.rule(r) for r in plan.rules] + [AUTO])
+            rules_left = [
+                r for r in plan.rules if Candidate.rule(r) not in {*self.validated, *held}
+            ]
             n_rules = len(rules_left) if plan.all_rules_real else min(1, len(rules_left))
-            n_rules += not self._bar_real()  # the bar
+            n_rules += not self._bar_real() and AUTO not in held  # the bar
             k = CANDIDATES_PER_ROUND
             after = validator.cost(k + n_rules + self._agent_pending()) + 1.2 * self.no_harm.cost(
                 plan.timings, CHECKED_CANDIDATES
@@ -658,6 +662,19 @@ class SearchRunner:
             return Round(number, 1, end - after, check_at)
         tail_before = end - TAIL_SHARE * self.budget.seconds
         return Round(number, CANDIDATES_PER_ROUND, None, check_at, tail_before)
+
+    def _held(self, keys: list[Candidate]) -> set[Candidate]:
+        """Of ``keys``, those whose real-step scorecards of every test episode the study holds:
+        the validator reads them back and runs nothing for them."""
+        from autoscale.search.validate import PREFIX, real_cards
+
+        attrs, names = self.study.user_attrs, self.validator.names
+        return {
+            k
+            for k in keys
+            if "on" not in (attrs.get(PREFIX + k) or {})  # (replayed rows are not real steps)
+            and len(real_cards(attrs, k, names)) == len(names)
+        }
 
     def _agent_pending(self) -> bool:
         """An agent in the race reaches real steps beside the round's candidates, in any time

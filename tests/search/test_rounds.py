@@ -14,6 +14,7 @@ from autoscale.search import runner as runner_mod
 from autoscale.search.budget import Budget
 from autoscale.search.runner import SearchConfig, SearchRunner
 from autoscale.search.workload import base_spec
+from autoscale.training.scorecard import Scorecard
 from tests.search.test_trials import setup  # noqa: F401  (a fixture: recorded mlp traces)
 
 
@@ -84,7 +85,8 @@ def _decider(n_trials=None, done=0):
     runner.plan = SimpleNamespace(
         rules=("torch", "a", "b"), all_rules_real=True, timings=None, space="parametric"
     )
-    runner.validator = SimpleNamespace(cost=lambda n: 100.0 * n)
+    runner.validator = SimpleNamespace(cost=lambda n: 100.0 * n, names=["e1", "e2"])
+    runner.study = SimpleNamespace(user_attrs={})
     runner.no_harm = SimpleNamespace(cost=lambda timings, n=1: 50.0 * n)
     runner.min_search_s = 60.0
     runner.counts["complete"] = done
@@ -145,6 +147,24 @@ def test_the_stop_rule_in_order():
     last = Round(MAX_ROUNDS, 1, 0.0, 0.0)
     assert runner._next_round(last, True, 1000.0) is None
     assert said == [] and runner.result.stopped_early is None
+
+    # a resumed study holds torch's, a's and auto's real-step cards of every test episode (b's of
+    # one): the validator reads them back, and the first round keeps time for b and the
+    # candidates only
+    from autoscale.search.validate import PREFIX
+
+    runner, said = _decider()
+    card = Scorecard(8, 0, 0.0, 0.0, 1.0, 1.0, 1.0, 2.0**16, False, False, 1.0, 8.0).to_dict()
+    whole, one = {"e1": card, "e2": card}, {"e1": card}
+    runner.study.user_attrs = {
+        PREFIX + "rule:torch": {"cards": whole},
+        PREFIX + "rule:a": {"cards": whole},
+        PREFIX + "rule:b": {"cards": one},
+        PREFIX + "policy:auto": {"cards": whole},
+    }
+    assert runner._next_round(None, False, 0.0).search_until == 4000.0 - (400.0 + 120.0)
+    runner.study.user_attrs[PREFIX + "rule:a"]["on"] = "replay"  # replayed rows: not real steps
+    assert runner._next_round(None, False, 0.0).search_until == 4000.0 - (500.0 + 120.0)
 
     # an agent in the race reaches real steps beside the candidates, in any time left: where
     # none has yet, each round's share counts one more scaler validated
