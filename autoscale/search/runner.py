@@ -682,7 +682,7 @@ class SearchRunner:
         if self.plan.space == "parametric":
             return False
         done = {c.number for c in map(Candidate.parse, self.validated) if c.is_trial}
-        trials = self.study.trials if done else []
+        trials = self.study.get_trials(deepcopy=False) if done else []
         kinds = {trials[n].user_attrs.get("policy", {}).get("kind") for n in done}
         return "residual" not in kinds
 
