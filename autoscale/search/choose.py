@@ -100,9 +100,10 @@ def record_pick(study: Any, choice: Choice, shape: str) -> None:
         study.set_user_attr(CHECK_SHAPE, shape)
 
 
-def stored_refusal(study: Any, key: Any) -> str | None:
-    """Why the search refused ``key``'s lead (:func:`record_pick`), or None."""
-    return study.user_attrs.get(REFUSED_PREFIX + str(key))
+def stored_refusal(attrs: dict[str, Any], key: Any) -> str | None:
+    """Why the search refused ``key``'s lead (:func:`record_pick`), from the study's user
+    attributes ``attrs``, or None."""
+    return attrs.get(REFUSED_PREFIX + str(key))
 
 
 def stored_verdict(study: Any, key: Any, shape: str | None = None) -> Verdict | None:
@@ -413,7 +414,8 @@ class StoredPick:
             return ["it was not validated on real steps of the test instances"]
         if key == self.key:
             return []
-        why = stored_refusal(study, key) or family_refusal(v, study, self.families)
+        attrs = study.user_attrs
+        why = stored_refusal(attrs, key) or family_refusal(v, study, self.families)
         out = [why] if why else []
         if choice.bar is not None and key != AUTO:
             bar, ref = choice.bar.cards, self.reference.cards
@@ -423,7 +425,7 @@ class StoredPick:
                     f"it does not lead auto beyond the seed noise (lead {ld.lead:+.4f}, noise "
                     f"{ld.noise:.4f} on {ld.episodes} episodes)"
                 )
-        verdict = stored_verdict(study, key, study.user_attrs.get(CHECK_SHAPE))
+        verdict = stored_verdict(study, key, attrs.get(CHECK_SHAPE))
         if key != TORCH and verdict is None:  # the reference is never checked
             out.append("the study holds no no-harm verdict for it")
         elif verdict is not None and not verdict.passed:

@@ -338,7 +338,7 @@ def stored_pick(study: Any, validation: SuiteSpec, weights: Any) -> StoredPick:
     choice = choose(
         study, rank(rows, reference, weights), {}, None, None, None, weights=weights,
         stop_at=0.0, say=lambda text: None, replay_counts=replay, shape=attrs.get(CHECK_SHAPE),
-        refuse=lambda v: stored_refusal(study, v.key) or family_refusal(v, study, families),
+        refuse=lambda v: stored_refusal(attrs, v.key) or family_refusal(v, study, families),
     )  # fmt: skip
     return StoredPick(choice, rows, reference, families, weights)
 

@@ -117,7 +117,12 @@ def objective(
     weights: RewardWeights,
 ) -> float:
     """Mean regret plus :data:`ROBUSTNESS` times the worst (see the module docstring)."""
-    r = list(regrets(cards, reference, weights).values())
+    return _robust(regrets(cards, reference, weights))
+
+
+def _robust(regret: Mapping[str, float]) -> float:
+    """The objective of members' regrets: their mean plus :data:`ROBUSTNESS` times the worst."""
+    r = list(regret.values())
     if not r:
         raise ValueError("the objective needs at least one member")
     return math.fsum(r) / len(r) + ROBUSTNESS * max(r)
@@ -206,17 +211,15 @@ def lead(
             episode_cost(a, weights) - episode_cost(b, weights) for a, b in zip(mine, theirs)
         ]
     diffs = {m: ds for m, ds in diffs.items() if ds}
-    gap = objective(bar, reference, weights) - objective(cards, reference, weights)
+    sides = [regrets(side, reference, weights) for side in (bar, cards)]
+    gap = _robust(sides[0]) - _robust(sides[1])
     n = sum(len(ds) for ds in diffs.values())
     var = {m: statistics.variance(ds) for m, ds in diffs.items() if len(ds) > 1}
     if not var:
         return Lead(gap, math.inf, n)
     dof = sum(len(diffs[m]) - 1 for m in var)
     pooled = math.fsum((len(diffs[m]) - 1) * v for m, v in var.items()) / dof
-    worst = set()
-    for side in (bar, cards):
-        r = regrets({m: side[m] for m in diffs}, reference, weights)
-        worst.add(max(r, key=r.__getitem__))
+    worst = {max(r, key=r.__getitem__) for r in sides}
     share = math.fsum(
         (1 / len(diffs) + (ROBUSTNESS if m in worst else 0.0)) ** 2 * var.get(m, pooled) / len(ds)
         for m, ds in diffs.items()

@@ -512,8 +512,8 @@ def test_the_pick_keeps_what_export_cannot_decide_again():
     study = optuna.create_study()
     choice = Choice(None, refused={"rule:torch": "its lead does not hold on the replay"})
     record_pick(study, choice, "mlp,mlp/drift|1000|x")
-    assert stored_refusal(study, "rule:torch") == "its lead does not hold on the replay"
-    assert stored_refusal(study, "trial:3") is None
+    assert stored_refusal(study.user_attrs, "rule:torch") == "its lead does not hold on the replay"
+    assert stored_refusal(study.user_attrs, "trial:3") is None
     assert study.user_attrs[CHECK_SHAPE] == "mlp,mlp/drift|1000|x"
     writes = []
     study.set_user_attr = lambda k, v: writes.append(k)
