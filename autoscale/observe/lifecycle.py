@@ -197,6 +197,26 @@ def _catch_signals() -> None:
         signal.signal(sig, _Handler(previous))
 
 
+@contextlib.contextmanager
+def holding_signals() -> Any:
+    """A write of the steps taken (a watch handing its pending rows to its sinks) that a signal
+    must not cut: a handler of :data:`SIGNALS` that comes during it waits, as a second signal
+    does during a handler's own write, and runs once the write is done. Run inside that write, the
+    handler's final write found the rows out of the pending list and not yet in the sinks, and
+    the process ended without them (a flush's 32 steps)."""
+    if _me["handling"]:  # inside a handler's write already: its end runs what waited
+        yield
+        return
+    _me["handling"] = True
+    try:
+        yield
+    finally:
+        _me["handling"] = False
+        waiting, _me["waiting"] = _me["waiting"], {}
+        for signum, (handler, frame) in waiting.items():
+            handler(signum, frame)
+
+
 class _Handler:
     """Writes every step so far, then does what ``previous`` would have done.
 

@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autoscale.observe.lifecycle import holding_signals
 from autoscale.observe.record import HIST_HI, HIST_LO, RecordWriter, underflow_share
 from autoscale.scalers.controller import FP16_MAX
 from autoscale.scalers.grad_stats import FlatAbs
@@ -217,7 +218,12 @@ class Watch:
 
     # ------------------------------------------------------------------ rows to the sinks
     def flush(self) -> None:
-        """Bring the pending steps to the host (one copy) and hand them to the sinks."""
+        """Bring the pending steps to the host (one copy) and hand them to the sinks; a signal
+        waits until they are there (:func:`~autoscale.observe.lifecycle.holding_signals`)."""
+        with holding_signals():
+            self._flush()
+
+    def _flush(self) -> None:
         rows, self._pending = self._pending, []
         self._flushed = time.monotonic()
         if not rows:
