@@ -33,7 +33,7 @@ from autoscale.search.budget import Ledger, format_duration
 from autoscale.search.candidates import AUTO, TORCH
 from autoscale.search.no_harm import Check, OutOfTime, Verdict
 from autoscale.search.objective import Lead, lead
-from autoscale.search.timing import Timings
+from autoscale.search.timing import MARGIN, Timings
 from autoscale.search.validate import Validated
 from autoscale.training.scorecard import json_safe
 
@@ -289,7 +289,7 @@ def _verdict(
         factory = factories[v.key]
 
         def fits() -> bool:  # what the check still needs (torch's runs not cached included)
-            need = 1.2 * no_harm.cost(timings, 1)
+            need = MARGIN * no_harm.cost(timings, 1)
             if time.monotonic() + need <= stop_at:
                 return True
             choice.unchecked.append(

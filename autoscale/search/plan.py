@@ -32,17 +32,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import BudgetError
 from autoscale.search.budget import format_duration
 from autoscale.search.no_harm import no_harm_label
-from autoscale.search.timing import NoHarmPlan, Timings
+from autoscale.search.timing import MARGIN, NoHarmPlan, Timings
 
 __all__ = [
     "Plan",
+    "StoredPlan",
     "make_plan",
     "shape_suite",
     "record_cost",
@@ -113,6 +114,16 @@ def validate_cost(suite: SuiteSpec, t: Timings, scalers: int) -> float:
         for i in m.instances["test"]:
             total += tm.build_s + i.start * tm.step_s + scalers * (n * tm.step_s + tm.eval_s)
     return total
+
+
+class StoredPlan(NamedTuple):
+    """What a study keeps of its plan for every worker: the searched and validation suites, the
+    trace length, and whether every rule's real-step validation was planned."""
+
+    suite: SuiteSpec
+    validation: SuiteSpec
+    trace_steps: int
+    all_rules_real: bool = True
 
 
 @dataclass(frozen=True)
@@ -231,7 +242,7 @@ def make_plan(
     rules: tuple[str, ...],
     cached_traces: Callable[[SuiteSpec, int], float] | None = None,
     cached_no_harm: Callable[[Any, int], bool] | None = None,
-    stored: tuple[SuiteSpec, SuiteSpec, int] | None = None,
+    stored: StoredPlan | tuple[SuiteSpec, SuiteSpec, int] | None = None,
     warm_start: bool = True,
 ) -> Plan:
     """Size the search of ``suite`` to ``work_s`` seconds (see the module docstring).
@@ -244,7 +255,7 @@ def make_plan(
         cached_no_harm: Whether the no-harm check's ``torch`` run of a workload and seed is cached.
         warm_start: The first RL trial starts from the shipped residual agent (asked for): then
             RL is not dropped for search time (that trial is scored in seconds where none is left).
-        stored: A study's stored ``(suite, validation, trace_steps)``: kept as they are (every
+        stored: A study's :class:`StoredPlan` (or its first three fields): kept as it is (every
             worker of a study must score alike), only the costs are estimated.
 
     Raises:
@@ -262,12 +273,12 @@ def make_plan(
         )
 
     if stored is not None:
-        shaped, validation, trace_steps = stored
+        shaped, validation, trace_steps, all_rules = StoredPlan(*stored)
         rec = rec_cost(shaped, trace_steps)
-        val = validate_cost(validation, timings, len(rules) + 2)  # + auto and a candidate
+        val = validate_cost(validation, timings, validated_scalers(len(rules), all_rules))
         return _finish(
             suite, shaped, validation, trace_steps, space, rules, timings, no_harm, work_s, rec,
-            val, no_harm_s, True, no_harm_cuts, warm_start=warm_start,
+            val, no_harm_s, all_rules, no_harm_cuts, warm_start=warm_start,
         )  # fmt: skip
     if timings.complete:
         for h, windows, n, k in _shapes(suite):
@@ -337,7 +348,7 @@ def fit_validation(
     top = shaped.episode.steps
     ladder = sorted({top, *(s for s in VALIDATION_LADDER if s < top)}, reverse=True)
     for all_rules in (True, False):
-        scalers = n_rules + VALIDATED_CANDIDATES if all_rules else 3  # torch, auto, a candidate
+        scalers = validated_scalers(n_rules - 1, all_rules)
         for steps in ladder:
             if all_rules and steps < min(MIN_STEPS_ALL_RULES, top):
                 break
@@ -346,6 +357,13 @@ def fit_validation(
             if cost <= left_s:
                 return validation, all_rules, cost
     return None
+
+
+def validated_scalers(n_rules: int, all_rules: bool) -> int:
+    """The scalers a plan's real-step validation is priced for: the ``n_rules`` rules, ``auto``
+    and :data:`VALIDATED_CANDIDATES` candidates where every rule's validation fits, else torch,
+    auto and a candidate."""
+    return n_rules + 1 + VALIDATED_CANDIDATES if all_rules else 3
 
 
 def _cuts(
@@ -387,7 +405,7 @@ def _finish(
     warm_start: bool = True,
 ) -> Plan:
     cuts = list(cuts)
-    search_s = max(0.0, work_s - rec - val - no_harm_s)
+    search_s = max(0.0, work_s - rec - MARGIN * (val + no_harm_s))  # as the rounds reserve
     if space in ("rl", "both"):
         from autoscale.search.agent_trials import RLObjective
 

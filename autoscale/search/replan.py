@@ -39,8 +39,9 @@ from autoscale.search.plan import (
     fit_no_harm,
     fit_validation,
     validate_cost,
+    validated_scalers,
 )
-from autoscale.search.timing import NoHarmPlan, Timings
+from autoscale.search.timing import MARGIN, NoHarmPlan, Timings
 
 __all__ = [
     "MIN_HORIZON",
@@ -121,14 +122,14 @@ def _estimated(
     """``plan`` with ``changes``, its validation and no-harm estimates at its (new) step times,
     and the search given what is left of ``left_s``."""
     new = dataclasses.replace(plan, **changes)
-    scalers = len(new.rules) + 2 if new.all_rules_real else 3
+    scalers = validated_scalers(len(new.rules), new.all_rules_real)
     val_s = validate_cost(new.validation, new.timings, scalers)
     no_harm_s = new.no_harm.cost(new.timings, CHECKED_CANDIDATES, cached_no_harm)
     return dataclasses.replace(
         new,
         validate_s=val_s,
         no_harm_s=no_harm_s,
-        search_s=max(0.0, left_s - val_s - no_harm_s),
+        search_s=max(0.0, left_s - MARGIN * (val_s + no_harm_s)),  # as the rounds reserve
     )
 
 

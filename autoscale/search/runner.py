@@ -63,7 +63,7 @@ from autoscale.search.export import (
 )
 from autoscale.search.loop import TrialLoop
 from autoscale.search.no_harm import NO_HARM_STEPS, NoHarmCheck, no_harm_proxy, no_harm_workloads
-from autoscale.search.plan import CHECKED_CANDIDATES, Plan, make_plan
+from autoscale.search.plan import CHECKED_CANDIDATES, Plan, StoredPlan, make_plan
 from autoscale.search.replan import MIN_HORIZON, SLOW, least_after_record, pace_of, replan, retime
 from autoscale.search.report import comparison_table, draw_comparison, limit_block, member_table
 from autoscale.search.space import parametric_families, searched_families
@@ -87,7 +87,7 @@ from autoscale.search.study import (
     study_note,
     wait_for_plan,
 )
-from autoscale.search.timing import NoHarmPlan, Timings, measure_all
+from autoscale.search.timing import MARGIN, NoHarmPlan, Timings, measure_all
 from autoscale.search.traces import cached_share, keep_planned, load_traces
 from autoscale.search.trials import (
     REFERENCE_RULE,
@@ -388,7 +388,7 @@ class SearchRunner:
         base: SuiteSpec,
         timings: Timings,
         no_harm: NoHarmPlan,
-        kept: tuple[SuiteSpec, SuiteSpec, int] | None,
+        kept: StoredPlan | None,
     ) -> Plan:
         def cached(shaped: SuiteSpec, steps: int) -> float:
             return cached_share(
@@ -414,7 +414,7 @@ class SearchRunner:
         self._use(plan)
         return plan
 
-    def _adopt(self, stored: Any) -> tuple[SuiteSpec, SuiteSpec, int]:
+    def _adopt(self, stored: Any) -> StoredPlan:
         check_source(stored.user_attrs, self.cfg.study)
         kept = wait_for_plan(stored, self._waiting, give_up_at=self.budget.end)
         if self.cfg.explicit:
@@ -615,7 +615,7 @@ class SearchRunner:
         also stops at ``--n-trials``); torch and auto are validated in any time left, and so is
         the agent brought to real steps (after the best candidate; :meth:`_validate`), the others
         until :attr:`Round.check_at` (a pick's check still fits after it, with a margin over the
-        check's own 1.2: a machine busier now would leave it a few seconds short), or, where
+        check's own :data:`~autoscale.search.timing.MARGIN`: a machine busier now would leave it a few seconds short), or, where
         that has passed when they start, in any time left too (a lead over auto cannot be
         exported unchecked, but the answer names it); a scaler starts only where all its
         episodes fit (:class:`~autoscale.search.validate.Validator`).
@@ -634,12 +634,12 @@ class SearchRunner:
             n_rules = len(rules_left) if plan.all_rules_real else min(1, len(rules_left))
             n_rules += not self._bar_real() and AUTO not in held  # the bar
             k = CANDIDATES_PER_ROUND
-            after = validator.cost(k + n_rules + self._agent_pending()) + 1.2 * self.no_harm.cost(
-                plan.timings, CHECKED_CANDIDATES
-            )
+            after = validator.cost(
+                k + n_rules + self._agent_pending()
+            ) + MARGIN * self.no_harm.cost(plan.timings, CHECKED_CANDIDATES)
             stop = end - after
             if stop - now < self.min_search_s:  # torch, the bar where it is not yet, a candidate
-                least = validator.cost(2 + (not self._bar_real())) + 1.2 * self.no_harm.cost(
+                least = validator.cost(2 + (not self._bar_real())) + MARGIN * self.no_harm.cost(
                     plan.timings, 1
                 )
                 stop = max(stop, min(now + self.min_search_s, end - least))
@@ -657,7 +657,9 @@ class SearchRunner:
             return None
         if last.number >= MAX_ROUNDS or last.tail_before is not None:
             return None
-        after = validator.cost(1 + self._agent_pending()) + 1.2 * self.no_harm.cost(plan.timings, 1)
+        after = validator.cost(1 + self._agent_pending()) + MARGIN * self.no_harm.cost(
+            plan.timings, 1
+        )
         if end - now >= after + self.min_search_s:
             return Round(number, 1, end - after, check_at)
         tail_before = end - TAIL_SHARE * self.budget.seconds

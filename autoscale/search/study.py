@@ -15,7 +15,7 @@ from autoscale.processes import owner_gone, raise_if_interrupted
 from autoscale.search.budget import Ledger
 from autoscale.search.export import study_suites
 from autoscale.search.objective import OBJECTIVE_DOC
-from autoscale.search.plan import Plan
+from autoscale.search.plan import Plan, StoredPlan
 from autoscale.search.space import default_trial_params, parametric_families
 
 __all__ = [
@@ -199,8 +199,8 @@ def wait_for_plan(
     give_up_at: float = math.inf,
     timeout: float = 60.0,
     poll_s: float = 0.5,
-) -> tuple[SuiteSpec, SuiteSpec, int]:
-    """The study's planned suites for good: waits for a worker that is creating the study to
+) -> StoredPlan:
+    """The study's plan for good: waits for a worker that is creating the study to
     store them (``timeout`` seconds at most), then, while that worker plans (it records and may
     re-plan), until it stores its plan, its budget ends, or it is a process of this host that no
     longer runs (then the plan stored at creation is the study's, and this says so in the study).
@@ -231,7 +231,8 @@ def wait_for_plan(
             told = True
         raise_if_interrupted()
         time.sleep(poll_s)
-    return study_suites(study)
+    plan = study.user_attrs.get("plan") or {}
+    return StoredPlan(*study_suites(study), bool(plan.get("all_rules_real", True)))
 
 
 def records_id(records: list[Any]) -> list[list[Any]]:

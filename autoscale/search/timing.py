@@ -30,6 +30,7 @@ __all__ = [
     "workload_key",
 ]
 
+MARGIN = 1.2  # real-step phases (validation, the no-harm check) are reserved this much over their estimate
 RECORD_SLOWDOWN = 1.6  # a recorded step (histograms, backward amax) over a plain one, if unmeasured
 
 
@@ -58,9 +59,14 @@ class Timing:
     def record_s(self) -> float:
         return self.record_step_s if self.record_step_s else RECORD_SLOWDOWN * self.step_s
 
-    def run_s(self, steps: int, *, record: bool = False) -> float:
-        """Seconds to build a run, take ``steps`` steps and evaluate it."""
-        return self.build_s + steps * (self.record_s if record else self.step_s) + self.eval_s
+    def run_s(self, steps: int, *, record: bool = False, reference: bool = False) -> float:
+        """Seconds to build a run, take ``steps`` steps (with ``reference``, the long runs'
+        sampled fp32 reference backward: :data:`REFERENCE_FACTOR` on the steps alone) and
+        evaluate it."""
+        step_s = (self.record_s if record else self.step_s) * (
+            REFERENCE_FACTOR if reference else 1.0
+        )
+        return self.build_s + steps * step_s + self.eval_s
 
     def describe(self) -> str:
         if not self.complete:
@@ -261,8 +267,8 @@ class NoHarmPlan:
         for w in self.workloads:
             t = timings.of(w)
             torch_runs = sum(1 for s in self.seeds if not cached(w, s))
-            total += t.run_s(self.steps, record=True) * REFERENCE_FACTOR * torch_runs
-            total += t.run_s(self.steps) * REFERENCE_FACTOR * candidates * len(self.candidate_seeds)
+            total += t.run_s(self.steps, record=True, reference=True) * torch_runs
+            total += t.run_s(self.steps, reference=True) * candidates * len(self.candidate_seeds)
         return total
 
     def to_dict(self) -> dict[str, Any]:

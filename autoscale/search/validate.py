@@ -21,7 +21,7 @@ from autoscale.envs.suite import SuiteSpec
 from autoscale.search.budget import Ledger
 from autoscale.search.candidates import Candidate
 from autoscale.search.objective import objective
-from autoscale.search.timing import Timings
+from autoscale.search.timing import MARGIN, Timings
 from autoscale.training.scorecard import Scorecard, json_safe
 
 __all__ = [
@@ -137,14 +137,14 @@ class Validator:
         self.skipped: list[str] = []
 
     def _cost(self, todo: list[str]) -> float:
-        """Estimated seconds of ``todo`` episodes, with a 20% margin for noisy step times."""
-        return 1.2 * sum(
+        """Estimated seconds of ``todo`` episodes, with a :data:`MARGIN` for noisy step times."""
+        return MARGIN * sum(
             self.episode_s[n] + (0.0 if n in self.prepared else self.setup_s[n]) for n in todo
         )
 
     def cost(self, scalers: int) -> float:
         """Estimated seconds to validate ``scalers`` more scalers on every episode."""
-        return self._cost(list(self.names)) + (scalers - 1) * 1.2 * sum(self.episode_s.values())
+        return self._cost(list(self.names)) + (scalers - 1) * MARGIN * sum(self.episode_s.values())
 
     def run(
         self,

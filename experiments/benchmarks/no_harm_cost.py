@@ -24,7 +24,7 @@ from autoscale.envs.suite import as_suite
 from autoscale.scalers import make_scaler
 from autoscale.search.budget import Ledger
 from autoscale.search.no_harm import NO_HARM_STEPS, NoHarmCheck, no_harm_label, no_harm_workloads
-from autoscale.search.timing import REFERENCE_FACTOR, NoHarmPlan, measure_all
+from autoscale.search.timing import NoHarmPlan, measure_all
 from autoscale.search.workload import base_spec
 from autoscale.training.threads import fit_threads
 
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     print("\n| run | estimate s | taken s | ratio |\n|---|---:|---:|---:|")
     taken_torch = 0.0
     for w in plan.workloads:
-        est = timings.of(w).run_s(args.steps, record=True) * REFERENCE_FACTOR
+        est = timings.of(w).run_s(args.steps, record=True, reference=True)
         for seed in plan.seeds:
             t0 = time.monotonic()
             check.reference(w, seed)

@@ -92,8 +92,9 @@ def test_torch_itself_passes_and_its_runs_are_cached(check):
     timings = Timings(
         {workload_key(w): Timing(0.01, 0.1, 0.01, 4) for w in check.no_harm.workloads}
     )
-    # candidates only: a clean and a drifting run of mlp, each with its fp32 reference backward
-    run_s = (0.1 + STEPS * 0.01 + 0.01) * REFERENCE_FACTOR
+    # candidates only: a clean and a drifting run of mlp, each step with its share of the fp32
+    # reference backward (the build and the evaluation have none)
+    run_s = 0.1 + STEPS * 0.01 * REFERENCE_FACTOR + 0.01
     assert check.cost(timings, 1) == pytest.approx(2 * run_s)
 
 
@@ -106,8 +107,8 @@ def test_torchs_uncached_runs_are_priced_at_the_recorded_step_time():
     timings = Timings(
         {workload_key(w): Timing(0.01, 0.1, 0.01, 4, record_step_s=0.03) for w in plan.workloads}
     )
-    recorded = (0.1 + STEPS * 0.03 + 0.01) * REFERENCE_FACTOR
-    plain = (0.1 + STEPS * 0.01 + 0.01) * REFERENCE_FACTOR
+    recorded = 0.1 + STEPS * 0.03 * REFERENCE_FACTOR + 0.01
+    plain = 0.1 + STEPS * 0.01 * REFERENCE_FACTOR + 0.01
     runs = len(plan.workloads)  # mlp clean and drifting
     assert plan.cost(timings, 0, lambda w, s: False) == pytest.approx(2 * runs * recorded)
     assert plan.cost(timings, 1, lambda w, s: False) == pytest.approx(runs * (2 * recorded + plain))

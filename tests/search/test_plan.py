@@ -9,12 +9,13 @@ from autoscale.search.plan import (
     HORIZON_LADDER,
     REAL_SHARE,
     RECORD_SHARE,
+    StoredPlan,
     make_plan,
     record_cost,
     validate_cost,
 )
 from autoscale.search.runner import rules_torch_first
-from autoscale.search.timing import NoHarmPlan, Timing, Timings, measure, workload_key
+from autoscale.search.timing import MARGIN, NoHarmPlan, Timing, Timings, measure, workload_key
 from autoscale.search.workload import base_spec
 
 RULES = rules_torch_first()
@@ -95,7 +96,6 @@ def test_plan_keeps_recording_and_real_steps_within_their_shares_and_says_what_i
     assert plan.horizon < 2048
     text = plan.describe()
     assert "traded: " in text and f"replay horizon {plan.horizon} of 2048 steps" in text
-    assert plan.search_s > 0
 
 
 def test_slow_model_gets_short_episodes_and_a_proxy_no_harm_check_and_says_so():
@@ -167,6 +167,31 @@ def test_a_stored_plan_is_kept_as_it_is():
         cached_traces=lambda s, n: 1.0,
     )
     assert cached.record_s == 0.0
+
+
+def test_a_joining_worker_prices_the_stored_plan_as_its_creator_did():
+    """A worker adopting a study's plan keeps its shape and prices its validation for what the
+    creator planned: every rule, auto and the candidates, or (where the creator could not afford
+    every rule) torch, auto and a candidate; it priced one candidate where the creator priced
+    three, and every rule where the creator had cut them."""
+    suite = as_suite(base_spec(model="mlp"))
+    timings = timings_for(suite, 0.005)
+    no_harm = NoHarmPlan(no_harm_workloads(list(suite.members)), 1000)
+    for work_s in (600, 60):  # every rule's validation fits, then only the least
+        first = make_plan(suite, timings, work_s, no_harm=no_harm, rules=RULES)
+        stored = StoredPlan(first.suite, first.validation, first.trace_steps, first.all_rules_real)
+        joined = make_plan(suite, timings, work_s, no_harm=no_harm, rules=RULES, stored=stored)
+        assert joined.all_rules_real == first.all_rules_real
+        assert joined.validate_s == pytest.approx(first.validate_s)
+    assert not first.all_rules_real  # (the second budget did cut the rules)
+
+
+def test_the_plans_search_time_is_what_the_rounds_leave_it():
+    """The rounds reserve validation and the no-harm check with a margin
+    (:data:`~autoscale.search.timing.MARGIN`); the plan's search estimate leaves the same."""
+    plan, _ = plan_for(base_spec(model="mlp"), 0.005, 600)
+    reserved = plan.record_s + MARGIN * (plan.validate_s + plan.no_harm_s)
+    assert plan.search_s == pytest.approx(600 - reserved)
 
 
 def test_a_suite_is_planned_with_each_members_own_step_time():

@@ -17,7 +17,7 @@ import pytest
 from autoscale.envs.suite import as_suite
 from autoscale.errors import BudgetError
 from autoscale.search.export import study_suites
-from autoscale.search.plan import shape_suite, validate_cost
+from autoscale.search.plan import shape_suite
 from autoscale.search.replan import (
     SLOW,
     least_after_record,
@@ -28,6 +28,7 @@ from autoscale.search.replan import (
 )
 from autoscale.search.storage import open_storage
 from autoscale.search.study import PLANNING, describe_new_study, store_plan, wait_for_plan
+from autoscale.search.timing import MARGIN
 from autoscale.search.traces import cached_share, load_traces
 from autoscale.search.workload import base_spec
 from tests.search.test_plan import plan_for, timings_for
@@ -157,10 +158,11 @@ def test_retime_keeps_the_shape_and_times_the_rest_at_the_pace_seen():
     assert shape == (plan.suite, plan.validation, plan.trace_steps, plan.all_rules_real)
     key = next(iter(plan.timings.by_key))
     assert new.timings.by_key[key].step_s == 2 * plan.timings.by_key[key].step_s
-    # the same episodes (every rule, auto and a candidate) at twice the step time
-    at_measured = validate_cost(plan.validation, plan.timings, len(plan.rules) + 2)
-    assert new.validate_s == pytest.approx(2 * at_measured)
-    assert new.search_s == pytest.approx(max(0.0, 200 - new.validate_s - new.no_harm_s))
+    # the same episodes and scalers the plan priced (every rule, auto and the candidates) at
+    # twice the step time; the search what the rounds leave, their margin over both included
+    assert new.validate_s == pytest.approx(2 * plan.validate_s)
+    left = 200 - MARGIN * (new.validate_s + new.no_harm_s)
+    assert new.search_s == pytest.approx(max(0.0, left))
     assert new.cuts[len(plan.cuts)] == (
         "the phases after recording planned at the pace seen (steps ran 2.0x slower than measured)"
     )
@@ -285,7 +287,7 @@ def test_a_worker_joining_while_the_creator_records_waits_for_its_stored_plan(tm
     said: list[str] = []
     got = wait_for_plan(study, said.append, poll_s=0.05)
     thread.join()
-    assert got == (plan.suite, replanned.validation, plan.trace_steps)
+    assert got == (plan.suite, replanned.validation, plan.trace_steps, replanned.all_rules_real)
     assert said == [owner_tag()]
 
 
@@ -305,7 +307,8 @@ def test_a_worker_does_not_wait_for_a_creator_that_stopped_before_storing_its_pl
         study = _new_study(tmp_path / str(k), plan, planner, until)
         said: list[str] = []
         got = wait_for_plan(study, said.append, poll_s=0.05)
-        assert got == (plan.suite, plan.validation, plan.trace_steps) and said == []
+        assert got == (plan.suite, plan.validation, plan.trace_steps, plan.all_rules_real)
+        assert said == []
         assert study.user_attrs[PLANNING] is None
 
 
