@@ -43,6 +43,9 @@ class RLObjective(Objective):
         super().__init__(bench, recorder, ledger)
         self.stop_at, self.seed, self.workdir = stop_at, seed, workdir
         self.rate = 500.0  # decisions per second; updated from each trial
+        # seconds the last trial took after its training (judged, archived, scored): the next
+        # one's training stops that much before its deadline, so the trial ends by it
+        self.after_s = 0.0
         from autoscale.agents.warm import RESIDUAL, shipped_agent
 
         self.warm = shipped_agent(which=RESIDUAL) if warm_start else None
@@ -126,10 +129,14 @@ class RLObjective(Objective):
         try:
             with self.ledger.track("work:rl"):
                 t0 = time.monotonic()
+                after = self.after_s
                 if warm is not None:  # the shipped agent as it is, on the same replay
                     before, shipped = self._objective_of_shipped(rl_spec, folder, window)
                     trial.set_user_attr("warm_before", before)
-                    seconds = max(0.0, seconds - (time.monotonic() - t0))
+                    judged_s = time.monotonic() - t0
+                    seconds = max(0.0, seconds - judged_s)
+                    after = max(after, 2 * judged_s)  # judged again after training, then scored
+                seconds = max(0.0, seconds - after)
                 t1 = time.monotonic()
                 if warm is not None and seconds < self.WARM_LEAST_S:  # no time: as it came
                     path, done = shipped, 0
@@ -144,6 +151,7 @@ class RLObjective(Objective):
                     done = int(getattr(result.model, "num_timesteps", 0))
                     self.rate = max(50.0, done / max(1e-3, time.monotonic() - t1))
                     path = result.policy_dir
+                trained = time.monotonic()
                 if warm is not None and (done == 0 or not self._improved(path, before)):
                     # the fine-tuning did not beat where it started: the trial is the start
                     path, done = shipped, 0
@@ -169,7 +177,9 @@ class RLObjective(Objective):
                 shown = {"from": warm.name, **shown}
             text = describe_params(f"residual-{cfg['algo']}", shown)
             factory = lambda: self.bench.scaler(str(path))  # noqa: E731
-            return self.score(trial, factory, policy, text, prune=False)
+            value = self.score(trial, factory, policy, text, prune=False)
+            self.after_s = time.monotonic() - trained
+            return value
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -608,8 +608,8 @@ class SearchRunner:
         6. Else the tail: no search first; the :data:`CANDIDATES_PER_ROUND` best candidates not
            validated yet in the time left, a new pick if any was; then, where more than
            :data:`TAIL_SHARE` of the budget is left, parametric replay trials to the end (kept in
-           the study for a resumed search or another worker; not RL trials: one trains to its
-           deadline, then exports and scores its agent past it).
+           the study for a resumed search or another worker; not RL trials, which train for
+           seconds to minutes each where a parametric trial replays in milliseconds).
 
         Within a round, a trial starts only before the search's stop (:class:`TrialLoop`, which
         also stops at ``--n-trials``); torch and auto are validated in any time left, and so is

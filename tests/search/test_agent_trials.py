@@ -162,3 +162,38 @@ def test_one_recorded_train_instance_per_member_is_ground_only_for_a_warm_start(
     monkeypatch.setattr(warm_mod, "WARM_DIR", tmp_path / "warm")
     assert RLObjective.fits(one, said.append) and len(said) == 1
     assert not RLObjective.fits(one, said.append, warm_start=False)
+
+
+@pytest.mark.slow
+def test_an_rl_trials_training_leaves_the_time_its_scoring_took_before(
+    setup,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """A trial trains until its deadline less what the last trial took after its training (the
+    agent archived and scored on the replay), so it ends by its deadline instead of past it."""
+    import autoscale.agents.residual as residual
+
+    root, suite, traces = setup
+    ledger = Ledger()
+    bench, _, recorder, work = _parts(root, suite, traces, ledger)
+    objective_fn = RLObjective(
+        bench, recorder, ledger, stop_at=time.monotonic() + 600, seed=0, workdir=work
+    )  # fmt: skip
+    monkeypatch.setattr(objective_fn, "trial_seconds", lambda: 3.0)
+    real, calls = residual.train_residual, []
+
+    def train(*args, **kwargs):  # when it was called, its deadline, the reserve it was given
+        calls.append((time.monotonic(), kwargs["deadline"], objective_fn.after_s))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(residual, "train_residual", train)
+    counts = {"complete": 0, "pruned": 0, "failed": 0}
+    said: list[str] = []
+    study = _study(root, "reserve")
+    loop = TrialLoop(study, ledger, worker="t:r", warn=said.append, counts=counts, n_trials=2)
+    loop.run(objective_fn, time.monotonic() + 120)
+    assert counts["complete"] == 2 and len(calls) == 2, said
+    (_, _, first_reserve), (called, deadline, reserve) = calls
+    assert first_reserve == 0.0 and reserve > 0.0  # measured on the first trial
+    assert deadline - called <= 3.0 - reserve
