@@ -119,9 +119,11 @@ class PolicyManifest:
         what = f"{self.kind} policy ({self.family})"
         wl = self.workload
         how = "trained on" if self.kind == "neural" else "searched on"
+        kept = ""
         if wl.get("exported_policy") or wl.get("builtin_rule"):  # a search found nothing better
             source = f"'{wl['exported_policy']}'" if wl.get("exported_policy") else "the rule"
             how = f"= {source} unchanged, exported by a search on"
+            kept = f" = {source} unchanged"
         if wl.get("suite"):
             members, left_out = len(wl.get("members", [])), len(wl.get("left_out", []))
             if "validation" in wl or "test" in wl:
@@ -137,7 +139,7 @@ class PolicyManifest:
         where = "/".join(str(wl[k]) for k in ("model", "scenario") if k in wl)
         if where:
             return f"{what} {how} {where}"
-        return f"{what}: {wl['note']}" if wl.get("note") else what
+        return f"{what}{kept}: {wl['note']}" if wl.get("note") else what + kept
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -128,6 +128,15 @@ def test_a_built_policy_is_described_by_every_split_of_its_suite():
     assert unchanged.describe() == (
         "parametric policy (amax-loss) = 'auto' unchanged, exported by a search on mlp/clean"
     )
+    # a search on recorded runs that kept auto says so too, before what it searched
+    note = "searched on the replay of 1 recorded run: /r (500 steps of python train.py)"
+    on_records = PolicyManifest(
+        name="kept",
+        kind="parametric",
+        family="amax-loss",
+        workload={"note": note, "exported_policy": "auto"},
+    )
+    assert on_records.describe() == f"parametric policy (amax-loss) = 'auto' unchanged: {note}"
 
 
 def test_the_shipped_auto_is_described_by_the_suite_it_was_chosen_on(capsys):
