@@ -76,7 +76,11 @@ def _torchrun(kind: str, *wrap: str, cwd: Path) -> subprocess.CompletedProcess:
     if wrap:
         cmd = [sys.executable, "-m", "autoscale", "wrap", *wrap, "--", *cmd]
     out = _run(cmd, cwd)
-    assert out.returncode == 0, out.stderr[-3000:]
+    # the ranks' own lines (a C++ abort's message among them) come before torchrun's summary
+    err = (
+        out.stderr if len(out.stderr) < 6000 else out.stderr[:3000] + "\n...\n" + out.stderr[-3000:]
+    )
+    assert out.returncode == 0, f"{cmd}\n{err}"
     return out
 
 
