@@ -43,8 +43,9 @@ class RLObjective(Objective):
         super().__init__(bench, recorder, ledger)
         self.stop_at, self.seed, self.workdir = stop_at, seed, workdir
         self.rate = 500.0  # decisions per second; updated from each trial
-        # seconds the last trial took after its training (judged, archived, scored): the next
-        # one's training stops that much before its deadline, so the trial ends by it
+        # seconds the last trial took past its training's deadline (or its training's end, if
+        # sooner): the agent's last evaluation and export, its judging, archive and scoring; the
+        # next trial's training stops that much before its deadline, so the trial ends by it
         self.after_s = 0.0
         from autoscale.agents.warm import RESIDUAL, shipped_agent
 
@@ -126,6 +127,7 @@ class RLObjective(Objective):
         )
         seconds = self.trial_seconds()
         folder = Path(tempfile.mkdtemp(dir=self.workdir, prefix=f"trial-{trial.number}-"))
+        trained = None  # when training ended, or its deadline if that came first
         try:
             with self.ledger.track("work:rl"):
                 t0 = time.monotonic()
@@ -135,7 +137,8 @@ class RLObjective(Objective):
                     trial.set_user_attr("warm_before", before)
                     judged_s = time.monotonic() - t0
                     seconds = max(0.0, seconds - judged_s)
-                    after = max(after, 2 * judged_s)  # judged again after training, then scored
+                    # judged again after training, then exported and scored: about thrice
+                    after = max(after, 3 * judged_s)
                 seconds = max(0.0, seconds - after)
                 t1 = time.monotonic()
                 if warm is not None and seconds < self.WARM_LEAST_S:  # no time: as it came
@@ -151,7 +154,7 @@ class RLObjective(Objective):
                     done = int(getattr(result.model, "num_timesteps", 0))
                     self.rate = max(50.0, done / max(1e-3, time.monotonic() - t1))
                     path = result.policy_dir
-                trained = time.monotonic()
+                trained = min(time.monotonic(), t1 + seconds)
                 if warm is not None and (done == 0 or not self._improved(path, before)):
                     # the fine-tuning did not beat where it started: the trial is the start
                     path, done = shipped, 0
@@ -177,10 +180,10 @@ class RLObjective(Objective):
                 shown = {"from": warm.name, **shown}
             text = describe_params(f"residual-{cfg['algo']}", shown)
             factory = lambda: self.bench.scaler(str(path))  # noqa: E731
-            value = self.score(trial, factory, policy, text, prune=False)
-            self.after_s = time.monotonic() - trained
-            return value
+            return self.score(trial, factory, policy, text, prune=False)
         finally:
+            if trained is not None:  # (a trial that diverged in its scoring too)
+                self.after_s = time.monotonic() - trained
             shutil.rmtree(folder, ignore_errors=True)
 
     def _improved(self, path: Path, before: float) -> bool:

@@ -244,6 +244,7 @@ def make_plan(
     cached_no_harm: Callable[[Any, int], bool] | None = None,
     stored: StoredPlan | tuple[SuiteSpec, SuiteSpec, int] | None = None,
     warm_start: bool = True,
+    min_search_s: float = 0.0,
 ) -> Plan:
     """Size the search of ``suite`` to ``work_s`` seconds (see the module docstring).
 
@@ -257,6 +258,8 @@ def make_plan(
             RL is not dropped for search time (that trial is scored in seconds where none is left).
         stored: A study's :class:`StoredPlan` (or its first three fields): kept as it is (every
             worker of a study must score alike), only the costs are estimated.
+        min_search_s: Seconds the rounds search at least (where the phases after it leave
+            less): the search estimate is not below it.
 
     Raises:
         BudgetError: not even the smallest shape fits; says what budget would.
@@ -278,7 +281,7 @@ def make_plan(
         val = validate_cost(validation, timings, validated_scalers(len(rules), all_rules))
         return _finish(
             suite, shaped, validation, trace_steps, space, rules, timings, no_harm, work_s, rec,
-            val, no_harm_s, all_rules, no_harm_cuts, warm_start=warm_start,
+            val, no_harm_s, all_rules, no_harm_cuts, warm_start, min_search_s,
         )  # fmt: skip
     if timings.complete:
         for h, windows, n, k in _shapes(suite):
@@ -294,7 +297,7 @@ def make_plan(
             cuts = _cuts(suite, h, windows, n, k, validation, all_rules) + no_harm_cuts
             return _finish(
                 suite, shaped, validation, windows * h, space, rules, timings, no_harm, work_s,
-                rec, val, no_harm_s, all_rules, cuts, warm_start=warm_start,
+                rec, val, no_harm_s, all_rules, cuts, warm_start, min_search_s,
             )  # fmt: skip
     smallest = shape_suite(suite, _horizons(suite)[-1], 1, 1)
     rec = rec_cost(smallest, smallest.episode.steps)
@@ -359,6 +362,15 @@ def fit_validation(
     return None
 
 
+def search_estimate(
+    left_s: float, validate_s: float, no_harm_s: float, min_search_s: float
+) -> float:
+    """The first round's search in ``left_s`` seconds: what the rounds leave it before validation
+    and the check, each reserved with their :data:`~autoscale.search.timing.MARGIN`, and not
+    less than the ``min_search_s`` they search where that leaves less."""
+    return max(0.0, min(min_search_s, left_s), left_s - MARGIN * (validate_s + no_harm_s))
+
+
 def validated_scalers(n_rules: int, all_rules: bool) -> int:
     """The scalers a plan's real-step validation is priced for: the ``n_rules`` rules, ``auto``
     and :data:`VALIDATED_CANDIDATES` candidates where every rule's validation fits, else torch,
@@ -403,9 +415,10 @@ def _finish(
     all_rules: bool,
     cuts: tuple[str, ...],
     warm_start: bool = True,
+    min_search_s: float = 0.0,
 ) -> Plan:
     cuts = list(cuts)
-    search_s = max(0.0, work_s - rec - MARGIN * (val + no_harm_s))  # as the rounds reserve
+    search_s = search_estimate(work_s - rec, val, no_harm_s, min_search_s)
     if space in ("rl", "both"):
         from autoscale.search.agent_trials import RLObjective
 

@@ -38,10 +38,11 @@ from autoscale.search.plan import (
     Plan,
     fit_no_harm,
     fit_validation,
+    search_estimate,
     validate_cost,
     validated_scalers,
 )
-from autoscale.search.timing import MARGIN, NoHarmPlan, Timings
+from autoscale.search.timing import NoHarmPlan, Timings
 
 __all__ = [
     "MIN_HORIZON",
@@ -117,10 +118,14 @@ def _paced(why: str) -> str:
 
 
 def _estimated(
-    plan: Plan, left_s: float, cached_no_harm: Callable[[Any, int], bool], **changes: Any
+    plan: Plan,
+    left_s: float,
+    cached_no_harm: Callable[[Any, int], bool],
+    min_search_s: float,
+    **changes: Any,
 ) -> Plan:
     """``plan`` with ``changes``, its validation and no-harm estimates at its (new) step times,
-    and the search given what is left of ``left_s``."""
+    and the search given what is left of ``left_s`` (at least ``min_search_s``)."""
     new = dataclasses.replace(plan, **changes)
     scalers = validated_scalers(len(new.rules), new.all_rules_real)
     val_s = validate_cost(new.validation, new.timings, scalers)
@@ -129,7 +134,7 @@ def _estimated(
         new,
         validate_s=val_s,
         no_harm_s=no_harm_s,
-        search_s=max(0.0, left_s - MARGIN * (val_s + no_harm_s)),  # as the rounds reserve
+        search_s=search_estimate(left_s, val_s, no_harm_s, min_search_s),
     )
 
 
@@ -139,6 +144,7 @@ def retime(
     *,
     left_s: float,
     cached_no_harm: Callable[[Any, int], bool],
+    min_search_s: float = 0.0,
 ) -> Plan:
     """``plan``'s shape as it is (suite, validation, trace length: a study's, which every worker
     scores and validates alike), its phases after recording timed at the pace the recording kept
@@ -148,6 +154,7 @@ def retime(
     Args:
         stats: What :func:`~autoscale.search.traces.load_traces` returned.
         left_s: Working seconds left in the budget.
+        min_search_s: Seconds the rounds search at least.
     """
     pace = pace_of(stats)
     if pace <= SLOW:
@@ -156,8 +163,9 @@ def retime(
     timings, no_harm, no_harm_cuts = _at_pace(plan, pace, left_s, cached_no_harm, why)
     cuts = (_paced(why), *no_harm_cuts)
     return _estimated(
-        plan, left_s, cached_no_harm, timings=timings, no_harm=no_harm, cuts=plan.cuts + cuts
-    )
+        plan, left_s, cached_no_harm, min_search_s, timings=timings, no_harm=no_harm,
+        cuts=plan.cuts + cuts,
+    )  # fmt: skip
 
 
 def replan(
@@ -214,6 +222,7 @@ def replan(
         plan,
         left_s,
         cached_no_harm,
+        min_search_s,
         suite=suite,
         validation=validation,
         trace_steps=min(plan.trace_steps, stats["shortest"]),

@@ -409,6 +409,7 @@ class SearchRunner:
             cached_no_harm=self.no_harm.cached,
             stored=kept,
             warm_start=self.cfg.warm_start,
+            min_search_s=self.min_search_s,
         )
         self.say("plan", plan.describe())
         self._use(plan)
@@ -536,7 +537,13 @@ class SearchRunner:
         its pace."""
         plan = self.plan
         if not self.creator:
-            new = retime(plan, stats, left_s=self.budget.left(), cached_no_harm=self.no_harm.cached)
+            new = retime(
+                plan,
+                stats,
+                left_s=self.budget.left(),
+                cached_no_harm=self.no_harm.cached,
+                min_search_s=self.min_search_s,
+            )
             if new is not plan:
                 self.say(
                     "plan",

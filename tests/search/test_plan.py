@@ -192,6 +192,11 @@ def test_the_plans_search_time_is_what_the_rounds_leave_it():
     plan, _ = plan_for(base_spec(model="mlp"), 0.005, 600)
     reserved = plan.record_s + MARGIN * (plan.validate_s + plan.no_harm_s)
     assert plan.search_s == pytest.approx(600 - reserved)
+    # where that leaves nothing, the rounds still search their least (and RL keeps it)
+    tight, _ = plan_for(base_spec(), 0.05, 360, space="both", warm_start=False)
+    assert tight.search_s == 0.0 and tight.space == "parametric"
+    floor, _ = plan_for(base_spec(), 0.05, 360, space="both", warm_start=False, min_search_s=25.0)
+    assert floor.search_s == 25.0 and floor.space == "both"
 
 
 def test_a_suite_is_planned_with_each_members_own_step_time():
