@@ -111,20 +111,7 @@ class RLObjective(Objective):
             cfg = suggest_residual(trial)
         window = warm.window if warm is not None else self.WINDOW
         select = min(len(m.instances["train"]) for m in suite.members) >= 2
-
-        def shaped(member):  # one train instance selects the agent; the test set stays unseen
-            train = member.instances["train"]
-            reward = dataclasses.replace(
-                member.reward, precision=member.reward.precision * cfg["precision_x"]
-            )
-            if not select:
-                return dataclasses.replace(member, reward=reward)
-            instances = {"train": train[:-1], "test": train[-1:]}
-            return dataclasses.replace(member, instances=instances, reward=reward)
-
-        rl_spec = dataclasses.replace(
-            suite, members=tuple(shaped(m) for m in suite.members), left_out=()
-        )
+        rl_spec = self._rl_spec(cfg["precision_x"], select)
         seconds = self.trial_seconds()
         folder = Path(tempfile.mkdtemp(dir=self.workdir, prefix=f"trial-{trial.number}-"))
         trained = None  # when training ended, or its deadline if that came first
@@ -185,6 +172,26 @@ class RLObjective(Objective):
             if trained is not None:  # (a trial that diverged in its scoring too)
                 self.after_s = time.monotonic() - trained
             shutil.rmtree(folder, ignore_errors=True)
+
+    def _rl_spec(self, precision_x: float, select: bool) -> Any:
+        """The searched suite as the agent trains on it: the precision reward times
+        ``precision_x``; with ``select``, each member's last train instance selects the agent
+        (the test set stays unseen)."""
+
+        def shaped(member):
+            train = member.instances["train"]
+            reward = dataclasses.replace(
+                member.reward, precision=member.reward.precision * precision_x
+            )
+            if not select:
+                return dataclasses.replace(member, reward=reward)
+            instances = {"train": train[:-1], "test": train[-1:]}
+            return dataclasses.replace(member, instances=instances, reward=reward)
+
+        suite = self.bench.suite
+        return dataclasses.replace(
+            suite, members=tuple(shaped(m) for m in suite.members), left_out=()
+        )
 
     def _improved(self, path: Path, before: float) -> bool:
         """Whether the agent exported at ``path`` beats ``before`` on the train replay."""

@@ -303,16 +303,23 @@ def make_plan(
     rec = rec_cost(smallest, smallest.episode.steps)
     val = validate_cost(smallest.with_episode_steps(VALIDATION_LADDER[-1]), timings, 3)
     need = max(rec / RECORD_SHARE, (rec + val + no_harm_min) / REAL_SHARE)
+    raise _too_small(suite, timings, smallest.episode.steps, no_harm.steps, need)
+
+
+def _too_small(
+    suite: SuiteSpec, timings: Timings, steps: int, check_steps: int, need: float
+) -> BudgetError:
+    """No plan fits: what the smallest (``steps``-step episodes) ``need``s, and why."""
     key, slowest = timings.slowest()
     about = "about" if timings.complete else "more than"
     # the search's own models name it; the slowest workload (maybe one of the check's) says why
     searched = ", ".join(dict.fromkeys(m.workload.model for m in suite.members))
     model = key.split("/")[0]
     why = slowest.describe() if model in searched.split(", ") else f"{model}: {slowest.describe()}"
-    raise BudgetError(
+    return BudgetError(
         f"the budget cannot hold a search of {searched} here: {why}; the "
-        f"smallest plan ({smallest.episode.steps}-step episodes, 1 train + 1 test instance per member, "
-        f"validated against torch and auto, with the {no_harm.steps}-step no-harm check) needs {about} "
+        f"smallest plan ({steps}-step episodes, 1 train + 1 test instance per member, "
+        f"validated against torch and auto, with the {check_steps}-step no-harm check) needs {about} "
         f"{format_duration(1.1 * need + 10)} of budget; give a larger --budget, a GPU, or a smaller --model"
     )
 
