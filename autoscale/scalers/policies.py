@@ -54,6 +54,7 @@ __all__ = [
     "register_policy_kind",
     "policy_kinds",
     "check_policy_name",
+    "check_not_shipped",
     "policy_dirs",
     "user_policy_dir",
     "default_policy_dir",
@@ -281,6 +282,27 @@ def check_policy_name(name: str) -> str:
     return name
 
 
+def check_not_shipped(name: str, root: str | os.PathLike) -> None:
+    """Refuse an export named as a policy shipped with autoscale (``auto``) into any folder but
+    the shipped one: every folder autoscale looks in comes before the shipped ones, so it would
+    stand for that policy in every run and search here, the search's bar included.
+
+    Raises:
+        ConfigError: naming the policy and the fix.
+    """
+    from autoscale.resources import shipped_dir
+
+    shipped = shipped_dir("policies")
+    if shipped is None or not (shipped / name / MANIFEST).is_file():
+        return
+    if Path(root).resolve() != shipped.resolve():
+        raise ConfigError(
+            f"policy name '{name}' is a policy shipped with autoscale: an export of that name in "
+            f"{root} would replace it in every run and search here (a search's bar included); "
+            "choose another name"
+        )
+
+
 def find_policy(name: str) -> Path | None:
     """The folder of the exported policy ``name``, or None. A path to a policy folder also works."""
     direct = Path(name)
@@ -372,7 +394,9 @@ def check_export_dest(
     Raises:
         ConfigError: an invalid name, or a policy already there without ``force``.
     """
-    dest = Path(folder or default_policy_dir()) / check_policy_name(name)
+    root = Path(folder or default_policy_dir())
+    dest = root / check_policy_name(name)
+    check_not_shipped(name, root)
     if dest.exists() and not force:
         raise existing_policy_error(dest)
     return dest

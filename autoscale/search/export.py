@@ -235,6 +235,7 @@ def check_export_target(
     """
     from autoscale.errors import PolicyError
     from autoscale.scalers.policies import (
+        check_not_shipped,
         check_policy_name,
         default_policy_dir,
         existing_policy_error,
@@ -243,6 +244,7 @@ def check_export_target(
 
     root = Path(out_dir or default_policy_dir())
     dest = root / check_policy_name(name)
+    check_not_shipped(name, root)
     _check_writable_folder(root)
     if not dest.exists() or force:
         return True

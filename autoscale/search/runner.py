@@ -630,7 +630,7 @@ class SearchRunner:
         if self.source is not None:  # the one round its source planned
             return self.source.round if last is None else None
         plan, validator, end = self.plan, self.validator, self.budget.end
-        check_at = end - 1.4 * self.no_harm.cost(plan.timings, 1)
+        check_at = end - (MARGIN + 0.2) * self.no_harm.cost(plan.timings, 1)
         number = 1 if last is None else last.number + 1
         if last is None:  # after its search: validate (the best few, the rules), check picks
             # what the study holds whole (a resumed search, another worker's) is read back

@@ -249,6 +249,13 @@ def test_staged_publish_leaves_nothing_on_failure_and_refuses_to_overwrite(tmp_p
         pass
     with pytest.raises(ConfigError, match="is a built-in rule's name"):
         policies.check_policy_name("torch")
+    # the shipped auto: not shadowed by an export elsewhere; its own folder may be rebuilt
+    with pytest.raises(ConfigError, match="'auto' is a policy shipped with autoscale"):
+        policies.check_export_dest("auto", tmp_path)
+    from autoscale.resources import shipped_dir
+
+    policies.check_not_shipped("auto", shipped_dir("policies"))
+    assert policies.check_export_dest("mine", tmp_path) == tmp_path / "mine"
     with pytest.raises(ConfigError, match="letters, digits"):
         policies.check_policy_name("../escape")
 

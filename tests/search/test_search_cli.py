@@ -235,6 +235,21 @@ def test_bad_input_is_one_line_exit_2_and_loses_nothing(searched):
         "unknown study 'nope'",
         searched.study,
     )
+    # the shipped policy's name: an export of it would stand for it in every run and search
+    _one_line_error(
+        run_cli(
+            "export",
+            "--study",
+            searched.study,
+            "--name",
+            "auto",
+            cwd=searched.root,
+            env=searched.env,
+        ),  # fmt: skip
+        "policy name 'auto' is a policy shipped with autoscale",
+        "choose another name",
+    )
+    assert not (searched.policies / "auto").exists()
     study = _study(searched.url, searched.study)
     assert [(t.number, t.state, t.value) for t in study.get_trials(deepcopy=False)] == before
     names = optuna.study.get_all_study_names(open_storage(searched.url, must_exist=True))
