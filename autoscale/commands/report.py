@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 from autoscale.commands.base import Command
+from autoscale.errors import ConfigError
 
 
 class ReportCommand(Command):
@@ -29,6 +32,7 @@ class ReportCommand(Command):
         from autoscale.report import write_report
 
         record = read_record(args.run)
+        _check_out(Path(args.out) if args.out else Path(args.run) / "report.html")
         names = [s.strip() for s in args.scalers.split(",") if s.strip()] if args.scalers else None
         if names:
             from autoscale.scalers import make_scaler
@@ -40,3 +44,16 @@ class ReportCommand(Command):
             print(f"autoscale report: note: {note}")
         print(f"wrote {path} ({len(record.steps)} steps)")
         return 0
+
+
+def _check_out(out: Path) -> None:
+    """The report can be written to ``out`` (a probe file beside it), before the replays run."""
+    if out.is_dir():
+        raise ConfigError(f"--out '{out}' is a folder; give the HTML file to write")
+    try:
+        tempfile.NamedTemporaryFile(dir=out.parent, prefix=".autoscale-probe-").close()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the report to '{out}' ({exc.strerror or exc}); give --out a file in a "
+            "writable folder"
+        ) from None

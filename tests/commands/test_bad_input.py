@@ -162,6 +162,7 @@ ROWS: dict[str, Row] = {
     "cli: unknown space": Row(("search", "--space", "genetic"), "'genetic'", "choose from"),
     "cli: export name with a path": Row(("search", "--model", "mlp", "--export", "../up"), "'../up'", "letters, digits"),
     "cli: export name of a rule": Row(("search", "--model", "mlp", "--export", "torch"), "'torch'", "choose another"),
+    "cli: export name of a shipped policy": Row(("search", "--model", "mlp", "--export", "auto"), "'auto'", "choose another name"),
     "cli: policy dir is a file": Row(("search", "--model", "mlp", "--policy-dir", "t.txt"), "'t.txt'", "pass --policy-dir DIR"),
     "cli: NaN learning rate": Row(_run("--lr", "nan"), "got nan", "positive finite number"),
     "cli: unknown trial": Row(("export", "--study", "made", "--storage", "made.db", "--trial", "x", "--name", "p"), "'x'", "trial number or 'best'"),

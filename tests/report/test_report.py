@@ -143,6 +143,12 @@ def test_report_command_writes_one_self_contained_page(tmp_path, capsys):
     assert "no record folder" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "r"), "--scalers", "torh"]) == 2
     assert "did you mean 'torch'" in capsys.readouterr().err
+    # a destination it cannot write: one line before the replays, not a traceback after them
+    for out, said in (("/proc/x.html", "cannot write the report to '/proc/x.html'"),
+                      (str(tmp_path), "is a folder; give the HTML file")):  # fmt: skip
+        assert main(["report", str(tmp_path / "r"), "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
