@@ -32,6 +32,7 @@ import torch
 from autoscale.observe import lifecycle, watch_scaler
 from autoscale.observe.on_import import when_imported
 from autoscale.scalers import LossScaler, make_scaler
+from autoscale.scalers import scaler as scaler_module
 from autoscale.scalers.checkpoint import load_as_gradscaler
 
 __all__ = ["ENV", "install", "installed"]
@@ -66,6 +67,7 @@ def install(config: dict[str, Any] | None = None) -> None:
             mod.GradScaler = cls
     # FSDP1's ShardedGradScaler, when the program imports it (its package takes seconds)
     _state["amp_original"] = amp_original
+    scaler_module.BUILT_HOOKS.append(_adopt)
     when_imported(SHARDED_MODULE, _replace_sharded, during=_torch_grad_scaler)
     load_as_gradscaler(True)
     lifecycle.start(config.get("summary_dir"), _state["built"], _state["kept"])
@@ -156,13 +158,17 @@ def _build(
     build: dict[str, Any] = {"enabled": given.pop("enabled", True)}
     if "init_scale" in given:
         build["init_scale"] = float(given.pop("init_scale"))
-    if sharded:
-        from autoscale.scalers.sharded import sharded_scaler
+    _state["building"] = True  # (not a scaler the program built itself: see _adopt)
+    try:
+        if sharded:
+            from autoscale.scalers.sharded import sharded_scaler
 
-        group = given.pop("process_group", None)
-        scaler = sharded_scaler(name, device=device, process_group=group, **build)
-    else:
-        scaler = make_scaler(name, device=device, **build)
+            group = given.pop("process_group", None)
+            scaler = sharded_scaler(name, device=device, process_group=group, **build)
+        else:
+            scaler = make_scaler(name, device=device, **build)
+    finally:
+        _state["building"] = False
     ignored, kept = [], []
     for knob in _KNOBS:
         if knob not in given:
@@ -175,15 +181,41 @@ def _build(
             ignored.append(f"{knob}={value}")
     if given:
         ignored.extend(f"{k}={v!r}" for k, v in given.items())
-    index = len(_state["built"])
-    entry: dict[str, Any] = {"scaler": scaler, "name": name, "index": index, "ignored": ignored}
-    if ignored and index == 0:
+    if ignored and not _state["built"]:
         keeps = f"keeps {', '.join(kept)} and " if kept else ""
         print(
             f"autoscale wrap: '{name}' {keeps}ignores the program's GradScaler arguments "
             f"{', '.join(ignored)} (its rule has no such parameter)",
             file=sys.stderr,
         )
+    _register(scaler, name, ignored)
+    return scaler
+
+
+def _adopt(scaler: LossScaler) -> None:
+    """A scaler the program built itself (``autoscale.get_scaler``, an integration given a
+    name): observed and recorded as the GradScalers the wrap builds, and kept as the program
+    chose it (``--scaler`` replaces torch's GradScaler only, and the first one says so)."""
+    if _state.get("building"):
+        return
+    asked = _state["config"].get("scaler")
+    if asked and asked != scaler.name and not _state.get("told_adopted"):
+        _state["told_adopted"] = True
+        print(
+            f"autoscale wrap: the program built its own scaler '{scaler.name}' "
+            f"(autoscale.get_scaler): observed as it is; --scaler {asked} replaces torch's "
+            "GradScaler only",
+            file=sys.stderr,
+        )
+    _register(scaler, scaler.name, [])
+
+
+def _register(scaler: LossScaler, name: str, ignored: list[str]) -> None:
+    """Watch ``scaler`` (record and live logs as configured) and add it to this process's
+    summary."""
+    config = _state["config"]
+    index = len(_state["built"])
+    entry: dict[str, Any] = {"scaler": scaler, "name": name, "index": index, "ignored": ignored}
     rank, label = lifecycle.process_rank()
     entry.update(rank=rank, label=label)
     if scaler.is_enabled():
@@ -214,4 +246,3 @@ def _build(
         entry["watch"].sinks.append(lifecycle.ProgressSink())
     _state["built"].append(entry)
     lifecycle.write_summary()  # the launcher knows of this scaler now, whatever ends the process
-    return scaler

@@ -42,6 +42,9 @@ from autoscale.scalers.unscale import InverseScale
 
 __all__ = ["LossScaler", "default_device"]
 
+# called with each LossScaler built (``autoscale wrap`` observes the ones a program builds itself)
+BUILT_HOOKS: list[Any] = []
+
 
 def _of_controller(name: str, doc: str, bounds: bool = False) -> property:
     """A read-only property of the scaler answered by its controller (or its bounds)."""
@@ -158,6 +161,8 @@ class LossScaler(torch.amp.GradScaler):
         self._observers: list[Any] = []
         if self._enabled:  # a policy takes its first decision now, as the env does at reset
             self._set_scale(self.controller.start(first))
+        for hook in BUILT_HOOKS:
+            hook(self)
 
     @property
     def collect_stats(self) -> bool:

@@ -28,6 +28,28 @@ def _lines(out: str, tag: str) -> list[str]:
 
 
 @pytest.mark.slow
+def test_a_scaler_the_program_builds_itself_is_observed_as_it_is(tmp_path):
+    """A program that took the README's advice (``autoscale.get_scaler``) builds no torch
+    GradScaler: the wrap observes and records its scaler anyway, changes nothing, and says that
+    ``--scaler`` did not replace it (the wrap said the run built no GradScaler and recorded
+    nothing)."""
+    script = [sys.executable, str(SCRIPTS / "plain.py"), "20", "auto"]
+    plain = _run(script, tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    wrapped = _wrap("--record", "runs/own", "--scaler", "torch", "--", *script, cwd=tmp_path)
+    assert wrapped.returncode == 0, wrapped.stderr
+    assert _lines(wrapped.stdout, "LOSS") == _lines(plain.stdout, "LOSS")
+    assert _lines(wrapped.stdout, "WEIGHTS") == _lines(plain.stdout, "WEIGHTS")
+    said = [line for line in wrapped.stderr.splitlines() if line.startswith("autoscale wrap:")]
+    assert any("built its own scaler 'auto'" in line for line in said), said
+    assert not any("built no GradScaler" in line for line in said), said
+    (summary,) = [line for line in said if "(rank 0)" in line]
+    assert "auto (rank 0): 20 steps" in summary and "runs/own" in summary, summary
+    record = read_record(tmp_path / "runs" / "own")
+    assert [s["step"] for s in record.steps] == list(range(20))
+
+
+@pytest.mark.slow
 def test_the_observer_changes_nothing_and_records(tmp_path):
     script = [sys.executable, str(SCRIPTS / "plain.py"), "30"]
     plain = _run(script, tmp_path)
