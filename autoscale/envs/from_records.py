@@ -15,7 +15,7 @@ from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.errors import ConfigError
 from autoscale.scalers.controller import FP16_MAX
 
-__all__ = ["suite_from_records", "trace_from_record"]
+__all__ = ["records_horizon", "suite_from_records", "trace_from_record"]
 
 
 def trace_from_record(record, name: str = "run") -> Trace:
@@ -88,12 +88,23 @@ def _amax(step: dict[str, Any]) -> float:
     return FP16_MAX * 2.0**-t
 
 
+def records_horizon(shortest: int) -> int:
+    """The windows' length for records of at least ``shortest`` steps: the largest power of two
+    up to 2048 that gives at least four windows, so that two are held out (the search's bar
+    against ``auto`` needs two held-out episodes of a record to measure its noise; three windows
+    hold one out), and 64 at least (three windows of it are the least a record may have)."""
+    horizon = 64
+    while horizon * 2 <= 2048 and 4 * horizon * 2 <= shortest:
+        horizon *= 2
+    return horizon
+
+
 def suite_from_records(records: list, horizon: int | None = None) -> tuple[Any, dict[str, Trace]]:
     """Recorded runs as the instances of a search: windows of each run, train and test disjoint.
 
     Each record is one member. Its steps are cut into consecutive windows of ``horizon`` steps
-    (default: the largest power of two up to 2048 that gives at least three windows, at least
-    64); the first two thirds of the windows (in time) are train instances, the rest test ones.
+    (default: :func:`records_horizon`); the first two thirds of the windows (in time) are train
+    instances, the rest test ones.
     Each window starts at the scale the run had there, and the features' state the run had
     there. A record has no held-out loss: a window's eval loss is the mean of its finite recorded
     training losses, the same for every policy (replay does not change the loss), so that no
@@ -114,9 +125,7 @@ def suite_from_records(records: list, horizon: int | None = None) -> tuple[Any, 
     loaded = [r if isinstance(r, RunRecord) else read_record(r) for r in records]
     shortest = min(len(r.steps) for r in loaded)
     if horizon is None:
-        horizon = 64
-        while horizon * 2 <= 2048 and 3 * horizon * 2 <= shortest:
-            horizon *= 2
+        horizon = records_horizon(shortest)
     members, traces = [], {}
     names: set[str] = set()
     for rec in loaded:

@@ -33,3 +33,18 @@ def test_an_overflowed_step_shows_the_amax_its_threshold_implies(tmp_path):
     assert np.isnan(inst.amax[60])
     clean = [i for i, s in enumerate(steps) if not s["found_inf"]]
     assert [inst.amax[i] for i in clean] == [steps[i]["amax"] for i in clean]
+
+
+def test_a_records_windows_hold_two_out_where_its_length_allows():
+    """Three windows hold one out, and one held-out window cannot measure a lead's noise (the
+    search on a 1000-step record stopped at once, where a 700-step record of the same run was
+    searched): the windows are the longest that give four, down to 64 steps."""
+    from autoscale.envs.from_records import records_horizon
+
+    assert [records_horizon(n) for n in (192, 300, 600, 700, 1000, 1023, 1024, 1300)] == [
+        64, 64, 128, 128, 128, 128, 256, 256,
+    ]  # fmt: skip
+    assert records_horizon(10**6) == 2048
+    for n in (600, 700, 1000, 1300, 5000, 9000):  # two held out wherever 4 windows of 64 fit
+        windows = n // records_horizon(n)
+        assert windows - max(1, 2 * windows // 3) >= 2

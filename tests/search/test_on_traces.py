@@ -26,13 +26,12 @@ def _record(path, steps: int = 400, weight: float = 2.0**-10):
 def test_windows_split_train_and_test_in_time(tmp_path):
     suite, traces = suite_from_records([_record(tmp_path / "r")])
     (member,) = suite.members
-    assert member.episode.steps == 128  # three windows of 128 fit in 400 steps, of 256 do not
+    assert member.episode.steps == 64  # four windows of 64 fit in 400 steps, of 128 do not
     train = [i.start for i in member.instances["train"]]
     test = [i.start for i in member.instances["test"]]
-    assert train == [0] and test == [128, 256] or (train == [0, 128] and test == [256])
-    assert max(train) < min(test)
+    assert train == [0, 64, 128, 192] and test == [256, 320]  # two thirds of 6 windows, in time
     inst = traces[member.name].instance(member.instances["test"][0].name)
-    assert inst.steps == 128 and inst.start_features is not None
+    assert inst.steps == 64 and inst.start_features is not None
     with pytest.raises(ConfigError, match="fewer than three windows of 1024"):
         suite_from_records([tmp_path / "r"], horizon=1024)
 

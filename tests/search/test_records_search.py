@@ -239,9 +239,9 @@ def test_ctrl_c_keeps_the_trials_and_the_same_command_says_it_resumes(searched, 
 
 
 def test_one_held_out_window_cannot_tell_a_lead(tmp_path):
-    """Three windows leave one held out: a lead over auto is weighed against the spread of the
-    paired window differences, and one window has none, so no candidate can be exported over
-    auto whatever the search finds."""
+    """Three windows (a record of 192-255 steps, or windows asked that long) leave one held out:
+    a lead over auto is weighed against the spread of the paired window differences, and one
+    window has none, so no candidate can be exported over auto whatever the search finds."""
     import autoscale
     from autoscale.envs.from_records import suite_from_records
     from autoscale.observe import watch_scaler
@@ -253,7 +253,7 @@ def test_one_held_out_window_cannot_tell_a_lead(tmp_path):
     watch = watch_scaler(scaler, record=str(tmp_path / "r"))
     fp16_loop(scaler, 400, bad_every=50, weight=2.0**-10)
     watch.close()
-    suite, traces = suite_from_records([tmp_path / "r"])
+    suite, traces = suite_from_records([tmp_path / "r"], horizon=128)  # 3 windows of 400 steps
     room = headroom(ReplayBench(suite, traces))
     assert room.windows == 1
     assert "one held-out window" in room.reason()
