@@ -70,10 +70,10 @@ class WrapPlan:
             make_scaler(self.scaler, device="cpu")  # unknown names and broken policies fail here
         if isinstance(self.hist_every, bool) or self.hist_every < 0:
             raise ConfigError(f"--hist-every must be an integer >= 0, got {self.hist_every!r}")
-        from autoscale.observe.live import check_log_spec
+        from autoscale.observe.live import check_log_spec, check_log_target
 
         for spec in self.log:
-            check_log_spec(spec)
+            check_log_target(*check_log_spec(spec))
         if self.record is not None:
             check_writable(Path(self.record))
 

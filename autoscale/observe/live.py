@@ -242,6 +242,36 @@ def check_log_spec(spec: str) -> tuple[str, str]:
     return kind, target
 
 
+def check_log_target(kind: str, target: str) -> None:
+    """A file log's file (``csv``) or folder (``tensorboard``) can be written: a probe in its
+    folder, or in the nearest one that exists (created on the first step). ``wandb`` writes
+    elsewhere.
+
+    Raises:
+        ConfigError: naming the target and the fix.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from autoscale.errors import ConfigError
+
+    if kind == "wandb":
+        return
+    path = Path(target)
+    if kind == "csv" and path.is_dir():
+        raise ConfigError(f"--log csv:{target} is a folder; give the CSV file to write")
+    folder = path.parent if kind == "csv" else path
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        tempfile.NamedTemporaryFile(dir=folder, prefix=".autoscale-probe-").close()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write --log {kind}:{target} ('{folder}': {exc.strerror or exc}); give a "
+            "path in a writable folder"
+        ) from None
+
+
 def make_log_sink(spec: str, tag: str = "") -> Any:
     """The sink a log spec names (see :func:`check_log_spec`); ``tag`` keeps a second scaler's
     metrics apart (its own CSV file, its own TensorBoard and W&B names)."""

@@ -240,7 +240,9 @@ def _register(scaler: LossScaler, name: str, ignored: list[str]) -> None:
             entry["record"] = record
             entry["logs"] = [s.where for s in entry["watch"].sinks if hasattr(s, "where")]
         except Exception as exc:  # never break the program's run for the record's sake
-            print(f"autoscale wrap: not recording scaler {index}: {exc}", file=sys.stderr)
+            print(
+                f"autoscale wrap: not recording or logging scaler {index}: {exc}", file=sys.stderr
+            )
             entry["watch"] = watch_scaler(scaler)
             entry["record"] = None
         entry["watch"].sinks.append(lifecycle.ProgressSink())

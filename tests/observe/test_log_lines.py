@@ -31,6 +31,23 @@ def test_an_unknown_log_kind_names_the_nearest_and_the_forms():
         check_log_spec("runs/x.csv")
 
 
+def test_a_log_that_cannot_be_written_is_refused_before_the_command(tmp_path, capsys):
+    """An unwritable --log is one line and exit 2 before the command starts (it ran the whole
+    training, warned that it was "not recording", and exited 0 with no log)."""
+    from autoscale.cli import main
+
+    script = str(SCRIPTS / "plain.py")
+    for spec, said in (
+        ("csv:/proc/x.csv", "cannot write --log csv:/proc/x.csv ('/proc'"),
+        ("tensorboard:/proc/tb", "cannot write --log tensorboard:/proc/tb ('/proc'"),
+        (f"csv:{tmp_path}", "is a folder; give the CSV file to write"),
+    ):
+        assert main(["wrap", "--log", spec, "--", sys.executable, script, "2"]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []  # (the command did not run)
+
+
 @pytest.mark.parametrize("package", ["tensorboard", "wandb"])
 def test_a_missing_package_names_its_extra(monkeypatch, package):
     real = importlib.util.find_spec
