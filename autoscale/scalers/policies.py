@@ -130,12 +130,12 @@ class PolicyManifest:
             if "validation" in wl or "test" in wl:
                 chosen, tested = len(wl.get("validation", [])), len(wl.get("test", []))
                 return (
-                    f"{what} chosen on suite {wl['suite']}, {members + left_out} members: "
+                    f"{what} chosen on suite '{wl['suite']}', {members + left_out} members: "
                     f"candidates trained or searched on {members}, chosen on "
                     f"{_count(chosen, 'validation member')}, tested on "
                     f"{_count(tested, 'test member')}"
                 )
-            what += f" {how} suite {wl['suite']} ({members} members)"
+            what += f" {how} suite '{wl['suite']}' ({members} members)"
             return what + (f", {left_out} left out" if left_out else "")
         where = "/".join(str(wl[k]) for k in ("model", "scenario") if k in wl)
         if where:

@@ -106,7 +106,7 @@ def test_a_built_policy_is_described_by_every_split_of_its_suite():
         },
     )
     assert manifest.describe() == (
-        "parametric policy (amax-loss) chosen on suite s, 5 members: candidates trained or "
+        "parametric policy (amax-loss) chosen on suite 's', 5 members: candidates trained or "
         "searched on 2, chosen on 1 validation member, tested on 2 test members"
     )
     searched = PolicyManifest(
@@ -117,7 +117,7 @@ def test_a_built_policy_is_described_by_every_split_of_its_suite():
     )
     assert (
         searched.describe()
-        == "parametric policy (torch) searched on suite s (2 members), 1 left out"
+        == "parametric policy (torch) searched on suite 's' (2 members), 1 left out"
     )
     unchanged = PolicyManifest(
         name="kept",
@@ -146,7 +146,7 @@ def test_the_shipped_auto_is_described_by_the_suite_it_was_chosen_on(capsys):
     total = len(workload["members"]) + len(workload["left_out"])
     assert main(["list"]) == 0
     (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  auto ")]
-    assert f"chosen on suite {workload['suite']}, {total} members:" in row
+    assert f"chosen on suite '{workload['suite']}', {total} members:" in row
     assert f"chosen on {len(workload['validation'])} validation members" in row
     assert f"({len(workload['members'])} members)" not in row
 
