@@ -271,7 +271,7 @@ def test_train_agent_accepts_a_suite_on_replay(tmp_path):
     assert m.workload["suite"] == "tiny-suite" and m.workload["members"] == [
         "mlp/clean", "mlp/bad-batches",
     ]  # fmt: skip
-    assert "trained on suite tiny-suite (2 members)" in m.describe()
+    assert "trained on suite 'tiny-suite' (2 members)" in m.describe()
     assert make_scaler(str(result.policy_dir), device="cpu").name == "suite-ppo"
 
 
