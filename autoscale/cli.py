@@ -137,6 +137,23 @@ def _no_extra(name: str, exc: ModuleNotFoundError) -> int:
     return 2
 
 
+def _negative_budget(args: list[str]) -> list[str]:
+    """``--budget -1m`` as ``--budget=-1m`` (before any ``--``): argparse reads a value that
+    starts with '-' as an option and says only "expected one argument"; joined, the budget's own
+    check names the value and the form."""
+    import re
+
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + args[i:]
+        if out and out[-1] == "--budget" and re.fullmatch(r"-\d[\w.]*", arg):
+            out[-1] = f"--budget={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -158,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog=getattr(command, "epilog", None),
     )
     command.add_arguments(sub)
-    args = sub.parse_args(argv[1:])
+    args = sub.parse_args(_negative_budget(argv[1:]))
     try:
         return int(command.run(args) or 0)
     except MissingExtraError as exc:

@@ -157,6 +157,7 @@ ROWS: dict[str, Row] = {
     # ---------------------------------------------------------------- command-line values
     "cli: budget in words": Row(("search", "--budget", "10 minutes"), "'10 minutes'", "write it like 90s"),
     "cli: negative budget": Row(("search", "--budget=-5m"), "'-5m'", "write it like 90s"),
+    "cli: negative budget, spaced": Row(("search", "--budget", "-1m"), "'-1m'", "write it like 90s"),
     "cli: zero trials": Row(("search", "--model", "mlp", "--n-trials", "0"), "got 0", "positive number"),
     "cli: trials not a number": Row(("search", "--n-trials", "abc"), "'abc'", "--help shows the usage"),
     "cli: unknown space": Row(("search", "--space", "genetic"), "'genetic'", "choose from"),
