@@ -6,7 +6,7 @@
 3. **record** long traces of every member's train and test instances
    (:mod:`~autoscale.search.traces`, cached next to the storage); the worker that creates the
    study then plans what is left again, once, when its steps ran slower than measured
-   (:mod:`~autoscale.search.replan`), and stores the plan for good;
+   (:mod:`~autoscale.search.plan`), and stores the plan for good;
 4. **search** on replay (:mod:`~autoscale.search.loop`, :mod:`~autoscale.search.trials`);
 5. **validate** the best candidates and every built-in rule on real steps of the test instances
    (:mod:`~autoscale.search.validate`, shared between workers through the study);
@@ -63,8 +63,18 @@ from autoscale.search.export import (
 )
 from autoscale.search.loop import TrialLoop
 from autoscale.search.no_harm import NO_HARM_STEPS, NoHarmCheck, no_harm_proxy, no_harm_workloads
-from autoscale.search.plan import CHECKED_CANDIDATES, Plan, StoredPlan, make_plan
-from autoscale.search.replan import MIN_HORIZON, SLOW, least_after_record, pace_of, replan, retime
+from autoscale.search.plan import (
+    CHECKED_CANDIDATES,
+    MIN_HORIZON,
+    SLOW,
+    Plan,
+    StoredPlan,
+    least_after_record,
+    make_plan,
+    pace_of,
+    replan,
+    retime,
+)
 from autoscale.search.report import comparison_table, draw_comparison, limit_block, member_table
 from autoscale.search.space import parametric_families, searched_families
 from autoscale.search.storage import (
@@ -478,7 +488,7 @@ class SearchRunner:
 
     def _record(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Record the plan's traces. The worker that creates the study bends to the pace the
-        machine keeps (see :mod:`~autoscale.search.replan`): the instances beyond each member's
+        machine keeps (see :mod:`~autoscale.search.plan`): the instances beyond each member's
         first ones stop where the phases after recording keep their planned time at that pace;
         the first ones (shortened if need be) where the least of those phases keeps its measured
         time. Any other worker records the study's plan whole, or stops where that least begins

@@ -4,8 +4,8 @@ check's shape (whose cost the plan and the check both read).
 :func:`measure` times building a run, a few real steps, an evaluation and recorded steps of a
 workload within a limit (checked between steps: a step that runs past it finishes and counts);
 :class:`Timings` holds them per :func:`workload_key` (what the step time depends on), and every
-cost estimate of the search (:mod:`~autoscale.search.plan`, :mod:`~autoscale.search.replan`, the
-validator, the no-harm check) is computed from them.
+cost estimate of the search (:mod:`~autoscale.search.plan`, the validator, the no-harm check) is
+computed from them.
 """
 
 from __future__ import annotations

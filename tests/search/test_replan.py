@@ -17,14 +17,14 @@ import pytest
 from autoscale.envs.suite import as_suite
 from autoscale.errors import BudgetError
 from autoscale.search.export import study_suites
-from autoscale.search.plan import shape_suite
-from autoscale.search.replan import (
+from autoscale.search.plan import (
     SLOW,
     least_after_record,
     pace_of,
     recorded_suite,
     replan,
     retime,
+    shape_suite,
 )
 from autoscale.search.storage import open_storage
 from autoscale.search.study import PLANNING, describe_new_study, store_plan, wait_for_plan
