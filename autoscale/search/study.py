@@ -50,53 +50,34 @@ def study_kwargs(seed: int, trials_before: int, ledger: Ledger | None = None) ->
     sampler = optuna.samplers.TPESampler(seed=seed + trials_before, constant_liar=True)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=len(parametric_families()) + 4)
     if ledger is not None:
-        sampler, pruner = _timed_sampler(sampler, ledger), _timed_pruner(pruner, ledger)
+        sampler = _timed(sampler, SAMPLER_CALLS, "alg:sampler", ledger)
+        pruner = _timed(pruner, ("prune",), "alg:pruner", ledger)
     return {"sampler": sampler, "pruner": pruner}
 
 
-def _timed_sampler(inner: Any, ledger: Ledger) -> Any:
-    from optuna.samplers import BaseSampler
-
-    class TimedSampler(BaseSampler):
-        """Delegates to ``inner``, timing each call into the ledger."""
-
-        def infer_relative_search_space(self, study, trial):
-            with ledger.track("alg:sampler"):
-                return inner.infer_relative_search_space(study, trial)
-
-        def sample_relative(self, study, trial, search_space):
-            with ledger.track("alg:sampler"):
-                return inner.sample_relative(study, trial, search_space)
-
-        def sample_independent(self, study, trial, param_name, param_distribution):
-            with ledger.track("alg:sampler"):
-                return inner.sample_independent(study, trial, param_name, param_distribution)
-
-        def before_trial(self, study, trial):
-            with ledger.track("alg:sampler"):
-                inner.before_trial(study, trial)
-
-        def after_trial(self, study, trial, state, values):
-            with ledger.track("alg:sampler"):
-                inner.after_trial(study, trial, state, values)
-
-        def reseed_rng(self) -> None:
-            inner.reseed_rng()
-
-    return TimedSampler()
+SAMPLER_CALLS = (
+    "infer_relative_search_space",
+    "sample_relative",
+    "sample_independent",
+    "before_trial",
+    "after_trial",
+)
 
 
-def _timed_pruner(inner: Any, ledger: Ledger) -> Any:
-    from optuna.pruners import BasePruner
+def _timed(obj: Any, calls: tuple[str, ...], category: str, ledger: Ledger) -> Any:
+    """``obj`` with each of its methods ``calls`` timed into ``ledger`` under ``category`` (none
+    of them calls another of them: nothing is counted twice)."""
 
-    class TimedPruner(BasePruner):
-        """Delegates to ``inner``, timing each decision into the ledger."""
+    def timing(call: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with ledger.track(category):
+                return call(*args, **kwargs)
 
-        def prune(self, study, trial) -> bool:
-            with ledger.track("alg:pruner"):
-                return inner.prune(study, trial)
+        return timed
 
-    return TimedPruner()
+    for name in calls:
+        setattr(obj, name, timing(getattr(obj, name)))
+    return obj
 
 
 def describe_spec(suite: SuiteSpec) -> str:

@@ -252,6 +252,24 @@ def test_loop_fails_a_raising_trial_and_goes_on(setup):
     assert ledger.total("bk:optuna") > 0 and ledger.total("work:replay") > 0
 
 
+def test_the_sampler_and_pruner_are_optunas_own_with_their_calls_timed():
+    ledger = Ledger()
+    kwargs = study_kwargs(0, 0, ledger)
+    assert type(kwargs["sampler"]) is optuna.samplers.TPESampler
+    assert type(kwargs["pruner"]) is optuna.pruners.MedianPruner
+    study = optuna.create_study(**kwargs)
+
+    def objective(trial):
+        x = trial.suggest_float("x", -1.0, 1.0)
+        trial.report(x, 0)
+        trial.should_prune()
+        return x * x
+
+    study.optimize(objective, n_trials=12)
+    assert ledger.total("alg:sampler") > 0 and ledger.total("alg:pruner") > 0
+    assert len(study.trials) == 12
+
+
 class InterruptAt(BaseSampler):
     """The search's own sampler (seeded TPE, timed), sending this process a SIGINT from inside
     ``study.ask()`` (``before_trial``: the trial row is written) or ``study.tell()``
