@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autoscale.search.budget import percent
 from autoscale.search.candidates import AUTO, TORCH
 from autoscale.search.choose import Choice
 from autoscale.search.validate import Validated
@@ -51,10 +52,6 @@ def evidence(
     }
 
 
-def _percent(x: float) -> str:
-    return f"{100 * x:.2f}%"
-
-
 def answer_lines(
     name: str,
     how: str,
@@ -80,8 +77,8 @@ def answer_lines(
     for label, v in rows:
         r = _row(v, reference, weights)
         parts.append(
-            f"{label}: skipped {_percent(r['skip_rate'])}, precision loss "
-            f"{_percent(r['precision_loss'])}, eval loss {r['eval_loss']:.4g}, objective "
+            f"{label}: skipped {percent(r['skip_rate'])}, precision loss "
+            f"{percent(r['precision_loss'])}, eval loss {r['eval_loss']:.4g}, objective "
             f"{r['objective']:+.4f}"
         )
     lines.append(f"on your {n} held-out episodes of {steps} real steps: " + "; ".join(parts))

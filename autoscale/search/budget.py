@@ -40,6 +40,11 @@ def parse_budget(text: str) -> float:
     return seconds
 
 
+def percent(share: float | None) -> str:
+    """A share in percent (``12.50%``); ``n/a`` where there is none (NaN, or None as stored)."""
+    return f"{100 * share:.2f}%" if share is not None and math.isfinite(share) else "n/a"
+
+
 def format_duration(seconds: float) -> str:
     """``3725`` -> ``1h02m05s``; ``59.4`` -> ``59.4s``; the inverse of :func:`parse_budget`."""
     if not math.isfinite(seconds):

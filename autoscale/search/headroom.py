@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from autoscale.search.budget import percent
 from autoscale.search.candidates import AUTO
 from autoscale.search.objective import LEAD_FLOOR
 
@@ -65,8 +66,8 @@ class Room:
         if self.lead <= LEAD_FLOOR:
             why.append(
                 f"auto already reaches what the held-out windows allow: over them it loses "
-                f"{_pct(self.auto['precision_loss'])} of gradient elements below fp16's range and "
-                f"skips {_pct(self.auto['skip_rate'])} of the steps, as the hindsight limit does "
+                f"{percent(self.auto['precision_loss'])} of gradient elements below fp16's range and "
+                f"skips {percent(self.auto['skip_rate'])} of the steps, as the hindsight limit does "
                 f"(the largest scale that does not overflow each step, after each window's first "
                 f"step, which every rule runs at the scale the run had there; {self.unsavable} "
                 f"steps have a non-finite loss, skipped at any scale); no rule can lead it by more "
@@ -81,10 +82,10 @@ class Room:
         )
         return (
             f"on {windows} auto loses "
-            f"{_pct(self.auto['precision_loss'])} below fp16's range and skips "
-            f"{_pct(self.auto['skip_rate'])}, torch {_pct(self.torch['precision_loss'])} and "
-            f"{_pct(self.torch['skip_rate'])}; the hindsight limit "
-            f"{_pct(self.floor['precision_loss'])} and {_pct(self.floor['skip_rate'])}: a rule "
+            f"{percent(self.auto['precision_loss'])} below fp16's range and skips "
+            f"{percent(self.auto['skip_rate'])}, torch {percent(self.torch['precision_loss'])} and "
+            f"{percent(self.torch['skip_rate'])}; the hindsight limit "
+            f"{percent(self.floor['precision_loss'])} and {percent(self.floor['skip_rate'])}: a rule "
             f"could lead auto by up to {max(0.0, self.lead):.4f} on the objective"
         )
 
@@ -176,7 +177,3 @@ def _means(cards: dict[str, list]) -> dict[str, float]:
         "skip_rate": sum(c.skip_rate for c in all_cards) / len(all_cards),
         "precision_loss": sum(precision) / len(all_cards),
     }
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.2f}%"

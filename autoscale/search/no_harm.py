@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,7 +51,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from autoscale.errors import ConfigError
-from autoscale.search.budget import Ledger
+from autoscale.search.budget import Ledger, percent
 from autoscale.search.timing import NoHarmPlan, Timings
 from autoscale.training.bar import seed_noise
 from autoscale.training.long_run import MEASURE, kept_share, long_run_harm, measured_run
@@ -183,8 +182,8 @@ class Verdict:
                 )
                 if "kept" in c:  # long real runs: of the elements an fp32 backward leaves non-zero
                     second += (
-                        f", kept at fp16 precision {_percent(c['kept'])} "
-                        f"(torch {_percent(t.get('kept'))})"
+                        f", kept at fp16 precision {percent(c['kept'])} "
+                        f"(torch {percent(t.get('kept'))})"
                     )
                 parts.append(
                     f"{model}: skipped {100 * c['skip_rate']:.2f}% (torch {100 * t['skip_rate']:.2f}%), "
@@ -428,11 +427,6 @@ class NoHarmCheck:
 def _shown(run: dict[str, Any]) -> dict[str, Any]:
     """What a verdict keeps of a measured run: its scorecard and its kept share."""
     return {**run["card"].to_dict(), "kept": kept_share(run)}
-
-
-def _percent(share: float | None) -> str:
-    """A share in percent; n/a where nothing was sampled (NaN, or None as stored)."""
-    return f"{100 * share:.2f}%" if share is not None and math.isfinite(share) else "n/a"
 
 
 def _device(workload: Any) -> str:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import ConfigError
 from autoscale.search.bench import ReplayBench
-from autoscale.search.budget import format_duration
+from autoscale.search.budget import format_duration, percent
 from autoscale.search.candidates import TORCH
 from autoscale.search.export import rank
 from autoscale.search.headroom import Room, headroom
@@ -80,10 +80,6 @@ class RecordsPlan:
     @property
     def steps(self) -> int:
         return self.suite.episode.steps
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.2f}%"
 
 
 class RecordsSource:
@@ -290,8 +286,8 @@ class RecordsSource:
         runner.say(
             "export",
             f"{runner.choice.why}; {chosen.label} {WHERE}, on their clean steps: skipped "
-            f"{_pct(nh['skip_rate'])} vs torch {_pct(nh['torch_skip_rate'])}, below fp16 range "
-            f"{_pct(nh['precision_loss'])} vs {_pct(nh['torch_precision_loss'])}; exported to "
+            f"{percent(nh['skip_rate'])} vs torch {percent(nh['torch_skip_rate'])}, below fp16 range "
+            f"{percent(nh['precision_loss'])} vs {percent(nh['torch_precision_loss'])}; exported to "
             f"{path} ({how}); report {report} (in {time.monotonic() - since:.1f}s)",
         )
         runner.say(

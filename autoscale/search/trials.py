@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from autoscale.search.bench import REFERENCE_RULE, Episode, ReplayBench
-from autoscale.search.budget import Ledger
+from autoscale.search.budget import Ledger, percent
 from autoscale.search.objective import mean_cost, objective_terms
 from autoscale.search.plots import trajectory_svg
 from autoscale.search.space import suggest_parametric
@@ -47,10 +47,6 @@ def worker_id() -> str:
     from autoscale.processes import owner_tag
 
     return owner_tag()
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.2f}%" if math.isfinite(x) else "n/a"
 
 
 def member_summary(
@@ -99,9 +95,9 @@ def trial_note(
         f"`{t['worst_member']}`."
     )
     lines.append(
-        f"It skipped {_pct(t['skip_rate'])} of steps ({REFERENCE_RULE}: {_pct(t['reference_skip_rate'])}) and "
-        f"lost precision on {_pct(t['precision_loss'])} of gradient elements ({REFERENCE_RULE}: "
-        f"{_pct(t['reference_precision_loss'])})."
+        f"It skipped {percent(t['skip_rate'])} of steps ({REFERENCE_RULE}: {percent(t['reference_skip_rate'])}) and "
+        f"lost precision on {percent(t['precision_loss'])} of gradient elements ({REFERENCE_RULE}: "
+        f"{percent(t['reference_precision_loss'])})."
     )
     diverged = [m for m, cs in cards.items() if any(c.diverged for c in cs)]
     if diverged:
@@ -119,8 +115,8 @@ def trial_note(
     ]
     for m, row in member_summary(cards, ref, weights).items():
         lines.append(
-            f"| {m} | {_pct(row['skip_rate'])} | {_pct(row['precision_loss'])} | "
-            f"{_pct(row['torch_skip_rate'])} | {_pct(row['torch_precision_loss'])} | "
+            f"| {m} | {percent(row['skip_rate'])} | {percent(row['precision_loss'])} | "
+            f"{percent(row['torch_skip_rate'])} | {percent(row['torch_precision_loss'])} | "
             f"{row['regret']:+.4f} |"
         )
     if test_objective is not None:
