@@ -11,7 +11,7 @@ bound says no rule can get there, no search can change the pick: the search on r
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from autoscale.search.budget import percent
@@ -88,9 +88,6 @@ class Room:
             f"{percent(self.floor['precision_loss'])} and {percent(self.floor['skip_rate'])}: a rule "
             f"could lead auto by up to {max(0.0, self.lead):.4f} on the objective"
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def headroom(bench: Any) -> Room:
