@@ -64,6 +64,7 @@ __all__ = [
     "validate_cost",
     "MIN_HORIZON",
     "SLOW",
+    "instance_count",
     "least_after_record",
     "pace_of",
     "recorded_suite",
@@ -521,7 +522,8 @@ def recorded_suite(suite: SuiteSpec, traces: dict[str, Any], shortest: int) -> S
     return suite.replace_members(shape)
 
 
-def _instances(suite: SuiteSpec) -> int:
+def instance_count(suite: SuiteSpec) -> int:
+    """Instances of every member of ``suite``, train and test."""
     return sum(len(m.instances["train"]) + len(m.instances["test"]) for m in suite.members)
 
 
@@ -620,7 +622,7 @@ def replan(
     cuts = [_paced(why)] if slow else []
     if stats["dropped"]:
         cuts.append(
-            f"{len(stats['dropped'])} of {_instances(plan.suite)} instances unrecorded ({why})"
+            f"{len(stats['dropped'])} of {instance_count(plan.suite)} instances unrecorded ({why})"
         )
     if suite.episode.steps < plan.horizon:
         cuts.append(f"replay horizon {suite.episode.steps} of the planned {plan.horizon} ({why})")

@@ -69,6 +69,7 @@ from autoscale.search.plan import (
     SLOW,
     Plan,
     StoredPlan,
+    instance_count,
     least_after_record,
     make_plan,
     pace_of,
@@ -523,7 +524,7 @@ class SearchRunner:
             on_slow=retune,
             **bend,
         )
-        n = sum(len(m.instances["train"]) + len(m.instances["test"]) for m in plan.suite.members)
+        n = instance_count(plan.suite)
         pace = pace_of(stats)
         slower = f" ({pace:.1f}x the measured time)" if pace > SLOW else ""
         self.say(
