@@ -54,10 +54,12 @@ __all__ = [
 ]
 
 
-def study_suites(study: Any) -> tuple[SuiteSpec, SuiteSpec, int]:
+def study_suites(
+    study: Any, attrs: dict[str, Any] | None = None
+) -> tuple[SuiteSpec, SuiteSpec, int]:
     """The ``(searched suite, validation suite, trace steps)`` a study was planned with (stored by
-    ``autoscale search``)."""
-    attrs = study.user_attrs
+    ``autoscale search``), from its user attributes ``attrs`` where they were read already."""
+    attrs = study.user_attrs if attrs is None else attrs
     if "suite" not in attrs or "validation" not in attrs:
         raise ConfigError(
             f"study '{study.study_name}' was not made by this autoscale's search (it has no suite "

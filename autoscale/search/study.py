@@ -212,8 +212,9 @@ def wait_for_plan(
             told = True
         raise_if_interrupted()
         time.sleep(poll_s)
-    plan = study.user_attrs.get("plan") or {}
-    return StoredPlan(*study_suites(study), bool(plan.get("all_rules_real", True)))
+    attrs = study.user_attrs  # (one read of the storage: an RDB query)
+    plan = attrs.get("plan") or {}
+    return StoredPlan(*study_suites(study, attrs), bool(plan.get("all_rules_real", True)))
 
 
 def records_id(records: list[Any]) -> list[list[Any]]:
