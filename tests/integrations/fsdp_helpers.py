@@ -6,6 +6,7 @@ overflow in one element of its shard alone, on the last rank."""
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import math
 import traceback
@@ -182,6 +183,9 @@ def _worker(
 ) -> None:
     torch.set_num_threads(1)
     backend = "nccl" if dev == "cuda" else "gloo"
+    # FSDP before the group, or the group outlives destroy_process_group (scripts/fsdp_run.py)
+    importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler")
+
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     device = torch.device(dev)
     if dev == "cuda":

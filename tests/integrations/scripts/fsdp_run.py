@@ -7,10 +7,12 @@ Usage: ``fsdp_run.py KIND SCALER [STEPS] [DEVICE]``: KIND ``fsdp2`` (``fully_sha
 precision: float16 loss and gradients); SCALER ``plain`` (what a user builds:
 ``torch.amp.GradScaler`` for fsdp2, ``ShardedGradScaler`` for fsdp1), or an autoscale name built
 with ``autoscale.get_scaler``; DEVICE ``cpu`` (default) or ``cuda``. Prints ``RANK{r} LOSS {step} {loss}`` each step, then
-``RANK{r} END {scaler class} {scale} {skipped steps} {hash of this rank's weights}``.
+``RANK{r} END {scaler class} {scale} {skipped steps} {hash of this rank's weights}``, and after
+the group is destroyed ``RANK{r} GLOO {threads of a gloo group still running}``.
 """
 
 import gc
+import importlib
 import hashlib
 import math
 import os
@@ -109,16 +111,36 @@ def main() -> None:
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 8
     dev_type = sys.argv[4] if len(sys.argv) > 4 else "cpu"
     torch.set_num_threads(1)
+    # FSDP before the group: torch.distributed.nn, which it imports, takes group.WORLD as a
+    # default argument when imported, so an import after init_process_group keeps the default
+    # group past destroy_process_group, its gloo threads alive to interpreter exit, where a rank
+    # can abort ("terminate called without an active exception"), plain torch as well
+    importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler")
+
     dist.init_process_group("nccl" if dev_type == "cuda" else "gloo")
     out = train(kind, name, steps, dev_type)
     os.write(1, out.encode())  # one write: the ranks share the pipe
-    # The sharded model, its DTensor parameters and the scaler hold the process group: all of
-    # them go (with train's frame, and their reference cycles by a collection) before the group,
-    # or the group's gloo threads are destroyed at interpreter exit, which aborts ("terminate
-    # called without an active exception") in about one run in twenty on a loaded machine, plain
-    # torch as well (as tests/observe/scripts/ddp_run.py found for DDP)
+    # The sharded model, its DTensor parameters and the scaler hold the group too: they go
+    # (with train's frame, and their reference cycles by a collection) before it
     gc.collect()
+    rank = dist.get_rank()
     dist.destroy_process_group()
+    os.write(1, f"RANK{rank} GLOO {gloo_threads()}\n".encode())
+
+
+def gloo_threads() -> int:
+    """Threads of a gloo group still running in this process (-1 where /proc cannot tell)."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return -1
+    names = []
+    for t in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{t}/comm") as f:
+                names.append(f.read())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sum(n.startswith(("gloo", "pt_gloo")) for n in names)
 
 
 if __name__ == "__main__":
