@@ -116,7 +116,13 @@ class PolicyManifest:
         """What it is and where it was made, in one line (``autoscale list``): a suite's
         policy by every split of the suite its workload names (a build such as ``auto``'s
         trains or searches on ``members``, chooses on ``validation`` and tests on ``test``,
-        both among ``left_out``)."""
+        both among ``left_out``); a trial exported by number that the search would not export,
+        with the first reason its evidence gives."""
+        against = (self.scorecard.get("evidence") or {}).get("not_the_pick")
+        not_pick = f"; exported by number, not the search's pick: {against[0]}" if against else ""
+        return self._made() + not_pick
+
+    def _made(self) -> str:
         what = f"{self.kind} policy ({self.family})"
         wl = self.workload
         how = "trained on" if self.kind == "neural" else "searched on"

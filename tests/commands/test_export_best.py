@@ -125,6 +125,8 @@ def test_a_refused_trial_goes_out_only_by_number_with_one_warning_and_the_eviden
     assert any("cannot follow drifting gradients" in why for why in ev["not_the_pick"])
     assert ev["no_harm"]["passed"] is False and ev["no_harm"]["reasons"]
     assert ev["held_out"]["exported"]["precision_loss"] == pytest.approx(0.01)
+    # and autoscale list says so in its row
+    assert "; exported by number, not the search's pick: 'static' cannot follow" in m.describe()
 
 
 def test_best_is_the_trial_that_cleared_auto_and_passed_its_check(work, capsys):

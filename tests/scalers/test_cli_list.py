@@ -137,6 +137,18 @@ def test_a_built_policy_is_described_by_every_split_of_its_suite():
         workload={"note": note, "exported_policy": "auto"},
     )
     assert on_records.describe() == f"parametric policy (amax-loss) = 'auto' unchanged: {note}"
+    # a trial exported by number that the search refused says so, with the first reason
+    refused = PolicyManifest(
+        name="t7",
+        kind="parametric",
+        family="static",
+        workload={"model": "mlp", "scenario": "clean"},
+        scorecard={"evidence": {"not_the_pick": ["it fails the no-harm check: skips 9%", "x"]}},
+    )
+    assert refused.describe() == (
+        "parametric policy (static) searched on mlp/clean; exported by number, not the "
+        "search's pick: it fails the no-harm check: skips 9%"
+    )
 
 
 def test_the_shipped_auto_is_described_by_the_suite_it_was_chosen_on(capsys):
