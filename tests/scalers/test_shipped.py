@@ -134,3 +134,33 @@ def test_auto_records_its_suite_objective_and_evidence():
     for key, value in m.parameters.items():
         if hasattr(scaler.rule, key):
             assert getattr(scaler.rule, key) == value
+
+
+def _spike_runs():
+    """torch and auto through the loss times 1000 every 15 steps, SGD lr 0.01 (the run of
+    experiments/spike_harm.py)."""
+    import importlib.util
+
+    path = ROOT / "experiments" / "spike_harm.py"
+    spec = importlib.util.spec_from_file_location("spike_harm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [module.run(name, "sgd", 0.01, 1e3, 90, 15) for name in ("torch", "auto")]
+
+
+def test_torch_drops_finite_loss_spikes_by_their_overflow_and_trains():
+    torch_run, _ = _spike_runs()
+    assert torch_run["skipped"] == 6 and torch_run["longest"] == 1
+    assert torch_run["held_out"] < 1.2
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="auto takes a finite loss spike that GradScaler's overflow drops (its guard lowers "
+    "that step's scale from the loss); with plain SGD the update leaves the MLP's fp16 forward "
+    "overflowing on every later step (experiments/results/spike_harm.md)",
+)
+def test_auto_does_no_more_harm_than_torch_through_finite_loss_spikes():
+    torch_run, auto_run = _spike_runs()
+    assert auto_run["longest"] <= 1  # no run of skipped steps after a spike
+    assert auto_run["held_out"] <= 1.05 * torch_run["held_out"]

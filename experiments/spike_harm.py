@@ -1,0 +1,107 @@
+"""A finite loss spike: what ``torch`` (GradScaler's rule) and ``auto`` do with it.
+
+GradScaler drops a step whose scaled gradients overflow; a loss spike (a batch whose loss is
+finite but thousands of times the others) overflows at a high scale, so GradScaler drops it as
+a side effect and halves the scale. ``auto``'s guard lowers that step's own scale from its loss
+so that it does not overflow (docs/rules.md, ``amax-loss``): the spike is applied, as it would be
+in fp32 or bf16. Where the spike's update is large (plain SGD), the model can come out of it with
+activations that overflow fp16 in the forward pass: every later loss is non-finite and skipped,
+at any scale.
+
+Each run trains the 1.4k-parameter MLP of ``tests/observe/helpers.py`` (fp16 autocast on the CPU)
+for ``--steps`` steps with the loss times ``SPIKE`` every ``--every`` steps, per optimizer,
+learning rate and spike size; columns: steps skipped, the longest run of consecutive skipped
+steps, the scale at the end, and the fp32 loss on a held-out batch at the end.
+
+Usage::
+
+    python experiments/spike_harm.py --out experiments/results/spike_harm.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+import autoscale
+
+
+def run(name: str, opt_name: str, lr: float, spike: float, steps: int, every: int) -> dict:
+    scaler = autoscale.get_scaler(name, device="cpu", init_scale=2.0**16)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    cls = torch.optim.SGD if opt_name == "sgd" else torch.optim.AdamW
+    opt = cls(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(1)
+    skipped = []
+    for step in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        if step % every == every - 1:
+            loss = loss * spike
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        if scaler.step_was_skipped:
+            skipped.append(step)
+    longest, current, last = 0, 0, None
+    for s in skipped:
+        current = current + 1 if last == s - 1 else 1
+        longest, last = max(longest, current), s
+    h = torch.Generator().manual_seed(99)
+    x, y = torch.randn(256, 16, generator=h), torch.randn(256, 4, generator=h)
+    with torch.no_grad():
+        held_out = torch.nn.functional.mse_loss(model(x), y).item()
+    return {
+        "skipped": len(skipped),
+        "longest": longest,
+        "scale": scaler.get_scale(),
+        "held_out": held_out,
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=90)
+    p.add_argument("--every", type=int, default=15, help="a spike every this many steps")
+    p.add_argument("--out", type=Path, help="also write the table to this markdown file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = [
+        "| optimizer | lr | spike | rule | skipped | longest skipped run | scale at end "
+        "| held-out loss (fp32) |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for opt_name, lr in (("sgd", 0.01), ("sgd", 0.001), ("adamw", 0.001)):
+        for spike in (1e2, 1e3, 1e4):
+            for name in ("torch", "auto"):
+                r = run(name, opt_name, lr, spike, args.steps, args.every)
+                rows.append(
+                    f"| {opt_name} | {lr:g} | {spike:g} | {name} | {r['skipped']} of "
+                    f"{args.steps} | {r['longest']} | 2^{math.log2(r['scale']):.0f} | "
+                    f"{r['held_out']:.4f} |"
+                )
+    head = [
+        "# A finite loss spike under torch and auto",
+        "",
+        f"- {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, autoscale "
+        f"{autoscale.__version__}, {platform.machine()}, CPU, 1 thread",
+        f"- `python experiments/spike_harm.py` ({args.steps} steps, the loss times the spike "
+        f"every {args.every} steps from step {args.every - 1})",
+        "",
+    ]
+    text = "\n".join(head + rows) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
