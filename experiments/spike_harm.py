@@ -4,9 +4,9 @@ GradScaler drops a step whose scaled gradients overflow; a loss spike (a batch w
 finite but thousands of times the others) overflows at a high scale, so GradScaler drops it as
 a side effect and halves the scale. ``auto``'s guard lowers that step's own scale from its loss
 so that it does not overflow (docs/rules.md, ``amax-loss``): the spike is applied, as it would be
-in fp32 or bf16. Where the spike's update is large (plain SGD), the model can come out of it with
-activations that overflow fp16 in the forward pass: every later loss is non-finite and skipped,
-at any scale.
+in fp32 or bf16. Where the spike's update is large (plain SGD), the run can diverge: weights blown
+up by it give later losses so large that their gradients overflow fp16 even at the minimum scale,
+and every later step is skipped.
 
 Each run trains the 1.4k-parameter MLP of ``tests/observe/helpers.py`` (fp16 autocast on the CPU)
 for ``--steps`` steps with the loss times ``SPIKE`` every ``--every`` steps, per optimizer,
