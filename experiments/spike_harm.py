@@ -11,7 +11,8 @@ and every later step is skipped.
 Each run trains the 1.4k-parameter MLP of ``tests/observe/helpers.py`` (fp16 autocast on the CPU)
 for ``--steps`` steps with the loss times ``SPIKE`` every ``--every`` steps, per optimizer,
 learning rate and spike size; columns: steps skipped, the longest run of consecutive skipped
-steps, the scale at the end, and the fp32 loss on a held-out batch at the end.
+steps, the scale at the end, the last step's loss, the largest weight, and the fp32 loss on a
+held-out batch at the end.
 
 Usage::
 
@@ -38,7 +39,7 @@ def run(name: str, opt_name: str, lr: float, spike: float, steps: int, every: in
     cls = torch.optim.SGD if opt_name == "sgd" else torch.optim.AdamW
     opt = cls(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(1)
-    skipped = []
+    skipped, last_loss = [], math.nan
     for step in range(steps):
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
         opt.zero_grad()
@@ -51,6 +52,7 @@ def run(name: str, opt_name: str, lr: float, spike: float, steps: int, every: in
         scaler.update()
         if scaler.step_was_skipped:
             skipped.append(step)
+        last_loss = loss.item()
     longest, current, last = 0, 0, None
     for s in skipped:
         current = current + 1 if last == s - 1 else 1
@@ -64,6 +66,8 @@ def run(name: str, opt_name: str, lr: float, spike: float, steps: int, every: in
         "longest": longest,
         "scale": scaler.get_scale(),
         "held_out": held_out,
+        "last_loss": last_loss,
+        "max_weight": max(p.detach().abs().max().item() for p in model.parameters()),
     }
 
 
@@ -76,8 +80,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     rows = [
         "| optimizer | lr | spike | rule | skipped | longest skipped run | scale at end "
-        "| held-out loss (fp32) |",
-        "|---|---:|---:|---|---:|---:|---:|---:|",
+        "| last step's loss | largest weight | held-out loss (fp32) |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for opt_name, lr in (("sgd", 0.01), ("sgd", 0.001), ("adamw", 0.001)):
         for spike in (1e2, 1e3, 1e4):
@@ -86,7 +90,7 @@ def main(argv=None) -> None:
                 rows.append(
                     f"| {opt_name} | {lr:g} | {spike:g} | {name} | {r['skipped']} of "
                     f"{args.steps} | {r['longest']} | 2^{math.log2(r['scale']):.0f} | "
-                    f"{r['held_out']:.4f} |"
+                    f"{r['last_loss']:.4g} | {r['max_weight']:.3g} | {r['held_out']:.4g} |"
                 )
     head = [
         "# A finite loss spike under torch and auto",

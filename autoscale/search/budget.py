@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from autoscale.errors import BudgetError
 
-__all__ = ["Budget", "Ledger", "format_duration", "parse_budget", "process_elapsed"]
+__all__ = ["Budget", "Ledger", "format_duration", "parse_budget", "percent", "process_elapsed"]
 
 _BUDGET_RE = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
 BUDGET_FORMS = "90s, 30m, 2h or 1h30m (h, m, s; largest unit first)"

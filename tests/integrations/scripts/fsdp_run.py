@@ -12,11 +12,12 @@ the group is destroyed ``RANK{r} GLOO {threads of a gloo group still running}``.
 """
 
 import gc
-import importlib
 import hashlib
+import importlib
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -128,19 +129,26 @@ def main() -> None:
     os.write(1, f"RANK{rank} GLOO {gloo_threads()}\n".encode())
 
 
-def gloo_threads() -> int:
-    """Threads of a gloo group still running in this process (-1 where /proc cannot tell)."""
+def gloo_threads(wait_s: float = 2.0) -> int:
+    """Threads of a gloo group still running in this process, polled for up to ``wait_s``
+    seconds until none is left (a joined thread's /proc entry can outlive the join briefly);
+    -1 where /proc cannot tell."""
     tasks = "/proc/self/task"
     if not os.path.isdir(tasks):
         return -1
-    names = []
-    for t in os.listdir(tasks):
-        try:
-            with open(f"{tasks}/{t}/comm") as f:
-                names.append(f.read())
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return sum(n.startswith(("gloo", "pt_gloo")) for n in names)
+    deadline = time.monotonic() + wait_s
+    while True:
+        names = []
+        for t in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{t}/comm") as f:
+                    names.append(f.read())
+            except OSError:  # a thread that ended meanwhile
+                pass
+        left = sum(n.startswith(("gloo", "pt_gloo")) for n in names)
+        if left == 0 or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
