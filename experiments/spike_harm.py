@@ -10,7 +10,7 @@ and every later step is skipped.
 
 Each run trains the 1.4k-parameter MLP of ``tests/observe/helpers.py`` (fp16 autocast on the CPU)
 for ``--steps`` steps with the loss times ``SPIKE`` every ``--every`` steps, per optimizer,
-learning rate and spike size; columns: steps skipped, the longest run of consecutive skipped
+learning rate, spike size, and without or with the unscaled gradients clipped to norm 1; columns: steps skipped, the longest run of consecutive skipped
 steps, the scale at the end, the last step's loss, the largest weight, and the fp32 loss on a
 held-out batch at the end.
 
@@ -32,7 +32,10 @@ import torch
 import autoscale
 
 
-def run(name: str, opt_name: str, lr: float, spike: float, steps: int, every: int) -> dict:
+def run(
+    name: str, opt_name: str, lr: float, spike: float, steps: int, every: int, clip: bool = False
+) -> dict:
+    """One run; ``clip``: the unscaled gradients clipped to norm 1 before each step."""
     scaler = autoscale.get_scaler(name, device="cpu", init_scale=2.0**16)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
@@ -48,6 +51,9 @@ def run(name: str, opt_name: str, lr: float, spike: float, steps: int, every: in
         if step % every == every - 1:
             loss = loss * spike
         scaler.scale(loss).backward()
+        if clip:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(opt)
         scaler.update()
         if scaler.step_was_skipped:
@@ -79,19 +85,21 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rows = [
-        "| optimizer | lr | spike | rule | skipped | longest skipped run | scale at end "
+        "| optimizer | lr | clip | spike | rule | skipped | longest skipped run | scale at end "
         "| last step's loss | largest weight | held-out loss (fp32) |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for opt_name, lr in (("sgd", 0.01), ("sgd", 0.001), ("adamw", 0.001)):
-        for spike in (1e2, 1e3, 1e4):
-            for name in ("torch", "auto"):
-                r = run(name, opt_name, lr, spike, args.steps, args.every)
-                rows.append(
-                    f"| {opt_name} | {lr:g} | {spike:g} | {name} | {r['skipped']} of "
-                    f"{args.steps} | {r['longest']} | 2^{math.log2(r['scale']):.0f} | "
-                    f"{r['last_loss']:.4g} | {r['max_weight']:.3g} | {r['held_out']:.4g} |"
-                )
+        for clip in (False, True):
+            for spike in (1e2, 1e3, 1e4):
+                for name in ("torch", "auto"):
+                    r = run(name, opt_name, lr, spike, args.steps, args.every, clip)
+                    rows.append(
+                        f"| {opt_name} | {lr:g} | {'norm 1' if clip else '-'} | {spike:g} | "
+                        f"{name} | {r['skipped']} of "
+                        f"{args.steps} | {r['longest']} | 2^{math.log2(r['scale']):.0f} | "
+                        f"{r['last_loss']:.4g} | {r['max_weight']:.3g} | {r['held_out']:.4g} |"
+                    )
     head = [
         "# A finite loss spike under torch and auto",
         "",
