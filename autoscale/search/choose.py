@@ -50,6 +50,7 @@ __all__ = [
     "VERDICT_PREFIX",
     "record_pick",
     "stored_refusal",
+    "unchecked_lines",
 ]
 
 VERDICT_PREFIX = "no-harm-v2:"  # v2: the check's long runs include a drifting one
@@ -263,6 +264,19 @@ def _beats(v: Validated, ld: Lead) -> str:
         f"{v.label} beat auto by {ld.lead:.4f} on the objective, more than the seed noise "
         f"({ld.noise:.4f} on {ld.episodes} held-out episodes)"
     )
+
+
+def unchecked_lines(unchecked: list[str]) -> list[str]:
+    """The scalers a pick left unchecked (``LABEL (REASON)`` each), one line per reason: a round
+    short of time leaves every candidate unchecked for the same one."""
+    by_reason: dict[str, list[str]] = {}
+    for text in unchecked:
+        label, _, why = text.partition(" (")
+        by_reason.setdefault(why.removesuffix(")"), []).append(label)
+    return [
+        f"not checked: {'; '.join(labels)}" + (f" ({why})" if why else "")
+        for why, labels in by_reason.items()
+    ]
 
 
 def _verdict(

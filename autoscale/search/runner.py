@@ -51,7 +51,7 @@ from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Budget, Ledger, format_duration
 from autoscale.search.candidates import AUTO, TORCH, Candidate
-from autoscale.search.choose import choose, family_refusal, record_pick, refusal
+from autoscale.search.choose import choose, family_refusal, record_pick, refusal, unchecked_lines
 from autoscale.search.export import (
     card_summary,
     check_export_target,
@@ -1012,7 +1012,7 @@ class SearchRunner:
                 f"{self.validated[key].label} leads auto beyond the seed noise, but {why}"
                 for key, why in choice.refused.items()
             )
-        ] + [(text, f"not checked: {text}") for text in choice.unchecked]
+        ] + [(text, text) for text in unchecked_lines(choice.unchecked)]
         if choice.winner is None and choice.bar is None:
             lines.append(("auto unmeasured", f"{choice.why}: " + AUTO_UNMEASURED))
         for mark, text in lines:

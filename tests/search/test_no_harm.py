@@ -11,7 +11,7 @@ import pytest
 from autoscale.scalers import make_scaler
 from autoscale.search.budget import Ledger
 from autoscale.search.candidates import Candidate
-from autoscale.search.choose import choose, stored_verdict, verdict_key
+from autoscale.search.choose import choose, stored_verdict, unchecked_lines, verdict_key
 from autoscale.search.export import rank
 from autoscale.search.no_harm import (
     NoHarmCheck,
@@ -344,6 +344,28 @@ def test_no_time_for_the_check_means_no_export_of_that_candidate(check):
     assert choice.winner.key == "policy:auto"  # the bar, the shipped policy
     assert "its no-harm check did not fit in the time left" in choice.why
     assert choice.unchecked and "no-harm check needs" in choice.unchecked[0]
+    # what the search says: one line for every scaler left unchecked for that reason
+    (line,) = unchecked_lines(choice.unchecked)
+    assert line.startswith("not checked: ") and "no-harm check needs" in line
+    assert line.count("no-harm check needs") == 1
+
+
+def test_scalers_left_unchecked_for_one_reason_are_said_in_one_line():
+    needs = "its no-harm check needs ~3m01s, 2m30s left"
+    lines = unchecked_lines(
+        [
+            f"amax-loss, trial 43 ({needs})",
+            f"amax-loss, trial 44 ({needs})",
+            "deepspeed, auto (validated on replay only)",
+            f"auto ({needs})",
+            "static, trial 2 (RuntimeError: boom (inner))",
+        ]
+    )
+    assert lines == [
+        f"not checked: amax-loss, trial 43; amax-loss, trial 44; auto ({needs})",
+        "not checked: deepspeed, auto (validated on replay only)",
+        "not checked: static, trial 2 (RuntimeError: boom (inner))",
+    ]
 
 
 def test_a_check_that_reaches_the_budgets_end_stops_there_and_says_so(check, tmp_path, monkeypatch):
