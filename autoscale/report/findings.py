@@ -10,7 +10,11 @@ import numpy as np
 
 from autoscale.report.replay import Outcome, RecordReplay
 
-__all__ = ["Finding", "findings"]
+__all__ = ["SPIKE_BITS", "Finding", "findings", "loss_jumps"]
+
+# a finite loss this many bits above the largest of the last SPIKE_MEMORY finite losses is a
+# spike (256x; the loss guard's memory is as long)
+SPIKE_BITS, SPIKE_MEMORY = 8.0, 16
 
 
 @dataclass(frozen=True)
@@ -38,13 +42,62 @@ def findings(
     """The findings of a record, most serious first."""
     if recorded.steps == 0:
         return []
+    spikes = _dropped_spikes(replay, recorded, outcomes)
     found = [
         _nonfinite_losses(replay, recorded),
         _at_minimum(recorded),
-        _underflow(replay, recorded, outcomes),
+        spikes,
+        _underflow(replay, recorded, outcomes, spikes is not None),
         _schedule_counted_skips(replay, recorded),
     ]
     return [f for f in found if f is not None] or [_nothing_to_fix(recorded)]
+
+
+def loss_jumps(loss: np.ndarray) -> np.ndarray:
+    """Per step, log2 of its ``|loss|`` over the largest of the previous :data:`SPIKE_MEMORY`
+    finite non-zero ones (NaN for a step whose loss is not such, or with none before it)."""
+    out = np.full(len(loss), np.nan)
+    seen: list[float] = []
+    for i, v in enumerate(np.abs(np.asarray(loss, dtype=np.float64)).tolist()):
+        if not 0.0 < v < math.inf:
+            continue
+        if seen:
+            out[i] = math.log2(v / max(seen))
+        seen = [*seen[1 - SPIKE_MEMORY :], v]
+    return out
+
+
+def _dropped_spikes(
+    replay: RecordReplay, recorded: Outcome, outcomes: dict[str, Outcome]
+) -> Finding | None:
+    """Finite loss spikes the recorded scaler's overflow dropped and ``auto`` (replayed) takes:
+    taking a spike applies its update, which can diverge a run without gradient clipping
+    (``experiments/results/spike_harm.md``), so a user switching to ``auto`` is told first."""
+    auto = outcomes.get("auto")
+    if auto is None:
+        return None
+    t, skipped = replay.inst, recorded.skipped
+    jumps = loss_jumps(t.scaler_loss)
+    with np.errstate(invalid="ignore"):
+        idx = np.flatnonzero(skipped & ~t.nonfinite & (jumps > SPIKE_BITS))
+    taken = int((~auto.skipped[idx]).sum())
+    if not taken:
+        return None
+    low, high = (f"{2 ** float(f(jumps[idx])):.0f}x" for f in (np.min, np.max))
+    return Finding(
+        "Loss spikes: this scaler dropped them, auto would take them",
+        f"{len(idx)} of the {int(skipped.sum())} skipped steps (steps {_steps(idx)}) had a finite "
+        f"loss {low if low == high else f'{low} to {high}'} the largest of the {SPIKE_MEMORY} "
+        "losses before it: their gradients overflowed at this scaler's scale, "
+        f"so it dropped them as a side effect. Replayed, auto takes {taken} of them, each at a "
+        "lower scale of its own, as fp32 or bf16 training would.",
+        "A step taken applies its gradient, which grows with its loss: with plain SGD and no "
+        "gradient clipping a few such steps can diverge a run (Adam-style updates are bounded "
+        "and suffer far less). Before switching to auto, clip the "
+        "unscaled gradients (scaler.unscale_(optimizer), then "
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)), or find the batches "
+        "(the step numbers above).",
+    )
 
 
 def _nonfinite_losses(replay: RecordReplay, recorded: Outcome) -> Finding | None:
@@ -111,10 +164,11 @@ def _at_minimum(recorded: Outcome) -> Finding | None:
 
 
 def _underflow(
-    replay: RecordReplay, recorded: Outcome, outcomes: dict[str, Outcome]
+    replay: RecordReplay, recorded: Outcome, outcomes: dict[str, Outcome], spikes: bool = False
 ) -> Finding | None:
     """Gradients below fp16's range after scaling, where a share of them was, and the rule
-    that would have lost fewest on the replay."""
+    that would have lost fewest on the replay (``spikes``: the loss-spike finding came first,
+    and the advice to use ``auto`` points to it)."""
     t, prec = replay.inst, recorded.precision_loss
     if not (math.isfinite(prec) and prec > 0.005):
         return None
@@ -143,7 +197,8 @@ def _underflow(
         f"On average {100 * prec:.2f}% of the non-zero gradient elements fell below "
         f"fp16's normal range (2^-14) after scaling, and lost precision or became 0.{room}{better}",
         "Use a scaler that keeps the scale near the overflow threshold: "
-        "autoscale wrap --scaler auto -- <your command>.",
+        "autoscale wrap --scaler auto -- <your command>"
+        + (" (with the gradients clipped: the loss spikes above)." if spikes else "."),
     )
 
 

@@ -15,11 +15,12 @@ def fp16_loop(
     bad_every: int | None = None,
     weight: float = 1.0,
     lr_decay: bool = False,
+    spikes: dict[int, float] | None = None,
 ) -> list[float]:
     """Train a 1.4k-parameter MLP for ``steps`` fp16 autocast steps on CPU under ``scaler``; an
     infinite input on the steps in ``bad`` (and every ``bad_every``-th step), the loss times
-    ``weight``; with ``lr_decay`` a schedule stepped on every step, skipped ones too. Returns
-    the losses."""
+    ``weight`` (and times ``spikes[step]`` on the steps it names: a finite loss spike); with
+    ``lr_decay`` a schedule stepped on every step, skipped ones too. Returns the losses."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -33,6 +34,8 @@ def fp16_loop(
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             loss = torch.nn.functional.mse_loss(model(x).float(), y) * weight
+        if spikes and step in spikes:
+            loss = loss * spikes[step]
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import math
 import re
 import shutil
 import subprocess
@@ -24,13 +25,14 @@ def _record(
     weight: float = 1.0,
     lr_decay=False,
     scaler: str = "torch",
+    spikes: dict[int, float] | None = None,
 ):
     """A real fp16 loop under the torch rule (or ``scaler``), recorded (histogram every step)."""
     knobs = {"growth_interval": 20} if scaler == "torch" else {}
     scaler = autoscale.get_scaler(scaler, device="cpu", init_scale=2.0**16, **knobs)
     watch = autoscale.observe.watch_scaler(scaler, record=str(path), hist_every=1)
     # the schedule steps on skipped steps too: what a finding is about
-    fp16_loop(scaler, steps, bad_every=bad_every, weight=weight, lr_decay=lr_decay)
+    fp16_loop(scaler, steps, bad_every=bad_every, weight=weight, lr_decay=lr_decay, spikes=spikes)
     watch.close()
     return read_record(path)
 
@@ -83,6 +85,54 @@ def test_findings_name_what_the_record_shows(tmp_path):
     replay = RecordReplay(clean)
     found = findings(replay, replay.recorded(), {"torch": replay.replay("torch")})
     assert [f.title for f in found] == ["Nothing to fix in this run"]
+
+
+def test_loss_spikes_the_scaler_dropped_and_auto_would_take_are_said_before_auto_is_advised(
+    tmp_path,
+):
+    """GradScaler's overflow drops a finite loss spike; auto takes it at a lower scale, which
+    can diverge an unclipped SGD run (experiments/results/spike_harm.md): the report says so
+    before any advice to switch, and names the steps."""
+    from autoscale.report.findings import _underflow
+
+    spiky = {14: 1000.0, 34: 1000.0, 54: 10000.0}  # 20 apart: each above the 16 before it
+    record = _record(tmp_path / "s", 70, spikes=spiky)
+    replay = RecordReplay(record)
+    recorded = replay.recorded()
+    outcomes = {name: replay.replay(name) for name in ("torch", "auto")}
+    assert recorded.skipped[list(spiky)].all()  # torch's overflow dropped each spike
+    assert not outcomes["auto"].skipped[list(spiky)].any()  # auto's guard takes each one
+    found = findings(replay, recorded, outcomes)
+    assert [f.title for f in found] == [
+        "Loss spikes: this scaler dropped them, auto would take them"
+    ]
+    assert "3 of the 3 skipped steps (steps 14, 34, 54)" in found[0].detail
+    assert "auto takes 3 of them" in found[0].detail
+    assert "clip_grad_norm_" in found[0].advice
+    # where the record also lost gradients to underflow, the advice to use auto points to it
+    under = _record(tmp_path / "u", 80, bad_every=5, weight=2.0**-16)
+    replay = RecordReplay(under)
+    outcomes = {name: replay.replay(name) for name in ("torch", "auto")}
+    advice = [_underflow(replay, replay.recorded(), outcomes, s).advice for s in (False, True)]
+    assert advice[0].endswith("autoscale wrap --scaler auto -- <your command>.")
+    assert advice[1].endswith("(with the gradients clipped: the loss spikes above).")
+    # a run without spikes has no such finding (its skips are non-finite losses)
+    assert all(
+        "spike" not in f.title + f.advice for f in findings(replay, replay.recorded(), outcomes)
+    )
+
+
+def test_a_loss_jump_is_measured_against_the_last_16_finite_losses():
+    from autoscale.report.findings import loss_jumps
+
+    losses = [1.0] * 20 + [math.inf, 0.0, 1024.0, 1.0] + [2.0**-20] * 16 + [1.0]
+    jumps = loss_jumps(np.array(losses))
+    assert (
+        np.isnan(jumps[0]) and np.isnan(jumps[20]) and np.isnan(jumps[21])
+    )  # none before; not finite; 0
+    assert jumps[19] == 0.0 and jumps[22] == 10.0 and jumps[23] == -10.0
+    # 16 tiny losses push 1024 out of the memory: 1.0 is 20 bits above the largest left
+    assert jumps[-1] == 20.0
 
 
 def _findings_text(page: str) -> str:
