@@ -1,0 +1,155 @@
+"""Can a rule tell a harmful loss spike from a preference step by the loss alone?
+
+``experiments/spike_harm.py`` found that ``auto`` takes a finite loss spike GradScaler drops by
+its overflow, and that under plain SGD without clipping a spike of 1000x (10 bits above the
+other steps' losses) diverges the run. A guard that skipped every step whose ``|loss|`` lies more
+than ``k`` bits above the largest ``|loss|`` of the last 16 steps (the guard's own memory, as ``autoscale report`` measures a spike) would
+drop such spikes; what would it cost where the spikes are the work, as on the preference
+members? This trains every suite member under ``auto`` on its real steps and counts, per ``k``,
+the share of steps such a test would have skipped (the loss the scaler sees: the scenario's
+weight applied; steps with a non-finite loss are the scenario's bad batches, skipped anyway, and
+are not counted), beside ``torch``'s skip rate on the same seed; and, per ``k``, the members
+where those skips would lift ``auto``'s skip rate above ``torch``'s.
+
+    python experiments/spike_jump.py [--steps 2000] [--seed 100] [--reference torch]
+                                     [--out experiments/results/spike_jump.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+BITS = (4, 6, 8, 10, 12, 16)
+
+
+def jumps(member, seed: int, steps: int, scaler: str) -> tuple[list[tuple[float, bool]], float]:
+    """Per step with a finite non-zero loss after the first: log2 of its |loss| over the largest
+    of the previous ``SPIKE_MEMORY`` such ones (the report's :func:`loss_jumps`), and whether the
+    scaler skipped it; and the share of all steps the scaler skipped."""
+    from autoscale.report.findings import loss_jumps
+    from autoscale.training import TrainingRun
+
+    ep = member.episode
+    run = TrainingRun(
+        member.workload.replace(seed=seed),
+        scaler,
+        init_scale=ep.init_scale,
+        min_scale=ep.min_scale,
+        max_scale=ep.max_scale,
+    )
+    losses, skipped = [], []
+    for i in range(steps):
+        weight = run.scenario.loss_weight(i)
+        r = run.step()
+        losses.append(abs(r.loss * weight))
+        skipped.append(bool(r.found_inf))
+    js = loss_jumps(losses)
+    out = [(float(j), s) for j, s in zip(js, skipped) if not math.isnan(j)]
+    return out, run.scorecard().skip_rate
+
+
+def reading(rows: list, scaler: str, reference: str) -> list[str]:
+    """What the table says for a guard that skips at each threshold: per threshold, the members
+    where the steps it would add to ``scaler``'s skips (on this run's steps: a skip changes the
+    steps after it, so to first order) lift its skip rate above ``reference``'s."""
+    out = [
+        f"A guard skipping every step above a threshold, on the steps of these runs (a skip changes "
+        f"the later steps: to first order), would put `{scaler}`'s skip rate above `{reference}`'s on:",
+        "",
+    ]
+    for i, k in enumerate(BITS):
+        over = [
+            f"{name} ({100 * (skipped + added[i]):.2f}% against {100 * ref:.2f}%)"
+            for name, _, skipped, ref, _, _, added in rows
+            if added[i] > 0 and skipped + added[i] > ref
+        ]
+        out.append(f"- above {k} bits ({2**k:g}x): {'; '.join(over) if over else 'no member'}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=100)
+    p.add_argument("--scaler", default="auto")
+    p.add_argument("--reference", default="torch", help="a scaler whose skip rate is shown beside")
+    p.add_argument("--members", default="", help="comma-separated (default: every member)")
+    p.add_argument("--out", default=str(RESULTS / "spike_jump.md"))
+    args = p.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)
+    from tqdm.auto import tqdm
+
+    import autoscale
+    from autoscale.envs.suite import load_spec
+    from autoscale.errors import ConfigError
+    from autoscale.report.findings import SPIKE_MEMORY
+
+    suite = load_spec(ROOT / "envs" / "suite.yaml")
+    try:
+        names = (
+            args.members.split(",")
+            if args.members
+            else [m.name for m in suite.members + suite.left_out]
+        )
+        members = [suite.member(m) for m in names]
+    except ConfigError as exc:
+        print(f"spike_jump.py: error: {exc}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    rows = []
+    for m in tqdm(members, desc="members", unit="member"):
+        js, skipped = jumps(m, args.seed, args.steps, args.scaler)
+        _, ref_skipped = jumps(m, args.seed, args.steps, args.reference)
+        shares = [sum(j > k for j, _ in js) / len(js) if js else math.nan for k in BITS]
+        # the skip rate with the steps above k skipped too (those it skipped anyway count once)
+        added = [sum(j > k and not s for j, s in js) / args.steps for k in BITS]
+        top = max((j for j, _ in js), default=math.nan)
+        rows.append((m.name, len(js), skipped, ref_skipped, top, shares, added))
+    minutes = (time.monotonic() - t0) / 60
+    head = " | ".join(f"> {k} bits" for k in BITS)
+    lines = [
+        "# Loss jumps: what a loss-only spike test would skip",
+        "",
+        f"- {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, autoscale "
+        f"{autoscale.__version__}, {platform.machine()}, CPU, 1 thread",
+        f"- `python experiments/spike_jump.py --steps {args.steps} --seed {args.seed} "
+        f"--scaler {args.scaler} --reference {args.reference}` ({minutes:.1f} min)",
+        "",
+        f"Per member, under `{args.scaler}`: the steps with a finite loss, the share of all steps "
+        f"`{args.scaler}` skipped and `{args.reference}` skipped on the same seed, the largest jump (log2 of "
+        f"a step's |loss| over the largest of the previous {SPIKE_MEMORY}), and the share of steps whose "
+        "jump exceeds each threshold, which a guard skipping such steps would skip. "
+        "spike_harm.md's harmful spikes were 1000x and 10000x (about 10 and 13 bits); its 100x "
+        "spikes (6.6 bits) did no harm when taken.",
+        "",
+        f"| member | steps | skipped, {args.scaler} | skipped, {args.reference} | largest jump "
+        f"(bits) | {head} |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(BITS),
+    ]
+    for name, n, skipped, ref_skipped, top, shares, _ in rows:
+        cells = " | ".join(f"{100 * s:.1f}%" for s in shares)
+        lines.append(
+            f"| {name} | {n} | {100 * skipped:.2f}% | {100 * ref_skipped:.2f}% | {top:.1f} | {cells} |"
+        )
+    lines += ["", *reading(rows, args.scaler, args.reference)]
+    out = Path(args.out)
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
