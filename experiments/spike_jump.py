@@ -61,8 +61,10 @@ def reading(rows: list, scaler: str, reference: str) -> list[str]:
     where the steps it would add to ``scaler``'s skips (on this run's steps: a skip changes the
     steps after it, so to first order) lift its skip rate above ``reference``'s."""
     out = [
-        f"A guard skipping every step above a threshold, on the steps of these runs (a skip changes "
-        f"the later steps: to first order), would put `{scaler}`'s skip rate above `{reference}`'s on:",
+        "A guard skipping every step above a threshold, on the steps of these runs (a skip changes "
+        f"the later steps: to first order), would leave `{scaler}`'s skip rate above "
+        f"`{reference}`'s on these members, at the rate given (its own skips plus the flagged "
+        f"steps it took, each counted once, of all steps) against {reference}'s:",
         "",
     ]
     for i, k in enumerate(BITS):
@@ -128,12 +130,13 @@ def main(argv=None) -> int:
         f"- `python experiments/spike_jump.py --steps {args.steps} --seed {args.seed} "
         f"--scaler {args.scaler} --reference {args.reference}` ({minutes:.1f} min)",
         "",
-        f"Per member, under `{args.scaler}`: the steps with a finite loss, the share of all steps "
-        f"`{args.scaler}` skipped and `{args.reference}` skipped on the same seed, the largest jump (log2 of "
-        f"a step's |loss| over the largest of the previous {SPIKE_MEMORY}), and the share of steps whose "
-        "jump exceeds each threshold, which a guard skipping such steps would skip. "
-        "spike_harm.md's harmful spikes were 1000x and 10000x (about 10 and 13 bits); its 100x "
-        "spikes (6.6 bits) did no harm when taken.",
+        f"Per member, under `{args.scaler}`: the steps with a finite non-zero loss (after the "
+        f"first), the share of all steps `{args.scaler}` skipped and `{args.reference}` skipped "
+        "on the same seed, the largest jump (log2 of a step's |loss| over the largest of the "
+        f"previous {SPIKE_MEMORY}), and the share of those steps whose jump exceeds each "
+        "threshold, which a guard skipping such steps would skip. spike_harm.md's harmful spikes "
+        "were 1000x and 10000x (about 10 and 13 bits); its 100x spikes (6.6 bits) did no harm "
+        "when taken under SGD.",
         "",
         f"| member | steps | skipped, {args.scaler} | skipped, {args.reference} | largest jump "
         f"(bits) | {head} |",

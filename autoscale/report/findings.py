@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autoscale.errors import ConfigError
 from autoscale.report.replay import Outcome, RecordReplay
 
 __all__ = ["SPIKE_BITS", "Finding", "findings", "loss_jumps"]
@@ -42,9 +43,10 @@ def findings(
     """The findings of a record, most serious first."""
     if recorded.steps == 0:
         return []
+    # the spikes first: the findings that advise auto point to them
     spikes = _dropped_spikes(replay, recorded, outcomes)
     found = [
-        _nonfinite_losses(replay, recorded),
+        _nonfinite_losses(replay, recorded, spikes is not None),
         _at_minimum(recorded),
         spikes,
         _underflow(replay, recorded, outcomes, spikes is not None),
@@ -53,18 +55,30 @@ def findings(
     return [f for f in found if f is not None] or [_nothing_to_fix(recorded)]
 
 
-def loss_jumps(loss: np.ndarray) -> np.ndarray:
+def loss_jumps(loss: np.ndarray, remembered: np.ndarray | None = None) -> np.ndarray:
     """Per step, log2 of its ``|loss|`` over the largest of the previous :data:`SPIKE_MEMORY`
-    finite non-zero ones (NaN for a step whose loss is not such, or with none before it)."""
+    finite non-zero ones (NaN for a step whose loss is not such, or with none before it); with
+    ``remembered`` (a mask), only the steps it marks enter that memory."""
     out = np.full(len(loss), np.nan)
-    seen: list[float] = []
+    keep = np.ones(len(loss), dtype=bool) if remembered is None else np.asarray(remembered)
+    seen: list[float] = []  # log2 |loss| of the remembered steps
     for i, v in enumerate(np.abs(np.asarray(loss, dtype=np.float64)).tolist()):
         if not 0.0 < v < math.inf:
             continue
+        bits = math.log2(v)
         if seen:
-            out[i] = math.log2(v / max(seen))
-        seen = [*seen[1 - SPIKE_MEMORY :], v]
+            out[i] = bits - max(seen)
+        if keep[i]:
+            seen = [*seen[1 - SPIKE_MEMORY :], bits]
     return out
+
+
+SPIKE_ADVICE = " (with the gradients clipped: the loss spikes above)"
+
+
+def _times(bits: float) -> str:
+    """A factor of ``2**bits``, readable: 837x, or 2^52x."""
+    return f"{2.0**bits:,.0f}x" if bits < 20 else f"2^{bits:.0f}x"
 
 
 def _dropped_spikes(
@@ -72,25 +86,33 @@ def _dropped_spikes(
 ) -> Finding | None:
     """Finite loss spikes the recorded scaler's overflow dropped and ``auto`` (replayed) takes:
     taking a spike applies its update, which can diverge a run without gradient clipping
-    (``experiments/results/spike_harm.md``), so a user switching to ``auto`` is told first."""
-    auto = outcomes.get("auto")
-    if auto is None:
-        return None
+    (``experiments/results/spike_harm.md``), so a user switching to ``auto`` is told first. A
+    spike is measured against the steps the scaler did not skip (a dropped spike does not hide
+    the next one)."""
     t, skipped = replay.inst, recorded.skipped
-    jumps = loss_jumps(t.scaler_loss)
+    jumps = loss_jumps(t.scaler_loss, remembered=~skipped)
     with np.errstate(invalid="ignore"):
         idx = np.flatnonzero(skipped & ~t.nonfinite & (jumps > SPIKE_BITS))
+    if not len(idx):
+        return None
+    auto = outcomes.get("auto")
+    if auto is None:  # (a page of other scalers: the advice to use auto still comes)
+        try:
+            auto = replay.replay("auto")
+        except ConfigError:
+            return None
     taken = int((~auto.skipped[idx]).sum())
     if not taken:
         return None
-    low, high = (f"{2 ** float(f(jumps[idx])):.0f}x" for f in (np.min, np.max))
+    low, high = _times(float(jumps[idx].min())), _times(float(jumps[idx].max()))
     return Finding(
         "Loss spikes: this scaler dropped them, auto would take them",
         f"{len(idx)} of the {int(skipped.sum())} skipped steps (steps {_steps(idx)}) had a finite "
         f"loss {low if low == high else f'{low} to {high}'} the largest of the {SPIKE_MEMORY} "
-        "losses before it: their gradients overflowed at this scaler's scale, "
-        f"so it dropped them as a side effect. Replayed, auto takes {taken} of them, each at a "
-        "lower scale of its own, as fp32 or bf16 training would.",
+        "losses before it that the scaler did not skip: their gradients overflowed at its "
+        f"scale, so it dropped them as a side effect. Replayed, auto takes {taken} of them, each "
+        "at a lower scale of its own, as fp32 or bf16 training would. (A preference/DPO-style "
+        "loss jumps so on the pairs it ranks wrong, which are what it learns from.)",
         "A step taken applies its gradient, which grows with its loss: with plain SGD and no "
         "gradient clipping a few such steps can diverge a run (Adam-style updates are bounded "
         "and suffer far less). Before switching to auto, clip the "
@@ -100,9 +122,11 @@ def _dropped_spikes(
     )
 
 
-def _nonfinite_losses(replay: RecordReplay, recorded: Outcome) -> Finding | None:
+def _nonfinite_losses(
+    replay: RecordReplay, recorded: Outcome, spikes: bool = False
+) -> Finding | None:
     """Steps skipped for a non-finite loss, which no scale saves, and what the scaler did after
-    them. One count of skipped steps everywhere (the table's): what happened after a step is
+    them (``spikes``: its advice to use ``auto`` points to the loss-spike finding). One count of skipped steps everywhere (the table's): what happened after a step is
     seen on the next one, so the record's last step, when skipped, is counted and said to be
     last."""
     n, skipped = recorded.steps, recorded.skipped
@@ -144,7 +168,9 @@ def _nonfinite_losses(replay: RecordReplay, recorded: Outcome) -> Finding | None
         advice += (
             " Meanwhile a rule that does not lower its scale for a non-finite loss keeps "
             "the gradients' precision (auto lowers only such a step's own scale): "
-            "autoscale wrap --scaler auto -- <your command>."
+            "autoscale wrap --scaler auto -- <your command>"
+            + (SPIKE_ADVICE if spikes else "")
+            + "."
         )
     return Finding("Non-finite losses: no loss scale fixes these", detail, advice)
 
@@ -197,8 +223,7 @@ def _underflow(
         f"On average {100 * prec:.2f}% of the non-zero gradient elements fell below "
         f"fp16's normal range (2^-14) after scaling, and lost precision or became 0.{room}{better}",
         "Use a scaler that keeps the scale near the overflow threshold: "
-        "autoscale wrap --scaler auto -- <your command>"
-        + (" (with the gradients clipped: the loss spikes above)." if spikes else "."),
+        "autoscale wrap --scaler auto -- <your command>" + (SPIKE_ADVICE if spikes else "") + ".",
     )
 
 

@@ -93,9 +93,8 @@ def test_loss_spikes_the_scaler_dropped_and_auto_would_take_are_said_before_auto
     """GradScaler's overflow drops a finite loss spike; auto takes it at a lower scale, which
     can diverge an unclipped SGD run (experiments/results/spike_harm.md): the report says so
     before any advice to switch, and names the steps."""
-    from autoscale.report.findings import _underflow
-
-    spiky = {14: 1000.0, 34: 1000.0, 54: 10000.0}  # 20 apart: each above the 16 before it
+    # every 15 steps, as in spike_harm.py: a dropped spike does not hide the next one
+    spiky = {14: 1000.0, 29: 1000.0, 44: 10000.0}
     record = _record(tmp_path / "s", 70, spikes=spiky)
     replay = RecordReplay(record)
     recorded = replay.recorded()
@@ -106,33 +105,54 @@ def test_loss_spikes_the_scaler_dropped_and_auto_would_take_are_said_before_auto
     assert [f.title for f in found] == [
         "Loss spikes: this scaler dropped them, auto would take them"
     ]
-    assert "3 of the 3 skipped steps (steps 14, 34, 54)" in found[0].detail
+    assert "3 of the 3 skipped steps (steps 14, 29, 44)" in found[0].detail
     assert "auto takes 3 of them" in found[0].detail
     assert "clip_grad_norm_" in found[0].advice
-    # where the record also lost gradients to underflow, the advice to use auto points to it
-    under = _record(tmp_path / "u", 80, bad_every=5, weight=2.0**-16)
-    replay = RecordReplay(under)
-    outcomes = {name: replay.replay(name) for name in ("torch", "auto")}
-    advice = [_underflow(replay, replay.recorded(), outcomes, s).advice for s in (False, True)]
-    assert advice[0].endswith("autoscale wrap --scaler auto -- <your command>.")
-    assert advice[1].endswith("(with the gradients clipped: the loss spikes above).")
-    # a run without spikes has no such finding (its skips are non-finite losses)
-    assert all(
-        "spike" not in f.title + f.advice for f in findings(replay, replay.recorded(), outcomes)
+    # with bad batches and underflow too: every advice to use auto comes after it, pointing to it
+    mixed = _record(
+        tmp_path / "m", 70, bad_every=7, weight=2.0**-16, spikes={16: 2.0**20, 38: 2.0**20}
     )
+    replay = RecordReplay(mixed)
+    outcomes = {name: replay.replay(name) for name in ("torch", "auto")}
+    found = findings(replay, replay.recorded(), outcomes)
+    assert [f.title for f in found] == [
+        "Non-finite losses: no loss scale fixes these",
+        "Loss spikes: this scaler dropped them, auto would take them",
+        "Gradients lost to underflow",
+    ]
+    assert "(steps 16)" in found[1].detail  # (at step 38 the ratcheted scale took the spike)
+    for f in (found[0], found[2]):
+        assert f.advice.endswith(
+            "--scaler auto -- <your command> (with the gradients clipped: the loss spikes above)."
+        )
+    # the same run without spikes: the advice to use auto as it was, no spike finding
+    plain = _record(tmp_path / "u", 70, bad_every=7, weight=2.0**-16)
+    replay = RecordReplay(plain)
+    found = findings(replay, replay.recorded(), {"torch": replay.replay("torch")})
+    assert [f.title for f in found] == [
+        "Non-finite losses: no loss scale fixes these",
+        "Gradients lost to underflow",
+    ]
+    assert all(f.advice.endswith("--scaler auto -- <your command>.") for f in found)
 
 
 def test_a_loss_jump_is_measured_against_the_last_16_finite_losses():
     from autoscale.report.findings import loss_jumps
 
-    losses = [1.0] * 20 + [math.inf, 0.0, 1024.0, 1.0] + [2.0**-20] * 16 + [1.0]
+    losses = [1.0] * 20 + [math.inf, 0.0, math.nan, 1024.0, -1.0] + [2.0**-20] * 16 + [1.0]
     jumps = loss_jumps(np.array(losses))
-    assert (
-        np.isnan(jumps[0]) and np.isnan(jumps[20]) and np.isnan(jumps[21])
-    )  # none before; not finite; 0
-    assert jumps[19] == 0.0 and jumps[22] == 10.0 and jumps[23] == -10.0
+    assert np.isnan(jumps[0])  # none before it
+    assert np.isnan(jumps[20:23]).all()  # inf, 0 and NaN: no jump, and not remembered
+    assert jumps[19] == 0.0 and jumps[23] == 10.0 and jumps[24] == -10.0  # |loss|: -1 is 1
     # 16 tiny losses push 1024 out of the memory: 1.0 is 20 bits above the largest left
     assert jumps[-1] == 20.0
+    # 1024 exactly 16 remembered steps back still counts (a memory of 15 would say 20)
+    assert loss_jumps(np.array([1024.0, 1.0] + [2.0**-20] * 15 + [1.0]))[-1] == 0.0
+    # a step left out of the memory (a dropped spike) does not hide the next one
+    spiky = np.array([1.0] * 5 + [1024.0] + [1.0] * 5 + [1024.0])
+    assert loss_jumps(spiky)[-1] == 0.0
+    assert loss_jumps(spiky, remembered=spiky < 2)[-1] == 10.0
+    assert np.isnan(loss_jumps(np.array([]))).all()
 
 
 def _findings_text(page: str) -> str:

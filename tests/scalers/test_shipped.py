@@ -159,9 +159,9 @@ def test_torch_drops_finite_loss_spikes_by_their_overflow_and_trains():
     raises=AssertionError,
     reason="auto takes a finite loss spike that GradScaler's overflow drops (its guard lowers "
     "that step's scale from the loss); with plain SGD the updates diverge the MLP's run, every "
-    "later step skipped (experiments/results/spike_harm.md); no test on the loss alone skips "
-    "such spikes without skipping the preference members' large steps "
-    "(experiments/results/spike_jump.md): the remedy is gradient clipping",
+    "later step skipped (experiments/results/spike_harm.md); a threshold on the loss's jump "
+    "over the 16 before it (4 to 16 bits) skips the preference members' large steps too, "
+    "above torch's skip rate (experiments/results/spike_jump.md): the remedy is clipping",
 )
 def test_auto_does_no_more_harm_than_torch_through_finite_loss_spikes():
     torch_run, auto_run = _spike_runs()
