@@ -125,6 +125,9 @@ def test_loss_spikes_the_scaler_dropped_and_auto_would_take_are_said_before_auto
         assert f.advice.endswith(
             "--scaler auto -- <your command> (with the gradients clipped: the loss spikes above)."
         )
+    # a page of other scalers (--scalers without auto) still warns: auto is replayed for it
+    alone = findings(replay, replay.recorded(), {"torch": outcomes["torch"]})
+    assert [f.title for f in alone] == [f.title for f in found]
     # the same run without spikes: the advice to use auto as it was, no spike finding
     plain = _record(tmp_path / "u", 70, bad_every=7, weight=2.0**-16)
     replay = RecordReplay(plain)
