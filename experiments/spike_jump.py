@@ -1,9 +1,9 @@
-"""Can a rule tell a harmful loss spike from a preference step by the loss alone?
+"""Can a rule tell a harmful loss spike from a preference step by how far its loss jumps?
 
 ``experiments/spike_harm.py`` found that ``auto`` takes a finite loss spike GradScaler drops by
 its overflow, and that under plain SGD without clipping a spike of 1000x (10 bits above the
 other steps' losses) diverges the run. A guard that skipped every step whose ``|loss|`` lies more
-than ``k`` bits above the largest ``|loss|`` of the last 16 steps (the guard's own memory, as ``autoscale report`` measures a spike) would
+than ``k`` bits above the largest ``|loss|`` of the last 16 steps (the guard's own memory) would
 drop such spikes; what would it cost where the spikes are the work, as on the preference
 members? This trains every suite member under ``auto`` on its real steps and counts, per ``k``,
 the share of steps such a test would have skipped (the loss the scaler sees: the scenario's
@@ -12,7 +12,10 @@ are not counted), beside ``torch``'s skip rate on the same seed; and, per ``k``,
 where those skips would lift ``auto``'s skip rate above ``torch``'s.
 
     python experiments/spike_jump.py [--steps 2000] [--seed 100] [--reference torch]
+                                     [--memory 16] [--members a,b]
                                      [--out experiments/results/spike_jump.md]
+
+``--memory`` measures each jump against a longer (or shorter) memory than the guard's 16.
 """
 
 from __future__ import annotations
@@ -28,11 +31,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 BITS = (4, 6, 8, 10, 12, 16)
+GUARD_MEMORY = 16  # auto's guard_history: the losses its guard remembers
 
 
-def jumps(member, seed: int, steps: int, scaler: str) -> tuple[list[tuple[float, bool]], float]:
+def jumps(
+    member, seed: int, steps: int, scaler: str, memory: int
+) -> tuple[list[tuple[float, bool]], float]:
     """Per step with a finite non-zero loss after the first: log2 of its |loss| over the largest
-    of the previous ``SPIKE_MEMORY`` such ones (the report's :func:`loss_jumps`), and whether the
+    of the previous ``memory`` such ones (the report's :func:`loss_jumps`, its memory set to
+    ``memory``), and whether the
     scaler skipped it; and the share of all steps the scaler skipped."""
     from autoscale.report.findings import loss_jumps
     from autoscale.training import TrainingRun
@@ -51,7 +58,7 @@ def jumps(member, seed: int, steps: int, scaler: str) -> tuple[list[tuple[float,
         r = run.step()
         losses.append(abs(r.loss * weight))
         skipped.append(bool(r.found_inf))
-    js = loss_jumps(losses)
+    js = loss_jumps(losses, memory=memory)
     out = [(float(j), s) for j, s in zip(js, skipped) if not math.isnan(j)]
     return out, run.scorecard().skip_rate
 
@@ -86,6 +93,9 @@ def main(argv=None) -> int:
     p.add_argument("--scaler", default="auto")
     p.add_argument("--reference", default="torch", help="a scaler whose skip rate is shown beside")
     p.add_argument("--members", default="", help="comma-separated (default: every member)")
+    p.add_argument(
+        "--memory", type=int, default=0, help="losses a jump is measured against (default: 16)"
+    )  # 16: auto's guard_history
     p.add_argument("--out", default=str(RESULTS / "spike_jump.md"))
     args = p.parse_args(argv)
 
@@ -97,7 +107,6 @@ def main(argv=None) -> int:
     import autoscale
     from autoscale.envs.suite import load_spec
     from autoscale.errors import ConfigError
-    from autoscale.report.findings import SPIKE_MEMORY
 
     suite = load_spec(ROOT / "envs" / "suite.yaml")
     try:
@@ -110,11 +119,12 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"spike_jump.py: error: {exc}", file=sys.stderr)
         return 2
+    memory = args.memory or GUARD_MEMORY
     t0 = time.monotonic()
     rows = []
     for m in tqdm(members, desc="members", unit="member"):
-        js, skipped = jumps(m, args.seed, args.steps, args.scaler)
-        _, ref_skipped = jumps(m, args.seed, args.steps, args.reference)
+        js, skipped = jumps(m, args.seed, args.steps, args.scaler, memory)
+        _, ref_skipped = jumps(m, args.seed, args.steps, args.reference, memory)
         shares = [sum(j > k for j, _ in js) / len(js) if js else math.nan for k in BITS]
         # the skip rate with the steps above k skipped too (those it skipped anyway count once)
         added = [sum(j > k and not s for j, s in js) / args.steps for k in BITS]
@@ -128,12 +138,16 @@ def main(argv=None) -> int:
         f"- {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, autoscale "
         f"{autoscale.__version__}, {platform.machine()}, CPU, 1 thread",
         f"- `python experiments/spike_jump.py --steps {args.steps} --seed {args.seed} "
-        f"--scaler {args.scaler} --reference {args.reference}` ({minutes:.1f} min)",
+        f"--scaler {args.scaler} --reference {args.reference}"
+        + (f" --memory {args.memory}" if args.memory else "")
+        + (f" --members {args.members}" if args.members else "")
+        + (f" --out {args.out}" if Path(args.out) != RESULTS / "spike_jump.md" else "")
+        + f"` ({minutes:.1f} min)",
         "",
         f"Per member, under `{args.scaler}`: the steps with a finite non-zero loss (after the "
         f"first), the share of all steps `{args.scaler}` skipped and `{args.reference}` skipped "
         "on the same seed, the largest jump (log2 of a step's |loss| over the largest of the "
-        f"previous {SPIKE_MEMORY}), and the share of those steps whose jump exceeds each "
+        f"previous {memory}), and the share of those steps whose jump exceeds each "
         "threshold, which a guard skipping such steps would skip. spike_harm.md's harmful spikes "
         "were 1000x and 10000x (about 10 and 13 bits); its 100x spikes (6.6 bits) did no harm "
         "when taken under SGD.",

@@ -13,9 +13,11 @@ from autoscale.report.replay import Outcome, RecordReplay
 
 __all__ = ["SPIKE_BITS", "Finding", "findings", "loss_jumps"]
 
-# a finite loss this many bits above the largest of the last SPIKE_MEMORY finite losses is a
-# spike (256x; the loss guard's memory is as long)
-SPIKE_BITS, SPIKE_MEMORY = 8.0, 16
+# a finite loss this many bits (256x) above the largest of the last SPIKE_MEMORY finite losses the
+# scaler did not skip is a spike. A long memory: against the 16 before it, the preference members'
+# losses jump up to 52 bits (a collapsed loss, then a pair ranked wrong); against 256, by at most
+# 5.6 (experiments/results/spike_jump.md, spike_jump_memory256.md)
+SPIKE_BITS, SPIKE_MEMORY = 8.0, 256
 
 
 @dataclass(frozen=True)
@@ -55,9 +57,11 @@ def findings(
     return [f for f in found if f is not None] or [_nothing_to_fix(recorded)]
 
 
-def loss_jumps(loss: np.ndarray, remembered: np.ndarray | None = None) -> np.ndarray:
-    """Per step, log2 of its ``|loss|`` over the largest of the previous :data:`SPIKE_MEMORY`
-    finite non-zero ones (NaN for a step whose loss is not such, or with none before it); with
+def loss_jumps(
+    loss: np.ndarray, remembered: np.ndarray | None = None, memory: int = SPIKE_MEMORY
+) -> np.ndarray:
+    """Per step, log2 of its ``|loss|`` over the largest of the previous ``memory`` finite
+    non-zero ones (NaN for a step whose loss is not such, or with none before it); with
     ``remembered`` (a mask), only the steps it marks enter that memory."""
     out = np.full(len(loss), np.nan)
     keep = np.ones(len(loss), dtype=bool) if remembered is None else np.asarray(remembered)
@@ -69,7 +73,7 @@ def loss_jumps(loss: np.ndarray, remembered: np.ndarray | None = None) -> np.nda
         if seen:
             out[i] = bits - max(seen)
         if keep[i]:
-            seen = [*seen[1 - SPIKE_MEMORY :], bits]
+            seen = [*seen[1 - memory :], bits]
     return out
 
 

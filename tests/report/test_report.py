@@ -139,18 +139,21 @@ def test_loss_spikes_the_scaler_dropped_and_auto_would_take_are_said_before_auto
     assert all(f.advice.endswith("--scaler auto -- <your command>.") for f in found)
 
 
-def test_a_loss_jump_is_measured_against_the_last_16_finite_losses():
-    from autoscale.report.findings import loss_jumps
+def test_a_loss_jump_is_measured_against_the_largest_of_the_remembered_losses():
+    from autoscale.report.findings import SPIKE_MEMORY, loss_jumps
 
     losses = [1.0] * 20 + [math.inf, 0.0, math.nan, 1024.0, -1.0] + [2.0**-20] * 16 + [1.0]
-    jumps = loss_jumps(np.array(losses))
+    jumps = loss_jumps(np.array(losses), memory=16)
     assert np.isnan(jumps[0])  # none before it
     assert np.isnan(jumps[20:23]).all()  # inf, 0 and NaN: no jump, and not remembered
     assert jumps[19] == 0.0 and jumps[23] == 10.0 and jumps[24] == -10.0  # |loss|: -1 is 1
-    # 16 tiny losses push 1024 out of the memory: 1.0 is 20 bits above the largest left
+    # 16 tiny losses push 1024 out of a memory of 16: 1.0 is 20 bits above the largest left
     assert jumps[-1] == 20.0
     # 1024 exactly 16 remembered steps back still counts (a memory of 15 would say 20)
-    assert loss_jumps(np.array([1024.0, 1.0] + [2.0**-20] * 15 + [1.0]))[-1] == 0.0
+    assert loss_jumps(np.array([1024.0, 1.0] + [2.0**-20] * 15 + [1.0]), memory=16)[-1] == 0.0
+    # the report's memory is long: a loss that collapsed for a while is measured against what
+    # it was before (a preference loss's pair ranked wrong is no spike)
+    assert SPIKE_MEMORY == 256 and loss_jumps(np.array(losses))[-1] == -10.0
     # a step left out of the memory (a dropped spike) does not hide the next one
     spiky = np.array([1.0] * 5 + [1024.0] + [1.0] * 5 + [1024.0])
     assert loss_jumps(spiky)[-1] == 0.0
