@@ -4,6 +4,7 @@ to do about it. Only findings the record supports are made."""
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,7 +66,7 @@ def loss_jumps(
     ``remembered`` (a mask), only the steps it marks enter that memory."""
     out = np.full(len(loss), np.nan)
     keep = np.ones(len(loss), dtype=bool) if remembered is None else np.asarray(remembered)
-    seen: list[float] = []  # log2 |loss| of the remembered steps
+    seen: deque[float] = deque(maxlen=memory)  # log2 |loss| of the remembered steps
     for i, v in enumerate(np.abs(np.asarray(loss, dtype=np.float64)).tolist()):
         if not 0.0 < v < math.inf:
             continue
@@ -73,7 +74,7 @@ def loss_jumps(
         if seen:
             out[i] = bits - max(seen)
         if keep[i]:
-            seen = [*seen[1 - memory :], bits]
+            seen.append(bits)
     return out
 
 
@@ -130,9 +131,9 @@ def _nonfinite_losses(
     replay: RecordReplay, recorded: Outcome, spikes: bool = False
 ) -> Finding | None:
     """Steps skipped for a non-finite loss, which no scale saves, and what the scaler did after
-    them (``spikes``: its advice to use ``auto`` points to the loss-spike finding). One count of skipped steps everywhere (the table's): what happened after a step is
-    seen on the next one, so the record's last step, when skipped, is counted and said to be
-    last."""
+    them (``spikes``: its advice to use ``auto`` points to the loss-spike finding). One count of
+    skipped steps everywhere (the table's): what happened after a step is seen on the next one,
+    so the record's last step, when skipped, is counted and said to be last."""
     n, skipped = recorded.steps, recorded.skipped
     n_skipped = int(skipped.sum())
     nf = np.flatnonzero(replay.inst.nonfinite & skipped)
