@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from autoscale.scalers import step_vector as sv
+from autoscale.scalers.controller import f32
 from autoscale.scalers.grad_stats import (
     AbsMax,
     FlatAbs,
@@ -45,7 +46,12 @@ class GradReader:
         self.rms, self.keep_abs = state["rms"], state["keep_abs"]
 
     def unscale(
-        self, state: dict[str, Any], grads: list[torch.Tensor], inv: torch.Tensor, dev: torch.device
+        self,
+        state: dict[str, Any],
+        grads: list[torch.Tensor],
+        inv: torch.Tensor,
+        dev: torch.device,
+        host: bool = False,
     ) -> None:
         """Unscale ``grads`` (:func:`~autoscale.scalers.grad_stats.one_pass_grads`) in place,
         reading their amax first: one read of the scaled gradients gives the amax, whose
@@ -56,8 +62,16 @@ class GradReader:
         :data:`~autoscale.scalers.step_vector.STATS`: the unscaled amax (0-dim), or with ``rms``
         :func:`~autoscale.scalers.grad_stats.stats_vector`. The same gradients, flag and
         statistics as GradScaler's unscale followed by a read of them, bit for bit (rounding is
-        monotonic)."""
+        monotonic). With ``host`` (a CPU scaler that reads its step on the host, without
+        ``rms``), the amax goes under STATS as a host float, the same value
+        (:meth:`~autoscale.scalers.grad_stats.AbsMax.unscale_on_host`)."""
         with torch.no_grad():
+            if host and not self.rms:
+                found = torch.zeros((), device=dev)
+                amax = self._abs_max.unscale_on_host(grads, inv, found)
+                state[sv.STATS] = f32(amax * inv.item())  # float32's product of two float32s
+                state["found_inf_per_device"] = {dev: found}
+                return
             amax, sumsq = self._abs_max.read(grads, dev, then_mul=inv, sumsq=self.rms)
             unscaled = amax * inv
             state[sv.STATS] = stats_vector(grads, dev, unscaled, sumsq) if self.rms else unscaled

@@ -177,6 +177,14 @@ class AbsMax:
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._norm_outs: list[torch.Tensor] = []
 
+    def _fit(self, n: int) -> None:
+        """Buffers for ``n`` gradients: [min, max] of each, then the 2-norm of each."""
+        if len(self._pairs) != n:
+            buf = torch.empty(3 * n)
+            self._minmax, self._norms = buf[: 2 * n], buf[2 * n :]
+            self._pairs = list(zip(buf[0 : 2 * n : 2].unbind(), buf[1 : 2 * n : 2].unbind()))
+            self._norm_outs = list(self._norms.unbind())
+
     def __call__(
         self, grads: list[torch.Tensor], dev: torch.device, then_mul: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -204,12 +212,7 @@ class AbsMax:
             if then_mul is not None:
                 torch._foreach_mul_(grads, then_mul)
             return amax, grad_sumsq(grads, dev) if sumsq else None
-        n = len(grads)
-        if len(self._pairs) != n:  # [min, max] of each gradient, then the 2-norm of each
-            buf = torch.empty(3 * n)
-            self._minmax, self._norms = buf[: 2 * n], buf[2 * n :]
-            self._pairs = list(zip(buf[0 : 2 * n : 2].unbind(), buf[1 : 2 * n : 2].unbind()))
-            self._norm_outs = list(self._norms.unbind())
+        self._fit(len(grads))
         if then_mul is not None and not sumsq and max(map(_numel, grads)) <= CACHED_ELEMENTS:
             # gradients that fit in cache: one multiply over all of them after their reads
             # (each op costs microseconds; a pass per gradient saves nothing here)
@@ -225,6 +228,30 @@ class AbsMax:
                     torch.linalg.vector_norm(g, 2, dtype=torch.float32, out=norm)
         amax = torch.linalg.vector_norm(self._minmax, math.inf).to(dev)
         return amax, self._norms.square().sum().to(dev) if sumsq else None
+
+    def unscale_on_host(
+        self, grads: list[torch.Tensor], inv: torch.Tensor, found: torch.Tensor
+    ) -> float:
+        """Unscale CPU ``grads`` in place with GradScaler's own kernel
+        (``torch._amp_foreach_non_finite_check_and_unscale_``: the same products, and the
+        found-inf flag set in ``found``), reading each gradient's min and max first; returns
+        their amax, as they were, on the host: what :meth:`read` gives, without the four small
+        ops that make it a tensor and the flag from it (each op costs microseconds on a CPU;
+        a read costs none there). A large gradient is unscaled right after its own read, while
+        it is in cache."""
+        self._fit(len(grads))
+        unscale = torch._amp_foreach_non_finite_check_and_unscale_
+        if max(map(_numel, grads)) <= CACHED_ELEMENTS:
+            for g, out in zip(grads, self._pairs):
+                torch.aminmax(g, out=out)
+            unscale(grads, found, inv)
+        else:
+            for g, out in zip(grads, self._pairs):
+                torch.aminmax(g, out=out)
+                unscale([g], found, inv)
+        if found.item():  # an inf or NaN: the norm's order (NaN first, then inf), as read gives
+            return torch.linalg.vector_norm(self._minmax, math.inf).item()
+        return max(map(abs, self._minmax.tolist()))
 
 
 def nonfinite_flag(amax: torch.Tensor) -> torch.Tensor:

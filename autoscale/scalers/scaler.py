@@ -332,7 +332,7 @@ class LossScaler(torch.amp.GradScaler):
             )
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        self.grads.unscale(state, grads, self._inv_scale(), self._scale.device)
+        self.grads.unscale(state, grads, self._inv_scale(), self._scale.device, host=self._cpu)
         for obs in self._observers:
             obs.on_grads(self, optimizer, grads, None)
         state["stage"] = OptState.UNSCALED
@@ -599,7 +599,9 @@ class LossScaler(torch.amp.GradScaler):
             found = found or flag.item() > 0
         amax, sumsq, count = math.nan, math.nan, 0.0
         if stats is not None:
-            if stats.dim():
+            if isinstance(stats, float):  # read on the host already (GradReader.unscale)
+                amax = stats
+            elif stats.dim():
                 amax, sumsq, count = stats.tolist()
             else:
                 amax = stats.item()

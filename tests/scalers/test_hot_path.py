@@ -60,7 +60,8 @@ def test_the_cpu_read_is_the_packed_read(name):
 @pytest.mark.parametrize("bad", [None, math.inf, math.nan])
 def test_the_amax_read_multiplies_as_gradscaler_either_way(sizes, bad, monkeypatch):
     """Small gradients are multiplied in one op after their reads, a large one right after its
-    own: the same gradients as GradScaler's unscale, the same amax, either way."""
+    own: the same gradients as GradScaler's unscale, the same amax, either way; and so with the
+    amax read on the host and GradScaler's own unscale kernel (a CPU scaler's form)."""
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=g) * 1e3 for n in sizes]
     if bad is not None:
@@ -78,7 +79,15 @@ def test_the_amax_read_multiplies_as_gradscaler_either_way(sizes, bad, monkeypat
             torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(ours, theirs)
         )
         outs.append(repr(amax.item()))
-    assert outs[0] == outs[1] == repr(want)
+        # a CPU scaler's form: GradScaler's own unscale kernel, the amax read on the host
+        ours, found = [t.clone() for t in grads], torch.zeros(())
+        on_host = AbsMax().unscale_on_host(ours, inv, found)
+        assert all(
+            torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(ours, theirs)
+        )
+        assert found.item() == (bad is not None)
+        outs.append(repr(on_host))
+    assert outs == [repr(want)] * 4
 
 
 def test_inverse_scales_are_kept_for_a_few_scales():

@@ -79,7 +79,8 @@ def test_unscale_matches_gradscaler_and_the_amax_of_the_unscaled_gradients(scale
         scaler.unscale_(opt)
         runs.append((model, opt, scaler))
     (m_ref, o_ref, ref), (m_ours, o_ours, ours) = runs
-    assert ours._per_optimizer_states[id(o_ours)]["autoscale_stats"].dim() == 0  # the one pass
+    # the one pass, its amax read on the host of a CPU scaler
+    assert isinstance(ours._per_optimizer_states[id(o_ours)]["autoscale_stats"], float)
     for a, b in zip(m_ours.parameters(), m_ref.parameters()):
         assert torch.equal(a.grad, b.grad) or (bad is not None and a.grad.isnan().any())
     flag = list(ours._found_inf_per_device(o_ours).values())
