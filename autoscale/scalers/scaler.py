@@ -605,7 +605,9 @@ class LossScaler(torch.amp.GradScaler):
                 amax, sumsq, count = stats.tolist()
             else:
                 amax = stats.item()
-        loss_sum = loss.float().item() if loss is not None else 0.0
+        loss_sum = 0.0
+        if loss is not None:  # float32's sum: a float64 loss rounds to it, a narrower one is exact
+            loss_sum = loss.float().item() if loss.dtype is torch.float64 else loss.item()
         state[sv.HOST] = sv.HostStep(found, amax, sumsq, count, loss_sum, float(n_loss))
         if self._guarded:
             state[sv.USED] = self._step_scale if self._step_scale is not None else self.get_scale()

@@ -56,6 +56,26 @@ def test_the_cpu_read_is_the_packed_read(name):
     assert any("'found_inf': True" in s for s in read)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_the_cpu_read_of_a_loss_is_the_packed_ones(dtype):
+    """The loss is read as the packed vector holds it: in float32 (a float64 loss rounded)."""
+    seen = []
+    for packed in (False, True):
+        scaler = make("auto", init_scale=2.0**12)
+        model = tiny_model()
+        opt = adamw(model)
+        x, y = batches(1)[0]
+        loss = forward_loss(model, x, y)
+        scaler.scale(loss.to(dtype) + torch.tensor(1.0 / 3.0, dtype=dtype)).backward()
+        if packed:
+            scaler._cpu = False
+        scaler.step(opt)
+        scaler.update()
+        seen.append(scaler.last_stats.loss)
+    f32 = (loss.to(dtype) + torch.tensor(1.0 / 3.0, dtype=dtype)).float().item()
+    assert seen == [f32, f32]
+
+
 @pytest.mark.parametrize("sizes", [[6, 40, 3], [6, 40_000, 3]], ids=["in-cache", "one-large"])
 @pytest.mark.parametrize("bad", [None, math.inf, math.nan])
 def test_the_amax_read_multiplies_as_gradscaler_either_way(sizes, bad, monkeypatch):
