@@ -232,26 +232,29 @@ class AbsMax:
     def unscale_on_host(
         self, grads: list[torch.Tensor], inv: torch.Tensor, found: torch.Tensor
     ) -> float:
-        """Unscale CPU ``grads`` in place with GradScaler's own kernel
-        (``torch._amp_foreach_non_finite_check_and_unscale_``: the same products, and the
-        found-inf flag set in ``found``), reading each gradient's min and max first; returns
-        their amax, as they were, on the host: what :meth:`read` gives, without the four small
-        ops that make it a tensor and the flag from it (each op costs microseconds on a CPU;
-        a read costs none there). A large gradient is unscaled right after its own read, while
-        it is in cache."""
+        """Unscale CPU ``grads`` in place, reading each gradient's min and max first, and set
+        the found-inf flag ``found`` (a zero float32 tensor) as GradScaler's unscale does;
+        return their amax, as they were, on the host: what :meth:`read` gives, without the
+        small ops that make it a tensor and the flag from it (each op costs microseconds on a
+        CPU; a read costs none there). Gradients that fit in cache are unscaled by GradScaler's
+        own kernel (``torch._amp_foreach_non_finite_check_and_unscale_``: the same products,
+        and the flag, in one op); a large gradient is multiplied right after its own read,
+        while it is in cache (``experiments/results/amax_read.md``)."""
         self._fit(len(grads))
-        unscale = torch._amp_foreach_non_finite_check_and_unscale_
-        if max(map(_numel, grads)) <= CACHED_ELEMENTS:
-            for g, out in zip(grads, self._pairs):
-                torch.aminmax(g, out=out)
-            unscale(grads, found, inv)
-        else:
-            for g, out in zip(grads, self._pairs):
-                torch.aminmax(g, out=out)
-                unscale([g], found, inv)
-        if found.item():  # an inf or NaN: the norm's order (NaN first, then inf), as read gives
-            return torch.linalg.vector_norm(self._minmax, math.inf).item()
-        return max(map(abs, self._minmax.tolist()))
+        small = max(map(_numel, grads)) <= CACHED_ELEMENTS
+        for g, out in zip(grads, self._pairs):
+            torch.aminmax(g, out=out)
+            if not small:
+                g.mul_(inv)
+        if small:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        ends = self._minmax.tolist()
+        if math.isfinite(sum(ends)):  # every element finite (12 floats of float32 sum finite)
+            return max(map(abs, ends))
+        if not small:
+            found.fill_(1.0)
+        # an inf or NaN: the norm's order (NaN first, then inf), as read gives
+        return torch.linalg.vector_norm(self._minmax, math.inf).item()
 
 
 def nonfinite_flag(amax: torch.Tensor) -> torch.Tensor:
