@@ -14,9 +14,13 @@ learning rate, spike size, and without or with the unscaled gradients clipped to
 steps, the scale at the end, the last step's loss, the largest weight, and the fp32 loss on a
 held-out batch at the end.
 
+A scaler may carry rule settings after a colon: ``auto:spike_bits=8`` is ``auto`` whose guard
+skips loss spikes (docs/rules.md, ``amax-loss``).
+
 Usage::
 
-    python experiments/spike_harm.py --out experiments/results/spike_harm.md
+    python experiments/spike_harm.py --scalers torch,auto,auto:spike_bits=8 \
+        --out experiments/results/spike_harm.md
 """
 
 from __future__ import annotations
@@ -32,11 +36,22 @@ import torch
 import autoscale
 
 
+def scaler_of(text: str) -> autoscale.LossScaler:
+    """``NAME`` or ``NAME:key=value,...`` (rule settings) as a CPU scaler from 2^16."""
+    name, _, rest = text.partition(":")
+    settings = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        settings[key] = float(value) if "." in value or "e" in value else int(value)
+    return autoscale.get_scaler(name, device="cpu", init_scale=2.0**16, **settings)
+
+
 def run(
     name: str, opt_name: str, lr: float, spike: float, steps: int, every: int, clip: bool = False
 ) -> dict:
-    """One run; ``clip``: the unscaled gradients clipped to norm 1 before each step."""
-    scaler = autoscale.get_scaler(name, device="cpu", init_scale=2.0**16)
+    """One run of scaler ``name`` (:func:`scaler_of`); ``clip``: the unscaled gradients clipped
+    to norm 1 before each step."""
+    scaler = scaler_of(name)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     cls = torch.optim.SGD if opt_name == "sgd" else torch.optim.AdamW
@@ -81,8 +96,14 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=90)
     p.add_argument("--every", type=int, default=15, help="a spike every this many steps")
+    p.add_argument(
+        "--scalers",
+        default="torch,auto",
+        help="comma-separated, each NAME or NAME:key=value (';' between settings)",
+    )
     p.add_argument("--out", type=Path, help="also write the table to this markdown file")
     args = p.parse_args(argv)
+    names = [n.replace(";", ",") for n in args.scalers.split(",") if n]
     torch.set_num_threads(1)
     rows = [
         "| optimizer | lr | clip | spike | rule | skipped | longest skipped run | scale at end "
@@ -92,7 +113,7 @@ def main(argv=None) -> None:
     for opt_name, lr in (("sgd", 0.01), ("sgd", 0.001), ("adamw", 0.001)):
         for clip in (False, True):
             for spike in (1e2, 1e3, 1e4):
-                for name in ("torch", "auto"):
+                for name in names:
                     r = run(name, opt_name, lr, spike, args.steps, args.every, clip)
                     rows.append(
                         f"| {opt_name} | {lr:g} | {'norm 1' if clip else '-'} | {spike:g} | "
@@ -101,11 +122,12 @@ def main(argv=None) -> None:
                         f"{r['last_loss']:.4g} | {r['max_weight']:.3g} | {r['held_out']:.4g} |"
                     )
     head = [
-        "# A finite loss spike under torch and auto",
+        f"# A finite loss spike under {', '.join(names)}",
         "",
         f"- {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, autoscale "
         f"{autoscale.__version__}, {platform.machine()}, CPU, 1 thread",
-        f"- `python experiments/spike_harm.py` ({args.steps} steps, the loss times the spike "
+        f"- `python experiments/spike_harm.py --scalers {args.scalers}` ({args.steps} steps, "
+        "the loss times the spike "
         f"every {args.every} steps from step {args.every - 1})",
         "",
     ]

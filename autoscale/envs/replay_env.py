@@ -15,7 +15,7 @@ from autoscale.envs.spec import EnvSpec, InstanceSpec
 from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.errors import ConfigError
 from autoscale.scalers.controller import StepStats
-from autoscale.scalers.loss_guard import step_scale_host
+from autoscale.scalers.loss_guard import is_spike, step_scale_host
 
 __all__ = ["ReplayEnv", "precision_table"]
 
@@ -69,14 +69,26 @@ def _plain_defaults(cls: type, filled: tuple[str, ...]) -> dict[str, Any] | None
 
 
 def _stats_maker() -> Callable[..., StepStats]:
-    """``make(step, scale, found_inf, grad_amax, grad_rms, loss, loss_seen[, guarded])`` ==
-    ``StepStats(...)``."""
-    names = ("step", "scale", "found_inf", "grad_amax", "grad_rms", "loss", "loss_seen", "guarded")
+    """``make(step, scale, found_inf, grad_amax, grad_rms, loss, loss_seen[, guarded[,
+    spiked]])`` == ``StepStats(...)``."""
+    names = (
+        "step",
+        "scale",
+        "found_inf",
+        "grad_amax",
+        "grad_rms",
+        "loss",
+        "loss_seen",
+        "guarded",
+        "spiked",
+    )
     if _plain_defaults(StepStats, names) != {}:
         return StepStats
     new, set_dict = object.__new__, object.__setattr__
 
-    def make(step, scale, found_inf, grad_amax, grad_rms, loss, loss_seen, guarded=False):
+    def make(
+        step, scale, found_inf, grad_amax, grad_rms, loss, loss_seen, guarded=False, spiked=False
+    ):
         obj = new(StepStats)
         set_dict(
             obj,
@@ -90,6 +102,7 @@ def _stats_maker() -> Callable[..., StepStats]:
                 "loss": loss,
                 "loss_seen": loss_seen,
                 "guarded": guarded,
+                "spiked": spiked,
             },
         )
         return obj
@@ -316,13 +329,17 @@ class ReplayEnv(ScaleEnvBase):
                 nonfinite, loss = True, math.inf
             amax, rms, loss = weighted(amax, rms, loss, gain)
             threshold -= gain
-        guarded = False
+        guarded = spiked = False
         if self.guard_rule is not None:  # the rule's scale for this step, from its loss
+            spiked = is_spike(self.guard_rule, loss)
             step_scale = step_scale_host(self.guard_rule, scale, loss, self.bounds)
             scale, guarded = step_scale, step_scale < scale
         log2_scale = math.log2(scale)
         if nonfinite or log2_scale > threshold:
-            stats = _make_stats(i, scale, True, math.inf, math.inf, loss, True, guarded)
+            stats = _make_stats(i, scale, True, math.inf, math.inf, loss, True, guarded, spiked)
+            precision = math.nan
+        elif spiked:  # skipped for its loss, as the scaler skips it: no update, no precision
+            stats = _make_stats(i, scale, True, amax, rms, loss, True, guarded, True)
             precision = math.nan
         else:
             stats = _make_stats(i, scale, False, amax, rms, loss, True, guarded)

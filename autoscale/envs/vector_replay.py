@@ -85,6 +85,18 @@ class _Clamp:
 
 
 # ---------------------------------------------------------------------------- the replay
+def _lane_params(rule: str, controllers: list[Any]) -> list[dict[str, Any]]:
+    """Each candidate's rule parameters; ValueError for a guard that skips loss spikes, which
+    the lanes do not (the scalar replay environment does)."""
+    params = [c.rule.params() for c in controllers]
+    if any(p.get("spike_bits") for p in params):
+        raise ValueError(
+            f"replay_rule('{rule}'): a guard that skips loss spikes (spike_bits) is not "
+            "vectorised; replay it with the scalar replay environment"
+        )
+    return params
+
+
 def replay_rule(
     rule: str,
     scalers: Sequence[Any],
@@ -114,7 +126,7 @@ def replay_rule(
     hi = np.asarray([c.bounds.max_scale for c in controllers])[:, None]
     clamp, log2 = _Clamp(lo, hi), _Log2()
     env_clamp = _Clamp(np.float64(windows.min_scale), np.float64(windows.max_scale))
-    lanes = VECTOR_RULES[rule]([c.rule.params() for c in controllers], shape, windows)
+    lanes = VECTOR_RULES[rule](_lane_params(rule, controllers), shape, windows)
     aborts = np.asarray([c.raise_at_min for c in controllers])[:, None]
     scale = np.asarray(
         [[c.start(s) for s in windows.start_scale.tolist()] for c in controllers], dtype=np.float64

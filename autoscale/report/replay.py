@@ -27,7 +27,7 @@ from autoscale.envs.from_records import trace_from_record
 from autoscale.envs.traces import InstanceTrace, Trace
 from autoscale.observe import RunRecord
 from autoscale.scalers import StepStats, make_scaler
-from autoscale.scalers.loss_guard import step_scale_host
+from autoscale.scalers.loss_guard import is_spike, step_scale_host
 
 __all__ = ["LIMITS", "Outcome", "RecordReplay"]
 
@@ -145,23 +145,25 @@ class RecordReplay:
         guard = getattr(rule, "has_guard", False)
         for i in range(n):
             s = scale
-            guarded = False
+            guarded = spiked = False
             if guard:
+                spiked = is_spike(rule, loss[i])
                 s = step_scale_host(rule, scale, loss[i], ctrl.bounds)
                 guarded = s < scale
             over = nonfinite[i] or math.log2(s) > thr[i]
             stats = StepStats(
                 i,
                 s,
-                over,
+                over or spiked,
                 math.inf if over else amax[i],
                 math.inf if over else rms[i],
                 loss[i],
                 True,
                 guarded,
+                spiked,
             )
             scales[i] = s
-            skipped[i] = over
+            skipped[i] = over or spiked
             scale = ctrl.step(stats)
         precision = self.precision_at(np.log2(scales))
         precision[skipped] = np.nan

@@ -91,6 +91,9 @@ class StepStats:
         loss_seen: Whether ``scale()`` received a single-element loss this step.
         guarded: The rule's per-step guard (:meth:`ScaleRule.guard_limit`) lowered this step's
             scale below the one the rule set at the last update: ``scale`` is the lowered one.
+        spiked: The rule named this step's finite loss a spike (:meth:`ScaleRule.spike_limit`)
+            and the scaler skipped it (``found_inf`` is set too: the step was skipped), whatever
+            its gradients were.
     """
 
     step: int
@@ -101,6 +104,7 @@ class StepStats:
     loss: float = math.nan
     loss_seen: bool = False
     guarded: bool = False
+    spiked: bool = False
 
     @property
     def loss_nonfinite(self) -> bool:
@@ -172,6 +176,15 @@ class ScaleRule:
         that step only. The step's :class:`StepStats` then carry the lowered scale and
         ``guarded``. Read once per step, after :meth:`next_scale`.
         """
+        return None
+
+    def spike_limit(self) -> float | None:
+        """The ``|loss|`` above which the next step is skipped as a spike, or None (none is).
+
+        Read by the scaler with :meth:`guard_limit`, when the first loss of a step is scaled (a
+        rule with ``has_guard`` only): a step whose finite ``|loss|`` passes it is skipped as an
+        overflowing one is, its :class:`StepStats` carry ``spiked``, and it is not counted as an
+        overflow at the minimum."""
         return None
 
     def backs_off_on_overflow(self) -> bool:
@@ -308,7 +321,7 @@ class ScaleController:
         self.steps += 1
         if stats.found_inf:
             self.skipped += 1
-            if self.bounds.overflow_at_min(stats.scale, True):
+            if not stats.spiked and self.bounds.overflow_at_min(stats.scale, True):
                 self.min_hits += 1
                 if self.raise_at_min and self.rule.backs_off_on_overflow():
                     raise MinimumLossScaleError(

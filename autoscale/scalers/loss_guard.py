@@ -30,6 +30,7 @@ import torch
 from autoscale.scalers.ranks import RankAgreement
 
 __all__ = [
+    "is_spike",
     "apply_guard",
     "apply_step_scale",
     "guard_on_host",
@@ -105,6 +106,16 @@ def guarded_scale(scale: float, loss: float, limit: float | None, min_scale: flo
     ``scale``: :func:`guard_scale_host` where :func:`guards` (the environments' and replays' form
     of what :func:`apply_guard` does on the scaler's device), else ``scale``."""
     return guard_scale_host(limit, loss, min_scale, scale) if guards(limit) else scale
+
+
+def is_spike(rule: Any, loss: float) -> bool:
+    """Whether a step with ``loss`` is a spike ``rule`` skips (its
+    :meth:`~autoscale.scalers.controller.ScaleRule.spike_limit`, read before the step): the
+    environments' and replays' form of the scaler's test (a finite ``|loss|`` above the limit)."""
+    if getattr(rule, "scale_time", False):
+        return False
+    limit = rule.spike_limit()
+    return limit is not None and limit < abs(loss) < math.inf
 
 
 def step_scale_host(rule: Any, scale: float, loss: float, bounds: Any) -> float:

@@ -96,6 +96,9 @@ class LossScaler(torch.amp.GradScaler):
     _cpu = False  # the scale tensor is on a CPU, where reads are no syncs (set when made)
     _step_scale: float | None = None
     _step_group: tuple[Any] | None = None
+    # this step's spike test (ScaleRule.spike_limit): None before it, a bool where it ran on
+    # the host, a bool tensor on the device
+    _spike: bool | torch.Tensor | None = None
 
     def __init__(
         self,
@@ -249,7 +252,10 @@ class LossScaler(torch.amp.GradScaler):
         """Lower this step's scale to ``rule``'s guard (see ScaleRule.guard_limit), on the
         device: :func:`~autoscale.scalers.loss_guard.apply_guard` (on a CPU with nothing to
         agree, its host form, whose value is then known); or let a rule that acts at scale time
-        set it from the loss (``scale_time``)."""
+        set it from the loss (``scale_time``). The first loss of a step also decides whether it
+        is a spike to skip (:meth:`_spike_of`)."""
+        if self._spike is None:
+            self._spike = self._spike_of(loss, rule)
         if rule.scale_time:
             limit = None
         else:
@@ -271,6 +277,26 @@ class LossScaler(torch.amp.GradScaler):
         )
         # set on the host of a CPU (no tensor returned): read once, for get_scale and 1/scale
         self._step_scale = scale.item() if self._guard_scale is None and self._cpu else None
+
+    def _spike_of(self, loss: torch.Tensor, rule: ScaleRule) -> bool | torch.Tensor:
+        """Whether ``loss`` is a finite spike above ``rule``'s spike limit: a bool, read on the
+        host of a CPU scaler with nothing to agree; else a bool tensor on the scale's device (no
+        host sync; under torch.distributed the largest ``|loss|`` of the ranks, so that every
+        rank skips alike)."""
+        limit = None if rule.scale_time else rule.spike_limit()
+        if limit is None:
+            return False
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(loss.device)
+        group = self._group()
+        if self._cpu and group is None and loss.is_cpu:
+            m = abs(loss.item())
+            return limit < m < math.inf
+        dev = self._scale.device
+        g = loss.to(dev, torch.float32 if dev.type == "mps" else torch.float64, copy=True).abs_()
+        if group is not None:
+            g = RankAgreement.max_loss(g, group)
+        return (g > limit).logical_and_(g < math.inf)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         grads = self._one_pass_grads(optimizer) if self._enabled and self._collect_stats else None
@@ -515,6 +541,7 @@ class LossScaler(torch.amp.GradScaler):
             _guard_scale=None,
             _step_scale=None,
             _step_group=None,
+            _spike=None,
         )
         state["_inverse"] = InverseScale()
         return state
@@ -548,7 +575,7 @@ class LossScaler(torch.amp.GradScaler):
         self._loss_sum = None
         self._loss_count = 0
         self._guarded = False
-        self._guard_scale = self._step_scale = self._step_group = None
+        self._guard_scale = self._step_scale = self._step_group = self._spike = None
         self.grads.forget()  # grad_abs answers for the step that filled it only
 
     def _collect_grad_stats(self, optimizer: torch.optim.Optimizer, inv_scale: Any) -> None:
@@ -577,6 +604,13 @@ class LossScaler(torch.amp.GradScaler):
         CPU with nothing to agree, read its values at once instead (:meth:`_read_on_host`)."""
         if sv.VEC in state or sv.HOST in state:
             return
+        spike = self._spike
+        if spike is True:  # a spike, known on the host: the step is skipped as an overflow is
+            for flag in state["found_inf_per_device"].values():
+                flag.fill_(1.0)
+        elif isinstance(spike, torch.Tensor):  # on the device: flag = max(flag, spike)
+            for flag in state["found_inf_per_device"].values():
+                torch.maximum(flag, spike.to(flag.device, flag.dtype), out=flag)
         group = self._group()
         loss, n_loss, self._loss_sum, self._loss_count = self._loss_sum, self._loss_count, None, 0
         stats = state.get(sv.STATS) if self._collect_stats else None
@@ -586,7 +620,8 @@ class LossScaler(torch.amp.GradScaler):
         dev = self._scale.device
         gather = None if group is None else (lambda local: self._ranks.gather(local, group))
         guard = self._scale if self._guarded else None  # the step's own scale travels along
-        sv.pack_into(state, stats, loss, n_loss, guard, dev, gather)
+        spiked = spike if isinstance(spike, torch.Tensor) else None  # and so does the spike
+        sv.pack_into(state, stats, loss, n_loss, guard, dev, gather, spiked)
 
     def _read_on_host(
         self, state: dict[str, Any], stats: torch.Tensor | None, loss: Any, n_loss: int
@@ -608,6 +643,9 @@ class LossScaler(torch.amp.GradScaler):
         loss_sum = 0.0
         if loss is not None:  # float32's sum: a float64 loss rounds to it, a narrower one is exact
             loss_sum = loss.float().item() if loss.dtype is torch.float64 else loss.item()
-        state[sv.HOST] = sv.HostStep(found, amax, sumsq, count, loss_sum, float(n_loss))
+        spiked = self._spike is True
+        state[sv.HOST] = sv.HostStep(
+            found or spiked, amax, sumsq, count, loss_sum, float(n_loss), spiked
+        )
         if self._guarded:
             state[sv.USED] = self._step_scale if self._step_scale is not None else self.get_scale()

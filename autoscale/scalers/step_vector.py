@@ -48,7 +48,8 @@ class Layout(NamedTuple):
     stats: int  # 0 (none), 1 (the amax alone) or 3 (amax, sumsq, count)
     n_loss: int  # losses summed in it on one rank (0: no loss element); -1 when agreed
     agreed: bool  # reduced across ranks: the second form
-    guarded: bool  # the step's own scale is the last element
+    guarded: bool  # the step's own scale is the last element (before the spike's)
+    spiked: bool = False  # the spike test's outcome (1.0: a spike) is the last element
 
 
 class HostStep(NamedTuple):
@@ -60,6 +61,7 @@ class HostStep(NamedTuple):
     count: float
     loss_sum: float
     loss_count: float
+    spiked: bool = False  # skipped as a loss spike (found is set too)
 
 
 def pack(
@@ -69,6 +71,7 @@ def pack(
     n_loss: int,
     guard_scale: torch.Tensor | None,
     dev: torch.device,
+    spike: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Layout]:
     """One rank's vector: as few ops as possible, this runs every step."""
     parts = [flag] + ([] if stats is None else [stats])
@@ -76,6 +79,8 @@ def pack(
         parts.append(loss.to(dev).float())
     if guard_scale is not None:
         parts.append(guard_scale)
+    if spike is not None:
+        parts.append(spike.float())
     # statistics: none, the amax alone (0-dim, one stack) or [amax, sumsq, count]
     vec = (
         torch.stack(parts)
@@ -87,6 +92,7 @@ def pack(
         n_loss if loss is not None else 0,
         False,
         guard_scale is not None,
+        spike is not None,
     )
     return vec, layout
 
@@ -99,6 +105,7 @@ def pack_agreed(
     guard_scale: torch.Tensor | None,
     dev: torch.device,
     gather: Any,
+    spike: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Layout]:
     """The vector every rank of a group agrees on: found-inf and amax by MAX (a NaN amax, from
     the gradients of an overflowing rank, counts as inf), the rest by SUM. ``gather(local)``
@@ -109,15 +116,14 @@ def pack_agreed(
     local = torch.cat(
         [flag.reshape(1), stats, total.reshape(1), torch.full((1,), float(n_loss), device=dev)]
         + ([guard_scale.reshape(1)] if guard_scale is not None else [])
+        + ([spike.reshape(1).float()] if spike is not None else [])
     )
     local[1] = torch.where(torch.isnan(local[1]), math.inf, local[1])
     table = torch.stack(gather(local))
-    # (a guarded step's scale, last, is the same on every rank: the loss was agreed)
-    vec = torch.cat(
-        [table[:, :2].amax(0), table[:, 2:6].sum(0)]
-        + ([table[:, 6:].amax(0)] if guard_scale is not None else [])
-    )
-    return vec, Layout(3, -1, True, guard_scale is not None)
+    # (a guarded step's scale and the spike test, last, are the same on every rank: the loss
+    # was agreed)
+    vec = torch.cat([table[:, :2].amax(0), table[:, 2:6].sum(0), table[:, 6:].amax(0)])
+    return vec, Layout(3, -1, True, guard_scale is not None, spike is not None)
 
 
 def read(states: list[dict[str, Any]]) -> None:
@@ -133,10 +139,13 @@ def read(states: list[dict[str, Any]]) -> None:
         n = v.numel()
         row, i = flat[i : i + n], i + n
         layout: Layout = s[LAYOUT]
+        spiked = False
+        if layout.spiked:
+            spiked, row = row[-1] > 0, row[:-1]
         if layout.guarded:
             s[USED], row = row[-1], row[:-1]
         if layout.agreed:
-            s[HOST] = HostStep(row[0] > 0, row[1], row[2], row[3], row[4], row[5])
+            s[HOST] = HostStep(row[0] > 0, row[1], row[2], row[3], row[4], row[5], spiked)
             continue
         found = row[0] > 0
         amax, sumsq, count = (
@@ -145,7 +154,7 @@ def read(states: list[dict[str, Any]]) -> None:
             else (row[1] if layout.stats else math.nan, math.nan, 0.0)
         )
         loss_sum = row[-1] if layout.n_loss else 0.0
-        s[HOST] = HostStep(found, amax, sumsq, count, loss_sum, float(layout.n_loss))
+        s[HOST] = HostStep(found, amax, sumsq, count, loss_sum, float(layout.n_loss), spiked)
 
 
 def merged_flag(per_device: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
@@ -170,12 +179,13 @@ def step_stats(
         state = states[0]
         h: HostStep = state[HOST]
         used = state.get(USED)
-        found, amax, sumsq, count = h.found, h.amax, h.sumsq, h.count
+        found, amax, sumsq, count, spiked = h.found, h.amax, h.sumsq, h.count, h.spiked
         loss = h.loss_sum / h.loss_count if h.loss_count else None
     else:
         host: list[HostStep] = [s[HOST] for s in states]
         used = next((s[USED] for s in states if USED in s), None)
         found = any(h.found for h in host)
+        spiked = any(h.spiked for h in host)
         amax = max((h.amax for h in host), default=math.nan)
         sumsq = sum(h.sumsq for h in host)
         count = sum(h.count for h in host)
@@ -200,6 +210,7 @@ def step_stats(
         math.nan if loss is None else loss,
         loss is not None,
         used is not None and used < set_scale,
+        spiked,
     )
     return stats, used
 
@@ -212,15 +223,17 @@ def pack_into(
     guard: torch.Tensor | None,
     dev: torch.device,
     gather: Any,
+    spike: torch.Tensor | None = None,
 ) -> None:
     """Pack one optimizer's step into its GradScaler ``state``: the found-inf flag GradScaler
     recorded, ``stats``, the losses scaled since the last packing and a guarded step's scale;
     agreed across ranks where ``gather`` is given (then the flag GradScaler and fused kernels
-    read is replaced by the agreed one). No host sync."""
+    read is replaced by the agreed one); the spike test's outcome where ``spike`` is given.
+    No host sync."""
     flag = merged_flag(list(state["found_inf_per_device"].values()), dev)
     if gather is None:
-        state[VEC], state[LAYOUT] = pack(flag, stats, loss, n_loss, guard, dev)
+        state[VEC], state[LAYOUT] = pack(flag, stats, loss, n_loss, guard, dev, spike)
         return
-    state[VEC], state[LAYOUT] = pack_agreed(flag, stats, loss, n_loss, guard, dev, gather)
+    state[VEC], state[LAYOUT] = pack_agreed(flag, stats, loss, n_loss, guard, dev, gather, spike)
     if state["found_inf_per_device"]:
         state["found_inf_per_device"] = {dev: state[VEC][0].clone()}

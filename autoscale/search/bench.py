@@ -107,12 +107,17 @@ class ReplayBench:
     ) -> dict[str, list[Scorecard]] | None:
         """:meth:`run`'s scorecards of ``rule(**params)`` on every episode of ``which``, from the
         vectorised replay (:mod:`autoscale.envs.vector_replay`: equal to the scalar replay's,
-        field by field); None where the rule is not vectorised, or where ``which`` has fewer than
-        ``vector_min_lanes`` episodes (:data:`VECTOR_MIN_LANES`: the scalar replay is faster)."""
+        field by field); None where the rule (or a guard that skips spikes) is not vectorised,
+        or where ``which`` has fewer than ``vector_min_lanes`` episodes
+        (:data:`VECTOR_MIN_LANES`: the scalar replay is faster)."""
         from autoscale.envs.vector_replay import VECTOR_RULES, replay_rule, replay_windows
 
         episodes = self.episodes[which]
-        if rule not in VECTOR_RULES or len(episodes) < self.vector_min_lanes:
+        if (
+            rule not in VECTOR_RULES
+            or params.get("spike_bits")  # (spikes are skipped in the scalar replay only)
+            or len(episodes) < self.vector_min_lanes
+        ):
             return None
         if which not in self._windows:
             pairs = [(e.instance, e.offset) for e in episodes]

@@ -169,13 +169,9 @@ def test_replay_starts_instances_where_the_real_env_does(tiny_spec, tiny_trace):
     assert obs_real[10] > 0  # the warm-up steps are in the features (progress), in both
 
 
-def test_a_guarding_rule_through_env_matches_autoscale_run():
-    """amax-loss lowers the scale of single steps from their loss: the real env applies the same
-    guard the scaler does (same scales, same skips, same guarded steps), and replay applies it
-    from the recorded loss."""
-    from autoscale.training import TrainingRun
-
-    spec = load_env_spec(
+def _preference_spec(steps: int):
+    """The mlp's preference workload (a DPO-style loss, beta 50): spiky losses."""
+    return load_env_spec(
         {
             "name": "spiky",
             "workload": {
@@ -184,10 +180,24 @@ def test_a_guarding_rule_through_env_matches_autoscale_run():
                 "scenario_params": {"beta": 50},
                 "dtype": "fp16",
             },  # fmt: skip
-            "episode": {"steps": 48, "init_scale": 65536, "min_scale": 1.0, "max_scale": 2**40},
+            "episode": {
+                "steps": steps,
+                "init_scale": 65536,
+                "min_scale": 1.0,
+                "max_scale": 2**40,
+            },  # fmt: skip
             "instances": {"train": [{"seed": 0}], "test": [{"seed": 3}]},
         }
     )
+
+
+def test_a_guarding_rule_through_env_matches_autoscale_run():
+    """amax-loss lowers the scale of single steps from their loss: the real env applies the same
+    guard the scaler does (same scales, same skips, same guarded steps), and replay applies it
+    from the recorded loss."""
+    from autoscale.training import TrainingRun
+
+    spec = _preference_spec(48)
     env = LossScaleEnv(spec, instances="test")
     card, records = drive_episode(env, scaler_for("amax-loss", spec), "test-s3-t0")
     run = TrainingRun(
@@ -206,3 +216,47 @@ def test_a_guarding_rule_through_env_matches_autoscale_run():
     assert all(r.scale < 65536 for r in records if r.stats.guarded)
     env.set_guard(None)  # an agent's steps are its own
     assert env.guard_rule is None
+
+
+def test_a_guard_that_skips_spikes_through_env_matches_autoscale_run_and_replay(tmp_path):
+    """amax-loss with spike_bits skips steps whose loss jumps above the losses it took: the real
+    env skips the steps the scaler skips, and the replay env (and the report's replay) skip the
+    steps whose recorded loss jumps so, leaving the scale where it was."""
+    from autoscale.envs import record_trace
+    from autoscale.training import TrainingRun
+
+    spec = _preference_spec(64)
+    # this run's losses jump 0.8 bits over the largest before them, twice early on: spikes here
+    kw = {"spike_bits": 0.5, "spike_run": 3}
+    env = LossScaleEnv(spec, instances="test")
+    card, records = drive_episode(env, scaler_for("amax-loss", spec, **kw), "test-s3-t0")
+    run = TrainingRun(
+        spec.workload.replace(seed=3), "amax-loss", init_scale=65536, min_scale=1.0,
+        max_scale=2**40, **kw,
+    )  # fmt: skip
+    run.run(spec.episode.steps)
+
+    def key(r):
+        return (r.scale, r.found_inf, r.stats.spiked, r.loss, r.precision_loss)
+
+    assert [key(r) for r in records] == [key(r) for r in run.records]
+    spiked = [r.step for r in records if r.stats.spiked]
+    assert spiked, "no loss jumped half a bit: the test shows nothing"
+    assert all(r.found_inf and math.isfinite(r.loss) for r in records if r.stats.spiked)
+
+    # replayed from a trace: each spiked step is one whose loss is over 2^0.5 times the largest
+    # the rule took among the last 256 (spike_run 3: at most three in a row), and no other is
+    path = tmp_path / "spiky.npz"
+    record_trace(spec, 64, path)
+    replay = ReplayEnv(spec, path, instances="test")
+    _, replayed = drive_episode(replay, scaler_for("amax-loss", spec, **kw), "test-s3-t0")
+    taken, row, want = [], 0, []
+    for r in replayed:
+        m = abs(r.loss)
+        spike = bool(taken) and row < 3 and 2.0**0.5 * max(taken[-256:]) < m < math.inf
+        want.append(spike)
+        row = row + 1 if spike else 0
+        if not spike and 0 < m < math.inf:
+            taken.append(m)
+    assert [r.stats.spiked for r in replayed] == want and any(want)
+    assert all(r.found_inf and math.isnan(r.precision_loss) for r in replayed if r.stats.spiked)

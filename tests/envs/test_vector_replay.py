@@ -216,3 +216,13 @@ def test_amax_loss_guard_floor_on_losses_that_cancel():
             guarded[k] = guarded.get(k, 0) + sum(r.stats.guarded for r in records)
     # no floor: the near-zero losses' lessons guard many steps; a 12-bit floor: almost none
     assert guarded[0] > 100 and guarded[1] < guarded[0] / 10, guarded
+
+
+def test_a_guard_that_skips_spikes_is_refused_not_replayed_without_them():
+    """The lanes have no spike test: a candidate with spike_bits is refused (the search's bench
+    replays it with the scalar replay instead), never replayed as if it had none."""
+    spec = pin_spec()
+    env = ReplayEnv(spec, pin_trace(spec), instances="test")
+    windows = replay_windows(env, EPISODES[:1])
+    with pytest.raises(ValueError, match="spike_bits"):
+        replay_rule("amax-loss", [scaler_for("amax-loss", spec, spike_bits=8.0)], windows)

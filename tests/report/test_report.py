@@ -101,6 +101,11 @@ def test_loss_spikes_the_scaler_dropped_and_auto_would_take_are_said_before_auto
     outcomes = {name: replay.replay(name) for name in ("torch", "auto")}
     assert recorded.skipped[list(spiky)].all()  # torch's overflow dropped each spike
     assert not outcomes["auto"].skipped[list(spiky)].any()  # auto's guard takes each one
+    # auto whose guard skips spikes (spike_bits) drops each one, and only those beyond torch's
+    skipping = replay.replay("auto", spike_bits=8.0)
+    assert skipping.skipped[list(spiky)].all()
+    assert set(np.flatnonzero(skipping.skipped)) <= set(np.flatnonzero(recorded.skipped))
+    assert skipping.scales[-1] == outcomes["auto"].scales[-1]  # nor moved its scale
     found = findings(replay, recorded, outcomes)
     assert [f.title for f in found] == [
         "Loss spikes: this scaler dropped them, auto would take them"

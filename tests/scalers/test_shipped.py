@@ -136,16 +136,16 @@ def test_auto_records_its_suite_objective_and_evidence():
             assert getattr(scaler.rule, key) == value
 
 
-def _spike_runs():
-    """torch and auto through the loss times 1000 every 15 steps, SGD lr 0.01 (the run of
-    experiments/spike_harm.py)."""
+def _spike_runs(names=("torch", "auto")):
+    """Each scaler through the loss times 1000 every 15 steps, SGD lr 0.01 (the run of
+    experiments/spike_harm.py; a name may carry rule settings: ``auto:spike_bits=8``)."""
     import importlib.util
 
     path = ROOT / "experiments" / "spike_harm.py"
     spec = importlib.util.spec_from_file_location("spike_harm", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return [module.run(name, "sgd", 0.01, 1e3, 90, 15) for name in ("torch", "auto")]
+    return [module.run(name, "sgd", 0.01, 1e3, 90, 15) for name in names]
 
 
 def test_torch_drops_finite_loss_spikes_by_their_overflow_and_trains():
@@ -169,3 +169,12 @@ def test_auto_does_no_more_harm_than_torch_through_finite_loss_spikes():
     torch_run, auto_run = _spike_runs()
     assert auto_run["longest"] <= 1  # no run of skipped steps after a spike
     assert auto_run["held_out"] <= 1.05 * torch_run["held_out"]
+
+
+def test_auto_that_skips_loss_spikes_does_no_more_harm_than_torch_through_them():
+    """auto with its guard skipping spikes (spike_bits 8, the candidate the next build judges):
+    the spikes torch's overflow drops are dropped, and nothing else; the run trains as torch's."""
+    torch_run, skipping = _spike_runs(("torch", "auto:spike_bits=8"))
+    assert skipping["skipped"] == torch_run["skipped"] == 6 and skipping["longest"] == 1
+    assert skipping["held_out"] <= 1.05 * torch_run["held_out"]
+    assert skipping["scale"] > torch_run["scale"]  # a spike moved neither scale nor cap

@@ -257,6 +257,11 @@ class AmaxLossRule(AmaxCapRule):
     advantage-weighted ratios); ``guard_floor`` (bits) keeps such a step from teaching the guard
     an amax per loss that foresees the next step's amax far too large
     (:class:`~autoscale.scalers.rules.guard.LossGuard`); 0 keeps every step.
+
+    The guard takes a finite loss spike at a scale of its own, where torch's overflow drops the
+    step. With ``spike_bits`` set, a step whose ``|loss|`` is more than that many bits above the
+    largest of the last ``spike_memory`` steps taken is skipped instead, up to ``spike_run`` in a
+    row (then the loss has risen for good, and the next is taken); 0 (the default) skips none.
     """
 
     description = (
@@ -279,6 +284,9 @@ class AmaxLossRule(AmaxCapRule):
         guard_history: int = 16,
         guard_margin: float = 1.0,
         guard_floor: float = 0.0,
+        spike_bits: float = 0.0,
+        spike_memory: int = 256,
+        spike_run: int = 2,
     ) -> None:
         super().__init__(
             history_len=history_len,
@@ -288,9 +296,19 @@ class AmaxLossRule(AmaxCapRule):
             probe_after=probe_after,
             capped_margin=capped_margin,
         )
-        self.guard = LossGuard(guard_history, guard_margin, guard_floor)
-        self.guard_margin, self.guard_history = self.guard.guard_margin, self.guard.guard_history
-        self.guard_floor = self.guard.guard_floor
+        g = self.guard = LossGuard(
+            guard_history, guard_margin, guard_floor, spike_bits, spike_memory, spike_run
+        )
+        self.guard_margin, self.guard_history, self.guard_floor = (
+            g.guard_margin,
+            g.guard_history,
+            g.guard_floor,
+        )
+        self.spike_bits, self.spike_memory, self.spike_run = (
+            g.spike_bits,
+            g.spike_memory,
+            g.spike_run,
+        )
         # clean steps before the next probe of the cap (growth comes first past the interval)
         self.wait = min(self.probe_after, self.growth_interval)
         self.base = math.nan  # the scale next_scale set last (before any guard)
@@ -303,6 +321,9 @@ class AmaxLossRule(AmaxCapRule):
     def guard_limit(self) -> float | None:
         return self.guard.guard_limit()
 
+    def spike_limit(self) -> float | None:
+        return self.guard.spike_limit()
+
     def _probe_wait(self) -> int:
         return self.wait
 
@@ -312,7 +333,8 @@ class AmaxLossRule(AmaxCapRule):
     def next_scale(self, scale: float, stats: StepStats) -> float:
         base = self.base if self.base == self.base else scale
         learned = self.guard.observe(scale, stats)
-        if learned == SHORT:  # the guard's foresight fell short: the cap stays as it was
+        if learned == SHORT or stats.spiked:  # the cap stays as it was: the guard's foresight
+            # fell short, or the step was skipped for its loss
             self.base = base
             return base
         # a guarded step whose loss explains its gradients: no amax for the quiet steps

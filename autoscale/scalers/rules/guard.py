@@ -16,6 +16,18 @@ nothing of the next step's gradients, yet foresees an amax 10^5 too large at it.
 ``|loss|`` of the last ``guard_history`` steps teaches the guard nothing, and remembered ratios
 learned at such a loss do not count towards the limit; 0 (the default) keeps every one.
 
+A finite loss far above the losses before it (a corrupt batch, a mislabelled shard) makes
+gradients as far above theirs; the guard lowers that step's scale so that they fit fp16, and the
+step is taken, where GradScaler's overflow would have dropped it (``experiments/results/
+spike_harm.md``: under plain SGD without clipping such steps can diverge a run torch survives).
+With ``spike_bits`` set, the guard also names such a step a spike and the scaler skips it: a step
+whose ``|loss|`` is more than ``spike_bits`` bits above the largest ``|loss|`` of the last
+``spike_memory`` steps it did not skip (:meth:`LossGuard.spike_limit`). Skipped spikes stay out
+of that memory, so a spike does not hide the next; and a loss that rises for good is taken after
+``spike_run`` spikes skipped in a row: that step's loss joins the memory as its new level. A
+spike teaches the guard nothing and moves neither the scale nor the cap. 0 (the default): no
+step is skipped for its loss.
+
 ``amax-loss`` hosts one; so can an agent: an environment given ``episode.guard`` applies it to
 the agent's scales and learns it from every step, and the exported policy carries it, so the
 agent sets the base scale and its growth while the guard takes each spike.
@@ -45,6 +57,10 @@ class LossGuard:
         guard_margin: Bits the foreseen amax stays below fp16's maximum.
         guard_floor: Bits below the recent largest ``|loss|`` under which a step's loss is taken
             for a cancellation, not a size (the module's docstring); 0: never.
+        spike_bits: Bits above the largest ``|loss|`` of the last ``spike_memory`` steps taken
+            beyond which a step is a spike the scaler skips; 0: none is.
+        spike_memory: Steps whose ``|loss|`` the spike test compares with.
+        spike_run: Spikes skipped in a row after which the next is taken (a lasting rise).
     """
 
     has_guard = True
@@ -55,11 +71,23 @@ class LossGuard:
     _least = math.inf  # the least |loss| of the remembered ratios, with the kept limit
 
     def __init__(
-        self, guard_history: int = 16, guard_margin: float = 1.0, guard_floor: float = 0.0
+        self,
+        guard_history: int = 16,
+        guard_margin: float = 1.0,
+        guard_floor: float = 0.0,
+        spike_bits: float = 0.0,
+        spike_memory: int = 256,
+        spike_run: int = 2,
     ) -> None:
         self.guard_margin = check_bits("guard_margin", guard_margin)
         self.guard_history = check_interval("guard_history", guard_history)
         self.guard_floor = check_bits("guard_floor", guard_floor)
+        self.spike_bits = check_bits("spike_bits", spike_bits)
+        self.spike_memory = check_interval("spike_memory", spike_memory)
+        self.spike_run = check_interval("spike_run", spike_run)
+        self.taken: deque[float] = deque(maxlen=self.spike_memory)  # |loss| of steps not skipped
+        self.spikes = 0  # spikes skipped in a row
+        self._taken_max = 0.0  # max(taken), kept (NaN: compute it when read)
         self.ratios: deque[float] = deque(maxlen=self.guard_history)  # gradient amax per |loss|
         self.ratio_losses: deque[float] = deque(maxlen=self.guard_history)  # |loss| of each
         self.losses: deque[float] = deque(maxlen=self.guard_history)  # recent steps' |loss|
@@ -82,6 +110,25 @@ class LossGuard:
             self._fresh = True
         return self._limit
 
+    def spike_limit(self) -> float | None:
+        """The ``|loss|`` above which the next step is a spike to skip, or None (no
+        ``spike_bits``, nothing taken yet, or ``spike_run`` spikes skipped in a row)."""
+        if not self.spike_bits or self.spikes >= self.spike_run or not self.taken:
+            return None
+        top = self._taken_max
+        if top != top:
+            top = self._taken_max = max(self.taken)
+        return top * 2.0**self.spike_bits
+
+    def _take(self, loss: float) -> None:
+        """Remember the ``|loss|`` of a step not skipped as a spike."""
+        self.spikes = 0
+        if len(self.taken) == self.spike_memory and self.taken[0] == self._taken_max:
+            self._taken_max = math.nan  # the largest leaves: read the memory again
+        elif loss > self._taken_max:
+            self._taken_max = loss
+        self.taken.append(loss)
+
     def _computed(self) -> tuple[float | None, float | None, float]:
         """The limit from the whole memory, the largest ratio it counts, and the cut."""
         cut = self._cut()
@@ -102,8 +149,13 @@ class LossGuard:
         None."""
         loss = abs(stats.loss) if stats.loss_seen else math.nan
         usable = 0.0 < loss < math.inf
+        if stats.spiked:  # skipped for its loss: it teaches nothing
+            self.spikes += 1
+            return None
         if usable:
             self.losses.append(loss)
+            if self.spike_bits:
+                self._take(loss)
         # the limit depends on the losses only through the cut (none without a floor): most
         # steps leave it as it was, and the scaler reads it every step
         cut = self._cut()
@@ -152,14 +204,20 @@ class LossGuard:
             "guard_history": self.guard_history,
             "guard_margin": self.guard_margin,
             "guard_floor": self.guard_floor,
+            "spike_bits": self.spike_bits,
+            "spike_memory": self.spike_memory,
+            "spike_run": self.spike_run,
         }
 
     def state(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "ratios": [float(r) for r in self.ratios],
             "ratio_losses": [float(m) for m in self.ratio_losses],
             "losses": [float(m) for m in self.losses],
         }
+        if self.spike_bits:
+            out.update(taken=[float(m) for m in self.taken], spikes=self.spikes)
+        return out
 
     def load_state(self, state: dict[str, Any], owner: str) -> None:
         """Restore :meth:`state`; ``owner`` names the rule or policy in errors."""
@@ -176,6 +234,16 @@ class LossGuard:
         losses = _positives(state, "losses", [], owner, inf=False)
         self.losses = deque(losses, maxlen=self.guard_history)
         self._fresh = False
+        if self.spike_bits:
+            self.taken = deque(_positives(state, "taken", [], owner, inf=False), self.spike_memory)
+            self._taken_max = math.nan
+            spikes = state.get("spikes", 0)
+            if isinstance(spikes, bool) or not isinstance(spikes, int) or spikes < 0:
+                raise ConfigError(
+                    f"{owner}: state 'spikes' must be a count of steps, got {spikes!r}; "
+                    "the checkpoint was not written by this rule"
+                )
+            self.spikes = spikes
 
 
 def _positives(

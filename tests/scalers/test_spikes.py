@@ -1,0 +1,175 @@
+"""A loss spike skipped by the guard (``amax-loss``'s ``spike_bits``): the spike steps are skipped
+as GradScaler's overflow skips them, and move nothing else; a lasting rise is taken after
+``spike_run`` of them; the packed (GPU) form, checkpoints and the agreed form carry it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import autoscale
+from autoscale.errors import ConfigError
+from autoscale.scalers import step_vector as sv
+from autoscale.scalers.controller import StepStats
+from autoscale.scalers.rules.guard import LossGuard
+
+from .helpers import adamw, batches, flat_params, forward_loss, tiny_model
+
+CPU = torch.device("cpu")
+SPIKE = 1000.0  # the loss times this on a spike step: just under 10 bits
+
+
+def spiky(**kw) -> autoscale.LossScaler:
+    return autoscale.get_scaler(
+        "amax-loss", device="cpu", init_scale=2.0**12, **{"spike_bits": 8.0, **kw}
+    )
+
+
+def _loop(scaler, steps, spikes=(), rise_from=None, fused=False, packed=False, infs=()):
+    """``steps`` steps of the tiny MLP; the loss times SPIKE at ``spikes`` and from
+    ``rise_from`` on, times inf at ``infs``. Returns per step (skipped, stats, params moved), and
+    the parameters at the end."""
+    model = tiny_model()
+    opt = adamw(model, fused=fused)
+    rows = []
+    for i, (x, y) in enumerate(batches(steps)):
+        opt.zero_grad(set_to_none=True)
+        before = flat_params(model)
+        loss = forward_loss(model, x, y, inf=i in infs)
+        if i in spikes or (rise_from is not None and i >= rise_from):
+            loss = loss * SPIKE
+        scaler.scale(loss).backward()
+        if packed:
+            scaler._cpu = False  # as a scaler on a GPU packs its step
+        scaler.step(opt)
+        scaler.update()
+        moved = not torch.equal(before, flat_params(model))
+        rows.append((scaler.step_was_skipped, scaler.last_stats, moved))
+    return rows, flat_params(model)
+
+
+def test_a_spike_is_skipped_and_moves_neither_the_scale_nor_the_guard():
+    scaler = spiky()
+    rows, _ = _loop(scaler, 60, spikes={25, 40})
+    for i, (skipped, stats, moved) in enumerate(rows):
+        spike = i in (25, 40)
+        assert stats.spiked is spike and skipped is spike and moved is not spike, i
+        if spike:
+            assert stats.found_inf and math.isfinite(stats.loss)
+            # the scale the next step starts from is the one the spike step was set at
+            assert rows[i + 1][1].scale == rows[i - 1][1].scale or rows[i + 1][1].guarded
+    assert scaler.controller.skipped == 2 and scaler.controller.min_hits == 0
+    # the guard remembered no spike: its largest taken |loss| is a plain step's
+    assert max(scaler.rule.guard.taken) < 2.0**8 * min(scaler.rule.guard.taken)
+    # without spike_bits the guard takes the same spikes at a scale of their own
+    rows, _ = _loop(spiky(spike_bits=0.0), 60, spikes={25, 40})
+    assert [i for i, (skipped, _, _) in enumerate(rows) if skipped] == []
+    assert rows[25][1].guarded and rows[25][2]
+
+
+def test_a_lasting_rise_is_taken_after_spike_run_spikes():
+    for run in (1, 2, 4):
+        rows, _ = _loop(spiky(spike_run=run), 50, rise_from=30)
+        assert [i for i, (s, _, _) in enumerate(rows) if s] == list(range(30, 30 + run))
+        assert all(stats.spiked for _, stats, _ in rows[30 : 30 + run])
+        assert all(moved for _, _, moved in rows[30 + run :])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+def test_the_packed_step_skips_as_the_cpu_read_does(fused):
+    """The GPU form (the spike test as a device flag, merged into the found-inf flag the fused
+    kernel reads, and packed with the step) gives the CPU form's steps, bit for bit."""
+    kw = dict(spikes={20, 33, 34, 35}, infs={10, 27}, fused=fused)
+    read, params = _loop(spiky(), 45, **kw)
+    packed, params_packed = _loop(spiky(), 45, packed=True, **kw)
+    assert [repr(r[1]) for r in read] == [repr(p[1]) for p in packed]  # (NaN compares as text)
+    assert [r[0] for r in read] == [p[0] for p in packed]
+    assert torch.equal(params, params_packed)
+    # 20 and 33-34 skipped as spikes, 35 taken (spike_run 2), the inf batches as overflows
+    assert [i for i, r in enumerate(read) if r[1].spiked] == [20, 33, 34]
+    assert [i for i, r in enumerate(read) if r[0]] == [10, 20, 27, 33, 34]
+
+
+def test_a_checkpoint_carries_the_spike_memory_and_the_run():
+    scaler = spiky()
+    model = tiny_model()
+    opt = adamw(model)
+    data = batches(40)
+
+    def step(s, i):
+        x, y = data[i]
+        opt.zero_grad(set_to_none=True)
+        loss = forward_loss(model, x, y) * (SPIKE if i >= 30 else 1.0)
+        s.scale(loss).backward()
+        s.step(opt)
+        s.update()
+        return s.step_was_skipped
+
+    assert [step(scaler, i) for i in range(31)][-1]  # the rise's first step, skipped
+    saved = scaler.state_dict()
+    loaded = spiky(spike_bits=0.0)  # built with other settings: the checkpoint's come back
+    loaded.load_state_dict(saved)
+    assert loaded.rule.spike_bits == 8.0 and loaded.rule.guard.spikes == 1
+    assert list(loaded.rule.guard.taken) == list(scaler.rule.guard.taken)
+    # the second spike in a row is skipped, the third taken, by the loaded scaler as well
+    assert [step(loaded, i) for i in (31, 32)] == [True, False]
+
+
+def test_the_guard_forgets_the_largest_loss_when_it_leaves_its_memory():
+    guard = LossGuard(spike_bits=3.0, spike_memory=4)
+    assert guard.spike_limit() is None  # nothing taken yet
+
+    def take(loss, spiked=False):
+        guard.observe(1.0, StepStats(0, 1.0, spiked, 0.5, math.nan, loss, True, False, spiked))
+
+    for loss in (8.0, 1.0, 1.0, 1.0):
+        take(loss)
+    assert guard.spike_limit() == 64.0
+    take(1.0)  # 8 leaves the memory
+    assert guard.spike_limit() == 8.0
+    take(100.0, spiked=True)  # skipped: not remembered, one in a row
+    assert guard.spike_limit() == 8.0 and guard.spikes == 1
+    take(100.0, spiked=True)
+    assert guard.spike_limit() is None  # spike_run (2) in a row: the next is taken
+    take(100.0)
+    assert guard.spikes == 0 and guard.spike_limit() == 800.0
+    take(math.nan)  # a non-finite loss is no spike and no level
+    assert guard.spike_limit() == 800.0
+    assert LossGuard().params()["spike_bits"] == 0.0 and "taken" not in LossGuard().state()
+    assert guard.params()["spike_bits"] == 3.0 and guard.state()["taken"] == [1.0, 1.0, 1.0, 100.0]
+    other = LossGuard(spike_bits=3.0, spike_memory=4)
+    other.load_state(guard.state(), "test")
+    assert other.spike_limit() == guard.spike_limit() and other.spikes == guard.spikes
+    for bad in ({"spikes": -1}, {"spikes": 1.5}, {"taken": [1.0, -2.0]}):
+        with pytest.raises(ConfigError, match="not written by this rule"):
+            other.load_state({**guard.state(), **bad}, "test")
+    for key in ("spike_bits", "spike_memory", "spike_run"):
+        with pytest.raises(ConfigError, match=key):
+            LossGuard(**{key: -1})
+
+
+def test_agreed_steps_carry_the_spike():
+    other = torch.tensor([0.0, 0.5, 3.0, 20.0, 2.5, 1.0, 1.0])  # the other rank: a spike too
+
+    def gather(local):
+        assert local[-1].item() == 1.0  # the spike test travels last
+        return [local, other]
+
+    state = {"found_inf_per_device": {CPU: torch.tensor(1.0)}}
+    stats = torch.tensor([0.25, 2.0, 10.0])
+    spike = torch.tensor(True)
+    sv.pack_into(state, stats, torch.tensor(1.5), 1, None, CPU, gather, spike)
+    assert state[sv.LAYOUT] == sv.Layout(3, -1, True, False, True)
+    sv.read([state])
+    assert state[sv.HOST] == sv.HostStep(True, 0.5, 5.0, 30.0, 4.0, 2.0, True)
+    stats_, _ = sv.step_stats([state], 3, 64.0, True, True)
+    assert stats_.spiked and stats_.found_inf
+
+
+def test_a_spike_at_the_minimum_scale_is_no_overflow_there():
+    scaler = spiky(min_scale=2.0**12, raise_at_min=True)  # every step at the minimum
+    rows, _ = _loop(scaler, 30, spikes={20})
+    assert rows[20][1].spiked and rows[20][1].scale == 2.0**12
+    assert scaler.controller.min_hits == 0  # no MinimumLossScaleError either
