@@ -110,6 +110,14 @@ def _dropped_spikes(
     if not taken:
         return None
     low, high = _times(float(jumps[idx].min())), _times(float(jumps[idx].max()))
+    # auto whose guard skips spikes (amax-loss's spike_bits), replayed on the same steps
+    dropped = int(replay.replay("auto", spike_bits=SPIKE_BITS).skipped[idx].sum())
+    skip = (
+        f', or let auto\'s guard skip such spikes: autoscale.get_scaler("auto", '
+        f"spike_bits={SPIKE_BITS:g}) skips {dropped} of these {len(idx)} in the replay"
+        if dropped
+        else ""
+    )
     return Finding(
         "Loss spikes: this scaler dropped them, auto would take them",
         f"{len(idx)} of the {int(skipped.sum())} skipped steps (steps {_steps(idx)}) had a finite "
@@ -122,8 +130,8 @@ def _dropped_spikes(
         "gradient clipping a few such steps can diverge a run (Adam-style updates are bounded "
         "and suffer far less). Before switching to auto, clip the "
         "unscaled gradients (scaler.unscale_(optimizer), then "
-        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)), or find the batches "
-        "(the step numbers above).",
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))"
+        f"{skip}, or find the batches (the step numbers above).",
     )
 
 

@@ -113,6 +113,7 @@ def test_loss_spikes_the_scaler_dropped_and_auto_would_take_are_said_before_auto
     assert "3 of the 3 skipped steps (steps 14, 29, 44)" in found[0].detail
     assert "auto takes 3 of them" in found[0].detail
     assert "clip_grad_norm_" in found[0].advice
+    assert 'get_scaler("auto", spike_bits=8) skips 3 of these 3 in the replay' in found[0].advice
     # with bad batches and underflow too: every advice to use auto comes after it, pointing to it
     mixed = _record(
         tmp_path / "m", 70, bad_every=7, weight=2.0**-16, spikes={16: 2.0**20, 38: 2.0**20}
