@@ -125,6 +125,19 @@ def test_the_first_round_searches_a_minimum_after_overrunning_phases(now, expect
     assert runner._next_round(None, False, now).search_until == pytest.approx(expected)
 
 
+def test_a_first_round_whose_plan_cut_the_rules_keeps_time_for_what_the_plan_priced():
+    """Where every rule's validation did not fit, the plan priced torch, auto and one candidate
+    (plan.validated_scalers): the first round keeps time for those three, not for three
+    candidates (its other candidates are validated until check_at, as time allows)."""
+    from autoscale.search.plan import validated_scalers
+
+    runner, _ = _decider()
+    runner.plan.all_rules_real = False
+    # torch, the bar, one candidate validated (3 x 100 s), 2 picks checked (1.2 x 100 s)
+    assert validated_scalers(3, False) == 3
+    assert runner._next_round(None, False, 0.0).search_until == 4000.0 - (300.0 + 120.0)
+
+
 def test_the_stop_rule_in_order():
     """:meth:`SearchRunner._next_round`: the first round always runs; a round without torch's
     validation, or after one that learned nothing with --n-trials spent, stops the search (the
