@@ -495,7 +495,8 @@ class SearchRunner:
         time. Any other worker records the study's plan whole, or stops where that least begins
         (a BudgetError: what it recorded stays cached)."""
         plan = self.plan
-        after = plan.validate_s + plan.no_harm_s
+        # what the plan keeps after recording: validation and the check with their MARGIN
+        after = MARGIN * (plan.validate_s + plan.no_harm_s)
         least = least_after_record(plan, self.no_harm.cached) + self.min_search_s
         bend: dict[str, Any] = {"stop_at": self.budget.end - least}
         if self.creator:

@@ -138,6 +138,35 @@ def test_a_first_round_whose_plan_cut_the_rules_keeps_time_for_what_the_plan_pri
     assert runner._next_round(None, False, 0.0).search_until == 4000.0 - (300.0 + 120.0)
 
 
+def test_the_creator_records_until_the_plans_later_phases_with_their_margin(monkeypatch):
+    """Recording bends to the machine's pace: the creator's traces stop where validation and
+    the check keep the time the plan gave them, with its MARGIN (plan_search reserves
+    MARGIN x their estimate), at the pace measured while recording."""
+    from types import SimpleNamespace
+
+    from autoscale.search import runner as runner_mod
+
+    runner, _ = _decider()
+    runner.plan = SimpleNamespace(
+        validate_s=300.0, no_harm_s=200.0, suite=None, trace_steps=64, timings=None
+    )
+    runner.no_harm = SimpleNamespace(cached=lambda *a: False)
+    runner.creator, runner.folder = True, None
+    seen = {}
+
+    def load_traces(*args, **kw):
+        seen.update(kw)
+        raise _StopAtRecord
+
+    monkeypatch.setattr(runner_mod, "load_traces", load_traces)
+    monkeypatch.setattr(runner_mod, "least_after_record", lambda plan, cached: 150.0)
+    with pytest.raises(_StopAtRecord):
+        runner._record()
+    assert seen["stop_at"](1.0) == pytest.approx(4000.0 - 1.2 * 500.0)
+    assert seen["stop_at"](2.0) == pytest.approx(4000.0 - 2.0 * 1.2 * 500.0)  # twice as slow
+    assert seen["floor_at"] == 4000.0 - (150.0 + 60.0)  # the least, at the measured times
+
+
 def test_the_stop_rule_in_order():
     """:meth:`SearchRunner._next_round`: the first round always runs; a round without torch's
     validation, or after one that learned nothing with --n-trials spent, stops the search (the
