@@ -69,7 +69,7 @@ class Choice:
         leads: Key -> the lead over ``auto`` of each scaler ranked above it.
         refused: Key -> why the user may not get it (a family not asked for).
         verdicts: The verdicts reached, in the order they were reached (stored ones included).
-        unchecked: Labels the time left could not check.
+        unchecked: (label, reason) of each scaler left unchecked.
     """
 
     winner: Validated | None
@@ -78,7 +78,7 @@ class Choice:
     leads: dict[str, Lead] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
     verdicts: list[Verdict] = field(default_factory=list)
-    unchecked: list[str] = field(default_factory=list)
+    unchecked: list[tuple[str, str]] = field(default_factory=list)
 
 
 def verdict_key(key: Any, shape: str = "") -> str:
@@ -163,7 +163,7 @@ def choose(
     real = [v for v in ranked if v.real or replay_counts]
     replayed = [v.label for v in ranked if not (v.real or replay_counts)]
     if replayed:
-        choice.unchecked.append(f"{', '.join(replayed)} (validated on replay only)")
+        choice.unchecked.append((", ".join(replayed), "validated on replay only"))
     reference = next((v for v in real if v.key == TORCH), None)
     choice.bar = next((v for v in real if v.key == AUTO), None)
     if reference is None or choice.bar is None:
@@ -266,13 +266,12 @@ def _beats(v: Validated, ld: Lead) -> str:
     )
 
 
-def unchecked_lines(unchecked: list[str]) -> list[str]:
-    """The scalers a pick left unchecked (``LABEL (REASON)`` each), one line per reason: a round
+def unchecked_lines(unchecked: list[tuple[str, str]]) -> list[str]:
+    """The scalers a pick left unchecked (``(label, reason)`` each), one line per reason: a round
     short of time leaves every candidate unchecked for the same one."""
     by_reason: dict[str, list[str]] = {}
-    for text in unchecked:
-        label, _, why = text.partition(" (")
-        by_reason.setdefault(why.removesuffix(")"), []).append(label)
+    for label, why in unchecked:
+        by_reason.setdefault(why, []).append(label)
     return [
         f"not checked: {'; '.join(labels)}" + (f" ({why})" if why else "")
         for why, labels in by_reason.items()
@@ -297,7 +296,7 @@ def _verdict(
     verdict = stored_verdict(study, v.key, shape)
     fresh = verdict is None
     if verdict is None and no_harm is None:
-        choice.unchecked.append(f"{v.label} (the study holds no no-harm verdict for it)")
+        choice.unchecked.append((v.label, "the study holds no no-harm verdict for it"))
         return None
     if verdict is None:
         factory = factories[v.key]
@@ -307,8 +306,11 @@ def _verdict(
             if time.monotonic() + need <= stop_at:
                 return True
             choice.unchecked.append(
-                f"{v.label} (its no-harm check needs ~{format_duration(need)}, "
-                f"{format_duration(max(0.0, stop_at - time.monotonic()))} left)"
+                (
+                    v.label,
+                    f"its no-harm check needs ~{format_duration(need)}, "
+                    f"{format_duration(max(0.0, stop_at - time.monotonic()))} left",
+                )
             )
             return False
 
@@ -323,7 +325,7 @@ def _verdict(
                     return None
                 verdict = no_harm.check(factory, v.label, deadline=stop_at)
         except OutOfTime as exc:  # a machine slower than planned: the check says nothing
-            choice.unchecked.append(f"{v.label} ({exc})")
+            choice.unchecked.append((v.label, str(exc)))
             return None
         stored = {**verdict.to_dict(), "stored_at": time.time()}
         with ledger.track("bk:attrs"):

@@ -265,7 +265,7 @@ def test_without_auto_on_real_steps_there_is_no_pick(check):
     choice, _, _ = pick(check, [torch, best, replayed], {})
     assert choice.winner is None and choice.bar is None
     assert choice.why == "auto could not be validated on real steps in the budget"
-    assert choice.unchecked == ["auto (validated on replay only)"]
+    assert choice.unchecked == [("auto", "validated on replay only")]
 
 
 def test_where_replay_is_all_the_evidence_replayed_rows_choose_and_auto_that_harms_gives_torch(
@@ -343,22 +343,27 @@ def test_no_time_for_the_check_means_no_export_of_that_candidate(check):
     choice, _, _ = pick(check, [torch, auto, best], factories, step_s=10.0, stop_at=0.0)
     assert choice.winner.key == "policy:auto"  # the bar, the shipped policy
     assert "its no-harm check did not fit in the time left" in choice.why
-    assert choice.unchecked and "no-harm check needs" in choice.unchecked[0]
+    assert choice.unchecked and "no-harm check needs" in choice.unchecked[0][1]
     # what the search says: one line for every scaler left unchecked for that reason
     (line,) = unchecked_lines(choice.unchecked)
     assert line.startswith("not checked: ") and "no-harm check needs" in line
     assert line.count("no-harm check needs") == 1
+    # a label with parentheses of its own stays whole (labels and reasons are kept apart)
+    why = "its no-harm check needs ~1m, 0s left"
+    assert unchecked_lines([("trial 3 (amax-loss)", why), ("trial 4", why)]) == [
+        f"not checked: trial 3 (amax-loss); trial 4 ({why})"
+    ]
 
 
 def test_scalers_left_unchecked_for_one_reason_are_said_in_one_line():
     needs = "its no-harm check needs ~3m01s, 2m30s left"
     lines = unchecked_lines(
         [
-            f"amax-loss, trial 43 ({needs})",
-            f"amax-loss, trial 44 ({needs})",
-            "deepspeed, auto (validated on replay only)",
-            f"auto ({needs})",
-            "static, trial 2 (RuntimeError: boom (inner))",
+            ("amax-loss, trial 43", needs),
+            ("amax-loss, trial 44", needs),
+            ("deepspeed, auto", "validated on replay only"),
+            ("auto", needs),
+            ("static, trial 2", "RuntimeError: boom (inner)"),
         ]
     )
     assert lines == [
@@ -400,7 +405,9 @@ def test_a_check_that_reaches_the_budgets_end_stops_there_and_says_so(check, tmp
         weights=REWARD, stop_at=time.monotonic() + 0.2, say=lambda t: None,
     )  # fmt: skip
     assert choice.winner.key == "policy:auto"
-    assert any("stopped at the budget's end" in u for u in choice.unchecked), choice.unchecked
+    assert any("stopped at the budget's end" in why for _, why in choice.unchecked), (
+        choice.unchecked
+    )
     assert stored_verdict(study, "trial:5") is None
 
 
@@ -425,7 +432,7 @@ def test_the_screen_runs_torchs_uncached_runs_only_where_the_whole_check_fits(tm
         {"policy:auto": scaler("auto")}, fresh, slow, Ledger(), weights=REWARD,
         stop_at=time.monotonic() + 5.0, say=lambda t: None,
     )  # fmt: skip
-    assert choice.unchecked and "no-harm check needs" in choice.unchecked[0]
+    assert choice.unchecked and "no-harm check needs" in choice.unchecked[0][1]
     assert not any(fresh.cached(w, 0) for w in fresh.no_harm.workloads)  # nothing ran
     with pytest.raises(OutOfTime, match="torch's mlp run"):
         fresh.screen(scaler("auto"), "auto", deadline=time.monotonic() + 0.2)
