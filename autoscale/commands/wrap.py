@@ -14,6 +14,8 @@ class WrapCommand(Command):
     epilog = """examples:
   autoscale wrap -- python train.py --epochs 3            observe: torch's rule, bit-identical, a summary at exit
   autoscale wrap --scaler auto -- python train.py         auto in place of GradScaler, no code changed
+  autoscale wrap --scaler auto --scaler-param spike_bits=8 -- python train.py
+                                                          auto skipping finite loss spikes
   autoscale wrap --record runs/x -- python train.py       record each step; then: autoscale report runs/x
   autoscale wrap --log tensorboard:runs/tb -- torchrun --nproc-per-node 2 train.py
 """
@@ -23,6 +25,14 @@ class WrapCommand(Command):
             "--scaler",
             help="scaler in place of every GradScaler (auto, a rule, an exported policy); "
             "default: torch's own rule, bit-identical (observe only)",
+        )
+        parser.add_argument(
+            "--scaler-param",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="a setting of --scaler's rule, over the program's GradScaler arguments "
+            "(repeatable; e.g. spike_bits=8)",
         )
         parser.add_argument("--record", metavar="DIR", help="record every step to this folder")
         parser.add_argument(
@@ -53,6 +63,7 @@ class WrapCommand(Command):
         parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
 
     def run(self, args: argparse.Namespace) -> int:
+        from autoscale.commands.run import parse_pairs
         from autoscale.observe.launch import WrapPlan, run_wrapped, summary_lines
 
         command = list(args.command)
@@ -61,6 +72,7 @@ class WrapCommand(Command):
         plan = WrapPlan(
             tuple(command),
             scaler=args.scaler,
+            scaler_params=tuple(parse_pairs(args.scaler_param, "--scaler-param").items()),
             record=args.record,
             log=tuple(args.log),
             all_ranks=args.all_ranks,

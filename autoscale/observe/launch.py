@@ -43,6 +43,7 @@ class WrapPlan:
 
     command: tuple[str, ...]
     scaler: str | None = None
+    scaler_params: tuple[tuple[str, Any], ...] = ()  # the rule's settings (--scaler-param)
     record: str | None = None
     log: tuple[str, ...] = ()
     all_ranks: bool = False
@@ -64,10 +65,16 @@ class WrapPlan:
             raise ConfigError(
                 f"command '{self.command[0]}' not found (not a file or on PATH); check its name or give its path"
             )
+        if self.scaler_params and self.scaler is None:
+            raise ConfigError(
+                "--scaler-param sets the replacing scaler's settings: give --scaler NAME too "
+                "(e.g. --scaler auto --scaler-param spike_bits=8)"
+            )
         if self.scaler is not None:
             from autoscale.scalers import make_scaler
 
-            make_scaler(self.scaler, device="cpu")  # unknown names and broken policies fail here
+            # unknown names, settings the rule does not take and broken policies fail here
+            make_scaler(self.scaler, device="cpu", **dict(self.scaler_params))
         if isinstance(self.hist_every, bool) or self.hist_every < 0:
             raise ConfigError(f"--hist-every must be an integer >= 0, got {self.hist_every!r}")
         from autoscale.observe.live import check_log_spec, check_log_target
@@ -98,6 +105,7 @@ def run_wrapped(plan: WrapPlan) -> WrapResult:
     with tempfile.TemporaryDirectory(prefix="autoscale-wrap-") as summary_dir:
         config = {
             "scaler": plan.scaler,
+            "scaler_params": dict(plan.scaler_params),
             "record": str(Path(plan.record).resolve()) if plan.record else None,
             "log": list(plan.log),
             "all_ranks": plan.all_ranks,

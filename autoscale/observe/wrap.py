@@ -158,6 +158,11 @@ def _build(
     build: dict[str, Any] = {"enabled": given.pop("enabled", True)}
     if "init_scale" in given:
         build["init_scale"] = float(given.pop("init_scale"))
+    # the settings given on the command line (--scaler-param) over the program's
+    params = config.get("scaler_params") or {}
+    build.update(params)
+    for key in params:
+        given.pop(key, None)
     _state["building"] = True  # (not a scaler the program built itself: see _adopt)
     try:
         if sharded:

@@ -98,6 +98,31 @@ def test_scaler_auto_replaces_gradscaler_keeping_what_it_has(tmp_path):
 
 
 @pytest.mark.slow
+def test_scaler_params_set_the_replacing_rule(tmp_path):
+    """``--scaler-param`` sets the replacing scaler's rule (over the program's GradScaler
+    arguments): what the record says it ran; a setting the rule does not take, or one without
+    --scaler, is one line and exit 2 before the command runs."""
+    script = [sys.executable, str(SCRIPTS / "plain.py"), "12"]
+    out = _wrap(
+        "--scaler", "auto", "--scaler-param", "spike_bits=8", "--scaler-param",
+        "growth_interval=7", "--record", "runs/s", "--", *script, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    spec = read_record(tmp_path / "runs" / "s").meta["spec"]
+    assert spec["spike_bits"] == 8.0 and spec["spike_memory"] == 256
+    assert spec["growth_interval"] == 7  # the program's 50 gave way
+    assert "keeps growth_interval" not in out.stderr
+    for args, said in (
+        (["--scaler", "auto", "--scaler-param", "spike_bitz=8"], "spike_bitz"),
+        (["--scaler-param", "spike_bits=8"], "give --scaler NAME too"),
+        (["--scaler", "auto", "--scaler-param", "spike_bits"], "expects KEY=VALUE"),
+    ):
+        bad = _wrap(*args, "--", sys.executable, "-c", "print('RAN')", cwd=tmp_path)
+        assert bad.returncode == 2 and "RAN" not in bad.stdout, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and said in bad.stderr, bad.stderr
+
+
+@pytest.mark.slow
 def test_exit_status_and_bad_input(tmp_path):
     fail = _wrap("--", sys.executable, "-c", "import torch, sys; sys.exit(3)", cwd=tmp_path)
     assert fail.returncode == 3
