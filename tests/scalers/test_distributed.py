@@ -34,10 +34,11 @@ def _scenario(
     unscale: bool = True,
     spike: int | None = None,
     spike_rank: int | None = None,
+    settings: dict | None = None,
 ) -> dict:
     model = tiny_model()  # same weights on both ranks
     opt = adamw(model, fused=fused)
-    scaler = autoscale.get_scaler(name, device="cpu", init_scale=2.0**8)
+    scaler = autoscale.get_scaler(name, device="cpu", init_scale=2.0**8, **(settings or {}))
     data = batches(STEPS, seed=10 + rank)  # different data per rank
     out = {"skipped": [], "scales": [], "local_amax": [], "amax": [], "step_scales": [],
            "guarded": [], "used": []}  # fmt: skip
@@ -86,6 +87,11 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             results[f"now-{'fused' if fused else 'adamw'}"] = _scenario(
                 rank, FIXTURE_NOW, fused, spike=STEPS - 1, spike_rank=1
             )
+            # a guard that skips spikes: rank 1's spike skips the step on both ranks
+            results[f"spike-{'fused' if fused else 'adamw'}"] = _scenario(
+                rank, "amax-loss", fused, spike=STEPS - 1, spike_rank=1,
+                settings={"spike_bits": 8.0},
+            )  # fmt: skip
     except Exception:
         results = {"error": traceback.format_exc()}
     # written before the process group goes away, so that a failure is reported with its cause
@@ -145,6 +151,16 @@ def test_a_guarded_steps_scale_is_agreed(ranks, case):
     for a, b in zip(r0["used"], r1["used"], strict=True):  # each rank's backward, alike
         assert a is None or b is None or a == pytest.approx(b, rel=1e-6)
     assert r0["skipped"] == r1["skipped"] == [INF_STEP]  # rank 1's inf loss: both skip
+
+
+@pytest.mark.parametrize("case", ["spike-adamw", "spike-fused"])
+def test_a_spike_on_one_rank_is_skipped_on_every_rank(ranks, case):
+    """The ranks agree on the largest |loss| before the spike test (as the guard does): rank
+    1's loss 2^12 times its usual skips the step on both ranks, the fused kernel's too, and
+    neither rank moves its scale for it."""
+    r0, r1 = ranks[0][case], ranks[1][case]
+    assert r0["skipped"] == r1["skipped"] == [INF_STEP, STEPS - 1]
+    assert r0["scales"] == r1["scales"] and r0["scales"][-1] == r0["scales"][-2]
 
 
 @pytest.mark.parametrize("case", ["now-adamw", "now-fused"])

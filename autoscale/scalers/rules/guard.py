@@ -26,7 +26,9 @@ whose ``|loss|`` is more than ``spike_bits`` bits above the largest ``|loss|`` o
 of that memory, so a spike does not hide the next; and a loss that rises for good is taken after
 ``spike_run`` spikes skipped in a row: that step's loss joins the memory as its new level. A
 spike teaches the guard nothing and moves neither the scale nor the cap. 0 (the default): no
-step is skipped for its loss.
+step is skipped for its loss. Under torch.distributed the test reads the largest ``|loss|`` of
+the ranks (every rank skips alike) against a memory of the steps' mean losses, as the guard's
+limit does: ranks whose losses differ by a factor ``r`` look up to ``log2(r)`` bits higher.
 
 ``amax-loss`` hosts one; so can an agent: an environment given ``episode.guard`` applies it to
 the agent's scales and learns it from every step, and the exported policy carries it, so the
