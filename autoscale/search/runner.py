@@ -653,9 +653,7 @@ class SearchRunner:
             n_rules = len(rules_left) if plan.all_rules_real else min(1, len(rules_left))
             n_rules += not self._bar_real() and AUTO not in held  # the bar
             k = CANDIDATES_PER_ROUND
-            # the candidates its validation keeps time for: the plan's (one where the rules were
-            # cut to fit, plan.validated_scalers); the others until check_at, as time allows
-            kept = k if plan.all_rules_real else 1
+            kept = k if plan.all_rules_real else 1  # as plan.validated_scalers priced them
             after = validator.cost(
                 kept + n_rules + self._agent_pending()
             ) + MARGIN * self.no_harm.cost(plan.timings, CHECKED_CANDIDATES)

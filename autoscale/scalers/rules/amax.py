@@ -260,8 +260,9 @@ class AmaxLossRule(AmaxCapRule):
 
     The guard takes a finite loss spike at a scale of its own, where torch's overflow drops the
     step. With ``spike_bits`` set, a step whose ``|loss|`` is more than that many bits above the
-    largest of the last ``spike_memory`` steps taken is skipped instead, up to ``spike_run`` in a
-    row (then the loss has risen for good, and the next is taken); 0 (the default) skips none.
+    largest of the last ``spike_memory`` steps taken is skipped instead, up to ``spike_run`` in
+    16 steps (then the loss has risen for good, or alternates with far smaller losses, and the
+    next is taken); 0 (the default) skips none.
     """
 
     description = (

@@ -23,10 +23,14 @@ spike_harm.md``: under plain SGD without clipping such steps can diverge a run t
 With ``spike_bits`` set, the guard also names such a step a spike and the scaler skips it: a step
 whose ``|loss|`` is more than ``spike_bits`` bits above the largest ``|loss|`` of the last
 ``spike_memory`` steps it did not skip (:meth:`LossGuard.spike_limit`). Skipped spikes stay out
-of that memory, so a spike does not hide the next; and a loss that rises for good is taken after
-``spike_run`` spikes skipped in a row: that step's loss joins the memory as its new level. A
-spike teaches the guard nothing and moves neither the scale nor the cap. 0 (the default): no
-step is skipped for its loss. Under torch.distributed the test reads the largest ``|loss|`` of
+of that memory, so a spike does not hide the next. The way out: once ``spike_run`` spikes were
+skipped among the last :data:`SPIKE_WINDOW` steps, the next is taken and its loss joins the
+memory as its level. A loss that rises for good is taken after ``spike_run`` skips; so is a loss
+that alternates with far smaller ones (GRPO-style fine-tuning, whose first step of each rollout
+has a loss near zero: a memory of those alone would call every other step a spike, and a count
+of spikes in a row never grows there, ``experiments/results/spike_cost.md``); spikes rarer than
+``spike_run`` per window, the harmful kind, are each skipped. A spike teaches the guard nothing
+and moves neither the scale nor the cap. 0 (the default): no step is skipped for its loss. Under torch.distributed the test reads the largest ``|loss|`` of
 the ranks (every rank skips alike) against a memory of the steps' mean losses, as the guard's
 limit does: ranks whose losses differ by a factor ``r`` look up to ``log2(r)`` bits higher.
 
@@ -45,10 +49,11 @@ from autoscale.errors import ConfigError
 from autoscale.scalers.controller import FP16_MAX, StepStats
 from autoscale.scalers.rules.checks import check_bits, check_interval
 
-__all__ = ["LEARNED", "SHORT", "LossGuard"]
+__all__ = ["LEARNED", "SHORT", "SPIKE_WINDOW", "LossGuard"]
 
 SHORT = "short"  # a guarded step overflowed all the same: the guard's foresight fell short
 LEARNED = "learned"  # a clean step taught the guard its gradient amax per |loss|
+SPIKE_WINDOW = 16  # steps over which spike_run counts the spikes skipped
 
 
 class LossGuard:
@@ -62,7 +67,8 @@ class LossGuard:
         spike_bits: Bits above the largest ``|loss|`` of the last ``spike_memory`` steps taken
             beyond which a step is a spike the scaler skips; 0: none is.
         spike_memory: Steps whose ``|loss|`` the spike test compares with.
-        spike_run: Spikes skipped in a row after which the next is taken (a lasting rise).
+        spike_run: Spikes skipped among the last :data:`SPIKE_WINDOW` steps after which the next
+            is taken (a lasting rise, or a loss that alternates with far smaller ones).
     """
 
     has_guard = True
@@ -88,7 +94,8 @@ class LossGuard:
         self.spike_memory = check_interval("spike_memory", spike_memory)
         self.spike_run = check_interval("spike_run", spike_run)
         self.taken: deque[float] = deque(maxlen=self.spike_memory)  # |loss| of steps not skipped
-        self.spikes = 0  # spikes skipped in a row
+        self.recent: deque[bool] = deque(maxlen=SPIKE_WINDOW)  # skipped as a spike, per step
+        self.spikes = 0  # sum(recent): spikes skipped among the last SPIKE_WINDOW steps
         self._taken_max = 0.0  # max(taken), kept (NaN: compute it when read)
         self.ratios: deque[float] = deque(maxlen=self.guard_history)  # gradient amax per |loss|
         self.ratio_losses: deque[float] = deque(maxlen=self.guard_history)  # |loss| of each
@@ -114,7 +121,8 @@ class LossGuard:
 
     def spike_limit(self) -> float | None:
         """The ``|loss|`` above which the next step is a spike to skip, or None (no
-        ``spike_bits``, nothing taken yet, or ``spike_run`` spikes skipped in a row)."""
+        ``spike_bits``, nothing taken yet, or ``spike_run`` spikes skipped among the last
+        :data:`SPIKE_WINDOW` steps)."""
         if not self.spike_bits or self.spikes >= self.spike_run or not self.taken:
             return None
         top = self._taken_max
@@ -122,9 +130,15 @@ class LossGuard:
             top = self._taken_max = max(self.taken)
         return top * 2.0**self.spike_bits
 
+    def _count(self, spiked: bool) -> None:
+        """Count one step in the window of recent spikes."""
+        if len(self.recent) == SPIKE_WINDOW:
+            self.spikes -= self.recent[0]
+        self.recent.append(spiked)
+        self.spikes += spiked
+
     def _take(self, loss: float) -> None:
         """Remember the ``|loss|`` of a step not skipped as a spike."""
-        self.spikes = 0
         if len(self.taken) == self.spike_memory and self.taken[0] == self._taken_max:
             self._taken_max = math.nan  # the largest leaves: read the memory again
         elif loss > self._taken_max:
@@ -151,8 +165,9 @@ class LossGuard:
         None."""
         loss = abs(stats.loss) if stats.loss_seen else math.nan
         usable = 0.0 < loss < math.inf
+        if self.spike_bits:
+            self._count(stats.spiked)
         if stats.spiked:  # skipped for its loss: it teaches nothing
-            self.spikes += 1
             return None
         if usable:
             self.losses.append(loss)
@@ -218,7 +233,7 @@ class LossGuard:
             "losses": [float(m) for m in self.losses],
         }
         if self.spike_bits:
-            out.update(taken=[float(m) for m in self.taken], spikes=self.spikes)
+            out.update(taken=[float(m) for m in self.taken], recent=[int(x) for x in self.recent])
         return out
 
     def load_state(self, state: dict[str, Any], owner: str) -> None:
@@ -239,13 +254,16 @@ class LossGuard:
         if self.spike_bits:
             self.taken = deque(_positives(state, "taken", [], owner, inf=False), self.spike_memory)
             self._taken_max = math.nan
-            spikes = state.get("spikes", 0)
-            if isinstance(spikes, bool) or not isinstance(spikes, int) or spikes < 0:
+            recent = state.get("recent", [])
+            if not isinstance(recent, list) or not all(
+                x in (0, 1) and not isinstance(x, float) for x in recent
+            ):
                 raise ConfigError(
-                    f"{owner}: state 'spikes' must be a count of steps, got {spikes!r}; "
-                    "the checkpoint was not written by this rule"
+                    f"{owner}: state 'recent' must be a list of 0 and 1 (a step skipped as a "
+                    f"spike or not), got {recent!r}; the checkpoint was not written by this rule"
                 )
-            self.spikes = spikes
+            self.recent = deque(map(bool, recent), maxlen=SPIKE_WINDOW)
+            self.spikes = sum(self.recent)
 
 
 def _positives(
