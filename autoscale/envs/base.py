@@ -190,7 +190,8 @@ class ScaleEnvBase(gym.Env):
         stats, precision, diverged = self._advance(scale)
         self.last_stats = stats
         found_inf = stats.found_inf
-        if found_inf and stats.scale <= self.bounds.min_scale:  # ScaleBounds.overflow_at_min
+        # ScaleBounds.overflow_at_min; a step skipped as a spike is no overflow (the controller's)
+        if found_inf and not stats.spiked and stats.scale <= self.bounds.min_scale:
             self.hit_min = True
         self._t += 1
         self._nonfinite_run = self._nonfinite_run + 1 if stats.loss_nonfinite else 0

@@ -84,6 +84,7 @@ FIELDS = (
     "threshold",
     "threshold_measured",
     "guarded",
+    "spiked",
     "lr",
     "wall_s",
     "hist",

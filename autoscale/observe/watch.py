@@ -199,6 +199,7 @@ class Watch:
             "threshold": None,
             "threshold_measured": False,
             "guarded": bool(stats.guarded),
+            "spiked": bool(getattr(stats, "spiked", False)),
             "lr": _lr(self._optimizer),
             "wall_s": now - self._last,
             "hist": self._hist,
@@ -323,9 +324,11 @@ def _threshold(row: dict[str, Any], backward_amax: float | None) -> tuple[float,
     if backward_amax is not None and math.isfinite(backward_amax) and backward_amax > 0:
         return math.log2(FP16_MAX * scale / backward_amax), True
     amax = row["amax"]
-    if not row["found_inf"] and math.isfinite(amax) and amax > 0:
+    # a step skipped as a loss spike (spike_bits) read its finite gradients: no overflow
+    clean = not row["found_inf"] or (row.get("spiked", False) and math.isfinite(amax))
+    if clean and math.isfinite(amax) and amax > 0:
         return math.log2(FP16_MAX / amax), False
-    if not row["found_inf"] and amax == 0:
+    if clean and amax == 0:
         # every gradient flushed to zero at this scale: the threshold lies somewhere above
         # log2(65504 * scale / 2^-24), nobody knows where (NaN: replay cannot judge this step)
         return math.nan, False

@@ -357,6 +357,12 @@ def load_neural(
                 f"policy '{manifest.name}' has guard {guard!r}, not a mapping of guard_history "
                 f"and guard_margin ({exc}); re-export it"
             ) from None
+        if guard.get("spike_bits"):  # an agent's guard lowers scales; amax-loss skips spikes
+            raise PolicyError(
+                f"policy '{manifest.name}' has a guard with spike_bits={guard['spike_bits']!r}: "
+                "a neural policy's guard does not skip loss spikes (amax-loss's does); "
+                "re-export it without spike_bits"
+            )
     scale_time = p.get("scale_time", False)
     if not isinstance(scale_time, bool):
         raise PolicyError(

@@ -247,6 +247,9 @@ class ResidualRule(ScaleRule):
     def guard_limit(self) -> float | None:
         return self.base.guard_limit()
 
+    def spike_limit(self) -> float | None:
+        return self.base.spike_limit()
+
     def backs_off_on_overflow(self) -> bool:
         return self.base.backs_off_on_overflow()
 

@@ -643,7 +643,7 @@ class LossScaler(torch.amp.GradScaler):
         loss_sum = 0.0
         if loss is not None:  # float32's sum: a float64 loss rounds to it, a narrower one is exact
             loss_sum = loss.float().item() if loss.dtype is torch.float64 else loss.item()
-        spiked = self._spike is True
+        spiked = bool(self._spike)  # (a flag computed on the device reads here too)
         state[sv.HOST] = sv.HostStep(
             found or spiked, amax, sumsq, count, loss_sum, float(n_loss), spiked
         )

@@ -197,3 +197,52 @@ def test_a_spike_at_the_minimum_scale_is_no_overflow_there():
     rows, _ = _loop(scaler, 30, spikes={20})
     assert rows[20][1].spiked and rows[20][1].scale == 2.0**12
     assert scaler.controller.min_hits == 0  # no MinimumLossScaleError either
+
+
+def test_what_cannot_honour_spike_bits_refuses_it_or_forwards_it(tmp_path):
+    """A window that could never open, a neural policy's guard (which lowers scales only) and
+    a guard pickled before spikes: refused, or read as no spikes; a residual forwards its base's."""
+    import shutil
+
+    import yaml
+
+    from autoscale.errors import PolicyError
+    from autoscale.scalers.residual import ResidualRule
+    from autoscale.scalers.rules.amax import AmaxLossRule
+
+    from .helpers import FIXTURE_POLICIES
+
+    with pytest.raises(ConfigError, match="spike_run must be at most 16"):
+        LossGuard(spike_bits=4.0, spike_run=17)
+    folder = tmp_path / "neural-spiky"
+    shutil.copytree(FIXTURE_POLICIES / "fixture-neural", folder)
+    manifest = yaml.safe_load((folder / "policy.yaml").read_text())
+    manifest["name"] = "neural-spiky"
+    manifest["parameters"]["guard"] = {"guard_history": 16, "guard_margin": 1.0, "spike_bits": 4}
+    (folder / "policy.yaml").write_text(yaml.safe_dump(manifest))
+    with pytest.raises(PolicyError, match="does not skip loss spikes"):
+        autoscale.get_scaler(str(folder), device="cpu")
+    base = AmaxLossRule(spike_bits=4.0)
+    base.guard.observe(1.0, StepStats(0, 1.0, False, 0.5, math.nan, 2.0, True, False))
+    assert ResidualRule(base).spike_limit() == base.spike_limit() == 32.0
+    old = LossGuard()
+    for key in ("spike_bits", "spike_memory", "spike_run"):
+        del old.__dict__[key]  # as unpickled from before spikes existed
+    old.observe(1.0, StepStats(0, 1.0, False, 0.5, math.nan, 2.0, True, False))
+    assert old.spike_limit() is None and old.params()["spike_bits"] == 0.0
+
+
+def test_a_recorded_spike_keeps_its_gradients_threshold(tmp_path):
+    """The record says a step was skipped as a spike, and its overflow threshold is the one its
+    finite gradients give (a replay of another rule then takes it where that scale fits), not
+    the guess an overflow gets (a bit below the scale used)."""
+    from autoscale.observe import read_record, watch_scaler
+
+    scaler = spiky()
+    watch = watch_scaler(scaler, record=str(tmp_path / "r"), hist_every=1)
+    _loop(scaler, 40, spikes={25})
+    watch.close()
+    row = read_record(tmp_path / "r").steps[25]
+    assert row["found_inf"] and row["spiked"] and math.isfinite(row["amax"])
+    assert row["threshold"] == pytest.approx(math.log2(65504.0 / row["amax"]))
+    assert row["threshold"] > math.log2(row["scale"])  # its gradients fit at its scale

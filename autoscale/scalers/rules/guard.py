@@ -30,7 +30,8 @@ that alternates with far smaller ones (GRPO-style fine-tuning, whose first step 
 has a loss near zero: a memory of those alone would call every other step a spike, and a count
 of spikes in a row never grows there, ``experiments/results/spike_cost.md``); spikes rarer than
 ``spike_run`` per window, the harmful kind, are each skipped. A spike teaches the guard nothing
-and moves neither the scale nor the cap. 0 (the default): no step is skipped for its loss. Under torch.distributed the test reads the largest ``|loss|`` of
+and moves neither the scale nor the cap. 0 (the default): no step is skipped for its loss. The first loss scaled in a step decides, as for the guard's scale
+(the replays, which see one loss a step, read the step's mean). Under torch.distributed the test reads the largest ``|loss|`` of
 the ranks (every rank skips alike) against a memory of the steps' mean losses, as the guard's
 limit does: ranks whose losses differ by a factor ``r`` look up to ``log2(r)`` bits higher.
 
@@ -77,6 +78,7 @@ class LossGuard:
     _limit_cut = math.nan  # the cut the cached limit was computed with
     _top: float | None = None  # the largest ratio the cached limit counts
     _least = math.inf  # the least |loss| of the remembered ratios, with the kept limit
+    spike_bits, spike_memory, spike_run = 0.0, 256, 2  # (a guard pickled before spikes: none)
 
     def __init__(
         self,
@@ -93,6 +95,11 @@ class LossGuard:
         self.spike_bits = check_bits("spike_bits", spike_bits)
         self.spike_memory = check_interval("spike_memory", spike_memory)
         self.spike_run = check_interval("spike_run", spike_run)
+        if self.spike_run > SPIKE_WINDOW:  # the way out would never open
+            raise ConfigError(
+                f"spike_run must be at most {SPIKE_WINDOW} (spikes are counted over the last "
+                f"{SPIKE_WINDOW} steps), got {spike_run}"
+            )
         self.taken: deque[float] = deque(maxlen=self.spike_memory)  # |loss| of steps not skipped
         self.recent: deque[bool] = deque(maxlen=SPIKE_WINDOW)  # skipped as a spike, per step
         self.spikes = 0  # sum(recent): spikes skipped among the last SPIKE_WINDOW steps
