@@ -300,16 +300,8 @@ class AmaxLossRule(AmaxCapRule):
         g = self.guard = LossGuard(
             guard_history, guard_margin, guard_floor, spike_bits, spike_memory, spike_run
         )
-        self.guard_margin, self.guard_history, self.guard_floor = (
-            g.guard_margin,
-            g.guard_history,
-            g.guard_floor,
-        )
-        self.spike_bits, self.spike_memory, self.spike_run = (
-            g.spike_bits,
-            g.spike_memory,
-            g.spike_run,
-        )
+        for key in g.params():  # the guard's checked settings, as the rule's attributes
+            setattr(self, key, getattr(g, key))
         # clean steps before the next probe of the cap (growth comes first past the interval)
         self.wait = min(self.probe_after, self.growth_interval)
         self.base = math.nan  # the scale next_scale set last (before any guard)

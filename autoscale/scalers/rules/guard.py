@@ -30,10 +30,12 @@ that alternates with far smaller ones (GRPO-style fine-tuning, whose first step 
 has a loss near zero: a memory of those alone would call every other step a spike, and a count
 of spikes in a row never grows there, ``experiments/results/spike_cost.md``); spikes rarer than
 ``spike_run`` per window, the harmful kind, are each skipped. A spike teaches the guard nothing
-and moves neither the scale nor the cap. 0 (the default): no step is skipped for its loss. The first loss scaled in a step decides, as for the guard's scale
-(the replays, which see one loss a step, read the step's mean). Under torch.distributed the test reads the largest ``|loss|`` of
-the ranks (every rank skips alike) against a memory of the steps' mean losses, as the guard's
-limit does: ranks whose losses differ by a factor ``r`` look up to ``log2(r)`` bits higher.
+and moves neither the scale nor the cap. 0 (the default): no step is skipped for its loss.
+The first loss scaled in a step decides, as for the guard's scale (the replays, which see one
+loss a step, read the step's mean). Under torch.distributed the test reads the largest
+``|loss|`` of the ranks (every rank skips alike) against a memory of the steps' mean losses, as
+the guard's limit does: ranks whose losses differ by a factor ``r`` look up to ``log2(r)`` bits
+higher.
 
 ``amax-loss`` hosts one; so can an agent: an environment given ``episode.guard`` applies it to
 the agent's scales and learns it from every step, and the exported policy carries it, so the
