@@ -254,8 +254,9 @@ class LossScaler(torch.amp.GradScaler):
         agree, its host form, whose value is then known); or let a rule that acts at scale time
         set it from the loss (``scale_time``). The first loss of a step also decides whether it
         is a spike to skip (:meth:`_spike_of`)."""
+        agreed = None  # the ranks' largest |loss|, where the spike test agreed it already
         if self._spike is None:
-            self._spike = self._spike_of(loss, rule)
+            self._spike, agreed = self._spike_of(loss, rule)
         if rule.scale_time:
             limit = None
         else:
@@ -273,30 +274,33 @@ class LossScaler(torch.amp.GradScaler):
         self._guard_scale = (
             apply_step_scale(rule, scale, loss, bounds, self._host_scale, group)
             if rule.scale_time
-            else apply_guard(scale, loss, limit, bounds.min_scale, self._host_scale, group)
+            else apply_guard(scale, loss, limit, bounds.min_scale, self._host_scale, group, agreed)
         )
         # set on the host of a CPU (no tensor returned): read once, for get_scale and 1/scale
         self._step_scale = scale.item() if self._guard_scale is None and self._cpu else None
 
-    def _spike_of(self, loss: torch.Tensor, rule: ScaleRule) -> bool | torch.Tensor:
+    def _spike_of(
+        self, loss: torch.Tensor, rule: ScaleRule
+    ) -> tuple[bool | torch.Tensor, torch.Tensor | None]:
         """Whether ``loss`` is a finite spike above ``rule``'s spike limit: a bool, read on the
         host of a CPU scaler with nothing to agree; else a bool tensor on the scale's device (no
         host sync; under torch.distributed the largest ``|loss|`` of the ranks, so that every
-        rank skips alike)."""
+        rank skips alike). With it, that agreed ``|loss|`` (None where no ranks agreed one): the
+        guard's too, so that a step agrees its loss in one collective."""
         limit = None if rule.scale_time else rule.spike_limit()
         if limit is None:
-            return False
+            return False, None
         if self._scale is None:
             self._lazy_init_scale_growth_tracker(loss.device)
         group = self._group()
         if self._cpu and group is None and loss.is_cpu:
             m = abs(loss.item())
-            return limit < m < math.inf
+            return limit < m < math.inf, None
         dev = self._scale.device
         g = loss.to(dev, torch.float32 if dev.type == "mps" else torch.float64, copy=True).abs_()
         if group is not None:
             g = RankAgreement.max_loss(g, group)
-        return (g > limit).logical_and_(g < math.inf)
+        return (g > limit).logical_and_(g < math.inf), (g if group is not None else None)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         grads = self._one_pass_grads(optimizer) if self._enabled and self._collect_stats else None

@@ -238,6 +238,27 @@ def _count_per_step(rank: int, name: str, fused: bool, ddp: bool, **kw) -> list[
     return counts
 
 
+def _scale_collectives(rank: int) -> list[int]:
+    """Collectives of ``scale()`` in each of 5 steps of a rule with a guard and a spike test."""
+    model = tiny_model()
+    opt = adamw(model)
+    scaler = autoscale.get_scaler("amax-loss", device="cpu", init_scale=2.0**8, spike_bits=8)
+    counts = []
+    for x, y in batches(5, seed=40 + rank):
+        opt.zero_grad()
+        loss = forward_loss(model, x, y)
+        counter = _Counter()
+        try:
+            scaled = scaler.scale(loss)
+        finally:
+            counter.restore()
+        counts.append(counter.n)
+        scaled.backward()
+        scaler.step(opt)
+        scaler.update()
+    return counts
+
+
 def _two_optimizers(rank: int) -> dict:
     """Two models, two optimizers, two losses in one step (losses scaled before either step)."""
     a, b = tiny_model(1), tiny_model(2)
@@ -266,6 +287,7 @@ def _worker2(rank: int, init_file: str, out_dir: str) -> None:
                     rank, name, fused, ddp=True, identical_grads=True
                 )
         out["two-optimizers"] = _two_optimizers(rank)
+        out["scale:guard+spike"] = _scale_collectives(rank)
         # ranks that disagree on identical_grads get one clear error each, not a hang
         try:
             _count_per_step(rank, "torch", False, ddp=False, identical_grads=rank == 0)
@@ -317,6 +339,13 @@ def test_no_collective_when_ddp_made_the_gradients_identical(counted, fused):
             assert first == 1 and rest == [0, 0, 0]  # only the handshake
         # a neural policy reads the loss, which each rank computes on its own batch
         assert r[f"ddp:fixture-neural-{fused}"][1:] == [1, 1, 1]
+
+
+def test_the_guard_and_the_spike_test_agree_the_loss_in_one_collective(counted):
+    """Under torch.distributed both read the ranks' largest |loss|: one all_reduce a step serves
+    both (none before the first clean step, when neither has a limit yet)."""
+    for r in counted:
+        assert r["scale:guard+spike"] == [0, 1, 1, 1, 1]
 
 
 def test_the_second_optimizers_loss_is_not_dropped(counted):
