@@ -181,10 +181,11 @@ class ScaleRule:
     def spike_limit(self) -> float | None:
         """The ``|loss|`` above which the next step is skipped as a spike, or None (none is).
 
-        Read by the scaler with :meth:`guard_limit`, when the first loss of a step is scaled (a
-        rule with ``has_guard`` only): a step whose finite ``|loss|`` passes it is skipped as an
-        overflowing one is, its :class:`StepStats` carry ``spiked``, and it is not counted as an
-        overflow at the minimum."""
+        Read by the scaler at the first agreement of a step (its first optimizer's ``unscale_``
+        or ``step``; a rule with ``has_guard`` only): a step whose finite mean ``|loss|`` (the
+        losses scaled until then) passes it is skipped as an overflowing one is, its
+        :class:`StepStats` carry ``spiked``, and it is not counted as an overflow at the
+        minimum."""
         return None
 
     def backs_off_on_overflow(self) -> bool:

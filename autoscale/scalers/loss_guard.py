@@ -53,27 +53,21 @@ def apply_guard(
     min_scale: float,
     set_scale: float,
     group: Any,
-    agreed: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Write this step's guarded scale into ``scale`` (the scaler's scale tensor).
 
     Returns the guarded scale as a float64 tensor on the device (float32 on MPS), or None where
     it was computed on the host (a CPU scaler outside torch.distributed: reading the loss is no
     sync there). Under torch.distributed the ranks agree on the largest ``|loss|`` first, so that
-    they scale alike; a NaN on any rank keeps the set scale everywhere. ``agreed``: that
-    largest ``|loss|``, where the ranks agreed it already this step (the spike test's; float64
-    on the device, float32 on MPS), used in place of another collective and consumed."""
+    they scale alike; a NaN on any rank keeps the set scale everywhere."""
     dev = scale.device
     if dev.type == "cpu" and loss.device.type == "cpu" and group is None:
         guard_on_host(scale, loss, limit, min_scale, set_scale)
         return None
     exact = torch.float32 if dev.type == "mps" else torch.float64  # MPS has no float64
-    if agreed is not None:
-        g = agreed
-    else:
-        g = loss.to(dev, exact, copy=True).abs_()  # a copy: every op below works in place
-        if group is not None:
-            g = RankAgreement.max_loss(g, group)
+    g = loss.to(dev, exact, copy=True).abs_()  # a copy: every op below works in place
+    if group is not None:
+        g = RankAgreement.max_loss(g, group)
     # few ops, in place: this runs every step. A non-finite |loss| becomes 0, so the quotient
     # is inf and the clamp keeps the set scale; a zero loss gives inf too
     torch.div(limit, g.nan_to_num_(nan=0.0, posinf=0.0), out=g)

@@ -96,8 +96,8 @@ class LossScaler(torch.amp.GradScaler):
     _cpu = False  # the scale tensor is on a CPU, where reads are no syncs (set when made)
     _step_scale: float | None = None
     _step_group: tuple[Any] | None = None
-    # this step's spike test (ScaleRule.spike_limit): None before it, a bool where it ran on
-    # the host, a bool tensor on the device
+    # this step's spike test (ScaleRule.spike_limit), made at its first agreement: None before
+    # it, a bool where it ran on the host, a bool tensor on the device
     _spike: bool | torch.Tensor | None = None
 
     def __init__(
@@ -252,11 +252,7 @@ class LossScaler(torch.amp.GradScaler):
         """Lower this step's scale to ``rule``'s guard (see ScaleRule.guard_limit), on the
         device: :func:`~autoscale.scalers.loss_guard.apply_guard` (on a CPU with nothing to
         agree, its host form, whose value is then known); or let a rule that acts at scale time
-        set it from the loss (``scale_time``). The first loss of a step also decides whether it
-        is a spike to skip (:meth:`_spike_of`)."""
-        agreed = None  # the ranks' largest |loss|, where the spike test agreed it already
-        if self._spike is None:
-            self._spike, agreed = self._spike_of(loss, rule)
+        set it from the loss (``scale_time``)."""
         if rule.scale_time:
             limit = None
         else:
@@ -274,33 +270,16 @@ class LossScaler(torch.amp.GradScaler):
         self._guard_scale = (
             apply_step_scale(rule, scale, loss, bounds, self._host_scale, group)
             if rule.scale_time
-            else apply_guard(scale, loss, limit, bounds.min_scale, self._host_scale, group, agreed)
+            else apply_guard(scale, loss, limit, bounds.min_scale, self._host_scale, group)
         )
         # set on the host of a CPU (no tensor returned): read once, for get_scale and 1/scale
         self._step_scale = scale.item() if self._guard_scale is None and self._cpu else None
 
-    def _spike_of(
-        self, loss: torch.Tensor, rule: ScaleRule
-    ) -> tuple[bool | torch.Tensor, torch.Tensor | None]:
-        """Whether ``loss`` is a finite spike above ``rule``'s spike limit: a bool, read on the
-        host of a CPU scaler with nothing to agree; else a bool tensor on the scale's device (no
-        host sync; under torch.distributed the largest ``|loss|`` of the ranks, so that every
-        rank skips alike). With it, that agreed ``|loss|`` (None where no ranks agreed one): the
-        guard's too, so that a step agrees its loss in one collective."""
-        limit = None if rule.scale_time else rule.spike_limit()
-        if limit is None:
-            return False, None
-        if self._scale is None:
-            self._lazy_init_scale_growth_tracker(loss.device)
-        group = self._group()
-        if self._cpu and group is None and loss.is_cpu:
-            m = abs(loss.item())
-            return limit < m < math.inf, None
-        dev = self._scale.device
-        g = loss.to(dev, torch.float32 if dev.type == "mps" else torch.float64, copy=True).abs_()
-        if group is not None:
-            g = RankAgreement.max_loss(g, group)
-        return (g > limit).logical_and_(g < math.inf), (g if group is not None else None)
+    def _spike_limit(self) -> float | None:
+        """The ``|loss|`` above which this step is a spike to skip (the rule's
+        :meth:`~autoscale.scalers.controller.ScaleRule.spike_limit`), or None."""
+        rule = self.guard_rule if self.guard_rule is not None else self.rule
+        return None if rule.scale_time else rule.spike_limit()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         grads = self._one_pass_grads(optimizer) if self._enabled and self._collect_stats else None
@@ -605,34 +584,51 @@ class LossScaler(torch.amp.GradScaler):
 
     def _agree(self, state: dict[str, Any]) -> None:
         """Pack this optimizer's step into one vector, agreed across ranks (no host sync); on a
-        CPU with nothing to agree, read its values at once instead (:meth:`_read_on_host`)."""
+        CPU with nothing to agree, read its values at once instead (:meth:`_read_on_host`).
+
+        The first agreement of a step also decides whether the step is a loss spike to skip,
+        from the mean of the losses scaled until then (the replays' loss of the step), and sets
+        the found-inf flags where it is (the later agreements of the step take that decision)."""
         if sv.VEC in state or sv.HOST in state:
             return
-        spike = self._spike
-        if spike is True:  # a spike, known on the host: the step is skipped as an overflow is
+        spike, limit = self._spike, None
+        if spike is None:
+            limit = self._spike_limit()
+            if limit is None:
+                spike = self._spike = False
+        elif spike is True:  # a spike, known on the host: the step is skipped as an overflow is
             for flag in state["found_inf_per_device"].values():
                 flag.fill_(1.0)
-        elif isinstance(spike, torch.Tensor):  # on the device: flag = max(flag, spike)
+        elif spike is not False:  # on the device: flag = max(flag, spike)
             for flag in state["found_inf_per_device"].values():
                 torch.maximum(flag, spike.to(flag.device, flag.dtype), out=flag)
         group = self._group()
         loss, n_loss, self._loss_sum, self._loss_count = self._loss_sum, self._loss_count, None, 0
         stats = state.get(sv.STATS) if self._collect_stats else None
         if group is None and self._cpu:
-            self._read_on_host(state, stats, loss, n_loss)
+            self._read_on_host(state, stats, loss, n_loss, limit)
             return
         dev = self._scale.device
         gather = None if group is None else (lambda local: self._ranks.gather(local, group))
         guard = self._scale if self._guarded else None  # the step's own scale travels along
-        spiked = spike if isinstance(spike, torch.Tensor) else None  # and so does the spike
-        sv.pack_into(state, stats, loss, n_loss, guard, dev, gather, spiked)
+        if limit is None:  # decided already (or no test): the decision travels along
+            spiked = spike if isinstance(spike, torch.Tensor) else None
+            sv.pack_into(state, stats, loss, n_loss, guard, dev, gather, spiked)
+            return
+        self._spike = sv.pack_into(state, stats, loss, n_loss, guard, dev, gather, limit=limit)
 
     def _read_on_host(
-        self, state: dict[str, Any], stats: torch.Tensor | None, loss: Any, n_loss: int
+        self,
+        state: dict[str, Any],
+        stats: torch.Tensor | None,
+        loss: Any,
+        n_loss: int,
+        limit: float | None,
     ) -> None:
         """The :class:`~autoscale.scalers.step_vector.HostStep` that packing and reading would
         give (the loss summed in float32, as the vector holds it), read from the CPU tensors
-        themselves: a read is no sync on a CPU, and a vector costs ops every step."""
+        themselves: a read is no sync on a CPU, and a vector costs ops every step. ``limit``:
+        the step's spike test is made here (see :meth:`_agree`)."""
         found = False
         for flag in state["found_inf_per_device"].values():
             found = found or flag.item() > 0
@@ -647,6 +643,11 @@ class LossScaler(torch.amp.GradScaler):
         loss_sum = 0.0
         if loss is not None:  # float32's sum: a float64 loss rounds to it, a narrower one is exact
             loss_sum = loss.float().item() if loss.dtype is torch.float64 else loss.item()
+        if limit is not None:  # the step's spike test, on its mean loss
+            self._spike = bool(n_loss) and limit < abs(loss_sum / n_loss) < math.inf
+            if self._spike:  # skipped as an overflow is
+                for flag in state["found_inf_per_device"].values():
+                    flag.fill_(1.0)
         spiked = bool(self._spike)  # (a flag computed on the device reads here too)
         state[sv.HOST] = sv.HostStep(
             found or spiked, amax, sumsq, count, loss_sum, float(n_loss), spiked

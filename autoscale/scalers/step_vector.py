@@ -29,6 +29,7 @@ __all__ = [
     "pack_agreed",
     "merged_flag",
     "pack_into",
+    "mean_spike",
     "read",
     "step_stats",
 ]
@@ -106,10 +107,14 @@ def pack_agreed(
     dev: torch.device,
     gather: Any,
     spike: torch.Tensor | None = None,
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, Layout]:
     """The vector every rank of a group agrees on: found-inf and amax by MAX (a NaN amax, from
     the gradients of an overflowing rank, counts as inf), the rest by SUM. ``gather(local)``
-    returns every rank's ``local`` (one all_gather); the reduction is done here."""
+    returns every rank's ``local`` (one all_gather); the reduction is done here. ``spike``: the
+    step's spike test, made already (the same on every rank); or ``limit``: make it here, on
+    the gathered losses (a spike where any rank's mean ``|loss|`` passes it: every rank skips
+    alike, and no collective of its own)."""
     if stats is None:
         stats = torch.full((3,), math.nan, device=dev)
     total = torch.zeros((), device=dev) if loss is None else loss.to(dev).float()
@@ -120,10 +125,27 @@ def pack_agreed(
     )
     local[1] = torch.where(torch.isnan(local[1]), math.inf, local[1])
     table = torch.stack(gather(local))
-    # (a guarded step's scale and the spike test, last, are the same on every rank: the loss
-    # was agreed)
-    vec = torch.cat([table[:, :2].amax(0), table[:, 2:6].sum(0), table[:, 6:].amax(0)])
+    # (a guarded step's scale and a spike test made already, last, are the same on every rank:
+    # the loss was agreed)
+    parts = [table[:, :2].amax(0), table[:, 2:6].sum(0), table[:, 6:].amax(0)]
+    if limit is not None:
+        spike = mean_spike(table[:, 4], table[:, 5], limit, dev).any().reshape(1).float()
+        parts[0][:1] = torch.maximum(parts[0][:1], spike)  # skipped as an overflow is
+        parts.append(spike)
+    vec = torch.cat(parts)
     return vec, Layout(3, -1, True, guard_scale is not None, spike is not None)
+
+
+def mean_spike(
+    loss_sum: torch.Tensor, n_loss: torch.Tensor | float, limit: float, dev: torch.device
+) -> torch.Tensor:
+    """Whether the mean loss ``loss_sum / n_loss`` (float32 sums, as a vector holds them) is
+    finite and above the spike ``limit``, as a bool tensor on ``dev``: the host's test (the
+    quotient in float64; float32 on MPS, which has none), without a sync. No loss (0 / 0) is
+    no spike."""
+    exact = torch.float32 if dev.type == "mps" else torch.float64
+    m = (loss_sum.to(dev, torch.float32).to(exact) / n_loss).abs()
+    return (m > limit).logical_and_(m < math.inf)
 
 
 def read(states: list[dict[str, Any]]) -> None:
@@ -224,16 +246,29 @@ def pack_into(
     dev: torch.device,
     gather: Any,
     spike: torch.Tensor | None = None,
-) -> None:
+    limit: float | None = None,
+) -> torch.Tensor | None:
     """Pack one optimizer's step into its GradScaler ``state``: the found-inf flag GradScaler
     recorded, ``stats``, the losses scaled since the last packing and a guarded step's scale;
     agreed across ranks where ``gather`` is given (then the flag GradScaler and fused kernels
-    read is replaced by the agreed one); the spike test's outcome where ``spike`` is given.
-    No host sync."""
-    flag = merged_flag(list(state["found_inf_per_device"].values()), dev)
+    read is replaced by the agreed one). The spike test: its outcome where ``spike`` is given
+    (made at an earlier agreement of the step), or made here from the mean loss where
+    ``limit`` is, the flags set where it is a spike; returns it then (a device tensor), else
+    None. No host sync."""
+    flags = state["found_inf_per_device"]
+    if limit is not None and gather is None:
+        if loss is None:
+            spike = torch.zeros((), dtype=torch.bool, device=dev)
+        else:
+            spike = mean_spike(loss, n_loss, limit, dev)
+        for f in flags.values():  # skipped as an overflow is: flag = max(flag, spike)
+            torch.maximum(f, spike.to(f.device, f.dtype), out=f)
+    flag = merged_flag(list(flags.values()), dev)
     if gather is None:
         state[VEC], state[LAYOUT] = pack(flag, stats, loss, n_loss, guard, dev, spike)
-        return
-    state[VEC], state[LAYOUT] = pack_agreed(flag, stats, loss, n_loss, guard, dev, gather, spike)
-    if state["found_inf_per_device"]:
-        state["found_inf_per_device"] = {dev: state[VEC][0].clone()}
+        return spike if limit is not None else None
+    vec, state[LAYOUT] = pack_agreed(flag, stats, loss, n_loss, guard, dev, gather, spike, limit)
+    state[VEC] = vec
+    if flags:
+        state["found_inf_per_device"] = {dev: vec[0].clone()}
+    return vec[-1] if limit is not None else None

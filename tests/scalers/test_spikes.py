@@ -13,6 +13,7 @@ import autoscale
 from autoscale.errors import ConfigError
 from autoscale.scalers import step_vector as sv
 from autoscale.scalers.controller import StepStats
+from autoscale.scalers.loss_guard import is_spike
 from autoscale.scalers.rules.guard import LossGuard
 
 from .helpers import adamw, batches, flat_params, forward_loss, tiny_model
@@ -178,7 +179,7 @@ def test_agreed_steps_carry_the_spike():
     other = torch.tensor([0.0, 0.5, 3.0, 20.0, 2.5, 1.0, 1.0])  # the other rank: a spike too
 
     def gather(local):
-        assert local[-1].item() == 1.0  # the spike test travels last
+        assert local[-1].item() == 1.0  # a spike test made already travels last
         return [local, other]
 
     state = {"found_inf_per_device": {CPU: torch.tensor(1.0)}}
@@ -190,6 +191,66 @@ def test_agreed_steps_carry_the_spike():
     assert state[sv.HOST] == sv.HostStep(True, 0.5, 5.0, 30.0, 4.0, 2.0, True)
     stats_, _ = sv.step_stats([state], 3, 64.0, True, True)
     assert stats_.spiked and stats_.found_inf
+
+
+@pytest.mark.parametrize("limit, spiked", [(2.0, True), (2.5, False), (0.5, True)])
+def test_the_agreement_makes_the_spike_test_on_each_ranks_mean_loss(limit, spiked):
+    """Made at the step's agreement, from the gathered losses: a spike where any rank's mean
+    |loss| passes the limit (the other rank's 5.0 over 2 micro-batches: 2.5; this one's 1.5),
+    the agreed found-inf flag set with it (the flag GradScaler and a fused kernel read)."""
+    other = torch.tensor([0.0, 0.5, 3.0, 20.0, -5.0, 2.0])
+
+    def gather(local):
+        assert local.numel() == 6  # no element of its own: the losses are there already
+        return [local, other]
+
+    state = {"found_inf_per_device": {CPU: torch.tensor(0.0)}}
+    stats = torch.tensor([0.25, 2.0, 10.0])
+    out = sv.pack_into(state, stats, torch.tensor(1.5), 1, None, CPU, gather, limit=limit)
+    assert out.item() == float(spiked)
+    assert state["found_inf_per_device"][CPU].item() == float(spiked)
+    sv.read([state])
+    assert state[sv.HOST] == sv.HostStep(spiked, 0.5, 5.0, 30.0, -3.5, 3.0, spiked)
+
+
+class _with_limit:
+    """A rule whose spike limit is ``limit`` (the limit a step was tested against)."""
+
+    scale_time = False
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+
+    def spike_limit(self) -> float:
+        return self.limit
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["cpu-read", "packed"])
+def test_with_gradient_accumulation_the_steps_mean_loss_decides(packed):
+    """Two micro-batches a step, one loss x 8 SPIKE on some steps: the step's mean loss
+    (what a record keeps, and the replays test) decides, whichever micro-batch spiked; the
+    scaler's test is the replays' (``is_spike`` on the step's loss, before the step)."""
+    scaler = spiky()
+    model = tiny_model()
+    opt = adamw(model)
+    data = batches(60)
+    spikes_at = {20, 41}
+    for i in range(30):
+        opt.zero_grad(set_to_none=True)
+        limit = scaler.rule.spike_limit()
+        for j in (2 * i, 2 * i + 1):
+            x, y = data[j]
+            loss = forward_loss(model, x, y) / 2 * (8 * SPIKE if j in spikes_at else 1.0)
+            scaler.scale(loss).backward()
+        if packed:
+            scaler._cpu = False  # as a scaler on a GPU packs its step
+        scaler.step(opt)
+        scaler.update()
+        stats = scaler.last_stats
+        assert stats.spiked is (i in (10, 20)), i  # the first micro-batch of 10, the second of 20
+        assert stats.spiked is (limit is not None and abs(stats.loss) > limit)
+        assert stats.spiked is (limit is not None and is_spike(_with_limit(limit), stats.loss))
+        assert scaler.step_was_skipped is stats.spiked
 
 
 def test_a_spike_at_the_minimum_scale_is_no_overflow_there():

@@ -31,10 +31,12 @@ has a loss near zero: a memory of those alone would call every other step a spik
 of spikes in a row never grows there, ``experiments/results/spike_cost.md``); spikes rarer than
 ``spike_run`` per window, the harmful kind, are each skipped. A spike teaches the guard nothing
 and moves neither the scale nor the cap. 0 (the default): no step is skipped for its loss.
-The first loss scaled in a step decides, as for the guard's scale (the replays, which see one
-loss a step, read the step's mean). Under torch.distributed the test reads the largest
-``|loss|`` of the ranks (every rank skips alike) against a memory of the steps' mean losses, as
-the guard's limit does: ranks whose losses differ by a factor ``r`` look up to ``log2(r)`` bits
+The step's mean loss decides (the losses scaled before its first optimizer step; with gradient
+accumulation a spike in any micro-batch can make it one), as a record and its replays see the
+step; the guard's scale is decided by the step's first loss, before its backward. Under
+torch.distributed the test reads each rank's mean ``|loss|`` from the step's agreement, a spike
+where any rank's passes (every rank skips alike), against a memory of the steps' mean losses
+over the ranks: ranks whose losses differ by a factor ``r`` look up to ``log2(r)`` bits
 higher.
 
 ``amax-loss`` hosts one; so can an agent: an environment given ``episode.guard`` applies it to
