@@ -178,3 +178,30 @@ def test_a_scale_time_policy_decides_on_the_device_as_on_the_host():
             picked.append(host / base)
         step(model, opt, scaler, x, y)
     assert len(set(picked)) > 1
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused"])
+def test_a_loss_spike_is_skipped_on_the_device(fused):
+    """``amax-loss`` with ``spike_bits`` on CUDA: the spike test a device flag merged into the
+    found-inf flag (the one the fused kernel reads), no host sync for it; two micro-batches a
+    step, the first's loss x 8000 at step 30, the second's at 55: those two steps are skipped as
+    spikes (the step's mean loss decides, as on a CPU: tests/scalers/test_spikes.py), and no
+    other step is skipped."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    scaler = autoscale.get_scaler("amax-loss", device=DEV, spike_bits=8.0)
+    skipped, spiked = [], []
+    for i, (x, y) in enumerate(data(80)):
+        opt.zero_grad(set_to_none=True)
+        for half, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+            with torch.autocast(DEV, dtype=torch.float16):
+                out = model(xs)
+            loss = torch.nn.functional.mse_loss(out.float(), ys) / 2
+            if (i, half) in ((30, 0), (55, 1)):
+                loss = loss * 8000.0
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        skipped += [i] if scaler.step_was_skipped else []
+        spiked += [i] if scaler.last_stats.spiked else []
+    assert spiked == [30, 55] and skipped == [30, 55]
