@@ -163,7 +163,8 @@ def test_torch_drops_finite_loss_spikes_by_their_overflow_and_trains():
     "over the 16 before it (4 to 16 bits) skips the preference members' large steps too, "
     "above torch's skip rate (experiments/results/spike_jump.md); against 256 losses no "
     "preference step jumps 6 bits (spike_jump_memory256.md): amax-loss's spike_bits skips them "
-    "so (the test below), and auto does not set it until a build judges it: until then the "
+    "so (the test below); a build judged auto with it and ranked it just behind auto on the "
+    "validation members (experiments/results/auto_spike_bits.md), so auto does not set it: the "
     "remedy is clipping or spike_bits=8",
 )
 def test_auto_does_no_more_harm_than_torch_through_finite_loss_spikes():
