@@ -599,9 +599,8 @@ class LossScaler(torch.amp.GradScaler):
         elif spike is True:  # a spike, known on the host: the step is skipped as an overflow is
             for flag in state["found_inf_per_device"].values():
                 flag.fill_(1.0)
-        elif spike is not False:  # on the device: flag = max(flag, spike)
-            for flag in state["found_inf_per_device"].values():
-                torch.maximum(flag, spike.to(flag.device, flag.dtype), out=flag)
+        elif spike is not False:  # on the device
+            sv.mark_spike(state["found_inf_per_device"], spike)
         group = self._group()
         loss, n_loss, self._loss_sum, self._loss_count = self._loss_sum, self._loss_count, None, 0
         stats = state.get(sv.STATS) if self._collect_stats else None

@@ -30,6 +30,7 @@ __all__ = [
     "merged_flag",
     "pack_into",
     "mean_spike",
+    "mark_spike",
     "read",
     "step_stats",
 ]
@@ -237,6 +238,13 @@ def step_stats(
     return stats, used
 
 
+def mark_spike(flags: dict[Any, torch.Tensor], spike: torch.Tensor) -> None:
+    """Skip a step the spike test flagged as an overflow is skipped: each found-inf flag becomes
+    ``max(flag, spike)``, on its device (no host sync)."""
+    for f in flags.values():
+        torch.maximum(f, spike.to(f.device, f.dtype), out=f)
+
+
 def pack_into(
     state: dict[str, Any],
     stats: torch.Tensor | None,
@@ -261,8 +269,7 @@ def pack_into(
             spike = torch.zeros((), dtype=torch.bool, device=dev)
         else:
             spike = mean_spike(loss, n_loss, limit, dev)
-        for f in flags.values():  # skipped as an overflow is: flag = max(flag, spike)
-            torch.maximum(f, spike.to(f.device, f.dtype), out=f)
+        mark_spike(flags, spike)
     flag = merged_flag(list(flags.values()), dev)
     if gather is None:
         state[VEC], state[LAYOUT] = pack(flag, stats, loss, n_loss, guard, dev, spike)
