@@ -108,7 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--small-rules", default="torch,auto", help="rules timed on the small model ('' for none)"
     )
     p.add_argument("--small-steps", type=int, default=60, help="steps per small-model block")
-    p.add_argument("--small-repeats", type=int, default=21, help="rounds of small-model blocks")
+    p.add_argument(
+        "--small-repeats", type=int, default=201, help="rounds of small-model blocks (about 35 s)"
+    )
     p.add_argument("--skip-large", action="store_true", help="only the small model")
     p.add_argument("--out", type=Path, help="also write the table to this markdown file")
     return p.parse_args(argv)
