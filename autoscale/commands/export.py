@@ -86,7 +86,7 @@ pick, one warning says why. The manifest's evidence says either way.
             force=args.force,
             own_study_ok=False,
             scorecard=_scorecard(study, pick, key, against, validation, suite.reward),
-            provenance={"storage": mask_url(args.storage)},
+            provenance={"storage": mask_url(args.storage), "exported_by": "autoscale export"},
         )
         if against:
             print(

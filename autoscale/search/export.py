@@ -225,12 +225,22 @@ def rows_where(v: Validated, validation: SuiteSpec) -> str:
     return f"replay of {n} held-out windows of {steps} recorded steps"
 
 
+SEARCH_EXPORT = "autoscale search"  # the manifest's ``exported_by`` for a search's own export
+
+
 def check_export_target(
-    name: str, out_dir: Any, study_name: str, force: bool, *, own_study_ok: bool = True
+    name: str,
+    out_dir: Any,
+    study_name: str,
+    force: bool,
+    *,
+    own_study_ok: bool = True,
+    storage: str | None = None,
 ) -> bool:
     """Whether exporting ``name`` may replace an existing folder: with ``force``, or (with
-    ``own_study_ok``) when that folder holds an earlier export of the same study, which a resumed
-    search or another worker of the study updates.
+    ``own_study_ok``) when that folder holds an earlier export of the same search, which a
+    resumed search or another worker of the study updates: a search's export (not one made by
+    hand with ``autoscale export``) of the study ``study_name`` in ``storage`` (masked URL).
 
     Raises:
         ConfigError: a bad name, or a folder holding another policy without ``force``.
@@ -251,7 +261,13 @@ def check_export_target(
     if not dest.exists() or force:
         return True
     try:
-        ours = own_study_ok and read_manifest(dest).workload.get("study") == study_name
+        workload = read_manifest(dest).workload
+        ours = (
+            own_study_ok
+            and workload.get("study") == study_name
+            and workload.get("storage") == storage
+            and workload.get("exported_by") == SEARCH_EXPORT
+        )
     except PolicyError as exc:  # half-written or corrupt: never replaced silently
         raise ConfigError(
             f"policy folder '{dest}' already exists and is not a readable policy "
@@ -377,7 +393,14 @@ def export_candidate(
     source = find_policy(key.name) if key.is_policy else None
     if key.is_policy and source is None:
         raise ConfigError(f"no installed policy '{key.name}' to export (autoscale list shows them)")
-    replace = check_export_target(name, out_dir, study.study_name, force, own_study_ok=own_study_ok)
+    replace = check_export_target(
+        name,
+        out_dir,
+        study.study_name,
+        force,
+        own_study_ok=own_study_ok,
+        storage=(provenance or {}).get("storage"),
+    )
     trial = study.trials[key.number] if key.is_trial else None
     policy = trial_policy(trial) if trial is not None else {"kind": "named"}
     if key.is_policy:

@@ -53,6 +53,7 @@ from autoscale.search.budget import Budget, Ledger, format_duration
 from autoscale.search.candidates import AUTO, TORCH, Candidate
 from autoscale.search.choose import choose, family_refusal, record_pick, refusal, unchecked_lines
 from autoscale.search.export import (
+    SEARCH_EXPORT,
     card_summary,
     check_export_target,
     export_candidate,
@@ -311,7 +312,9 @@ class SearchRunner:
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         cfg = self.cfg
         # what the export will need is checked before anything is written (the storage, caches)
-        check_export_target(cfg.export, cfg.policy_dir, cfg.study, cfg.force)
+        check_export_target(
+            cfg.export, cfg.policy_dir, cfg.study, cfg.force, storage=mask_url(cfg.storage)
+        )
         _preload()
         bench = self._open() if self.source is None else self.source.open(self)
         with tempfile.TemporaryDirectory(prefix="autoscale-search-") as tmp:
@@ -1032,11 +1035,15 @@ class SearchRunner:
         from autoscale.search.answer import answer_lines, evidence
 
         cfg, choice, plan, study = self.cfg, self.choice, self.plan, self.study
-        provenance = (
-            {"storage": mask_url(cfg.storage), "searched_on": "replay of recorded real steps"}
-            if self.source is None
-            else self.source.provenance
-        )
+        provenance = {
+            "storage": mask_url(cfg.storage),
+            "exported_by": SEARCH_EXPORT,  # (a resumed search may replace it, see export.py)
+            **(
+                {"searched_on": "replay of recorded real steps"}
+                if self.source is None
+                else self.source.provenance
+            ),
+        }
         if chosen is not None:
             where = rows_where(chosen, plan.validation)
             summary = card_summary(chosen.cards, reference.cards, plan.suite.reward, where)

@@ -1,0 +1,41 @@
+"""Which folder an export may replace: a search replaces only its own earlier export (the same
+study in the same storage), never a policy exported by hand or by a search elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoscale.errors import ConfigError
+from autoscale.search.export import SEARCH_EXPORT, check_export_target, export_parametric
+
+STUDY, HERE, ELSEWHERE = "mlp-bad-batches-parametric", "sqlite:///a.db", "sqlite:///b.db"
+
+
+def _export(root, name, **workload):
+    export_parametric("torch", {"growth_interval": 7}, name, workload=workload, out_dir=root)
+
+
+def test_a_search_replaces_its_own_export_of_the_same_study_and_storage(tmp_path):
+    _export(tmp_path, "mine", study=STUDY, storage=HERE, exported_by=SEARCH_EXPORT)
+    assert check_export_target("mine", tmp_path, STUDY, False, storage=HERE)
+
+
+@pytest.mark.parametrize(
+    "workload",
+    [
+        # the same study name in another storage: another search's pick
+        {"study": STUDY, "storage": ELSEWHERE, "exported_by": SEARCH_EXPORT},
+        # a trial exported by hand from this very study: the user's pick
+        {"study": STUDY, "storage": HERE, "exported_by": "autoscale export"},
+        # written before exports said who made them
+        {"study": STUDY},
+    ],
+    ids=["other-storage", "by-hand", "unmarked"],
+)
+def test_a_search_never_replaces_a_policy_it_did_not_export(tmp_path, workload):
+    _export(tmp_path, "keepme", **workload)
+    with pytest.raises(ConfigError, match="'.*keepme' already exists and holds another policy"):
+        check_export_target("keepme", tmp_path, STUDY, False, storage=HERE)
+    # with --force it may (as the message says); the check itself touches nothing
+    assert check_export_target("keepme", tmp_path, STUDY, True, storage=HERE)
+    assert (tmp_path / "keepme" / "policy.yaml").read_text().count("growth_interval: 7") == 1
