@@ -33,6 +33,15 @@ def trace_from_record(record, name: str = "run") -> Trace:
     if not isinstance(record, RunRecord):
         record = read_record(record)
     steps = record.steps
+    if not steps and record.damaged is not None:
+        raise ConfigError(
+            f"record '{record.path}' has no step that reads: {record.damaged}; record the run again"
+        )
+    if not steps and record.meta.get("finished"):
+        raise ConfigError(
+            f"record '{record.path}' holds no step: the run ended before its first optimizer "
+            "step; record a run that trains"
+        )
     if not steps:
         raise ConfigError(
             f"record '{record.path}' holds no whole chunk of steps yet; let the run go on longer"

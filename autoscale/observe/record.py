@@ -176,6 +176,40 @@ def _step_from_json(row: dict[str, Any]) -> dict[str, Any]:
     return {k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in row.items()}
 
 
+_NUMBERS = ("scale", "loss", "amax", "rms", "threshold", "lr", "wall_s")
+_SWITCHES = ("found_inf", "loss_nonfinite", "threshold_measured", "guarded", "spiked")
+
+
+def _read_step(line: str) -> tuple[dict[str, Any], str | None]:
+    """A step line read back, and what is wrong with it (None: nothing): strict JSON of a
+    mapping with ``scale`` and ``found_inf``, its fields of their kinds (see the module's
+    docstring)."""
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        return {}, f"not JSON: {exc}"
+    if not isinstance(row, dict):
+        return {}, f"not a mapping: {line[:40]!r}"
+    row = _step_from_json(row)
+    for key in ("scale", "found_inf"):
+        if key not in row:
+            return row, f"no '{key}'"
+    for key in _NUMBERS:
+        v = row.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            return row, f"'{key}' is {v!r}, not a number"
+    for key in _SWITCHES:
+        if row.get(key) not in (None, True, False):
+            return row, f"'{key}' is {row[key]!r}, not true or false"
+    hist = row.get("hist")
+    if hist is not None and (
+        not isinstance(hist, list)
+        or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in hist)
+    ):
+        return row, "'hist' is not a list of counts"
+    return row, None
+
+
 def check_writable(path: Path) -> None:
     """Refuse a folder that holds a record already or cannot be written, before anything runs."""
     if (path / META).exists():
@@ -235,13 +269,15 @@ class RunRecord:
         path: The folder. meta: ``meta.json``. steps: One dict per step (the fields of
         :mod:`autoscale.observe.record`), in order. complete: Every chunk read whole and the steps
         run without a gap. notes: Where the record ends early or a chunk could not be read, in
-        words.
+        words. damaged: The note that says where the steps stop reading (a gap, a chunk or a
+        step that does not read), or None.
     """
 
     path: Path
     meta: dict[str, Any]
     steps: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    damaged: str | None = None  # where the steps stop reading (a gap, a chunk, a line), in words
 
     def column(self, name: str, default: float = math.nan) -> list[Any]:
         """One field of every step (``default`` where it is None)."""
@@ -289,21 +325,27 @@ def read_record(path: str | os.PathLike) -> RunRecord:
     expected = 0
     for first, chunk in chunks:
         if first != expected:
-            record.notes.append(
-                f"steps {expected}-{first - 1} are missing (no chunk holds them); read up to step {expected - 1}"
-            )
+            record.damaged = f"steps {expected}-{first - 1} are missing (no chunk holds them); read up to step {expected - 1}"
             break
         try:
-            rows = [
-                _step_from_json(json.loads(line)) for line in chunk.read_text().splitlines() if line
-            ]
+            lines = [line for line in chunk.read_text().splitlines() if line]
         except (OSError, ValueError) as exc:
-            record.notes.append(
-                f"chunk {chunk.name} does not read ({exc}); the record ends before it"
-            )
+            record.damaged = f"chunk {chunk.name} does not read ({exc}); the record ends before it"
             break
-        record.steps.extend(rows)
-        expected = first + len(rows)
+        for number, line in enumerate(lines, start=1):
+            row, problem = _read_step(line)
+            if problem is not None:  # the steps before it stand; the record ends there
+                record.damaged = (
+                    f"step {first + number - 1} (line {number} of {chunk.name}) does not read "
+                    f"({problem}); the record ends before it"
+                )
+                break
+            record.steps.append(row)
+        if record.damaged is not None:
+            break
+        expected = first + len(lines)
+    if record.damaged is not None:
+        record.notes.append(record.damaged)
     if not meta.get("finished") and not record.notes:
         record.notes.append(
             f"the run did not finish its record (killed, or still running): {len(record.steps)} "

@@ -76,3 +76,53 @@ def test_two_writers_of_one_folder_one_claims_it(tmp_path, monkeypatch):
         "meta.json",
         "steps-000000.jsonl",
     ]
+
+
+def _damaged(tmp_path, line_number: int, text: str, chunk: int = 1) -> Path:
+    """A finished 12-step record in two chunks of 6, line ``line_number`` (1-based) of chunk
+    ``chunk`` replaced by ``text``."""
+    scaler = autoscale.get_scaler("torch", device="cpu", record=str(tmp_path / "whole"))
+    fp16_loop(scaler, 12)
+    scaler.observers[0].close()
+    lines = (tmp_path / "whole" / "steps-000000.jsonl").read_text().splitlines()
+    folder = tmp_path / "damaged"
+    folder.mkdir()
+    shutil.copy(tmp_path / "whole" / "meta.json", folder / "meta.json")
+    assert read_record(tmp_path / "whole").meta["finished"]
+    for i, first in enumerate((0, 6)):
+        rows = lines[first : first + 6]
+        if i == chunk:
+            rows[line_number - 1] = text
+        (folder / f"steps-{first:06d}.jsonl").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('{"step": 10, "scale": "abc", "found_inf": false}', "'scale' is 'abc', not a number"),
+        ("garbage{", "not JSON"),
+        ('{"step": 10, "scale": 1024.0, "found_inf": "maybe"}', "'found_inf' is 'maybe'"),
+        ("[1, 2]", "not a mapping"),
+    ],
+    ids=["word-for-number", "garbage", "word-for-switch", "list"],
+)
+def test_a_step_that_does_not_read_ends_the_record_there_and_keeps_the_steps_before(
+    tmp_path, text, why
+):
+    record = read_record(_damaged(tmp_path, 5, text))
+    assert [s["step"] for s in record.steps] == list(range(10))  # chunk 0 and 4 lines of chunk 1
+    assert record.damaged is not None and record.notes == [record.damaged]
+    assert "step 10 (line 5 of steps-000006.jsonl) does not read" in record.damaged
+    assert why in record.damaged
+    trace = trace_from_record(record)  # the replay reads what stands
+    assert len(next(iter(trace.instances.values())).scale) == 10
+
+
+def test_a_record_whose_first_step_does_not_read_says_so_not_to_wait(tmp_path):
+    folder = _damaged(tmp_path, 1, "garbage{", chunk=0)
+    with pytest.raises(ConfigError) as err:
+        trace_from_record(folder)
+    text = str(err.value)
+    assert "has no step that reads: step 0 (line 1 of steps-000000.jsonl)" in text
+    assert text.endswith("record the run again") and "go on longer" not in text
