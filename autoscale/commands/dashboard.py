@@ -36,6 +36,7 @@ It binds 127.0.0.1: reach it from another machine through an SSH tunnel
 
         if not 0 < args.port < 65536:
             raise ConfigError(f"--port must be a TCP port from 1 to 65535, got {args.port}")
+        _check_bind(args.host, args.port)  # before anything is made or said
         storage = open_storage(args.storage, must_exist=True)
         store = artifact_store(artifacts_dir(args.storage, args.artifacts))
         print(
@@ -59,8 +60,33 @@ It binds 127.0.0.1: reach it from another machine through an SSH tunnel
             run_server(storage, host=args.host, port=args.port, artifact_store=store)
         except KeyboardInterrupt:
             print("stopped")
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}; try another --port"
-            ) from None
+        except OSError as exc:  # (taken since the check)
+            raise _bind_error(args.host, args.port, exc) from None
         return 0
+
+
+def _check_bind(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let it go: a host that is no address of this machine, or a
+    port in use, is one line before the server says it listens."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            probe.bind(address)
+    except OSError as exc:
+        raise _bind_error(host, port, exc) from None
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> Exception:
+    import errno
+    import socket
+
+    from autoscale.errors import ConfigError
+
+    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+        fix = "give --host an address of this machine (127.0.0.1; 0.0.0.0 for every interface)"
+    else:
+        fix = "try another --port"
+    return ConfigError(f"cannot serve on {host}:{port}: {exc.strerror or exc}; {fix}")

@@ -44,7 +44,7 @@ class EvalCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from autoscale.agents.evaluate import evaluate_scalers
-        from autoscale.commands.run import write_json
+        from autoscale.commands.run import check_output, write_json
         from autoscale.envs import load_env_spec
         from autoscale.scalers import list_scalers
         from autoscale.training import summarize
@@ -52,6 +52,8 @@ class EvalCommand(Command):
 
         if args.seeds <= 0:
             raise ConfigError(f"--seeds must be a positive number, got {args.seeds}")
+        check_output(args.json, "--json")  # before the episodes, not after them
+        check_output(args.plot, "--plot")
         from autoscale.commands.run import env_spec_from_args
 
         spec = env_spec_from_args(args, load_env_spec)

@@ -196,6 +196,8 @@ def check_output(
     if path is None:
         return
     where = Path(path).expanduser().absolute()
+    if not folder and where.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder; give the path of a file to write")
     where = where if folder else where.parent
     while (folder or parents) and not where.exists() and where != where.parent:
         where = where.parent  # made with its parents by the writer

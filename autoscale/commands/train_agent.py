@@ -69,7 +69,7 @@ keeps the last model (no checkpoint selection), and says so.
             "torch's replay of the same episodes (needs --replay; --timesteps counts decisions)",
         )
         parser.add_argument(
-            "--window", type=int, default=16, help="steps a residual agent's offset holds"
+            "--window", type=int, help="steps a residual agent's offset holds (default 16)"
         )
         parser.add_argument(
             "--eval-freq",
@@ -95,6 +95,12 @@ keeps the last model (no checkpoint selection), and says so.
 
         # the agent is exported once trained: a folder it cannot go to fails now
         check_output(args.policy_dir or str(default_policy_dir()), "--policy-dir", folder=True)
+        check_output(args.tensorboard, "--tensorboard", folder=True)
+        for flag, value in (("--window", args.window), ("--eval-freq", args.eval_freq)):
+            if value is not None and value <= 0:
+                raise ConfigError(f"{flag} must be a positive number of steps, got {value}")
+        if args.window is not None and not args.residual:
+            raise ConfigError("--window sets a residual agent's offset: add --residual or drop it")
         env = args.env
         if args.residual:
             return _residual(args)
@@ -157,10 +163,10 @@ def _residual(args: argparse.Namespace) -> int:
     if not args.replay:
         raise ConfigError("--residual trains on replay: give --replay TRACE (autoscale record)")
     spec = load_spec(args.env)
-    selecting = held_out(spec)
+    selecting, window = held_out(spec), args.window or 16
     result = train_residual(
         selecting or spec, args.algo, args.timesteps, replay=args.replay,
-        select_on="test" if selecting is not None else None, window=args.window, seed=args.seed,
+        select_on="test" if selecting is not None else None, window=window, seed=args.seed,
         eval_freq=args.eval_freq, progress=not args.quiet, export_name=args.out,
         export_dir=args.policy_dir, force=args.force,
     )  # fmt: skip
@@ -168,7 +174,7 @@ def _residual(args: argparse.Namespace) -> int:
     over = sum(v[0] for v in last) / len(last) if last else 0.0
     print(
         f"trained a residual {result.algo} agent on auto for {result.timesteps} decisions of "
-        f"{args.window} steps in {result.wall_s:.1f} s; "
+        f"{window} steps in {result.wall_s:.1f} s; "
         + (
             f"selected on the held-out train instance(s) (mean reward {result.best_eval_reward:.3f})"
             if selecting is not None

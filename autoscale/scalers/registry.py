@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import numbers
 import warnings
 from collections.abc import Callable
 from importlib import metadata
@@ -159,12 +160,50 @@ def build_scaler(
             raise ConfigError(
                 f"scaler '{what}' takes no parameter '{key}'; {hint}(it takes: {', '.join(sorted(accepted))})"
             )
+    overrides = {k: _of_kind(cls, k, v, what) for k, v in overrides.items()}
     options = {k: overrides.pop(k) for k in SCALER_OPTIONS if k in overrides}
     try:
         rule = cls(**overrides)
-    except TypeError as exc:  # a parameter of the wrong kind
+    except (TypeError, ValueError) as exc:  # a parameter of the wrong kind
         raise ConfigError(f"scaler '{what}': {exc}") from None
     return LossScaler(rule, device, name=name, **options)
+
+
+def _of_kind(cls: type[ScaleRule], key: str, value: Any, what: str) -> Any:
+    """``value`` for the parameter ``key`` of ``cls`` (or the scaler's option), of the kind its
+    default is: true or false for a switch; a number for a number (a string that reads as one,
+    as YAML 1.1 leaves ``1e-4``, is read).
+
+    Raises:
+        ConfigError: another kind, naming the parameter and the value."""
+    default = _defaults(cls).get(key)
+    if isinstance(default, bool):
+        if type(value).__name__ not in ("bool", "bool_"):
+            raise ConfigError(f"scaler '{what}': {key} must be true or false, got {value!r}")
+        return bool(value)
+    if isinstance(default, numbers.Real) and not isinstance(value, numbers.Real):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"scaler '{what}': {key} must be a number (its default is {default!r}), "
+                f"got {value!r}"
+            ) from None
+        return int(number) if isinstance(default, int) and number.is_integer() else number
+    return value
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """The keyword parameters' defaults of a rule class (its own and its bases') and of the
+    scaler that hosts it."""
+    out: dict[str, Any] = {}
+    for klass in (*cls.__mro__, LossScaler):
+        if "__init__" not in vars(klass) or klass is object:
+            continue
+        for p in inspect.signature(klass.__init__).parameters.values():
+            if p.default is not p.empty:
+                out.setdefault(p.name, p.default)
+    return out
 
 
 def rule_params(cls: type) -> list[str]:

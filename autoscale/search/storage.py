@@ -14,6 +14,7 @@ traces, ``locks/`` serialises work that several local workers would otherwise re
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -104,6 +105,8 @@ def open_storage(url: str, *, must_exist: bool = False) -> Any:
             raise StorageError(
                 f"cannot open storage '{shown}': folder '{path.parent}' does not exist"
             )
+        if kind == "journal":
+            _check_journal(path, shown)
     try:
         if kind == "journal":
             from optuna.storages.journal import JournalFileBackend, JournalStorage
@@ -130,6 +133,38 @@ def open_storage(url: str, *, must_exist: bool = False) -> Any:
             f"cannot open storage '{shown}': {_reason(exc)}; check the URL, that the server runs "
             "and that the database exists"
         ) from None
+
+
+def _check_journal(path: Path, shown: str) -> None:
+    """A journal file holds one JSON entry a line, each ended: else Optuna would read past the
+    bad line and write its next entry onto it (the study lost on the read after). Refused before
+    any write."""
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    if not path.is_file():
+        return
+    lock = JournalFileSymlinkLock(str(path))  # Optuna's writers' lock: no line half-written
+    lock.acquire()
+    try:
+        with open(path, "rb") as fh:
+            bad = next((n, line) for n, line in enumerate(fh, start=1) if not _entry(line))
+    except StopIteration:
+        return
+    finally:
+        lock.release()
+    number, line = bad
+    what = "is cut short" if line.startswith(b'{"op_code"') else "is not a journal entry"
+    raise StorageError(
+        f"cannot open storage '{shown}': line {number} {what}; pass a journal file that "
+        "autoscale search or Optuna wrote, or fix or remove that line"
+    )
+
+
+def _entry(line: bytes) -> bool:
+    try:
+        return line.endswith(b"\n") and isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 _RACE = ("already exists", "unique constraint", "duplicate key", "database is locked")

@@ -92,6 +92,7 @@ def _make_policies(pol: Path) -> None:
         "newer": manifest.replace("format: 1", "format: 99"),
         "twice": manifest + "kind: parametric\n",
         "knob": manifest.replace("loss_scale_window: 3", "loss_scale_window: -1"),
+        "word": manifest.replace("loss_scale_window: 3", "loss_scale_window: abc"),
     }.items():
         (pol / name).mkdir()
         (pol / name / "policy.yaml").write_text(text)
@@ -115,6 +116,10 @@ def _run(*a: str) -> tuple[str, ...]:
 
 def _record(spec: str) -> tuple[str, ...]:
     return ("record", "--env", spec, "--steps", "2", "--out", "t.npz")
+
+
+def _agent(*a: str) -> tuple[str, ...]:
+    return ("train-agent", "--env", "mlp-bad-batches", "--timesteps", "64", "--out", "x", *a)
 
 
 ROWS: dict[str, Row] = {
@@ -152,6 +157,7 @@ ROWS: dict[str, Row] = {
     "policy: newer format": Row(_run("--scaler", "pol/newer"), "format 99", "upgrade autoscale"),
     "policy: a key given twice": Row(_run("--scaler", "pol/twice"), "key 'kind' is given twice", "re-export"),
     "policy: invalid parameter": Row(_run("--scaler", "pol/knob"), "got -1", "loss_scale_window"),
+    "policy: a parameter in words": Row(_run("--scaler", "pol/word"), "got 'abc'", "loss_scale_window must be a number"),
     "policy: weights cut short": Row(("eval", "--policy", "pol/weights-cut", "--env", "mlp-bad-batches"), "weights.pt", "re-export the policy"),
     "policy: weights missing": Row(_run("--scaler", "pol/weights-gone"), "no weights.pt", "re-export it"),
     # ---------------------------------------------------------------- command-line values
@@ -169,6 +175,7 @@ ROWS: dict[str, Row] = {
     "cli: unknown trial": Row(("export", "--study", "made", "--storage", "made.db", "--trial", "x", "--name", "p"), "'x'", "trial number or 'best'"),
     "cli: study from elsewhere": Row(("export", "--study", "bare", "--storage", "made.db", "--name", "p"), "study 'bare'", "search it again under a new --study"),
     "cli: port out of range": Row(("dashboard", "--storage", "made.db", "--port", "99999"), "got 99999", "from 1 to 65535"),
+    "cli: host not of this machine": Row(("dashboard", "--storage", "made.db", "--host", "999.1.1.1"), "999.1.1.1", "give --host an address of this machine"),
     "cli: misspelt study": Row(("export", "--study", "mde", "--storage", "made.db", "--name", "p"), "'mde'", "did you mean 'made'?"),
     "cli: data a model does not read": Row(_run("--data", "/nonexistent/x.txt"), "'/nonexistent/x.txt'", "drop --data, or train a language model"),
     "cli: data compare's mlp does not read": Row(("compare", "--model", "mlp", "--steps", "1", "--data", "t.txt"), "'t.txt'", "drop --data"),
@@ -178,12 +185,23 @@ ROWS: dict[str, Row] = {
     "cli: JSON to an unwritable path": Row(_run("--json", "/proc/nope.json"), "'/proc/nope.json'", "pick a path in a writable folder"),
     "cli: agent export folder unwritable": Row(("train-agent", "--env", "mlp-bad-batches", "--timesteps", "64", "--out", "x", "--policy-dir", "/proc/nope"), "'/proc/nope'", "pick a path in a writable folder"),
     "cli: search export folder unwritable": Row(("search", "--model", "mlp", "--budget", "90s", "--policy-dir", "/proc/nope"), "'/proc/nope'", "pass --policy-dir DIR"),
+    "cli: scaler parameter in words": Row(_run("--scaler", "amax-loss", "--scaler-param", "probe_after=x"), "got 'x'", "probe_after must be a number"),
+    "cli: switch neither true nor false": Row(_run("--scaler-param", "raise_at_min=maybe"), "got 'maybe'", "must be true or false"),
+    "cli: JSON to a folder": Row(_run("--json", "adir"), "--json adir", "give the path of a file"),
+    "cli: trace to a folder": Row(("record", "--model", "mlp", "--steps", "5", "--out", "adir"), "--out adir", "give the path of a file"),
+    "cli: eval plot to an unwritable path": Row(("eval", "--policy", "torch", "--env", "mlp-bad-batches", "--plot", "/proc/e.png"), "'/proc/e.png'", "pick a path in a writable folder"),
+    "cli: residual window 0": Row(_agent("--residual", "--window", "0"), "got 0", "--window must be a positive number"),
+    "cli: window without residual": Row(_agent("--window", "4"), "--window", "add --residual or drop it"),
+    "cli: negative evaluation interval": Row(_agent("--eval-freq", "-5"), "got -5", "--eval-freq must be a positive number"),
+    "cli: TensorBoard logs under a file": Row(_agent("--tensorboard", "t.txt/tb"), "t.txt is a file", "pick another path"),
     # ---------------------------------------------------------------- storage URLs
     "storage: neither URL nor file": Row(("search", "--model", "mlp", "--storage", "autoscale"), "'autoscale'", "use e.g. sqlite:///autoscale.db"),
     "storage: driver not installed": Row(("search", "--model", "mlp", "--storage", "mysql://u:pw@127.0.0.1:1/x"), "'mysql://u:***@127.0.0.1:1/x'", "is not installed"),
     "storage: server not running": Row(("search", "--model", "mlp", "--storage", "postgresql://u:secret@127.0.0.1:1/x"), "'postgresql://u:***@127.0.0.1:1/x'", "that the server runs"),
     "storage: missing folder": Row(("search", "--model", "mlp", "--storage", "sqlite:////no-such-dir/a.db"), "'/no-such-dir'", "does not exist"),
     "storage: unknown scheme": Row(("search", "--model", "mlp", "--storage", "nosuch://x"), "'nosuch://x'", "check the URL"),
+    "storage: a log that is no journal": Row(("search", "--model", "mlp", "--storage", "junk.log"), "'junk.log': line 1", "fix or remove that line"),
+    "storage: a journal cut short": Row(("search", "--model", "mlp", "--storage", "cut.log"), "line 2 is cut short", "fix or remove that line"),
     "storage: no such file": Row(("export", "--study", "made", "--storage", "gone.db", "--name", "p"), "'gone.db'", "run autoscale search first"),
 }  # fmt: skip
 
@@ -195,6 +213,9 @@ def work(tmp_path_factory) -> Path:
     for name, text in SPECS.items():
         (root / name).write_text(text)
     (root / "t.txt").write_text("a file where a folder belongs\n")
+    (root / "adir").mkdir()  # a folder where a file belongs
+    (root / "junk.log").write_text("garbage{")  # Optuna would write its next entry onto it
+    (root / "cut.log").write_text('{"op_code": 0, "worker_id": "w", "study_name": "s"}\n{"op_code"')
     _make_policies(root / "pol")
     storage = open_storage(f"sqlite:///{root / 'made.db'}")
     made = optuna.create_study(study_name="made", storage=storage)
