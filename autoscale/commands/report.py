@@ -33,8 +33,14 @@ class ReportCommand(Command):
 
         record = read_record(args.run)
         _check_out(Path(args.out) if args.out else Path(args.run) / "report.html")
-        names = [s.strip() for s in args.scalers.split(",") if s.strip()] if args.scalers else None
-        if names:
+        names = None
+        if args.scalers is not None:
+            names = [s.strip() for s in args.scalers.split(",") if s.strip()]
+            if not names:
+                raise ConfigError(
+                    "--scalers needs at least one scaler name (autoscale list shows all); drop "
+                    "it for every built-in rule and auto"
+                )
             from autoscale.scalers import make_scaler
 
             for name in names:

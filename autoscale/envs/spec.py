@@ -366,6 +366,12 @@ def find_env_spec(name_or_path: str | os.PathLike) -> Path:
             if q.is_file():
                 return q
     known = sorted({q.stem for d in candidates if d.is_dir() for q in d.glob("*.yaml")})
+    if len(p.parts) > 1 or p.suffix in (".yaml", ".yml"):  # a path, not a name
+        what = "is a folder" if p.is_dir() else "does not exist"
+        raise ConfigError(
+            f"env spec file '{name_or_path}' {what}; give the path of a YAML spec, or the name "
+            f"of one ({', '.join(known)})"
+        )
     raise unknown_name("env spec", str(name_or_path), known, "ls envs/")
 
 

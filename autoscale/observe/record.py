@@ -298,6 +298,11 @@ def read_record(path: str | os.PathLike) -> RunRecord:
     """
     path = Path(path)
     meta_path = path / META
+    if path.is_file():
+        raise ConfigError(
+            f"'{path}' is a file, not a record folder; give the folder that autoscale wrap "
+            "--record DIR wrote"
+        )
     if not path.is_dir():
         raise ConfigError(
             f"no record folder '{path}'; record one with: autoscale wrap --record {path} -- python train.py"

@@ -220,6 +220,11 @@ def _why_auto(choice: Choice, real: list[Validated]) -> str:
     if choice.leads[best].clear:
         return "no candidate that led it beyond the seed noise passed the no-harm check"
     ld = choice.leads[best]
+    if not math.isfinite(ld.noise):  # one paired episode a member: no spread to measure
+        return (
+            f"the best ({_label(real, best)}) led it by {ld.lead:.4f} on {ld.episodes} held-out "
+            "episode(s), one a member: too few to tell a lead from seed noise (a member needs two)"
+        )
     return (
         f"the best ({_label(real, best)}) led it by {ld.lead:.4f}, within the seed noise "
         f"({ld.noise:.4f} on {ld.episodes} episodes)"

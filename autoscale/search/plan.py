@@ -617,7 +617,11 @@ def replan(
     suite = recorded_suite(plan.suite, traces, stats["shortest"])
     if not slow and suite == plan.suite:
         return plan
-    why = f"steps ran {pace:.1f}x slower than measured" if slow else "the recording ran long"
+    why = (
+        f"steps ran {pace:.1f}x slower than measured"
+        if slow
+        else "the time left kept for validation and the no-harm check"
+    )
     timings, no_harm, no_harm_cuts = _at_pace(plan, pace, left_s, cached_no_harm, why)
     cuts = [_paced(why)] if slow else []
     if stats["dropped"]:

@@ -102,8 +102,10 @@ def open_storage(url: str, *, must_exist: bool = False) -> Any:
                 f"no storage at '{path}'; run autoscale search first, or pass --storage URL"
             )
         if not path.resolve().parent.is_dir():
+            what = "is a file" if path.resolve().parent.exists() else "does not exist"
             raise StorageError(
-                f"cannot open storage '{shown}': folder '{path.parent}' does not exist"
+                f"cannot open storage '{shown}': folder '{path.parent}' {what}; give a file in "
+                "an existing folder"
             )
         if kind == "journal":
             _check_journal(path, shown)

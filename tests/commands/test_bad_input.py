@@ -143,6 +143,7 @@ ROWS: dict[str, Row] = {
     "spec: scenario parameter 0": Row(_record("every.yaml"), "got 0", "must be > 0"),
     "spec: test repeats train": Row(_record("leak.yaml"), "'test-s0-t0'", "repeat a train instance"),
     "spec: not found": Row(_record("nosuch"), "'nosuch'", "ls envs/ shows all"),
+    "spec: no such file": Row(_record("specs/nosuch.yaml"), "'specs/nosuch.yaml' does not exist", "give the path of a YAML spec"),
     # ---------------------------------------------------------------- suite specs
     "suite: workloads a list": Row(("search", "--env", "suite-list.yaml"), "suite.workloads", "non-empty mapping"),
     "suite: left-out typo": Row(("search", "--env", "suite-left.yaml"), "'autoencodr'", "did you mean 'autoencoder'?"),
@@ -202,6 +203,9 @@ ROWS: dict[str, Row] = {
     "storage: unknown scheme": Row(("search", "--model", "mlp", "--storage", "nosuch://x"), "'nosuch://x'", "check the URL"),
     "storage: a log that is no journal": Row(("search", "--model", "mlp", "--storage", "junk.log"), "'junk.log': line 1", "fix or remove that line"),
     "storage: a journal cut short": Row(("search", "--model", "mlp", "--storage", "cut.log"), "line 2 is cut short", "fix or remove that line"),
+    "storage: under a file": Row(("search", "--model", "mlp", "--storage", "sqlite:///t.txt/a.db"), "folder 't.txt' is a file", "give a file in an existing folder"),
+    "cli: a report replaying no scaler": Row(("report", "rec", "--scalers", " ,"), "--scalers", "needs at least one scaler name"),
+    "cli: a report of a file": Row(("report", "t.txt"), "'t.txt' is a file", "give the folder that autoscale wrap --record DIR wrote"),
     "storage: no such file": Row(("export", "--study", "made", "--storage", "gone.db", "--name", "p"), "'gone.db'", "run autoscale search first"),
 }  # fmt: skip
 
@@ -214,6 +218,7 @@ def work(tmp_path_factory) -> Path:
         (root / name).write_text(text)
     (root / "t.txt").write_text("a file where a folder belongs\n")
     (root / "adir").mkdir()  # a folder where a file belongs
+    shutil.copytree(ROOT / "tests" / "observe" / "fixtures" / "record-v1", root / "rec")
     (root / "junk.log").write_text("garbage{")  # Optuna would write its next entry onto it
     (root / "cut.log").write_text('{"op_code": 0, "worker_id": "w", "study_name": "s"}\n{"op_code"')
     _make_policies(root / "pol")

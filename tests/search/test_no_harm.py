@@ -194,6 +194,23 @@ def test_a_lead_within_the_seed_noise_exports_auto_and_says_why(check):
     assert said == []  # auto's verdict was stored: nothing ran, nothing said
 
 
+def test_a_lead_on_one_episode_a_member_says_it_cannot_be_told_from_noise(check):
+    def one(key, skip, precision):  # one held-out episode: no spread to measure
+        key = Candidate.parse(key)
+        return Validated(key, key.name, {"mlp/bad-batches": [card(skip, precision)]})
+
+    torch, auto, better = (
+        one("rule:torch", 0.125, 0.3),
+        one("policy:auto", 0.0, 0.05),
+        one("trial:3", 0.0, 0.02),
+    )
+    choice, _, _ = pick(check, [torch, auto, better], {}, study=study_with(True, shape=check.shape))
+    assert choice.winner.key == "policy:auto"
+    assert choice.leads["trial:3"].noise == math.inf
+    assert "led it by 0.2400 on 1 held-out episode(s), one a member: too few" in choice.why
+    assert "inf" not in choice.why
+
+
 def test_a_clear_lead_of_a_fixed_scale_is_refused_unless_asked_for(check):
     torch = validated("rule:torch", 0.125, 0.3)
     auto = validated("policy:auto", 0.0, 0.05)
