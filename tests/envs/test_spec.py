@@ -82,5 +82,7 @@ def test_bad_spec_files(tmp_path, text, message):
 
 
 def test_unreadable_spec(tmp_path):
-    with pytest.raises(UnknownNameError, match="unknown env spec"):
+    with pytest.raises(ConfigError, match="file '.*none.yaml' does not exist; give the path"):
         load_env_spec(tmp_path / "none.yaml")
+    with pytest.raises(UnknownNameError, match="unknown env spec 'none'"):
+        load_env_spec("none")  # a name, not a path
