@@ -274,9 +274,20 @@ def check_export_target(
             f"({str(exc).split('; ')[0]}); "
             "remove it, choose another name or pass --force"
         ) from None
-    if not ours:
-        raise existing_policy_error(dest, other=True)
-    return True
+    if ours:
+        return True
+    if own_study_ok and workload.get("study") == study_name:  # the same study's name: whose?
+        if workload.get("storage") != storage:
+            held = f"the export of a study '{study_name}' in {workload.get('storage') or 'another storage'}"
+        elif workload.get("exported_by") == "autoscale export":
+            held = f"a trial of study '{study_name}' exported by hand (autoscale export)"
+        else:
+            held = f"an export of study '{study_name}' that does not say a search made it"
+        raise ConfigError(
+            f"policy folder '{dest}' already exists and holds {held}, not this search's own; "
+            "choose another name or pass --force"
+        )
+    raise existing_policy_error(dest, other=True)
 
 
 def _check_writable_folder(root: Path) -> None:

@@ -21,21 +21,30 @@ def test_a_search_replaces_its_own_export_of_the_same_study_and_storage(tmp_path
 
 
 @pytest.mark.parametrize(
-    "workload",
+    "workload, held",
     [
         # the same study name in another storage: another search's pick
-        {"study": STUDY, "storage": ELSEWHERE, "exported_by": SEARCH_EXPORT},
+        (
+            {"study": STUDY, "storage": ELSEWHERE, "exported_by": SEARCH_EXPORT},
+            f"the export of a study '{STUDY}' in {ELSEWHERE}",
+        ),
         # a trial exported by hand from this very study: the user's pick
-        {"study": STUDY, "storage": HERE, "exported_by": "autoscale export"},
+        (
+            {"study": STUDY, "storage": HERE, "exported_by": "autoscale export"},
+            f"a trial of study '{STUDY}' exported by hand",
+        ),
         # written before exports said who made them
-        {"study": STUDY},
+        ({"study": STUDY, "storage": HERE}, "that does not say a search made it"),
+        # another study's policy
+        ({"study": "another", "storage": HERE, "exported_by": SEARCH_EXPORT}, "another policy"),
     ],
-    ids=["other-storage", "by-hand", "unmarked"],
+    ids=["other-storage", "by-hand", "unmarked", "other-study"],
 )
-def test_a_search_never_replaces_a_policy_it_did_not_export(tmp_path, workload):
+def test_a_search_never_replaces_a_policy_it_did_not_export(tmp_path, workload, held):
     _export(tmp_path, "keepme", **workload)
-    with pytest.raises(ConfigError, match="'.*keepme' already exists and holds another policy"):
+    with pytest.raises(ConfigError, match="'.*keepme' already exists and holds") as err:
         check_export_target("keepme", tmp_path, STUDY, False, storage=HERE)
+    assert held in str(err.value) and str(err.value).endswith("choose another name or pass --force")
     # with --force it may (as the message says); the check itself touches nothing
     assert check_export_target("keepme", tmp_path, STUDY, True, storage=HERE)
     assert (tmp_path / "keepme" / "policy.yaml").read_text().count("growth_interval: 7") == 1
