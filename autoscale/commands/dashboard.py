@@ -70,8 +70,12 @@ def _check_bind(host: str, port: int) -> None:
     port in use, is one line before the server says it listens."""
     import socket
 
+    # the server (bottle's wsgiref) binds IPv6 for an address with ':', else IPv4
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        _, kind, proto, _, address = socket.getaddrinfo(
+            host, port, family=family, type=socket.SOCK_STREAM
+        )[0]
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
             probe.bind(address)

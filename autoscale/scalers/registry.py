@@ -171,14 +171,14 @@ def build_scaler(
 
 def _of_kind(cls: type[ScaleRule], key: str, value: Any, what: str) -> Any:
     """``value`` for the parameter ``key`` of ``cls`` (or the scaler's option), of the kind its
-    default is: true or false for a switch; a number for a number (a string that reads as one,
+    default is: true or false for a switch (or 0, 1, None); a number for a number (a string that reads as one,
     as YAML 1.1 leaves ``1e-4``, is read).
 
     Raises:
         ConfigError: another kind, naming the parameter and the value."""
     default = _defaults(cls).get(key)
-    if isinstance(default, bool):
-        if type(value).__name__ not in ("bool", "bool_"):
+    if isinstance(default, bool):  # (0, 1 and None read as torch's GradScaler reads them)
+        if not (value is None or type(value).__name__ == "bool_" or value in (0, 1)):
             raise ConfigError(f"scaler '{what}': {key} must be true or false, got {value!r}")
         return bool(value)
     if isinstance(default, numbers.Real) and not isinstance(value, numbers.Real):

@@ -441,7 +441,12 @@ class StoredPick:
         if choice.bar is not None and key != AUTO:
             bar, ref = choice.bar.cards, self.reference.cards
             ld = choice.leads.get(key) or lead(v.cards, bar, ref, self.weights)
-            if not ld.clear:
+            if not ld.clear and not math.isfinite(ld.noise):
+                out.append(
+                    f"its lead over auto ({ld.lead:+.4f}) is on one held-out episode a member, "
+                    "too few to tell from seed noise"
+                )
+            elif not ld.clear:
                 out.append(
                     f"it does not lead auto beyond the seed noise (lead {ld.lead:+.4f}, noise "
                     f"{ld.noise:.4f} on {ld.episodes} episodes)"

@@ -240,7 +240,9 @@ def check_export_target(
     """Whether exporting ``name`` may replace an existing folder: with ``force``, or (with
     ``own_study_ok``) when that folder holds an earlier export of the same search, which a
     resumed search or another worker of the study updates: a search's export (not one made by
-    hand with ``autoscale export``) of the study ``study_name`` in ``storage`` (masked URL).
+    hand with ``autoscale export``) of the study ``study_name`` in ``storage`` (masked URL; the
+    same file however spelt). An earlier autoscale's search export, which does not say who made
+    it, is known by what it says it searched or validated on.
 
     Raises:
         ConfigError: a bad name, or a folder holding another policy without ``force``.
@@ -253,6 +255,7 @@ def check_export_target(
         existing_policy_error,
         read_manifest,
     )
+    from autoscale.search.storage import same_storage
 
     root = Path(out_dir or default_policy_dir())
     dest = root / check_policy_name(name)
@@ -262,32 +265,35 @@ def check_export_target(
         return True
     try:
         workload = read_manifest(dest).workload
-        ours = (
-            own_study_ok
-            and workload.get("study") == study_name
-            and workload.get("storage") == storage
-            and workload.get("exported_by") == SEARCH_EXPORT
-        )
     except PolicyError as exc:  # half-written or corrupt: never replaced silently
         raise ConfigError(
             f"policy folder '{dest}' already exists and is not a readable policy "
             f"({str(exc).split('; ')[0]}); "
             "remove it, choose another name or pass --force"
         ) from None
-    if ours:
+    if not (own_study_ok and workload.get("study") == study_name):
+        raise existing_policy_error(dest, other=True)
+    # the same study's name: this search's own export, or whose?
+    by = workload.get("exported_by")
+    # (an earlier autoscale's search wrote no exported_by, but what it searched or validated on)
+    by_search = by == SEARCH_EXPORT or (
+        by is None and ("searched_on" in workload or "validated_on" in workload)
+    )
+    there = workload.get("storage")
+    if by_search and there is not None and storage is not None and same_storage(there, storage):
         return True
-    if own_study_ok and workload.get("study") == study_name:  # the same study's name: whose?
-        if workload.get("storage") != storage:
-            held = f"the export of a study '{study_name}' in {workload.get('storage') or 'another storage'}"
-        elif workload.get("exported_by") == "autoscale export":
-            held = f"a trial of study '{study_name}' exported by hand (autoscale export)"
-        else:
-            held = f"an export of study '{study_name}' that does not say a search made it"
-        raise ConfigError(
-            f"policy folder '{dest}' already exists and holds {held}, not this search's own; "
-            "choose another name or pass --force"
-        )
-    raise existing_policy_error(dest, other=True)
+    if there is None or storage is None:
+        held = f"an export of study '{study_name}' that does not name its storage"
+    elif not same_storage(there, storage):
+        held = f"the export of a study '{study_name}' in {there}"
+    elif by == "autoscale export":
+        held = f"a trial of study '{study_name}' exported by hand (autoscale export)"
+    else:
+        held = f"an export of study '{study_name}' that does not say a search made it"
+    raise ConfigError(
+        f"policy folder '{dest}' already exists and holds {held}, not this search's own; "
+        "choose another name or pass --force"
+    )
 
 
 def _check_writable_folder(root: Path) -> None:

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,20 @@ _FILE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
 def mask_url(url: str) -> str:
     """``url`` with any password replaced by ``***``."""
     return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", str(url))
+
+
+def same_storage(a: str, b: str) -> bool:
+    """Whether two storage URLs (as given or masked) name one storage: a file by its absolute
+    path (``autoscale.db`` and ``sqlite:///autoscale.db`` are one), a server by its URL."""
+
+    def key(url: str) -> str:
+        try:
+            kind, path = _file_of(str(url))
+        except StorageError:
+            return mask_url(url)
+        return mask_url(url) if path is None else f"{kind}:{path.expanduser().resolve()}"
+
+    return key(a) == key(b)
 
 
 def _file_of(url: str) -> tuple[str, Path | None]:
@@ -140,26 +155,25 @@ def open_storage(url: str, *, must_exist: bool = False) -> Any:
 def _check_journal(path: Path, shown: str) -> None:
     """A journal file holds one JSON entry a line, each ended: else Optuna would read past the
     bad line and write its next entry onto it (the study lost on the read after). Refused before
-    any write."""
-    from optuna.storages.journal import JournalFileSymlinkLock
-
-    if not path.is_file():
-        return
-    lock = JournalFileSymlinkLock(str(path))  # Optuna's writers' lock: no line half-written
-    lock.acquire()
-    try:
+    any write. A last line cut short may be another worker's entry being written (Optuna appends
+    whole lines under its lock): read again after a moment, it is whole or it is refused."""
+    for attempt in range(2):
+        if not path.is_file():
+            return
         with open(path, "rb") as fh:
-            bad = next((n, line) for n, line in enumerate(fh, start=1) if not _entry(line))
-    except StopIteration:
-        return
-    finally:
-        lock.release()
-    number, line = bad
-    what = "is cut short" if line.startswith(b'{"op_code"') else "is not a journal entry"
-    raise StorageError(
-        f"cannot open storage '{shown}': line {number} {what}; pass a journal file that "
-        "autoscale search or Optuna wrote, or fix or remove that line"
-    )
+            lines = list(enumerate(fh, start=1))
+        bad = next(((n, line) for n, line in lines if not _entry(line)), None)
+        if bad is None:
+            return
+        number, line = bad
+        if attempt == 0 and number == len(lines) and not line.endswith(b"\n"):
+            time.sleep(0.5)  # (a write in progress takes microseconds)
+            continue
+        what = "is cut short" if line.startswith(b'{"op_code"') else "is not a journal entry"
+        raise StorageError(
+            f"cannot open storage '{shown}': line {number} {what}; pass a journal file that "
+            "autoscale search or Optuna wrote, or fix or remove that line"
+        )
 
 
 def _entry(line: bytes) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import textwrap
 
+import numpy as np
 import pytest
 
 import autoscale
@@ -238,3 +239,25 @@ def test_policy_with_invalid_parameters(tmp_path, monkeypatch):
     monkeypatch.setenv(policies.POLICY_PATH_ENV, str(tmp_path))
     with pytest.raises(ConfigError, match="growth_interval.*got 0"):
         autoscale.get_scaler("bad-params", device="cpu")
+
+
+def test_parameter_values_are_read_as_their_defaults_kind():
+    """A switch takes what GradScaler's ``enabled`` takes from a script (a bool, 0/1, None: a
+    flag parsed as an int) and refuses a word; a number takes a number or a string that reads
+    as one (YAML 1.1 leaves ``1e-4`` a string) and refuses a word, naming it."""
+    for value, on in ((True, True), (1, True), (0, False), (None, False), (np.bool_(True), True)):
+        assert autoscale.get_scaler("torch", device="cpu", enabled=value).is_enabled() is on
+    with pytest.raises(ConfigError, match="enabled must be true or false, got 'no thanks'"):
+        autoscale.get_scaler("torch", device="cpu", enabled="no thanks")
+    assert (
+        autoscale.get_scaler("torch", device="cpu", growth_interval="1e3").rule.growth_interval
+        == 1000
+    )
+    assert (
+        autoscale.get_scaler(
+            "torch", device="cpu", growth_interval=np.int64(7)
+        ).rule.growth_interval
+        == 7
+    )
+    with pytest.raises(ConfigError, match="growth_interval must be a number .*got 'often'"):
+        autoscale.get_scaler("torch", device="cpu", growth_interval="often")

@@ -15,9 +15,22 @@ def _export(root, name, **workload):
     export_parametric("torch", {"growth_interval": 7}, name, workload=workload, out_dir=root)
 
 
-def test_a_search_replaces_its_own_export_of_the_same_study_and_storage(tmp_path):
-    _export(tmp_path, "mine", study=STUDY, storage=HERE, exported_by=SEARCH_EXPORT)
-    assert check_export_target("mine", tmp_path, STUDY, False, storage=HERE)
+@pytest.mark.parametrize(
+    "workload, storage",
+    [
+        ({"exported_by": SEARCH_EXPORT}, HERE),
+        ({"exported_by": SEARCH_EXPORT}, "a.db"),  # the same file, spelt another way
+        # an earlier autoscale's search export: no exported_by, but what it searched on
+        ({"searched_on": "replay of recorded real steps"}, HERE),
+    ],
+    ids=["marked", "spelt-otherwise", "earlier-version"],
+)
+def test_a_search_replaces_its_own_export_of_the_same_study_and_storage(
+    tmp_path, monkeypatch, workload, storage
+):
+    monkeypatch.chdir(tmp_path)
+    _export(tmp_path, "mine", study=STUDY, storage=HERE, **workload)
+    assert check_export_target("mine", tmp_path, STUDY, False, storage=storage)
 
 
 @pytest.mark.parametrize(
@@ -33,18 +46,18 @@ def test_a_search_replaces_its_own_export_of_the_same_study_and_storage(tmp_path
             {"study": STUDY, "storage": HERE, "exported_by": "autoscale export"},
             f"a trial of study '{STUDY}' exported by hand",
         ),
-        # written before exports said who made them
+        # neither says who made it nor what it searched on
         ({"study": STUDY, "storage": HERE}, "that does not say a search made it"),
+        # an earlier records search's export: no storage named
+        ({"study": STUDY, "validated_on": "replay"}, "that does not name its storage"),
         # another study's policy
         ({"study": "another", "storage": HERE, "exported_by": SEARCH_EXPORT}, "another policy"),
     ],
-    ids=["other-storage", "by-hand", "unmarked", "other-study"],
+    ids=["other-storage", "by-hand", "unmarked", "no-storage", "other-study"],
 )
 def test_a_search_never_replaces_a_policy_it_did_not_export(tmp_path, workload, held):
     _export(tmp_path, "keepme", **workload)
     with pytest.raises(ConfigError, match="'.*keepme' already exists and holds") as err:
         check_export_target("keepme", tmp_path, STUDY, False, storage=HERE)
     assert held in str(err.value) and str(err.value).endswith("choose another name or pass --force")
-    # with --force it may (as the message says); the check itself touches nothing
-    assert check_export_target("keepme", tmp_path, STUDY, True, storage=HERE)
-    assert (tmp_path / "keepme" / "policy.yaml").read_text().count("growth_interval: 7") == 1
+    assert check_export_target("keepme", tmp_path, STUDY, True, storage=HERE)  # --force may

@@ -11,7 +11,13 @@ import pytest
 from autoscale.scalers import make_scaler
 from autoscale.search.budget import Ledger
 from autoscale.search.candidates import Candidate
-from autoscale.search.choose import choose, stored_verdict, unchecked_lines, verdict_key
+from autoscale.search.choose import (
+    StoredPick,
+    choose,
+    stored_verdict,
+    unchecked_lines,
+    verdict_key,
+)
 from autoscale.search.export import rank
 from autoscale.search.no_harm import (
     NoHarmCheck,
@@ -202,13 +208,20 @@ def test_a_lead_on_one_episode_a_member_says_it_cannot_be_told_from_noise(check)
     torch, auto, better = (
         one("rule:torch", 0.125, 0.3),
         one("policy:auto", 0.0, 0.05),
-        one("trial:3", 0.0, 0.02),
+        one("rule:jmp", 0.0, 0.02),
     )
-    choice, _, _ = pick(check, [torch, auto, better], {}, study=study_with(True, shape=check.shape))
+    study = study_with(True, shape=check.shape)
+    choice, _, _ = pick(check, [torch, auto, better], {}, study=study)
     assert choice.winner.key == "policy:auto"
-    assert choice.leads["trial:3"].noise == math.inf
+    assert choice.leads["rule:jmp"].noise == math.inf
     assert "led it by 0.2400 on 1 held-out episode(s), one a member: too few" in choice.why
     assert "inf" not in choice.why
+    # and `autoscale export --trial` of it says the same in its warning
+    rows = {v.key: v for v in (torch, auto, better)}
+    stored = StoredPick(choice, rows, torch, ("torch", "jmp"), REWARD)
+    said = stored.objections(study, "rule:jmp")
+    assert "its lead over auto (+0.2400) is on one held-out episode a member" in said[0], said
+    assert not any("inf" in line for line in said), said
 
 
 def test_a_clear_lead_of_a_fixed_scale_is_refused_unless_asked_for(check):

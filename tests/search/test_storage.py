@@ -118,3 +118,31 @@ def test_two_workers_never_run_the_same_enqueued_trial(tmp_path):
         p.join(timeout=60)
     numbers = [n for g in got for n in g]
     assert len(numbers) == len(set(numbers)) == 120
+
+
+def test_a_journal_whose_last_entry_is_being_written_opens_once_it_is_whole(tmp_path):
+    """Another worker appends a whole line under Optuna's lock; a reader that meets it half
+    written reads again: the journal is not refused for it (and needs no lock to be read)."""
+    import threading
+    import time
+
+    path = tmp_path / "runs.log"
+    optuna.create_study(study_name="s", storage=open_storage(str(path)))
+    whole = path.read_bytes()
+    assert whole.endswith(b"\n")
+    path.write_bytes(whole[:-10])  # the last entry's end not written yet
+
+    def finish():
+        time.sleep(0.1)
+        with open(path, "ab") as fh:
+            fh.write(whole[-10:])
+
+    writer = threading.Thread(target=finish)
+    writer.start()
+    try:
+        assert study_names(open_storage(str(path), must_exist=True)) == ["s"]
+    finally:
+        writer.join()
+    path.write_bytes(whole[:-10])  # and one that stays cut short is refused, saying where
+    with pytest.raises(StorageError, match=r"line \d+ is cut short; .*fix or remove that line"):
+        open_storage(str(path))
