@@ -54,8 +54,8 @@ pick, one warning says why. The manifest's evidence says either way.
             artifact_store,
             artifacts_dir,
             load_study,
-            mask_url,
             open_storage,
+            storage_id,
         )
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -86,7 +86,7 @@ pick, one warning says why. The manifest's evidence says either way.
             force=args.force,
             own_study_ok=False,
             scorecard=_scorecard(study, pick, key, against, validation, suite.reward),
-            provenance={"storage": mask_url(args.storage), "exported_by": "autoscale export"},
+            provenance={"storage": storage_id(args.storage), "exported_by": "autoscale export"},
         )
         if against:
             print(

@@ -86,6 +86,7 @@ from autoscale.search.storage import (
     file_lock,
     mask_url,
     open_storage,
+    storage_id,
     study_names,
 )
 from autoscale.search.study import (
@@ -1036,7 +1037,7 @@ class SearchRunner:
 
         cfg, choice, plan, study = self.cfg, self.choice, self.plan, self.study
         provenance = {
-            "storage": mask_url(cfg.storage),
+            "storage": storage_id(cfg.storage),
             "exported_by": SEARCH_EXPORT,  # (a resumed search may replace it, see export.py)
             **(
                 {"searched_on": "replay of recorded real steps"}

@@ -45,18 +45,24 @@ def mask_url(url: str) -> str:
     return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", str(url))
 
 
+def storage_id(url: str) -> str:
+    """A storage URL as it names the storage from any folder: a file storage by its absolute
+    path (``autoscale.db`` -> ``sqlite:////home/me/autoscale.db``), a server by its URL, any
+    password masked."""
+    try:
+        kind, path = _file_of(str(url))
+    except StorageError:
+        return mask_url(url)
+    if path is None:
+        return mask_url(url)
+    path = path.expanduser().resolve()
+    return str(path) if kind == "journal" else f"sqlite:///{path}"
+
+
 def same_storage(a: str, b: str) -> bool:
     """Whether two storage URLs (as given or masked) name one storage: a file by its absolute
     path (``autoscale.db`` and ``sqlite:///autoscale.db`` are one), a server by its URL."""
-
-    def key(url: str) -> str:
-        try:
-            kind, path = _file_of(str(url))
-        except StorageError:
-            return mask_url(url)
-        return mask_url(url) if path is None else f"{kind}:{path.expanduser().resolve()}"
-
-    return key(a) == key(b)
+    return storage_id(a) == storage_id(b)
 
 
 def _file_of(url: str) -> tuple[str, Path | None]:

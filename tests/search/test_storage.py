@@ -146,3 +146,14 @@ def test_a_journal_whose_last_entry_is_being_written_opens_once_it_is_whole(tmp_
     path.write_bytes(whole[:-10])  # and one that stays cut short is refused, saying where
     with pytest.raises(StorageError, match=r"line \d+ is cut short; .*fix or remove that line"):
         open_storage(str(path))
+
+
+def test_a_storage_is_named_the_same_from_any_folder(tmp_path, monkeypatch):
+    from autoscale.search.storage import same_storage, storage_id
+
+    monkeypatch.chdir(tmp_path)
+    assert storage_id("a.db") == storage_id("sqlite:///a.db") == f"sqlite:///{tmp_path / 'a.db'}"
+    assert storage_id("runs.log") == str(tmp_path / "runs.log")
+    assert storage_id("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
+    assert same_storage("a.db", f"sqlite:///{tmp_path}/a.db")
+    assert not same_storage("a.db", "b.db")
