@@ -159,20 +159,18 @@ def open_storage(url: str, *, must_exist: bool = False) -> Any:
 
 
 def _check_journal(path: Path, shown: str) -> None:
-    """A journal file holds one JSON entry a line, each ended: else Optuna would read past the
-    bad line and write its next entry onto it (the study lost on the read after). Refused before
-    any write. A last line cut short may be another worker's entry being written (Optuna appends
-    whole lines under its lock): read again after a moment, it is whole or it is refused."""
+    """Optuna reads past a journal's last line when it is no whole entry (a bad line before
+    others it refuses itself) and writes its next entry onto it: the study is lost on the read
+    after. That line is refused before any write. Cut short, it may be another worker's entry
+    being written (Optuna appends whole lines under its lock): read again after a moment, it is
+    whole or it is refused."""
     for attempt in range(2):
         if not path.is_file():
             return
-        with open(path, "rb") as fh:
-            lines = list(enumerate(fh, start=1))
-        bad = next(((n, line) for n, line in lines if not _entry(line)), None)
-        if bad is None:
+        number, line = _last_line(path)
+        if number == 0 or _entry(line):
             return
-        number, line = bad
-        if attempt == 0 and number == len(lines) and not line.endswith(b"\n"):
+        if attempt == 0 and not line.endswith(b"\n"):
             time.sleep(0.5)  # (a write in progress takes microseconds)
             continue
         what = "is cut short" if line.startswith(b'{"op_code"') else "is not a journal entry"
@@ -180,6 +178,19 @@ def _check_journal(path: Path, shown: str) -> None:
             f"cannot open storage '{shown}': line {number} {what}; pass a journal file that "
             "autoscale search or Optuna wrote, or fix or remove that line"
         )
+
+
+def _last_line(path: Path) -> tuple[int, bytes]:
+    """(its number, the line) of a file's last line, with its newline if it has one; (0, b"")
+    for an empty file. Read in blocks: nothing else is kept or parsed."""
+    count, whole, partial = 0, b"", b""
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            count += block.count(b"\n")
+            head, sep, partial = (partial + block).rpartition(b"\n")
+            if sep:
+                whole = head.rpartition(b"\n")[2] + sep
+    return (count + 1, partial) if partial else (count, whole)
 
 
 def _entry(line: bytes) -> bool:
