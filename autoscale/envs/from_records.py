@@ -33,19 +33,14 @@ def trace_from_record(record, name: str = "run") -> Trace:
     if not isinstance(record, RunRecord):
         record = read_record(record)
     steps = record.steps
-    if not steps and record.damaged is not None:
-        raise ConfigError(
-            f"record '{record.path}' has no step that reads: {record.damaged}; record the run again"
-        )
-    if not steps and record.meta.get("finished"):
-        raise ConfigError(
-            f"record '{record.path}' holds no step: the run ended before its first optimizer "
-            "step; record a run that trains"
-        )
     if not steps:
-        raise ConfigError(
-            f"record '{record.path}' holds no whole chunk of steps yet; let the run go on longer"
-        )
+        if record.damaged is not None:
+            why = f"has no step that reads: {record.damaged}; record the run again"
+        elif record.meta.get("finished"):
+            why = "holds no step: the run ended before its first optimizer step; record a run that trains"
+        else:
+            why = "holds no whole chunk of steps yet; let the run go on longer"
+        raise ConfigError(f"record '{record.path}' {why}")
     bins = len(HIST_EDGES) - 1
     hist = np.zeros((len(steps), bins), dtype=np.float32)
     last = next((s["hist"] for s in steps if s.get("hist") is not None), None)

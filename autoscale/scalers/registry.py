@@ -160,7 +160,8 @@ def build_scaler(
             raise ConfigError(
                 f"scaler '{what}' takes no parameter '{key}'; {hint}(it takes: {', '.join(sorted(accepted))})"
             )
-    overrides = {k: _of_kind(cls, k, v, what) for k, v in overrides.items()}
+    defaults = _defaults(cls)
+    overrides = {k: _of_kind(defaults.get(k), k, v, what) for k, v in overrides.items()}
     options = {k: overrides.pop(k) for k in SCALER_OPTIONS if k in overrides}
     try:
         rule = cls(**overrides)
@@ -169,14 +170,13 @@ def build_scaler(
     return LossScaler(rule, device, name=name, **options)
 
 
-def _of_kind(cls: type[ScaleRule], key: str, value: Any, what: str) -> Any:
-    """``value`` for the parameter ``key`` of ``cls`` (or the scaler's option), of the kind its
-    default is: true or false for a switch (or 0, 1, None); a number for a number (a string that reads as one,
-    as YAML 1.1 leaves ``1e-4``, is read).
+def _of_kind(default: Any, key: str, value: Any, what: str) -> Any:
+    """``value`` for the parameter ``key``, of the kind its ``default`` is: true or false for a
+    switch (or 0, 1, None); a number for a number (a string that reads as one, as YAML 1.1
+    leaves ``1e-4``, is read).
 
     Raises:
         ConfigError: another kind, naming the parameter and the value."""
-    default = _defaults(cls).get(key)
     if isinstance(default, bool):  # (0, 1 and None read as torch's GradScaler reads them)
         if not (value is None or type(value).__name__ == "bool_" or value in (0, 1)):
             raise ConfigError(f"scaler '{what}': {key} must be true or false, got {value!r}")
