@@ -4,11 +4,17 @@ instead of the real home."""
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
-import pytest
+# pytest keeps the test modules it rewrites (for its assert messages) as bytecode beside them,
+# unless PYTHONDONTWRITEBYTECODE is set: then every run rewrites all of them again, 3-4 s of each
+# worker's collection. The tests keep their cache (ignored by git, as any __pycache__).
+sys.dont_write_bytecode = False
 
-from autoscale.envs import load_env_spec
+import pytest  # noqa: E402
+
+from autoscale.envs import load_env_spec  # noqa: E402
 
 # No test writes into the real home: an export without a folder goes to $AUTOSCALE_HOME/policies.
 # Set before any test module is imported, so the environments they copy at import (for their
