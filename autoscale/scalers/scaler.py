@@ -99,6 +99,9 @@ class LossScaler(torch.amp.GradScaler):
     # this step's spike test (ScaleRule.spike_limit), made at its first agreement: None before
     # it, a bool where it ran on the host, a bool tensor on the device
     _spike: bool | torch.Tensor | None = None
+    # GradScaler's own scale() and unscale_() come next in the class order: their product and
+    # 1/scale are computed here, in fewer ops (False where a subclass takes another's)
+    _plain_gradscaler = True
 
     def __init__(
         self,
@@ -246,6 +249,12 @@ class LossScaler(torch.amp.GradScaler):
                 self._guard(loss, rule)
             for obs in self._observers:
                 obs.on_scale(self, loss)
+            scale = self._scale
+            if scale is None:
+                self._lazy_init_scale_growth_tracker(outputs.device)
+                scale = self._scale
+            if self._plain_gradscaler and scale.device == outputs.device:  # without a no-op .to
+                return outputs * scale
         return super().scale(outputs)
 
     def _guard(self, loss: torch.Tensor, rule: ScaleRule) -> None:
@@ -286,13 +295,33 @@ class LossScaler(torch.amp.GradScaler):
         if grads is not None:
             self._unscale_with_amax(optimizer, grads)
         else:
-            super().unscale_(optimizer)
+            scale = self._scale if self._enabled and self._plain_gradscaler else None
+            if scale is not None and scale.device.type != "mps":
+                self._unscale(optimizer)
+            else:
+                super().unscale_(optimizer)
             if self._enabled and self._collect_stats:
                 self._collect_grad_stats(optimizer, inv_scale=None)
         if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
             # a fused optimizer skips inside its kernel from the found-inf flag: agree on it
             # before that kernel runs (on the device: no host sync)
             self._agree(self._per_optimizer_states[id(optimizer)])
+
+    def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """GradScaler's ``unscale_`` with 1/scale from :meth:`_inv_scale` (the same float32
+        value, computed once for a scale instead of three ops a step)."""
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
+        state["found_inf_per_device"] = self._unscale_grads_(
+            optimizer, self._inv_scale(), found_inf, False
+        )
+        state["stage"] = OptState.UNSCALED
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # The fused-optimizer path checks for infs without unscaling: statistics need 1/scale.
