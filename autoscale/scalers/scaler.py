@@ -310,13 +310,7 @@ class LossScaler(torch.amp.GradScaler):
     def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """GradScaler's ``unscale_`` with 1/scale from :meth:`_inv_scale` (the same float32
         value, computed once for a scale instead of three ops a step)."""
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.UNSCALED:
-            raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update()."
-            )
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
+        state = self._unscale_state(optimizer)
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
         state["found_inf_per_device"] = self._unscale_grads_(
             optimizer, self._inv_scale(), found_inf, False
@@ -363,6 +357,15 @@ class LossScaler(torch.amp.GradScaler):
     ) -> None:
         """GradScaler's ``unscale_`` with the amax read in the same place
         (:meth:`~autoscale.scalers.grad_reader.GradReader.unscale`)."""
+        state = self._unscale_state(optimizer)
+        self.grads.unscale(state, grads, self._inv_scale(), self._scale.device, host=self._cpu)
+        for obs in self._observers:
+            obs.on_grads(self, optimizer, grads, None)
+        state["stage"] = OptState.UNSCALED
+
+    def _unscale_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state of this step, with GradScaler's errors where it was unscaled
+        or stepped already."""
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(
@@ -370,10 +373,7 @@ class LossScaler(torch.amp.GradScaler):
             )
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        self.grads.unscale(state, grads, self._inv_scale(), self._scale.device, host=self._cpu)
-        for obs in self._observers:
-            obs.on_grads(self, optimizer, grads, None)
-        state["stage"] = OptState.UNSCALED
+        return state
 
     def _inv_scale(self) -> torch.Tensor:
         if self._guarded and self._cpu and self._step_scale is not None:

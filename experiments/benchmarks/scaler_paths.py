@@ -17,9 +17,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,30 +30,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scaler_overhead  # noqa: E402  (the small model, shared)
 
 
-def _setup(kind: str):
-    torch.manual_seed(0)
-    model = scaler_overhead.small_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def _job(kind: str, model: torch.nn.Module, batch) -> scaler_overhead.Job:
+    """``scaler_overhead``'s small-model job under GradScaler, or rule ``R`` by path ``R:PATH``."""
     if kind == "GradScaler":
-        return model, opt, torch.amp.GradScaler("cpu")
-    rule, path = kind.split(":")
-    scaler = autoscale.get_scaler(rule, device="cpu")
-    scaler._plain_gradscaler = path == "short"
-    return model, opt, scaler
-
-
-def _block(model, opt, scaler, x, y, steps: int) -> float:
-    """Microseconds per step over ``steps`` steps."""
-    t = time.perf_counter()
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        scaler.step(opt)
-        scaler.update()
-    return (time.perf_counter() - t) / steps * 1e6
+        scaler = torch.amp.GradScaler("cpu")
+    else:
+        rule, path = kind.split(":")
+        scaler = autoscale.get_scaler(rule, device="cpu")
+        scaler._plain_gradscaler = path == "short"
+    loss = torch.nn.functional.cross_entropy
+    cpu = torch.device("cpu")
+    return scaler_overhead.Job(
+        kind, scaler, copy.deepcopy(model), False, cpu, torch.float16, batch, loss
+    )
 
 
 def main() -> None:
@@ -66,23 +55,24 @@ def main() -> None:
     kinds = ["GradScaler"] + [
         f"{r}:{p}" for r in args.rules.split(",") for p in ("gradscaler", "short")
     ]
-    runs = {k: _setup(k) for k in kinds}
-    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
-    for k in kinds:  # warm up
-        _block(*runs[k], x, y, 200)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    batch = (torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g))
+    model = scaler_overhead.small_model()
+    jobs = [_job(k, model, batch) for k in kinds]
+    for j in jobs:  # warm-up
+        j.block(args.steps)
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(args.rounds):
-        for k in kinds if r % 2 == 0 else kinds[::-1]:
-            times[k].append(_block(*runs[k], x, y, args.steps))
+        for j in jobs if r % 2 == 0 else jobs[::-1]:
+            times[j.label].append(j.block(args.steps) * 1e6)
     print(f"torch {torch.__version__}, {args.rounds} rounds of {args.steps}-step blocks")
     print("| scaler | path | median step us | over GradScaler us (median of rounds) |")
     print("|---|---|---:|---:|")
     for k in kinds:
         over = [a - b for a, b in zip(times[k], times["GradScaler"])]
         rule, _, path = k.partition(":")
-        print(
-            f"| {rule} | {path or '-'} | {statistics.median(times[k]):.1f} | {statistics.median(over):.1f} |"
-        )
+        step = statistics.median(times[k])
+        print(f"| {rule} | {path or '-'} | {step:.1f} | {statistics.median(over):.1f} |")
 
 
 if __name__ == "__main__":
