@@ -186,6 +186,7 @@ def test_policy_scaler_checkpoint_round_trip(agents):
     assert b.rule.features.state_dict() == a.rule.features.state_dict()
 
 
+@pytest.mark.slow
 def test_evaluate_and_cli(agents, tiny_spec, tiny_trace, tmp_path, monkeypatch, capsys):
     from autoscale.cli import main
 

@@ -45,6 +45,7 @@ def _plugin(init_scale: float) -> MixedPrecision:
     return mixed_precision_plugin("torch", device="cpu", **{**FAST_TORCH, "init_scale": init_scale})
 
 
+@pytest.mark.slow
 def test_fit_uses_the_scaler_and_checkpoints_it(tmp_path, clip_spy):
     plugin = _plugin(SCALE)
     scaler = plugin.scaler

@@ -173,6 +173,7 @@ def test_live_csv_and_tensorboard(tmp_path):
     assert [e.step for e in acc.Scalars("autoscale/underflow")] == [0]  # histogram steps only
 
 
+@pytest.mark.slow
 def test_live_wandb_offline(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb", reason="W&B logging needs wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

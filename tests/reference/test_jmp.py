@@ -85,6 +85,7 @@ def test_same_scale_sequence_as_dynamic_loss_scale(case):
     assert all(v > 0 for v in seen.values()), seen  # held on overflow: at the minimum
 
 
+@pytest.mark.slow
 def test_both_keep_the_largest_float32_power_of_two():
     """Where growth would overflow float32, jmp keeps the scale; ours stops at max_scale, and
     with max_scale = 2^127 the two are the same."""

@@ -88,6 +88,7 @@ def ours(overflows, init, min_scale, growth, backoff, interval, hysteresis, max_
     )
 
 
+@pytest.mark.slow
 def test_running_megatrons_own_code_on_cpu():
     s = _megatron().DynamicGradScaler(2.0**32, 1.0, 2.0, 0.5, 1000, 2)
     assert type(s).update.__code__.co_filename == inspect.getsourcefile(_grad_scaler())

@@ -473,6 +473,7 @@ FLUSH_STEPS = 60  # six windows of the fp32 reference: enough to see a scale kee
 FLUSH = {"init_scale": 2.0**-12, "min_scale": 2.0**-30}  # flushes every gradient of small-grads
 
 
+@pytest.mark.slow
 def test_a_scale_that_flushes_whole_gradients_is_harm_by_the_builds_measure(tmp_path):
     """A static scale of 2^-12 on mlp/small-grads (the loss x 1e-5) leaves the fp16 backward no
     non-zero gradient element. The scorecard's precision loss counts only the elements non-zero

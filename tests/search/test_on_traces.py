@@ -55,6 +55,7 @@ def test_bad_traces_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsys
     assert read_record(tmp_path / "short").steps  # the record itself is untouched
 
 
+@pytest.mark.slow
 def test_a_study_made_from_other_records_is_refused_not_resumed(tmp_path, monkeypatch, capsys):
     """The default study name is the folder's: a folder recorded again holds other steps, and the
     study's trials (and their test-replay scores) were measured on the old ones."""

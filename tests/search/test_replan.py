@@ -213,6 +213,7 @@ def _cost(m, n):
     return float(n)
 
 
+@pytest.mark.slow
 def test_the_creator_re_plans_once_and_a_joining_worker_adopts_its_plan(tmp_path):
     """The worker that creates the study records as its machine allows, re-plans and stores the
     plan for good, with every trace of it cached under its keys. A worker joining afterwards
@@ -265,6 +266,7 @@ def _new_study(tmp_path, plan, planner: str, until: float):
     return study
 
 
+@pytest.mark.slow
 def test_a_worker_joining_while_the_creator_records_waits_for_its_stored_plan(tmp_path):
     """The creator (a live process) stores a re-planned shape a moment after the joiner arrives;
     the joiner says once that it waits, and adopts the stored plan, not the one of creation."""

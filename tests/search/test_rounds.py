@@ -22,6 +22,7 @@ class _StopAtRecord(Exception):
     pass
 
 
+@pytest.mark.slow
 @pytest.mark.paced  # SearchRunner.run(): it measures and plans from the pace it sees
 def test_a_slow_models_search_checks_no_harm_on_the_proxy_the_plan_chose(tmp_path, monkeypatch):
     """A language model whose 1000-step runs the budget cannot afford is checked on gpt2-tiny:

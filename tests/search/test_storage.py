@@ -120,6 +120,7 @@ def test_two_workers_never_run_the_same_enqueued_trial(tmp_path):
     assert len(numbers) == len(set(numbers)) == 120
 
 
+@pytest.mark.slow
 def test_a_journal_whose_last_entry_is_being_written_opens_once_it_is_whole(tmp_path):
     """Another worker appends a whole line under Optuna's lock; a reader that meets it half
     written reads again: the journal is not refused for it (and needs no lock to be read)."""

@@ -392,6 +392,7 @@ def test_fail_worker_trials_fails_only_that_workers_running_trials(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_vectorised_parametric_trials_report_what_scalar_ones_do(setup):
     """The same parameters of vectorised families give the same trial values, reports and
     stored scores with and without the vectorised replay."""
@@ -463,6 +464,7 @@ def test_vectorised_parametric_trials_report_what_scalar_ones_do(setup):
     assert set(used) == set(VECTOR_RULES)  # every family went through the vectorised replay
 
 
+@pytest.mark.slow
 def test_a_lead_must_hold_over_the_horizons_replay(setup):
     """A lead over auto on short real-step episodes counts only where it holds on the replay of
     the same held-out runs: here auto leads torch there (torch ratchets down on bad batches), so
@@ -480,6 +482,7 @@ def test_a_lead_must_hold_over_the_horizons_replay(setup):
     assert horizon_refusal(bench, auto, auto) is not None  # no lead at all
 
 
+@pytest.mark.slow
 def test_the_horizons_replay_of_auto_runs_once_for_many_leads(setup, monkeypatch):
     """A search weighs many leads over auto against the same replay of auto: it runs once a
     bench, and the answers are those of a fresh replay."""
