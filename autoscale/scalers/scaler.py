@@ -100,8 +100,20 @@ class LossScaler(torch.amp.GradScaler):
     # it, a bool where it ran on the host, a bool tensor on the device
     _spike: bool | torch.Tensor | None = None
     # GradScaler's own scale() and unscale_() come next in the class order: their product and
-    # 1/scale are computed here, in fewer ops (False where a subclass takes another's)
+    # 1/scale are computed here, in fewer ops (set for each subclass: __init_subclass__)
     _plain_gradscaler = True
+    # the scale tensor as this scaler last left it holding _host_scale, and its version: code
+    # that writes GradScaler's `_scale` itself shows as another tensor or version (_adopt_written)
+    _synced: tuple[torch.Tensor, int] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        later = cls.__mro__[cls.__mro__.index(LossScaler) + 1 :]
+        gradscaler = LossScaler.__bases__[0]  # (torch.amp.GradScaler, which `wrap` replaces)
+        cls._plain_gradscaler = all(
+            next((c.__dict__[m] for c in later if m in c.__dict__), None) is gradscaler.__dict__[m]
+            for m in ("scale", "unscale_")
+        )
 
     def __init__(
         self,
@@ -235,6 +247,8 @@ class LossScaler(torch.amp.GradScaler):
         that step's scale (on the device, no host sync; the losses of later micro-batches take
         the same scale)."""
         if self._enabled and isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+            if not self._guarded:
+                self._adopt_written()
             # as few ops as possible on the hot path: float32 only when losses accumulate
             loss = outputs.detach()
             if loss.dim():
@@ -249,12 +263,13 @@ class LossScaler(torch.amp.GradScaler):
                 self._guard(loss, rule)
             for obs in self._observers:
                 obs.on_scale(self, loss)
-            scale = self._scale
-            if scale is None:
-                self._lazy_init_scale_growth_tracker(outputs.device)
+            if self._plain_gradscaler:
                 scale = self._scale
-            if self._plain_gradscaler and scale.device == outputs.device:  # without a no-op .to
-                return outputs * scale
+                if scale is None:
+                    self._lazy_init_scale_growth_tracker(outputs.device)
+                    scale = self._scale
+                if scale.device == outputs.device:  # GradScaler's product, without a no-op .to
+                    return outputs * scale
         return super().scale(outputs)
 
     def _guard(self, loss: torch.Tensor, rule: ScaleRule) -> None:
@@ -376,7 +391,9 @@ class LossScaler(torch.amp.GradScaler):
         return state
 
     def _inv_scale(self) -> torch.Tensor:
-        if self._guarded and self._cpu and self._step_scale is not None:
+        if not self._guarded:
+            self._adopt_written()
+        elif self._cpu and self._step_scale is not None:
             # a guarded step's scale, known on the host: 1/scale as for any host scale
             return self._inverse(self._scale, self._step_scale, False, None)
         return self._inverse(self._scale, self._host_scale, self._guarded, self._guard_scale)
@@ -400,6 +417,8 @@ class LossScaler(torch.amp.GradScaler):
             self._set_scale(bounds.clamp(value))
             self._end_step()
             return
+        if not self._guarded:
+            self._adopt_written()
         states = list(self._per_optimizer_states.values())
         states = [s for s in states if s["found_inf_per_device"]]
         if not states:
@@ -416,6 +435,7 @@ class LossScaler(torch.amp.GradScaler):
         self.last_stats = stats
         if used == self._host_scale:  # the guard kept the set scale: no fill if the rule does too
             self._guarded = False
+            self._note_synced()
         try:
             self._set_scale(self.controller.step(stats), adopted=True)
         except BaseException:  # (raise_at_min): the tensor goes back to the scale a step starts at
@@ -491,6 +511,7 @@ class LossScaler(torch.amp.GradScaler):
             if self._step_scale is None:  # the guard wrote it on the device
                 self._step_scale = float(self._scale.item())
             return self._step_scale
+        self._adopt_written()
         return self._host_scale
 
     def get_base_scale(self) -> float:
@@ -554,6 +575,7 @@ class LossScaler(torch.amp.GradScaler):
             _step_scale=None,
             _step_group=None,
             _spike=None,
+            _synced=None,
         )
         state["_inverse"] = InverseScale()
         return state
@@ -566,13 +588,46 @@ class LossScaler(torch.amp.GradScaler):
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._cpu = self._scale.device.type == "cpu"
+        if self._init_scale != self._host_scale:  # written by other code (GradScaler's
+            self._synced = None  # load_state_dict before a first step): taken as the scale set
+            self._adopt_written()
+        else:
+            self._note_synced()
+
+    def _note_synced(self) -> None:
+        """The scale tensor holds the scale set (``_host_scale``) now, as this scaler wrote it."""
+        scale = self._scale
+        self._synced = (scale, scale._version)
+
+    def _written(self) -> bool:
+        """Whether code other than this scaler's wrote the scale tensor since it last set it."""
+        scale, synced = self._scale, self._synced
+        return synced is None or synced[0] is not scale or synced[1] != scale._version
+
+    def _adopt_written(self) -> None:
+        """Take the scale tensor's value as the scale set where code other than this scaler's
+        wrote it since (GradScaler's private ``_scale``, filled or replaced; as ``set_scale``
+        would make it, the rule continuing from it): the loss is multiplied by that tensor, so
+        1/scale, ``get_scale()`` and the rule follow it, as GradScaler's would. A check of the
+        tensor's identity and version; the read (a sync on a GPU) only after such a write.
+        Not within a guarded step (the guard writes the tensor)."""
+        scale = self._scale
+        if scale is None or not self._written():
+            return
+        value = float(scale)
+        self._host_scale = value
+        self._guard_scale = self._step_scale = None
+        self.rule.adopt(value)
+        self._note_synced()
 
     def _set_scale(self, value: float, adopted: bool = False) -> None:
         """Make ``value`` the scale of the next step (``adopted``: the rule knows it already)."""
-        if self._scale is None:
+        scale = self._scale
+        if scale is None:
             self._init_scale = value
-        elif value != self._host_scale or self._guarded:  # most steps keep it: no op then
-            self._scale.fill_(value)
+        elif value != self._host_scale or self._guarded or self._written():  # most keep it
+            scale.fill_(value)
+            self._note_synced()
         self._host_scale = value
         self._guard_scale = self._step_scale = None  # no longer this step's scale
         if not adopted:  # set from outside the rule: it continues from this scale

@@ -59,8 +59,6 @@ class ShardedLossScaler(LossScaler, _ZeroDimFlags):
         **options: LossScaler's keyword arguments.
     """
 
-    _plain_gradscaler = False  # ShardedGradScaler's scale() and unscale_()
-
     def __init__(
         self,
         rule: ScaleRule,
