@@ -107,6 +107,25 @@ def _proc_state(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[0]  # the field after the command name
 
 
+def tcp_ports(pid: int) -> set[int]:
+    """The local ports of process ``pid``'s TCP sockets (its open sockets matched by inode in
+    /proc/net/tcp and tcp6); empty where they cannot be read."""
+    links = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):  # (closed since the listing)
+                links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    inodes = {link[len("socket:[") : -1] for link in links if link.startswith("socket:[")}
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(table).read_text().splitlines()[1:]:
+                fields = row.split()
+                if len(fields) > 9 and fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def freeze(worker: Worker) -> None:
     """SIGSTOP, returning once the kernel shows the process stopped."""
     os.kill(worker.pid, signal.SIGSTOP)
@@ -127,8 +146,9 @@ def freeze_mid_trial(worker: Worker, storage: Storage, study: str) -> int:
     """Freeze ``worker`` while one of its trials is RUNNING in the storage; returns its number.
 
     Trials last a fraction of a second: the worker is frozen as soon as it has one running, then
-    the storage is read again, and the worker is let go to try again if that trial finished
-    between the two reads."""
+    the storage is read again (once a server has ended the statements the worker sent before it
+    stopped), and the worker is let go to try again if that trial finished between the two
+    reads."""
     while True:
         wait_for(
             f"a running trial of worker {worker.tag}",
@@ -136,6 +156,12 @@ def freeze_mid_trial(worker: Worker, storage: Storage, study: str) -> int:
             alive=(worker,),
         )
         freeze(worker)
+        # a statement the worker sent before it stopped (its trial's COMMIT) still runs at a
+        # server: the storage is read once the server has ended every one of them
+        wait_for(
+            f"the statements of worker {worker.tag} to end",
+            lambda: storage.in_flight(worker.pid) == 0,
+        )
         running = storage.running_of(study, worker.tag)
         if running:
             return running[0]
@@ -189,6 +215,31 @@ class Storage:
         return {
             n: t for n, t in rows.items() if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
         }
+
+    def in_flight(self, pid: int) -> int | None:
+        """How many statements of process ``pid`` a PostgreSQL server is executing (its
+        connections found by their local ports); 0 for a storage without a server (SQLite, a
+        journal file: a stopped process writes nothing), None while it cannot be read."""
+        if not self.url.startswith("postgresql"):
+            return 0
+        ports = tcp_ports(pid)
+        if not ports:
+            return 0
+        import sqlalchemy
+
+        try:
+            if self._storage is None:
+                self._storage = open_storage(self.url, must_exist=False)
+            with self._storage.engine.connect() as conn:
+                return conn.execute(
+                    sqlalchemy.text(
+                        "SELECT count(*) FROM pg_stat_activity "
+                        "WHERE state = 'active' AND client_port = ANY(:ports)"
+                    ),
+                    {"ports": sorted(ports)},
+                ).scalar_one()
+        except Exception:  # the server is down
+            return None
 
     def close(self) -> None:
         engine = getattr(self._storage, "engine", None)
