@@ -2,8 +2,10 @@
 
 The tests marked ``paced`` run real searches (``autoscale search`` subprocesses) or long real runs
 against a deadline: they spend a wall-clock budget and plan from the pace they measure, so they
-run alone (the README's test command runs the rest two at a time first). The others decide on
-injected timings and clocks, or on deadlines far from what they do, and run with the rest.
+run apart from the rest (the README's test command runs the rest two at a time first), two at a
+time, a test file to a process: a search beside another, as a user's beside other work, with
+budgets that leave room for it. The others decide on injected timings and clocks, or on
+deadlines far from what they do, and run with the rest.
 
 Subprocesses get one intra-op thread, as the tests here do (tests/training/conftest.py): with two
 cores and another process running, OpenMP oversubscription makes steps many times slower.
