@@ -218,8 +218,11 @@ class Storage:
 
     def in_flight(self, pid: int) -> int | None:
         """How many statements of process ``pid`` a PostgreSQL server is executing (its
-        connections found by their local ports); 0 for a storage without a server (SQLite, a
-        journal file: a stopped process writes nothing), None while it cannot be read."""
+        connections found by their local ports), leaving out those waiting for a lock: one of
+        its threads may wait for a lock its stopped main thread holds, and a statement cannot
+        make a change durable without the COMMIT the stopped process has yet to send. 0 for a
+        storage without a server (SQLite, a journal file: a stopped process writes nothing),
+        None while it cannot be read."""
         if not self.url.startswith("postgresql"):
             return 0
         ports = tcp_ports(pid)
@@ -233,8 +236,8 @@ class Storage:
             with self._storage.engine.connect() as conn:
                 return conn.execute(
                     sqlalchemy.text(
-                        "SELECT count(*) FROM pg_stat_activity "
-                        "WHERE state = 'active' AND client_port = ANY(:ports)"
+                        "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' "
+                        "AND wait_event_type IS DISTINCT FROM 'Lock' AND client_port = ANY(:ports)"
                     ),
                     {"ports": sorted(ports)},
                 ).scalar_one()
