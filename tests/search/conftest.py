@@ -2,10 +2,12 @@
 
 The tests marked ``paced`` run real searches (``autoscale search`` subprocesses) or long real runs
 against a deadline: they spend a wall-clock budget and plan from the pace they measure, so they
-run apart from the rest (the README's test command runs the rest two at a time first), two at a
-time, a test file to a process: a search beside another, as a user's beside other work, with
-budgets that leave room for it. The others decide on injected timings and clocks, or on
-deadlines far from what they do, and run with the rest.
+run apart from the rest (the README's test command runs the rest two at a time first). Among
+themselves they run two at a time, a test file to a process, with one rule
+(:func:`pytest_runtest_protocol`): a test that starts several processes of its own (workers on
+one study, a busy process) is marked ``solo`` and runs with no other test beside it; the others,
+one search each on one torch thread, run beside one another (a core each). The others decide on
+injected timings and clocks, or on deadlines far from what they do, and run with the rest.
 
 Subprocesses get one intra-op thread, as the tests here do (tests/training/conftest.py): with two
 cores and another process running, OpenMP oversubscription makes steps many times slower.
@@ -13,10 +15,13 @@ cores and another process running, OpenMP oversubscription makes steps many time
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +32,27 @@ from tests.training.conftest import torch  # noqa: F401  (sets one intra-op thre
 
 SEARCH_BUDGET_S = 90.0  # the smallest plan of mlp with its no-harm runs (clean and drifting) fits
 RULES = ("torch", "deepspeed", "megatron", "jmp", "fairseq", "metaseq", "amax-history")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, a paced test holds a lock on the machine that all the run's processes
+    share, from its setup (the shared searches of its fixtures included) to its teardown: a test
+    marked ``solo`` alone, the others beside one another. A solo test waits until the tests
+    running beside it end; without xdist each test runs alone anyway."""
+    run = getattr(item.config, "workerinput", {}).get("testrunuid")
+    if run is None or item.get_closest_marker("paced") is None:
+        yield
+        return
+    solo = item.get_closest_marker("solo") is not None
+    path = Path(tempfile.gettempdir()) / f"autoscale-paced-{run}.lock"
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 @dataclass

@@ -44,7 +44,8 @@ from tests.search.faults import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.paced]  # real searches: up to a few minutes each
+# real searches, two workers on one study: up to a few minutes each
+pytestmark = [pytest.mark.slow, pytest.mark.paced, pytest.mark.solo]
 SPEC = Path(__file__).with_name("faults.yaml")  # mlp, bad-batches; a short replay horizon
 # With the traces and torch's no-harm runs cached (warm_cache), a worker reserves validation
 # and the no-harm check of its candidates and searches in the rest; --n-trials ends the search,

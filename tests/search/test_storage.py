@@ -94,6 +94,7 @@ def _ask_many(url: str, n: int, out) -> None:
 
 @pytest.mark.slow  # a subprocess or a 124M model: seconds
 @pytest.mark.paced
+@pytest.mark.solo  # several processes asking at once
 def test_two_workers_never_run_the_same_enqueued_trial(tmp_path):
     """Workers asking at once on one SQLite file each get their own trial: an enqueued (WAITING)
     trial becomes RUNNING for one of them only (a worker that got one another had already run

@@ -158,19 +158,13 @@ def _interrupted_after_export(args: tuple[str, ...], cwd) -> tuple[Any, list[str
     return proc, err
 
 
-# Two searches from a cold cache, beside the paced tier's other test process (three processes on
-# two cores): the smallest plan of mlp, recording and torch's no-harm runs included, needed up to
-# 1m47s of budget there (7 ms a step)
-TWO_WORKER_BUDGET = "150s"
-
-
 def _two_workers(tmp_path, storage: str, study: str) -> list[str]:
     args = (
         "search",
         "--model",
         "mlp",
         "--budget",
-        TWO_WORKER_BUDGET,
+        "90s",
         "--storage",
         storage,
         "--study",
@@ -180,7 +174,7 @@ def _two_workers(tmp_path, storage: str, study: str) -> list[str]:
     procs = [spawn(*args, cwd=tmp_path) for _ in range(2)]
     outs = []
     for p in procs:
-        out, err = p.communicate(timeout=300)
+        out, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]
         outs.append(out)
     return outs
@@ -217,6 +211,7 @@ def _check_one_study(tmp_path, storage: str, study: str, outs: list[str]) -> Non
         assert manifest.family == manifest.workload["builtin_rule"]
 
 
+@pytest.mark.solo  # two searches: beside another test the smallest plan needed 1m47s of 90s
 def test_two_journal_file_workers_form_one_study(tmp_path):
     storage = str(tmp_path / "runs.log")
     outs = _two_workers(tmp_path, storage, "shared")
