@@ -15,7 +15,6 @@ cores and another process running, OpenMP oversubscription makes steps many time
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import signal
@@ -46,13 +45,9 @@ def pytest_runtest_protocol(item, nextitem):
         return
     solo = item.get_closest_marker("solo") is not None
     path = Path(tempfile.gettempdir()) / f"autoscale-paced-{run}.lock"
-    with open(path, "a") as fh:
+    with open(path, "a") as fh:  # closing it releases the lock
         fcntl.flock(fh, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            with contextlib.suppress(OSError):
-                fcntl.flock(fh, fcntl.LOCK_UN)
+        yield
 
 
 @dataclass
