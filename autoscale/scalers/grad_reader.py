@@ -26,6 +26,23 @@ from autoscale.scalers.grad_stats import (
 __all__ = ["GradReader"]
 
 
+def _grad_off() -> bool:
+    """Turn autograd off, as ``torch.no_grad()`` does on entry; return whether it was on (for
+    :func:`_grad_back`). Without the context's objects and calls: on the hot path of every step,
+    ``with torch.no_grad()`` was a measurable share of a CPU step's cost
+    (``experiments/results/scaler_overhead.md``)."""
+    on = torch.is_grad_enabled()
+    if on:
+        torch._C._set_grad_enabled(False)
+    return on
+
+
+def _grad_back(on: bool) -> None:
+    """Turn autograd back on where :func:`_grad_off` found it on."""
+    if on:
+        torch._C._set_grad_enabled(True)
+
+
 class GradReader:
     """Reads gradients for a scaler: ``rms`` says whether the sum of squares is wanted,
     ``keep_abs`` whether ``|g|`` is copied into a buffer kept for :meth:`grad_abs`."""
@@ -65,7 +82,8 @@ class GradReader:
         monotonic). With ``host`` (a CPU scaler that reads its step on the host, without
         ``rms``), the amax goes under STATS as a host float, the same value
         (:meth:`~autoscale.scalers.grad_stats.AbsMax.unscale_on_host`)."""
-        with torch.no_grad():
+        grad_mode = _grad_off()
+        try:
             if host and not self.rms:
                 found = torch.zeros((), device=dev)
                 amax = self._abs_max.unscale_on_host(grads, inv, found)
@@ -76,15 +94,20 @@ class GradReader:
             unscaled = amax * inv
             state[sv.STATS] = stats_vector(grads, dev, unscaled, sumsq) if self.rms else unscaled
             state["found_inf_per_device"] = {dev: nonfinite_flag(amax)}
+        finally:
+            _grad_back(grad_mode)
 
     def amax(
         self, state: dict[str, Any], grads: list[torch.Tensor], inv: Any, dev: torch.device
     ) -> None:
         """The statistics of still-scaled ``grads`` times ``inv``: the amax alone, or with
         ``rms`` the statistics vector (both read in one pass over each gradient)."""
-        with torch.no_grad():
+        grad_mode = _grad_off()
+        try:
             amax, sumsq = self._abs_max.read(grads, dev, sumsq=self.rms)
             state[sv.STATS] = stats_vector(grads, dev, amax, sumsq, inv) if self.rms else amax * inv
+        finally:
+            _grad_back(grad_mode)
 
     def collect(
         self,

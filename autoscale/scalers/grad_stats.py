@@ -275,7 +275,7 @@ def one_pass_grads(
     as ``torch._foreach_mul_`` computes, so reading the amax first and multiplying after gives
     the gradients, the found-inf flag and the amax of the general path, bit for bit.
     """
-    dtensor, plain = dtensor_class(), torch.Tensor
+    dtensor, plain, f32, strided = dtensor_class(), torch.Tensor, torch.float32, torch.strided
     on_cpu = dev.type == "cpu"  # (is_cpu: no device object made per gradient)
     grads = []
     for group in optimizer.param_groups:
@@ -286,8 +286,8 @@ def one_pass_grads(
             if type(g) is not plain and dtensor is not None and isinstance(g, dtensor):
                 return None  # GradScaler's unscale of DTensors agrees found-inf across ranks
             if (
-                g.dtype is not torch.float32
-                or g.layout is not torch.strided
+                g.dtype is not f32
+                or g.layout is not strided
                 or not (g.is_cpu if on_cpu else g.device == dev)
             ):
                 return None

@@ -158,3 +158,49 @@ def test_one_pass_and_general_path_train_alike(rule, fused):
     assert repr(one) == repr(gen)  # repr: NaN amaxes compare too, and the sign of zeros
     assert sum(s[1] for s in one) >= len(bad)
     assert_same_params(m_one, m_gen)
+
+
+@pytest.mark.parametrize("grad_on", [True, False], ids=["grad-on", "grad-off"])
+def test_the_one_pass_leaves_autograd_as_it_found_it(grad_on):
+    # the one pass turns autograd off without torch.no_grad()'s context: it must turn it back on,
+    # and only where it was on
+    model = tiny_model()
+    opt = adamw(model)
+    scaler = autoscale.get_scaler("auto", device="cpu")
+    scaler.scale(forward_loss(model, *batches(1)[0])).backward()
+    with torch.set_grad_enabled(grad_on):
+        scaler.unscale_(opt)
+        assert torch.is_grad_enabled() is grad_on
+    assert isinstance(scaler._per_optimizer_states[id(opt)]["autoscale_stats"], float)
+
+
+def test_the_one_pass_turns_autograd_back_on_when_it_raises(monkeypatch):
+    model = tiny_model()
+    opt = adamw(model)
+    scaler = autoscale.get_scaler("auto", device="cpu")
+    scaler.scale(forward_loss(model, *batches(1)[0])).backward()
+
+    def broken(*args, **kwargs):
+        assert not torch.is_grad_enabled()  # the kernel runs with autograd off
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", broken)
+    monkeypatch.setattr(torch, "aminmax", lambda *a, **k: broken())
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        scaler.unscale_(opt)
+    assert torch.is_grad_enabled()
+
+
+def test_the_one_pass_unscales_gradients_that_carry_a_graph():
+    # backward(create_graph=True): the gradients require grad; the in-place unscale must not
+    # record into their graph (GradScaler's runs under no_grad), and gives GradScaler's values
+    runs = []
+    for scaler in (torch.amp.GradScaler("cpu"), autoscale.get_scaler("auto", device="cpu")):
+        model = tiny_model()
+        opt = adamw(model)
+        scaler.scale(forward_loss(model, *batches(1)[0])).backward(create_graph=True)
+        fns = [p.grad.grad_fn for p in model.parameters()]
+        scaler.unscale_(opt)
+        assert [p.grad.grad_fn for p in model.parameters()] == fns
+        runs.append([p.grad.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
