@@ -6,9 +6,9 @@ Two measurements, printed in one run:
    channels on 8x8 images, a linear head; about 1 ms a step) under fp16 autocast on the CPU,
    where a scaler's fixed cost (Python calls, small tensor ops) weighs most. GradScaler and the
    ``--small-rules`` (default ``torch`` and ``auto``) each train their own copy, in blocks of
-   ``--small-steps`` steps taken in turn (the order reversed every round, ``--small-repeats``
-   rounds). Per rule: the overhead per step, the median over rounds of (rule block - GradScaler
-   block) / steps, in microseconds; the median step's (the median of every step's time, minus
+   ``--small-steps`` steps taken in turn (:func:`rotation`: each in each place of the order
+   equally often; ``--small-repeats`` rounds). Per rule: the overhead per step, the median over
+   rounds of (rule block - GradScaler block) / steps, in microseconds; the median step's (the median of every step's time, minus
    GradScaler's: a step another process preempted moves its block, hardly the median step); and
    the time attributed to the scaler (below). Targets, held to the median step's overhead:
    :data:`SMALL_TARGET_US` (counter rules 20 us, ``auto`` and the amax rules 50 us).
@@ -312,9 +312,20 @@ def small_model() -> torch.nn.Module:
     )
 
 
+def rotation(jobs: list, r: int) -> list:
+    """The order of round ``r``: rotated by one place every two rounds, reversed every other
+    round, so that over ``2 * len(jobs)`` rounds each job takes each place equally often, after
+    each other job as often as before it. (Reversal alone leaves the middle of three jobs in the
+    middle every round, and a block's time depends on the block before it by a few microseconds
+    a step.)"""
+    k = (r // 2) % len(jobs)
+    order = jobs[k:] + jobs[:k]
+    return order if r % 2 == 0 else order[::-1]
+
+
 def measure_small(args, rules: list[str]) -> list[dict]:
     """The small model's per-step overhead of each rule against GradScaler, in one rotation
-    (GradScaler and every rule each take a block in turn, the order reversed every round)."""
+    (GradScaler and every rule each take a block in turn, in :func:`rotation`'s order)."""
     device = torch.device(args.device)
     dtype = torch.float16
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -336,7 +347,7 @@ def measure_small(args, rules: list[str]) -> list[dict]:
         j.step_s.clear()
     times: dict[str, list[float]] = {j.label: [] for j in jobs}
     for r in range(args.small_repeats):
-        for j in jobs if r % 2 == 0 else jobs[::-1]:
+        for j in rotation(jobs, r):
             times[j.label].append(j.block(args.small_steps))
     base = times["GradScaler"]
     base_us = statistics.median(jobs[0].scaler_s) * 1e6
@@ -371,8 +382,8 @@ def small_table(rows: list[dict], args) -> str:
         "",
         f"- conv net 3 -> 4 -> 4 channels, 8x8 images, batch 8, linear head ({n_params:,} "
         f"parameters), fp16 autocast, AdamW, device {args.device}; {args.small_repeats} rounds "
-        f"of {args.small_steps}-step blocks, GradScaler and every rule in turn, the order "
-        "reversed every round",
+        f"of {args.small_steps}-step blocks, GradScaler and every rule in turn, each in each "
+        "place of the order equally often",
         "- overhead = median over rounds of (rule block - GradScaler block) / steps; IQR: its "
         "quartiles; per step: median of the rule's step times - median of GradScaler's (a "
         "step that another process preempted moves a block's time, hardly the median step); "
