@@ -1,10 +1,5 @@
-"""Budgeted Optuna search of loss-scale policies: budget, plan, storage, trials, validation, export.
-
-Imports Optuna (and, for RL trials, Stable-Baselines3); ``import autoscale`` never loads this.
-
-Example::
-
-    from autoscale.search import Budget, SearchConfig, SearchRunner, base_spec
+"""Budgeted Optuna search of loss-scale policies (docs/search.md). Imports Optuna (and, for RL
+trials, Stable-Baselines3); ``import autoscale`` never loads this. Example::
 
     spec = base_spec(model="mlp", scenario="bad-batches")
     cfg = SearchConfig(spec, study="demo", export="demo-policy", storage="sqlite:///demo.db")

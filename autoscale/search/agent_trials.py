@@ -19,18 +19,11 @@ __all__ = ["RLObjective"]
 
 
 class RLObjective(Objective):
-    """A residual agent on ``auto`` (an offset in bits on its scale, once a window, ``auto``'s
-    guard and backoff as a shield: :mod:`autoscale.agents.residual`) trained on the train replay
-    to the bar, under a per-trial deadline; its exported policy is kept as an artifact. With two
-    train instances per member one selects the agent; with one (a re-plan under load may keep
-    one) the last model goes to the real-step validation, which judges every candidate anyway.
-
-    With ``warm_start`` (and a residual agent shipped, :mod:`autoscale.agents.warm`), the
-    study's first RL trial fine-tunes it on the replay instead of training one from nothing, and
-    records its objective before (``warm_before``) beside the one after (the trial's value): it
-    starts at ``auto`` plus what the suite taught, so even a short budget's agent is level with
-    ``auto`` before it learns anything of the user's run. A fine-tuning that does not beat the
-    shipped agent on the train replay leaves the trial the shipped agent (``warm_kept``)."""
+    """A residual agent on ``auto`` (:mod:`autoscale.agents.residual`) trained on the train
+    replay to the bar under a per-trial deadline; its exported policy is kept as an artifact.
+    With ``warm_start``, the study's first RL trial fine-tunes the shipped agent instead
+    (``warm_before``: its objective before) and stays the shipped agent where fine-tuning does not
+    beat it (``warm_kept``). See docs/search.md, "Agents start warm"."""
 
     MIN_TRIAL_S, MAX_TRIAL_S = 10.0, 300.0
     WARM_LEAST_S = 2.0  # less time than this: the warm trial is the shipped agent, untrained
@@ -43,9 +36,8 @@ class RLObjective(Objective):
         super().__init__(bench, recorder, ledger)
         self.stop_at, self.seed, self.workdir = stop_at, seed, workdir
         self.rate = 500.0  # decisions per second; updated from each trial
-        # seconds the last trial took past its training's deadline (or its training's end, if
-        # sooner): the agent's last evaluation and export, its judging, archive and scoring; the
-        # next trial's training stops that much before its deadline, so the trial ends by it
+        # seconds the last trial took past its training (export, judging, scoring): the next
+        # trial's training stops that much early, so the trial ends by its deadline
         self.after_s = 0.0
         from autoscale.agents.warm import RESIDUAL, shipped_agent
 
@@ -61,9 +53,7 @@ class RLObjective(Objective):
 
     @staticmethod
     def fits(suite: Any, warn: Callable[[str], Any] | None = None, warm_start: bool = True) -> bool:
-        """Whether agents can train on ``suite``'s recorded train instances: with two per member
-        one selects the agent; with one, only where a shipped residual agent starts them (it is
-        judged by the real-step validation alone); ``warn`` says why not."""
+        """Whether agents can train on ``suite`` (two train instances a member, or warm start)."""
         if min(len(m.instances["train"]) for m in suite.members) >= 2:
             return True
         if warm_start and RLObjective.warm_ships():
@@ -174,9 +164,7 @@ class RLObjective(Objective):
             shutil.rmtree(folder, ignore_errors=True)
 
     def _rl_spec(self, precision_x: float, select: bool) -> Any:
-        """The searched suite as the agent trains on it: the precision reward times
-        ``precision_x``; with ``select``, each member's last train instance selects the agent
-        (the test set stays unseen)."""
+        """The searched suite as the agent trains on it (``select``: on the last train instance)."""
 
         def shaped(member):
             train = member.instances["train"]
@@ -203,8 +191,7 @@ class RLObjective(Objective):
         return float(self.bench.objective("train", cards))
 
     def _objective_of_shipped(self, rl_spec, folder: Path, window: int) -> tuple[float, Path]:
-        """The train-replay objective of the shipped agent before any fine-tuning, and its
-        export (the trial's policy where fine-tuning does not beat it)."""
+        """The shipped agent's train-replay objective before fine-tuning, and its export."""
         from autoscale.agents.residual import export_residual
         from autoscale.agents.train import saved_agent
         from autoscale.envs.residual_env import ResidualEnv

@@ -1,9 +1,6 @@
-"""The search's answer in words: what was exported, why, and how it compares with ``torch`` and
-``auto`` on the user's held-out steps; the same facts go into the exported manifest as evidence.
-
-A user's question is "is there something better than ``auto`` for my run?", so every answer is
-measured against ``auto`` (and ``torch``, the reference of the objective) on the same real-step
-test episodes, and "``auto`` is the best found" is an answer like any other.
+"""The search's answer in words (:func:`answer_lines`): what was exported, why, and how it compares
+with ``torch`` and ``auto`` on the user's held-out steps; the same facts go into the manifest
+(:func:`evidence`).
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ def _row(v: Validated, reference: Validated, weights: Any) -> dict[str, float]:
 def evidence(
     choice: Choice, chosen: Validated, reference: Validated, weights: Any
 ) -> dict[str, Any]:
-    """The manifest's record of the pick: why, and the rows of the pick, ``auto`` and ``torch``
-    on the held-out episodes, with each lead over ``auto`` that was weighed."""
+    """The manifest's record of the pick: why, the held-out rows and every lead weighed."""
     rows = {
         "exported": _row(chosen, reference, weights),
         "torch": _row(reference, reference, weights),
@@ -61,9 +57,7 @@ def answer_lines(
     weights: Any,
     steps: int,
 ) -> list[str]:
-    """The last lines of a search: the export and why, then the pick against ``torch`` and
-    ``auto`` on the held-out episodes (what each skipped, the share of gradient elements it lost
-    below fp16's range, its held-out loss and the objective)."""
+    """The last lines of a search: the export, why, and the pick against ``torch`` and ``auto``."""
     n = sum(len(c) for c in chosen.cards.values())
     lines = [f"answer: exported '{name}' = {how}", f"why: {choice.why}"]
     rows = [("exported", chosen)]

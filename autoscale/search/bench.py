@@ -1,10 +1,7 @@
-"""The replay bench of a search: every member's train and test episodes on its recorded traces,
-and the reference rule's scorecards on the same episodes.
-
-An episode is one window of one instance's trace: the first ``horizon`` steps of the run and, when
-the trace holds two horizons, the last ``horizon`` steps too (the same run later in training), so a
-policy is judged over the life of a run. Replay costs microseconds a step (see
-``experiments/benchmarks/env_speed.py``): a trial replays every episode of every member.
+"""The replay bench of a search (:class:`ReplayBench`): every member's train and test episodes on
+its recorded traces, and ``torch``'s scorecards on the same episodes. An episode is a window of an
+instance's trace: its first ``horizon`` steps and, where the trace holds two horizons, its last
+(the same run later in training). Replay speed: experiments/results/env_speed.md.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ from autoscale.training.scorecard import Scorecard
 __all__ = ["Episode", "ReplayBench", "REFERENCE_RULE"]
 
 REFERENCE_RULE = "torch"
-# Fewer episodes than this: the scalar replay is the faster (numpy's per-step overhead is shared by
-# too few lanes; experiments/results/vector_replay_few_lanes.md).
+# fewer episodes than this replay faster scalar (experiments/results/vector_replay_few_lanes.md)
 VECTOR_MIN_LANES = 16
 
 
@@ -105,11 +101,9 @@ class ReplayBench:
     def vector_cards(
         self, which: str, rule: str, params: dict[str, Any]
     ) -> dict[str, list[Scorecard]] | None:
-        """:meth:`run`'s scorecards of ``rule(**params)`` on every episode of ``which``, from the
-        vectorised replay (:mod:`autoscale.envs.vector_replay`: equal to the scalar replay's,
-        field by field); None where the rule (or a guard that skips spikes) is not vectorised,
-        or where ``which`` has fewer than ``vector_min_lanes`` episodes
-        (:data:`VECTOR_MIN_LANES`: the scalar replay is faster)."""
+        """:meth:`run`'s scorecards of ``rule(**params)`` from the vectorised replay (equal to
+        the scalar replay's); None where the rule is not vectorised or ``which`` has fewer than
+        ``vector_min_lanes`` episodes."""
         from autoscale.envs.vector_replay import VECTOR_RULES, replay_rule, replay_windows
 
         episodes = self.episodes[which]
@@ -129,8 +123,7 @@ class ReplayBench:
         return cards
 
     def objective(self, which: str, cards: dict[str, list[Scorecard]]) -> float:
-        """The objective of ``cards`` against ``torch`` on the same episodes: a subset of the
-        members, and each member's first episodes in order, are fine (a trial reports as it goes)."""
+        """The objective of ``cards`` (any members, each one's first episodes) against ``torch``."""
         return objective(cards, self.reference_for(which, cards), self.suite.reward)
 
     def reference_for(

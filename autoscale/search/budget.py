@@ -60,11 +60,8 @@ def format_duration(seconds: float) -> str:
 
 
 def process_elapsed() -> float:
-    """Seconds since autoscale was first imported in this process.
-
-    Not the process's start time from ``/proc``: a shell that runs ``setup && autoscale ...``
-    execs the last command in its own process, whose start would count the setup.
-    """
+    """Seconds since autoscale was first imported in this process (not since the process
+    started: ``setup && autoscale ...`` may exec autoscale in the shell's own process)."""
     import autoscale
 
     return max(0.0, time.monotonic() - autoscale.IMPORT_TIME)
@@ -104,8 +101,7 @@ class Budget:
 
 
 class Ledger:
-    """Seconds spent per category (``work:*`` for training and evaluation, ``bk:*`` for
-    bookkeeping: storage, plots, notes, artifacts), for the final summary and the benchmark."""
+    """Seconds spent per category (``work:*`` training and evaluation, ``bk:*`` bookkeeping)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)

@@ -1,10 +1,8 @@
 """What a search compares: a built-in rule, a shipped policy or a trial of the study, as one type.
 
-A :class:`Candidate` is the string the study stores it under (``"rule:torch"``,
-``"policy:auto"``, ``"trial:12"``: the keys of validated episodes in the study's user attributes,
-kept as they are), with its parts read here and nowhere else. ``torch`` is the reference every
-objective is measured against; ``auto``, the shipped general policy, is the bar a searched policy
-must clear to be exported.
+A :class:`Candidate` is the string the study stores it under (``"rule:torch"``, ``"policy:auto"``,
+``"trial:12"``), its parts read here and nowhere else. :data:`TORCH` is the reference,
+:data:`AUTO` the bar.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ class Candidate(str):
 
     @classmethod
     def parse(cls, key: str) -> Candidate:
-        """``key`` as a candidate; ValueError unless it is ``rule:NAME``, ``policy:NAME`` or
-        ``trial:NUMBER``."""
+        """``key`` as a candidate; ValueError unless it is one of the three forms."""
         kind, sep, rest = str(key).partition(":")
         if not sep or kind not in _KINDS or not rest or (kind == "trial" and not rest.isdigit()):
             raise ValueError(f"not a candidate: {key!r} (rule:NAME, policy:NAME or trial:NUMBER)")

@@ -1,23 +1,9 @@
-"""The pick: rank what was validated, hold it against ``auto``, put what clears that bar through the
-no-harm check, export the first that passes, and say why at each step.
-
-Candidates, built-in rules and ``auto`` (the shipped general policy) are ranked on the same
-real-step test episodes by the objective against ``torch``
-(:func:`~autoscale.search.export.rank`). ``auto`` is the bar: a user's question is "is there
-something better than ``auto`` for my run?". Walking down the ranking, a candidate above ``auto``
-counts only when its lead over ``auto`` is more than the seed noise
-(:func:`~autoscale.search.objective.lead`: paired episode by episode), when its held-out eval loss
-is not worse than ``auto``'s beyond the seed noise (:func:`loss_refusal`), and only when the user may
-get it (a family that cannot adapt, a fixed scale, only when asked for; a lead that holds on the
-horizon's replay of the same held-out runs, not only on the short real-step episodes a budget
-affords: :func:`refusal`); then it runs the no-harm
-check (:mod:`autoscale.search.no_harm`): screened on replay of ``torch``'s long runs first, then its
-own long runs. The first that passes is the pick. When none does, ``auto`` is: it is checked too
-(where time allows), and where it harms this run, ``torch``, the reference, is the pick.
-Verdicts are kept in the study under the candidate and the check's shape (what it ran: the
-workloads, a proxy's included, the steps, the precision measure), so a resumed search or another
-worker with a check of the same shape does not run them again, and one whose budget fits another
-check (the real model where the first checked its proxy) runs its own.
+"""The pick: :func:`choose` holds the ranking of what was validated against ``auto`` (the bar),
+puts each lead that clears it through the no-harm check, picks the first that passes (else
+``auto``, or ``torch`` where ``auto`` harms the run), and says why at each step. Verdicts and
+refusals are kept in the study for resumes, other workers and ``autoscale export``
+(:class:`StoredPick`). User-facing detail: docs/search.md ("``auto`` is the bar", "A lead that
+keeps the loss", "A lead that holds over the horizon").
 """
 
 from __future__ import annotations
@@ -64,11 +50,11 @@ class Choice:
 
     Attributes:
         winner: The pick (None: ``auto`` was not validated on real steps, or nothing passed).
-        why: The reason, in words, for the pick.
+        why: The reason, in words.
         bar: ``auto``'s validation (None: not validated on real steps).
         leads: Key -> the lead over ``auto`` of each scaler ranked above it.
-        refused: Key -> why the user may not get it (a family not asked for).
-        verdicts: The verdicts reached, in the order they were reached (stored ones included).
+        refused: Key -> why a lead does not count.
+        verdicts: The verdicts reached, in order (stored ones included).
         unchecked: (label, reason) of each scaler left unchecked.
     """
 
@@ -82,17 +68,13 @@ class Choice:
 
 
 def verdict_key(key: Any, shape: str = "") -> str:
-    """The study attribute that keeps the no-harm verdict of candidate ``key`` reached by a check
-    of ``shape`` (:attr:`~autoscale.search.no_harm.NoHarmCheck.shape`; empty: a check that has
-    none, the replay of a search's own records)."""
+    """The study attribute of ``key``'s no-harm verdict by a check of ``shape`` (may be empty)."""
     return f"{VERDICT_PREFIX}{key}@{shape}" if shape else f"{VERDICT_PREFIX}{key}"
 
 
 def record_pick(study: Any, choice: Choice, shape: str) -> None:
-    """Keep in ``study`` what its pick decided that a later ``autoscale export`` cannot decide
-    again from the rows (:func:`~autoscale.search.export.stored_pick`): why each lead was refused
-    (the horizon's replay needs the search's bench) and the shape of the check whose verdicts
-    counted (a resumed search may check another shape; its own decide)."""
+    """Keep in ``study`` what ``autoscale export`` cannot decide again from the rows: why each
+    lead was refused (the horizon's replay needs the search's bench) and the check's shape."""
     attrs = study.user_attrs
     for key, why in choice.refused.items():
         if attrs.get(REFUSED_PREFIX + str(key)) != why:
@@ -102,17 +84,15 @@ def record_pick(study: Any, choice: Choice, shape: str) -> None:
 
 
 def stored_refusal(attrs: dict[str, Any], key: Any) -> str | None:
-    """Why the search refused ``key``'s lead (:func:`record_pick`), from the study's user
-    attributes ``attrs``, or None."""
+    """Why the search refused ``key``'s lead (:func:`record_pick`), or None."""
     return attrs.get(REFUSED_PREFIX + str(key))
 
 
 def stored_verdict(study: Any, key: Any, shape: str | None = None) -> Verdict | None:
     """The no-harm verdict the study holds for ``key`` (None: never checked, or it did not fit).
 
-    ``shape``: only a verdict of a check of that shape (``""``: of a check without one). None,
-    where no check runs to say which (``autoscale export``): the verdict stored last, of any
-    shape, the one the latest search to check ``key`` reached."""
+    ``shape``: only a verdict of a check of that shape (``""``: of a check without one); None:
+    the verdict stored last, of any shape (``autoscale export``)."""
     attrs = study.user_attrs
     if shape is not None:
         data = attrs.get(verdict_key(key, shape))
@@ -144,20 +124,17 @@ def choose(
     replay_counts: bool = False,
     shape: str | None = None,
 ) -> Choice:
-    """Walk ``ranked`` (best first) down to ``auto`` (see the module docstring).
+    """Walk ``ranked`` (best first) down to ``auto``: the first scaler whose lead over ``auto``
+    clears the seed noise, is not refused and passes the no-harm check.
 
     Args:
         factories: Key -> a factory of fresh scalers of that validated scaler.
-        no_harm: The check; None: nothing is checked, only the verdicts the study holds count
-            (``autoscale export``: a scaler without one is not the pick).
+        no_harm: The check; None: only the verdicts the study holds count (``autoscale export``).
         weights: The reward weights of the objective.
-        stop_at: ``time.monotonic()`` past which no real check starts (its estimated cost must
-            fit before it).
+        stop_at: ``time.monotonic()`` by which a real check must fit to start.
         refuse: Why the user may not get a scaler (None: they may).
-        replay_counts: Replay is all the evidence there is (a search on records, whose check is
-            :class:`~autoscale.search.no_harm_records.RecordsCheck`): replayed rows count.
-        shape: Without ``no_harm``, the shape of the check whose stored verdicts count (None:
-            the verdict stored last, of any shape).
+        replay_counts: Replayed rows count (a search on records: replay is all there is).
+        shape: Without ``no_harm``, the check shape whose stored verdicts count (None: latest).
     """
     choice = Choice(None)
     real = [v for v in ranked if v.real or replay_counts]
@@ -233,10 +210,8 @@ def _why_auto(choice: Choice, real: list[Validated]) -> str:
 
 def loss_refusal(v: Validated, bar: Validated) -> str | None:
     """Why a lead over ``auto`` does not count on the loss, or None: ``v``'s held-out eval loss,
-    paired episode by episode with ``auto``'s and relative to it, is higher by more than the
-    seed noise (``CONFIRM_Z`` standard errors of the paired differences, at least
-    ``NOISE_FLOOR``, as the ``auto`` build's bar judges it), or not finite where ``auto``'s is.
-    The objective prices skips and precision, not the loss a run ends at; a user runs for that."""
+    paired with ``auto``'s, is higher beyond the seed noise (as the ``auto`` build's bar judges
+    it), or not finite where ``auto``'s is. The objective does not price the final loss."""
     from autoscale.training.bar import CONFIRM_Z, NOISE_FLOOR
 
     rel = []
@@ -272,8 +247,7 @@ def _beats(v: Validated, ld: Lead) -> str:
 
 
 def unchecked_lines(unchecked: list[tuple[str, str]]) -> list[str]:
-    """The scalers a pick left unchecked (``(label, reason)`` each), one line per reason: a round
-    short of time leaves every candidate unchecked for the same one."""
+    """The scalers a pick left unchecked (``(label, reason)`` each), one line per reason."""
     by_reason: dict[str, list[str]] = {}
     for label, why in unchecked:
         by_reason.setdefault(why, []).append(label)
@@ -295,8 +269,7 @@ def _verdict(
     choice: Choice,
     stored_shape: str | None = None,
 ) -> Verdict | None:
-    """``v``'s verdict: stored, or screened and checked now; None when the check does not fit
-    (or, without ``no_harm``, none of ``stored_shape`` is stored)."""
+    """``v``'s verdict, stored or reached now; None where no check fits or none is stored."""
     shape = getattr(no_harm, "shape", "") if no_harm is not None else stored_shape
     verdict = stored_verdict(study, v.key, shape)
     fresh = verdict is None
@@ -319,8 +292,7 @@ def _verdict(
             )
             return False
 
-        # the screen may run torch's first runs (not cached yet): it starts only where the whole
-        # check fits, and stops at the deadline as the check does
+        # the screen may run torch's uncached runs: it starts only where the whole check fits
         if not fits():
             return None
         try:
@@ -347,11 +319,9 @@ def horizon_refusal(
     bar: Callable[[], Any],
     replays: dict[Any, Any] | None = None,
 ) -> str | None:
-    """Why a lead over ``auto`` on the real-step episodes does not count, or None: it must also
-    hold on the replay of the same held-out runs at the plan's horizon (every test window, early
-    and late in a run, by ``LEAD_FLOOR`` at least). A budget may afford only short real-step
-    episodes, whose differences are mostly how each rule starts; a policy runs for a whole run.
-    ``replays`` keeps ``auto``'s replay per bench: a search weighing many leads replays it once."""
+    """Why a lead over ``auto`` on short real-step episodes does not count, or None: it must also
+    hold, by ``LEAD_FLOOR``, on the replay of the same held-out runs at the plan's horizon.
+    ``replays`` caches ``auto``'s replay per bench."""
     from autoscale.search.objective import LEAD_FLOOR
 
     mine = bench.objective("test", bench.run("test", factory)[0])
@@ -377,8 +347,7 @@ def refusal(
     factories: dict[str, Callable[[], Any]],
     replays: dict[Any, Any] | None = None,
 ) -> str | None:
-    """Why the user may not get ``v``, or None: :func:`family_refusal`, or a lead over ``auto``
-    that does not hold over the horizon (:func:`horizon_refusal`)."""
+    """Why the user may not get ``v`` (:func:`family_refusal`, :func:`horizon_refusal`), or None."""
     if v.key.is_policy:
         return None
     why = family_refusal(v, study, families)
@@ -386,8 +355,7 @@ def refusal(
 
 
 def family_refusal(v: Validated, study: Any, families: tuple[str, ...] | None) -> str | None:
-    """Why the user may not get ``v``'s rule family, or None: a family that cannot adapt (a fixed
-    scale) that the search was not asked for (``families``: ``--family``)."""
+    """Why the user may not get ``v``'s family (a fixed scale not asked for), or None."""
     from autoscale.scalers.registry import rule_class
 
     if v.key.is_policy:
@@ -402,8 +370,7 @@ def family_refusal(v: Validated, study: Any, families: tuple[str, ...] | None) -
 
 @dataclass
 class StoredPick:
-    """What the search exports, decided from what a study holds
-    (:func:`~autoscale.search.export.stored_pick`).
+    """What the search exports, decided from what a study holds (``autoscale export``).
 
     Attributes:
         choice: The pick (None: ``torch`` has no real-step validation: nothing is exported).

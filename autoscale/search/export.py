@@ -1,17 +1,8 @@
-"""Export: a study's trial, a built-in rule or the shipped ``auto`` as a policy ``DIR/NAME/``,
-``DIR`` by default the folder :func:`~autoscale.scalers.policies.default_policy_dir` names (the
-first of ``$AUTOSCALE_POLICY_PATH``, else ``$AUTOSCALE_HOME/policies``, else
-``$XDG_DATA_HOME/autoscale/policies``, else ``~/.local/share/autoscale/policies``).
-
-The search ranks its validated candidates, every built-in rule and ``auto`` on the same real-step
-test episodes (:func:`rank`) and picks (:mod:`autoscale.search.choose`). A built-in rule that is
-picked is exported with its defaults and the episode's scale bounds, as a parametric policy; when
-nothing clears ``auto``, ``auto`` itself is exported under the requested name
-(:func:`export_candidate`), so ``get_scaler(NAME)`` works and the manifest says why.
-
-Parametric trials are re-exported from their parameters; RL trials from the policy each one stored
-as an artifact (``policy.zip``) when it completed, so any trial can be exported later, from any
-machine that sees the storage and the artifact store.
+"""Export: a study's trial, a built-in rule or the shipped ``auto`` as a policy ``DIR/NAME/``
+(:func:`export_candidate`), and the ranking and stored pick it exports from (:func:`rank`,
+:func:`stored_pick`). RL trials are exported from the ``policy.zip`` artifact each stored, so any
+trial can be exported later from any machine that sees the storage and the artifact store.
+User-facing detail: docs/search.md, "Exported policies".
 """
 
 from __future__ import annotations
@@ -57,8 +48,7 @@ __all__ = [
 def study_suites(
     study: Any, attrs: dict[str, Any] | None = None
 ) -> tuple[SuiteSpec, SuiteSpec, int]:
-    """The ``(searched suite, validation suite, trace steps)`` a study was planned with (stored by
-    ``autoscale search``), from its user attributes ``attrs`` where they were read already."""
+    """The ``(searched suite, validation suite, trace steps)`` a study was planned with."""
     attrs = study.user_attrs if attrs is None else attrs
     if "suite" not in attrs or "validation" not in attrs:
         raise ConfigError(
@@ -138,12 +128,10 @@ def top_candidates(
     skip: set[int] | None = None,
     one_of: str | None = None,
 ) -> list[tuple[Any, Callable[[], Any]]]:
-    """The ``k`` best complete trials (by their train objective) with distinct policies, each
-    with a factory of its scaler; enqueued built-in defaults (validated as rules) and trials in
-    ``skip`` are passed over, and so is a trial whose policy cannot be loaded here. ``one_of``: a
-    policy kind (``residual``: an agent) whose warm-started trial (it starts at ``auto``), else
-    whose best, is added where the ``k`` do not hold it, so that a kind in the race reaches
-    validation on real steps."""
+    """The ``k`` best complete trials with distinct policies, each with a factory of its scaler
+    (enqueued defaults, ``skip`` and unloadable policies passed over). ``one_of``: a policy kind
+    whose warm-started trial, else best, is added where the ``k`` lack it, so it reaches
+    validation."""
     import json
 
     seen, out = set(), []
@@ -180,9 +168,8 @@ def top_candidates(
 def rank(
     validated: dict[Candidate, Validated], reference: Validated, weights: Any
 ) -> list[Validated]:
-    """Every validated candidate, rule and shipped policy, best first, by the objective against
-    ``reference`` (``torch``) on the same episodes; real-step validations before replayed ones,
-    and on a tie ``auto`` first, then the rules, then trials."""
+    """Every validated scaler, best first by the objective against ``reference`` (``torch``);
+    real-step rows before replayed ones, and on a tie ``auto``, then the rules, then trials."""
     return sorted(
         validated.values(),
         key=lambda v: (
@@ -200,8 +187,7 @@ def card_summary(
     weights: Any,
     where: str,
 ) -> dict[str, Any]:
-    """Mean of every scorecard metric over every episode, the objective and its terms, a row per
-    member, and where it was measured."""
+    """Mean scorecard metrics, the objective and its terms, a row per member, and where."""
     from autoscale.search.objective import objective_terms
     from autoscale.search.trials import member_summary
     from autoscale.training import summarize
@@ -217,8 +203,7 @@ def card_summary(
 
 
 def rows_where(v: Validated, validation: SuiteSpec) -> str:
-    """Where a validated row was measured, in words: real steps of the test episodes, or, in a
-    search on records, the replay of their held-out windows."""
+    """Where a validated row was measured, in words (real steps, or replayed windows)."""
     n, steps = sum(len(c) for c in v.cards.values()), validation.episode.steps
     if v.real:
         return f"real steps: {n} test episodes of {steps} steps"
@@ -238,11 +223,8 @@ def check_export_target(
     storage: str | None = None,
 ) -> bool:
     """Whether exporting ``name`` may replace an existing folder: with ``force``, or (with
-    ``own_study_ok``) when that folder holds an earlier export of the same search, which a
-    resumed search or another worker of the study updates: a search's export (not one made by
-    hand with ``autoscale export``) of the study ``study_name`` in ``storage`` (masked URL; the
-    same file however spelt). An earlier autoscale's search export, which does not say who made
-    it, is known by what it says it searched or validated on.
+    ``own_study_ok``) when it holds a search's own export of study ``study_name`` in ``storage``
+    (masked URL), which a resumed search or another worker updates.
 
     Raises:
         ConfigError: a bad name, or a folder holding another policy without ``force``.
@@ -273,9 +255,8 @@ def check_export_target(
         ) from None
     if not (own_study_ok and workload.get("study") == study_name):
         raise existing_policy_error(dest, other=True)
-    # the same study's name: this search's own export, or whose?
     by = workload.get("exported_by")
-    # (an earlier autoscale's search wrote no exported_by, but what it searched or validated on)
+    # an earlier autoscale's search wrote no exported_by, but what it searched or validated on
     by_search = by == SEARCH_EXPORT or (
         by is None and ("searched_on" in workload or "validated_on" in workload)
     )
@@ -297,8 +278,7 @@ def check_export_target(
 
 
 def _check_writable_folder(root: Path) -> None:
-    """``root`` is a folder this process can create or write policies in: a probe in it (or in
-    its nearest existing folder) tells, as permission bits do not for root (``/proc``)."""
+    """Refuse a ``root`` this process cannot write in (a probe: permission bits lie for root)."""
     import tempfile
 
     if root.exists() and not root.is_dir():
@@ -331,15 +311,10 @@ def _workload(study: Any, suite: SuiteSpec, extra: dict[str, Any]) -> dict[str, 
 
 
 def stored_pick(study: Any, validation: SuiteSpec, weights: Any) -> StoredPick:
-    """What the search exports, decided from what ``study`` holds now by the search's own code:
-    every row validated on real steps, by any worker, ranked (:func:`rank`) and walked down to
-    ``auto`` by :func:`~autoscale.search.choose.choose`, with the families the study's plan
-    searched (:func:`~autoscale.search.choose.family_refusal`) and the no-harm verdicts the study
-    holds, of the check the search's latest pick ran; no check runs, so a scaler without a verdict
-    is not the pick. A lead the search refused (on the horizon's replay,
-    :func:`~autoscale.search.choose.horizon_refusal`, which needs the replay bench) is refused
-    again from the reason it stored (:func:`~autoscale.search.choose.record_pick`), ``torch``'s
-    included."""
+    """What the search exports, decided by its own :func:`~autoscale.search.choose.choose` from
+    what ``study`` holds: the real-step rows of any worker, the families searched, the verdicts
+    of the latest pick's check and the refusals it stored. No check runs, so a scaler without a
+    verdict is not the pick."""
     import optuna
 
     from autoscale.envs.suite_env import suite_instances
@@ -393,18 +368,10 @@ def export_candidate(
     scorecard: dict[str, Any] | None = None,
     provenance: dict[str, Any] | None = None,
 ) -> tuple[Path, str]:
-    """Export ``key`` as ``out_dir/NAME`` as the search exports its pick (nothing half-written on
-    interrupt); returns the folder and what it holds, in words:
-
-    - ``auto`` (an installed policy): its files copied unchanged, its manifest renamed;
-    - a built-in rule: its defaults and the episode's scale bounds (what was validated), as a
-      parametric policy;
-    - a trial: a parametric one from its parameters and the bounds, an agent from the policy it
-      stored as an artifact in ``store``.
-
-    The manifest's workload records the suite, the study and what was exported, with
-    ``provenance``; ``scorecard`` is the evidence (validation on real steps where there is
-    one). Replacing an existing folder follows :func:`check_export_target`."""
+    """Export ``key`` as ``out_dir/NAME`` (nothing half-written on interrupt); returns the folder
+    and what it holds, in words. ``auto`` is copied unchanged under the new name; a rule or
+    parametric trial is exported with the episode's scale bounds; an agent from its artifact in
+    ``store``. Replacing a folder follows :func:`check_export_target`."""
     from autoscale.scalers.policies import find_policy, read_manifest
 
     source = find_policy(key.name) if key.is_policy else None
@@ -465,8 +432,7 @@ def export_parametric(
     out_dir: str | os.PathLike | None = None,
     force: bool = False,
 ) -> Path:
-    """Export a rule with tuned parameters as ``out_dir/NAME`` (manifest only; + deepspeed.json
-    when DeepSpeed can express the rule)."""
+    """Export a rule with tuned parameters as ``out_dir/NAME`` (and its deepspeed.json if any)."""
     import torch
 
     cls = rule_class(rule)

@@ -1,11 +1,7 @@
-"""What the held-out episodes of a replay bench leave a rule to win over ``auto``: a bound on any
-rule's lead, from the hindsight limit (:mod:`autoscale.envs.limit`).
-
-A search's pick exports a candidate over ``auto`` only when its lead on the held-out episodes is
-beyond the seed noise (:func:`~autoscale.search.objective.lead`: at least
-:data:`~autoscale.search.objective.LEAD_FLOOR`, and unbounded with a single episode). Where the
-bound says no rule can get there, no search can change the pick: the search on records
-(:mod:`autoscale.search.on_traces`) says so and stops instead of spending its budget.
+"""What the held-out episodes of a replay bench leave a rule to win over ``auto``
+(:func:`headroom`): a bound on any rule's lead, from the hindsight limit
+(:mod:`autoscale.envs.limit`). Where no lead could clear the seed noise, the search on records
+(:mod:`autoscale.search.on_traces`) stops instead of spending its budget.
 """
 
 from __future__ import annotations
@@ -26,13 +22,11 @@ class Room:
     """What the held-out windows leave a rule to win over ``auto``, on their replay.
 
     Attributes:
-        windows: Held-out (test) windows, paired episodes of the lead over ``auto``.
+        windows: Held-out (test) windows.
         steps: Steps of each.
-        lead: The most any rule could lead ``auto`` by on the objective: ``auto``'s minus the
-            floor's (see :func:`headroom`).
+        lead: The most any rule could lead ``auto`` by on the objective.
         best: The floor's objective against ``torch``: no rule's is lower on these windows.
-        auto, floor, torch: Mean skip rate and precision loss over the windows of ``auto``, the
-            floor and ``torch``.
+        auto, floor, torch: Mean skip rate and precision loss of each over the windows.
         unsavable: Steps whose loss was not finite: skipped at any scale.
     """
 
@@ -46,8 +40,7 @@ class Room:
     unsavable: int
 
     def reasons(self) -> list[str]:
-        """Why no candidate can be exported over ``auto`` on these windows, in short (empty: one
-        may)."""
+        """Why no candidate can be exported over ``auto`` here, in short (empty: one may)."""
         out = []
         if self.windows < 2:
             out.append("one held-out window cannot tell a lead over auto from noise")
@@ -91,17 +84,12 @@ class Room:
 
 
 def headroom(bench: Any) -> Room:
-    """What the test windows of ``bench`` (a :class:`~autoscale.search.bench.ReplayBench` of
-    records) leave a rule to win over ``auto``.
+    """What the test windows of ``bench`` (a replay bench of records) leave to win over ``auto``.
 
-    The floor of a window is the best any rule could score there: its first step as every rule
-    runs it (a rule starts a window at the scale the run had there; ``auto``'s replay gives it),
-    every later step at the hindsight limit (:func:`~autoscale.envs.limit.hindsight_limit`: the
-    least precision loss of any scale that does not overflow, only the non-finite losses
-    skipped), and, where that lowers the cost, the dearest of those steps overflowed on purpose
-    (a skipped step leaves the mean precision loss). No rule's cost on a window is below its
-    floor's, and the objective grows with every cost, so ``auto``'s objective minus the floor's
-    bounds any rule's lead over ``auto``."""
+    A window's floor is the best any rule could score there: its first step as every rule runs
+    it, every later one at the hindsight limit, and the dearest of those skipped on purpose where
+    that lowers the cost. No rule's cost is below the floor's and the objective grows with every
+    cost, so ``auto``'s objective minus the floor's bounds any rule's lead over ``auto``."""
     from autoscale.search.objective import objective
 
     weights = bench.suite.reward
@@ -166,8 +154,7 @@ def _floor_card(bench: Any, ep: Any, recs: list, card: Any, weights: Any) -> tup
 
 
 def _means(cards: dict[str, list]) -> dict[str, float]:
-    """Mean skip rate and precision loss over every card (a card with no applied step charged
-    1, as the objective charges it)."""
+    """Mean skip rate and precision loss over every card (no applied step: charged 1)."""
     all_cards = [c for cs in cards.values() for c in cs]
     precision = [c.precision_loss if math.isfinite(c.precision_loss) else 1.0 for c in all_cards]
     return {

@@ -1,10 +1,7 @@
-"""Ctrl-C at safe points: hold SIGINT back across a short critical section, then deliver it.
-
-A ``KeyboardInterrupt`` raised inside ``study.ask()`` after the trial row is written, or inside
-``study.tell()``, leaves a trial that nobody tells: it stays RUNNING in the storage. Wrapping such
-sections in :func:`deferred_interrupt` makes them atomic with respect to Ctrl-C: a SIGINT that
-lands inside is recorded and delivered (``KeyboardInterrupt`` under Python's default handler) as
-soon as the section is over, when the loop can still clean up.
+"""Ctrl-C at safe points: :func:`deferred_interrupt` holds SIGINT back across a short critical
+section and delivers it after, :func:`interruptible` lets it through inside one. A
+``KeyboardInterrupt`` inside ``study.ask()`` or ``study.tell()`` would leave a trial RUNNING that
+nobody tells.
 """
 
 from __future__ import annotations
@@ -42,17 +39,9 @@ def deferred_interrupt() -> Iterator[None]:
     """Hold SIGINT back for the block; deliver it to the previous handler when the block ends.
 
     Keep the block short (storage calls, not training): Ctrl-C waits for it. Nested sections
-    deliver once, when the outermost ends. Outside the main thread (where Python delivers no
-    signals) and when the current handler was not installed from Python, the block runs as is.
-    If the block raises and a SIGINT was held, the ``KeyboardInterrupt`` wins (the block's error
-    is its ``__context__``).
-
-    Example::
-
-        with deferred_interrupt():
-            trial = study.ask()
-            trial.set_user_attr("worker", worker)
-        # a Ctrl-C during ask() raises KeyboardInterrupt here, with the trial in hand
+    deliver once, when the outermost ends; outside the main thread, or under a handler not
+    installed from Python, the block runs as is. A held SIGINT's ``KeyboardInterrupt`` wins over
+    the block's own error (its ``__context__``).
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -73,13 +62,8 @@ def deferred_interrupt() -> Iterator[None]:
 
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
-    """Inside a :func:`deferred_interrupt` section, let Ctrl-C through for the block.
-
-    For the long work between critical sections (a trial's objective inside ``study.optimize``,
-    whose ask and tell around it stay deferred): a SIGINT held so far is delivered on entry, and
-    one that lands inside the block is delivered at once. Outside a deferred section it does
-    nothing.
-    """
+    """Inside a :func:`deferred_interrupt` section, let Ctrl-C through for the block (a trial's
+    objective): a SIGINT held so far is delivered on entry. Outside one it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

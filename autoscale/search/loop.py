@@ -1,20 +1,8 @@
-"""The trial loop: Optuna's ``study.optimize`` until a deadline or a trial count, safe to Ctrl-C.
-
-Optuna does the asking, telling, failing of trials that raise and the RDB heartbeats (a trial of a
-killed worker is failed by the next one, see :mod:`autoscale.search.storage`); this module adds
-what a budgeted, interruptible search needs on top:
-
-* the deadline and this worker's trial count (Optuna's ``timeout``, and its ``n_trials`` set to
-  what is left of the count: this worker's trials of earlier calls count too);
-* Ctrl-C that leaves no trial RUNNING: the whole ``optimize`` runs under
-  :func:`~autoscale.search.interrupts.deferred_interrupt`, and only the objective itself (and the
-  end of each trial's callback) runs :func:`~autoscale.search.interrupts.interruptible`: a SIGINT
-  landing in Optuna's ask comes out when that trial's objective starts (Optuna then fails the
-  trial and re-raises), one landing in an objective fails that trial at once, and one landing in
-  a tell comes out once the trial is told, before the next is asked; on the way out any trial of
-  this worker still running is failed;
-* the error of a failed trial kept as a user attribute, a warning, the outcome counts, a progress
-  bar, and the time outside the objective's own accounting as ``bk:optuna`` in the ledger.
+"""The trial loop (:class:`TrialLoop`): Optuna's ``study.optimize`` until a deadline or this
+worker's trial count, safe to Ctrl-C. ``optimize`` runs under
+:func:`~autoscale.search.interrupts.deferred_interrupt` and only the objective (and the end of each
+trial's callback) is :func:`~autoscale.search.interrupts.interruptible`, so a Ctrl-C never lands
+inside Optuna's ask or tell and leaves no trial RUNNING.
 """
 
 from __future__ import annotations
@@ -80,8 +68,7 @@ class TrialLoop:
             return
         bar = self._bar(timeout)
         t_start = time.monotonic()
-        # seconds in objectives (their own ledger accounting), and the sampler's and pruner's
-        # seconds there: what is left of optimize's wall time is Optuna's bookkeeping
+        # what is left of optimize's wall time after objectives and sampler/pruner is bk:optuna
         inside, alg_inside = [0.0], [0.0]
 
         def objective(trial: Any) -> float:

@@ -1,42 +1,9 @@
-"""The no-harm check: nothing is exported that harms a long clean run (docs/design.md 3.8).
-
-A policy is used for whole runs of 10^4 to 10^6 steps. Before anything is exported it trains long
-*clean* runs (nothing wrong with the data; a warm-up and a cosine learning-rate decay, as real runs
-have) of ``mlp`` and of every model the search ran, and a long ``mlp`` run whose gradients *drift*
-(the ``drift`` scenario: down by 2^-20 over the first half, then up past what a scale of 2^16
-holds, as a converging loss and a late-growing loss term do over a whole run; a rule that cannot
-adapt, a fixed scale, loses gradients there that a short episode never shows), next to the
-``torch`` rule on the same seeds, and it fails when, on any workload and seed, the run does harm.
-It is the ``auto`` build's long-run check too (:mod:`autoscale.training.long_run`): both take
-their steps with :func:`~autoscale.training.long_run.measured_run` and judge them with
-:func:`~autoscale.training.long_run.long_run_harm` (:func:`autoscale.training.bar.harm`); the
-search runs 1000 steps, the build 2000. Harm is:
-
-* it skips more than ``torch`` + 0.5 points of the steps, or
-* its final held-out loss is worse than ``torch``'s on the same seed by more than the seed noise:
-  the spread of ``torch``'s final held-out loss over its seeds (at least 0.2% of it, so that two
-  identical seeds do not make the check demand bit-identical losses), or
-* training diverges where torch's does not, or
-* it keeps a share of the gradient elements at fp16 precision more than 0.5 points below
-  ``torch``'s: of the elements an fp32 backward of the same step leaves non-zero, on one applied
-  step in ten (:func:`~autoscale.training.long_run.kept_share`; a fixed scale loses the drifting
-  gradients, and a scale that flushes whole gradients to zero keeps none of them, where the
-  scorecard's precision loss, blind to what was flushed, would call it precise).
-
-A verdict is kept in the study under its candidate and the check's :attr:`NoHarmCheck.shape` (the
-workloads it ran, a proxy's included, the steps, the seeds and the precision measure), so a search
-resumed with another budget, which may check the real model where this one checked its proxy,
-checks again rather than reuse it.
-
-``torch``'s runs are deterministic for a workload and seed, so they are cached next to the storage
-and paid once. While running them the check records their traces, and a candidate is first
-*screened* on their replay (microseconds a step): a candidate whose replayed skip rate breaks the
-rule by far (more than :data:`SCREEN_MARGIN` above ``torch``'s) is refused without a real run, so
-the budget goes to the candidates that can pass. The margin is wide because replay is pessimistic
-about rules that sit close to the overflow threshold: a traced step's threshold comes from every
-fp16 tensor of its backward pass, and an intermediate tensor can overflow without the parameter
-gradients doing so (how far replay is from real steps, rule by rule:
-``experiments/results/replay_fidelity.md``). Everything the screen lets through runs for real.
+"""The no-harm check: nothing is exported that harms a long clean run (docs/design.md 3.8;
+docs/search.md, "No harm"). :class:`NoHarmCheck` runs :func:`no_harm_workloads` next to ``torch``
+and judges them with the ``auto`` build's own check (:mod:`autoscale.training.long_run`). A
+candidate is first screened on the replay of torch's cached runs, with a wide
+:data:`SCREEN_MARGIN`: replay is pessimistic near the overflow threshold
+(``experiments/results/replay_fidelity.md``).
 """
 
 from __future__ import annotations
@@ -76,8 +43,7 @@ DRIFT = {"down": 20.0, "up": 8.0}  # bits of the drift run's loss weight: down, 
 
 
 class OutOfTime(Exception):
-    """A check (or torch's run it needs) reached its deadline before its last step: it says
-    nothing, and nothing of it is kept."""
+    """A check (or torch's run it needs) reached its deadline: nothing of it is kept."""
 
 
 def _until(deadline: float | None) -> Callable[[Any], bool] | None:
@@ -93,9 +59,8 @@ def _finished(card: Any, steps: int, what: str) -> None:
 
 
 def no_harm_workloads(members: list[Any], steps: int = NO_HARM_STEPS) -> tuple[Any, ...]:
-    """The workloads of the check: ``mlp`` and each model of ``members`` (their batch and sequence
-    shapes) clean, and ``mlp`` with drifting gradients (:data:`DRIFT` over the run's ``steps``),
-    each with a warm-up over the first tenth and a cosine decay over the rest."""
+    """The check's workloads: ``mlp`` and each model of ``members`` clean, and ``mlp`` with
+    drifting gradients (:data:`DRIFT`), each with a warm-up and a cosine decay."""
     from autoscale.training import WorkloadSpec
 
     schedule = {"warmup": max(1, steps // 10), "decay": steps - max(1, steps // 10)}
@@ -130,10 +95,9 @@ def no_harm_label(workload: Any) -> str:
 
 
 def no_harm_proxy(workload: Any) -> Any | None:
-    """What stands in for ``workload`` in the check when a budget cannot afford its long runs: the
-    tiny model of its family (``gpt2-tiny`` for a language model, same dtype and device); None for
-    the small presets, which are cheap anyway, and for a user's workload (``module:factory``),
-    which nothing stands in for: its own runs are checked, or the plan says what budget fits."""
+    """What stands in for ``workload`` when a budget cannot afford its long runs: ``gpt2-tiny``
+    for a language model; None for the small presets (cheap anyway) and a user's workload
+    (nothing stands in for it)."""
     from autoscale.training.presets import PRESETS, is_user_workload
 
     if is_user_workload(workload.model):
@@ -155,10 +119,8 @@ class Verdict:
         reasons: Why it failed, one line per broken rule (empty when it passed).
         runs: Workload model -> {"candidate": [scorecards], "torch": [scorecards]} as dicts.
         screened: Refused on replay, without real runs.
-        where: What the check ran on, where it is not long real runs (a search on records
-            replays the records: :mod:`autoscale.search.no_harm_records`).
-        shape: The shape of the check that reached it (:attr:`NoHarmCheck.shape`; empty for a
-            check on records, whose records are the study's own).
+        where: What the check ran on, where it is not long real runs.
+        shape: The shape of the check that reached it (empty: a check on records).
     """
 
     label: str
@@ -199,11 +161,9 @@ class Verdict:
 
 
 class Check(Protocol):
-    """What :func:`~autoscale.search.choose.choose` asks of a no-harm check: long real runs
-    (:class:`NoHarmCheck`) or the replay of recorded runs
-    (:class:`~autoscale.search.no_harm_records.RecordsCheck`). A check whose verdicts hold only
-    for what it ran names that in a ``shape`` attribute (:attr:`NoHarmCheck.shape`), and a
-    verdict is reused only by a check of the same shape."""
+    """What :func:`~autoscale.search.choose.choose` asks of a no-harm check (:class:`NoHarmCheck`
+    or :class:`~autoscale.search.no_harm_records.RecordsCheck`). A verdict is reused only by a
+    check of the same ``shape`` attribute, where it has one."""
 
     def screen(
         self, factory: Callable[[], Any], label: str, deadline: float | None = None
@@ -217,14 +177,12 @@ class Check(Protocol):
 
 
 class NoHarmCheck:
-    """Runs the check of a plan's :class:`~autoscale.search.timing.NoHarmPlan`, caching ``torch``'s runs in ``folder``.
+    """Runs a plan's :class:`~autoscale.search.timing.NoHarmPlan`, caching ``torch``'s runs.
 
     Args:
-        no_harm: Workloads, steps and seeds.
         folder: The artifacts folder (``folder/no-harm`` keeps torch's runs and traces).
         ledger: Time spent goes to ``work:no-harm``.
-        scale_kw: ``init_scale``/``min_scale``/``max_scale`` the torch reference is built with
-            (the episode's, as the candidates are).
+        scale_kw: The episode's scale bounds, which the torch reference is built with.
     """
 
     def __init__(
@@ -247,9 +205,7 @@ class NoHarmCheck:
 
     @property
     def shape(self) -> str:
-        """What a verdict of this check holds for: the workloads it runs (by label: a proxy shows
-        as its own model), their steps and the precision measure, with a digest of everything
-        else that decides a run (the workloads' settings, the seeds, the scale bounds)."""
+        """What a verdict holds for: the workloads, steps, measure and a digest of the rest."""
         data = {
             "plan": self.no_harm.to_dict(),
             "scale": self.scale_kw,
@@ -281,10 +237,7 @@ class NoHarmCheck:
     def reference(
         self, workload: Any, seed: int, deadline: float | None = None
     ) -> tuple[dict[str, Any], Any]:
-        """torch's measured run (``{"card": Scorecard, "kept": [...]}``, see
-        :func:`~autoscale.training.long_run.measured_run`) and its recorded trace (run and cached
-        if missing; a run that reaches ``deadline`` first raises :class:`OutOfTime` and is not
-        cached)."""
+        """torch's measured run and trace, run and cached where missing (or :class:`OutOfTime`)."""
         from autoscale.envs.traces import Trace
         from autoscale.search.storage import file_lock
 
@@ -367,9 +320,7 @@ class NoHarmCheck:
     def screen(
         self, factory: Callable[[], Any], label: str, deadline: float | None = None
     ) -> Verdict:
-        """The check's skip rule on replay of torch's recorded clean runs (no real steps of the
-        candidate; torch's first run of each workload where not cached yet, stopped at
-        ``deadline`` as :meth:`check`'s runs are)."""
+        """The check's skip rule on the replay of torch's runs (run first where not cached)."""
         from autoscale.envs.episodes import drive_episode
         from autoscale.envs.replay_env import ReplayEnv
 
@@ -393,9 +344,7 @@ class NoHarmCheck:
     def check(
         self, factory: Callable[[], Any], label: str, deadline: float | None = None
     ) -> Verdict:
-        """Run the candidate's long clean runs and judge them against torch's. A run that reaches
-        ``deadline`` (``time.monotonic()``) before its last step raises :class:`OutOfTime`: a
-        budget's end stops a check rather than letting it overrun."""
+        """Judge the candidate's long runs against torch's (:class:`OutOfTime` at ``deadline``)."""
         from autoscale.training import TrainingRun
 
         reasons: list[str] = []
@@ -436,8 +385,7 @@ def _device(workload: Any) -> str:
 
 
 def _on_device(scaler: Any, workload: Any) -> Any:
-    """A candidate built on the CPU (for replay) hosted on the workload's device: its fresh rule
-    in a new scaler there."""
+    """A candidate built on the CPU (for replay), its fresh rule moved to the workload's device."""
     from autoscale.scalers import LossScaler
 
     device = _device(workload)

@@ -1,13 +1,7 @@
-"""The no-harm check of a search on records: the candidate and ``torch`` replayed over each whole
-recorded run, judged on its clean steps.
-
-A record cannot be trained again, so where the workload search runs long real runs
-(:class:`~autoscale.search.no_harm.NoHarmCheck`) this check replays the records: each run's clean
-steps (a finite loss and a known overflow threshold: not every gradient flushed to zero), the
-candidate as it was validated (a fresh scaler from its factory) next to ``torch``. On any run, the candidate may skip at most
-:data:`~autoscale.training.bar.SKIP_POINTS` more of those steps than ``torch`` and lose at most as
-many points more of gradient elements below fp16's range. It has the check's interface (``screen``,
-``check``, ``cost``), so :func:`~autoscale.search.choose.choose` picks for both searches.
+"""The no-harm check of a search on records (:class:`RecordsCheck`): a record cannot be trained
+again, so the candidate and ``torch`` are replayed over each whole run and judged on its clean
+steps, with :class:`~autoscale.search.no_harm.NoHarmCheck`'s interface. The rule:
+docs/your-run.md, "A policy for your run: autoscale search --traces" (phase 4).
 """
 
 from __future__ import annotations
@@ -31,7 +25,6 @@ class RecordsCheck:
     """Replays candidates over ``records`` (:class:`~autoscale.observe.RunRecord`).
 
     Args:
-        records: The runs.
         ledger: Time spent goes to ``work:no-harm``.
         reference: Fresh ``torch`` scalers with the bounds the candidates have.
         run_s: Estimated seconds of one candidate's check, until one is measured.
@@ -69,9 +62,8 @@ class RecordsCheck:
     def check(
         self, factory: Callable[[], Any], label: str, deadline: float | None = None
     ) -> Verdict:
-        """The candidate's replay of every run against torch's. A run with no clean step says
-        nothing and is left out; the check fails only where no run has one. Replay takes seconds
-        (``run_s``): ``deadline`` is not needed."""
+        """The candidate's replay of every run against torch's (a run with no clean step is left
+        out; none at all fails). ``deadline`` is ignored: replay takes seconds."""
         import numpy as np
 
         t0 = time.perf_counter()
@@ -104,8 +96,7 @@ class RecordsCheck:
 
 
 def _stats(outcome: Any, clean: Any) -> dict[str, Any]:
-    """Skipped share and mean share of gradient elements below fp16's range over the clean steps
-    (precision over those it applied with a histogram; 0 when none had one)."""
+    """Skip rate and mean precision loss over the clean steps (0 where none applied has one)."""
     import numpy as np
 
     p = outcome.precision[clean & ~outcome.skipped]

@@ -166,10 +166,8 @@ class Lead:
 
     Attributes:
         lead: The bar's objective minus this one's (positive: this one is better).
-        noise: What the lead must exceed to be more than seed noise: :data:`LEAD_Z` standard errors
-            of the objective's difference, from the paired per-episode cost differences (see
-            :func:`lead`), at least :data:`LEAD_FLOOR` (infinite with a single episode: one
-            episode cannot tell a lead from noise).
+        noise: What the lead must exceed to be more than seed noise (see :func:`lead`): at least
+            :data:`LEAD_FLOOR`, infinite where no member has two episodes.
         episodes: Paired episodes.
     """
 

@@ -1,28 +1,10 @@
 """``autoscale search --traces DIR...``: a user's records as the source of a search.
 
-The records (``autoscale wrap --record DIR``) become the instances: windows of each run, the first
-two thirds train and the rest test, disjoint in time
-(:func:`~autoscale.envs.from_records.suite_from_records`). With no way to take real steps, every
-phase is replay, and says so (terminal, study note, manifest). The phases are the workload
-search's, run by :class:`~autoscale.search.runner.SearchRunner` (the trial loop, the pick against
-``auto``, the export); :class:`RecordsSource` supplies what differs, in four phases:
-
-1. **plan**, in place of measure, plan and record: the windows, the study (a new one, or the one
-   these records made: "resuming", with the trials it keeps), and what the held-out windows leave
-   a rule to win over ``auto`` (:func:`~autoscale.search.headroom.headroom`). Where no candidate
-   could be exported over ``auto`` there (one held-out window, or ``auto`` already as good as the
-   windows allow), the search says so and does not search: there is nothing for its budget. Else
-   it keeps what the later phases need (seconds, measured here) and searches until then, in one
-   round;
-2. **search** on the train windows' replay (the built-in rules' defaults first);
-3. **validate**: the best trials, every built-in rule and ``auto`` on the test windows' replay
-   (:class:`~autoscale.search.validate.ReplayValidator`), kept in the study as real-step rows
-   are, for ``autoscale export``; rows that tie are said to tie, and why;
-4. **export**: the pick, with replay as the evidence (a lead over ``auto`` paired window by
-   window) and the replay of each whole run next to ``torch`` as the no-harm check
-   (:class:`~autoscale.search.no_harm_records.RecordsCheck`); the manifest describes the records
-   (the command, the steps, what the record says of the run), and the report of the first run,
-   with the policy among the counterfactuals, is written beside it.
+:class:`RecordsSource` supplies what differs from a workload's search to
+:class:`~autoscale.search.runner.SearchRunner`: its plan (windows of the records, and what they
+leave to win over ``auto``), replay validation, the replay of whole runs as the no-harm check
+(:class:`~autoscale.search.no_harm_records.RecordsCheck`), one round and its export's words.
+User-facing detail: docs/your-run.md, "A policy for your run: autoscale search --traces".
 """
 
 from __future__ import annotations
@@ -65,8 +47,7 @@ SEPARATE = (
 
 @dataclass(frozen=True)
 class RecordsPlan:
-    """What a search on records plans: its windows, replayed for the search and for validation
-    alike (no real step), and the built-in rules validated (``torch`` first)."""
+    """What a search on records plans: its windows (searched and validated alike) and rules."""
 
     suite: SuiteSpec
     rules: tuple[str, ...]
@@ -83,8 +64,7 @@ class RecordsPlan:
 
 
 class RecordsSource:
-    """The records of ``paths`` (read and cut into windows when made: a bad record is refused
-    before anything is written), as a search's source (see the module docstring).
+    """The records of ``paths`` as a search's source (a bad record is refused when made).
 
     Attributes:
         records: The runs (:class:`~autoscale.observe.RunRecord`).
@@ -115,8 +95,7 @@ class RecordsSource:
         return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{names}-traces").strip("-.") or "traces"
 
     def held(self, study: Any) -> int:
-        """Finished trials ``study`` holds now (the kept ones and this run's, an interrupted one
-        included); with ``study`` None (not opened yet), the kept ones: none."""
+        """Finished trials ``study`` holds now (None: not opened yet, the kept ones)."""
         return self.kept if study is None else len(_finished(study.get_trials(deepcopy=False)))
 
     # ------------------------------------------------------------------ plan
@@ -156,8 +135,7 @@ class RecordsSource:
         return bench
 
     def _search_until(self, runner: SearchRunner, bench: ReplayBench) -> float:
-        """Where the search stops: what the later phases need is measured (a test replay per
-        candidate and rule, the no-harm replays, the report) and kept."""
+        """Where the search stops: the budget's end less the later phases' time, measured here."""
         from autoscale.report.replay import RecordReplay
 
         t0 = time.perf_counter()
@@ -182,8 +160,7 @@ class RecordsSource:
         return stop_at
 
     def _open_study(self, runner: SearchRunner) -> Any:
-        """The study: created with what these records are, or the one they made, resumed (said,
-        with the trials it keeps; a trial left running by a stopped search is failed)."""
+        """The study: created for these records, or the one they made, resumed (and said)."""
         import optuna
 
         from autoscale.search.space import default_trial_params
@@ -215,8 +192,7 @@ class RecordsSource:
                     user_attrs={"baseline": True},
                 )
             write_note(study, _note(name, records, suite))
-        # what autoscale export reads (a study of an earlier autoscale lacks some): the validation
-        # suite (the test windows), the families searched, the records described
+        # what autoscale export reads (a study of an earlier autoscale lacks some)
         if not isinstance(study.user_attrs.get("validation"), dict):
             study.set_user_attr("validation", suite.to_dict())
             study.set_user_attr("validated_on", REPLAY_NOTE)
@@ -247,8 +223,7 @@ class RecordsSource:
 
     # ------------------------------------------------------------------ validate and export
     def validated_line(self, runner: SearchRunner, seconds: float) -> str:
-        """Every row's objective against ``torch`` on the held-out windows' replay, best first,
-        and the rows that tie there."""
+        """Every row's objective on the held-out windows' replay, best first, and any ties."""
         weights, torch_row = self.suite.reward, runner.validated[TORCH]
         ranked = rank(runner.validated, torch_row, weights)
         return (
@@ -275,8 +250,7 @@ class RecordsSource:
     def exported(
         self, runner: SearchRunner, path: Path, how: str, chosen: Validated | None, since: float
     ) -> None:
-        """The export's line, with the pick's no-harm replay and the first run's report written
-        beside the policy, and how to use it."""
+        """Say what was exported, write the first run's report beside it, and how to use it."""
         from autoscale.report import write_report
         from autoscale.report.page import compare_names
         from autoscale.scalers.policies import policy_ref
@@ -305,8 +279,7 @@ def _finished(trials: list[Any]) -> list[Any]:
 def _tie_text(
     ranked: list[Validated], torch_row: Validated, weights: Any, room: Room, said: str | None
 ) -> str:
-    """Where the best rows score alike on every held-out window: which, and why (what would
-    separate them too, unless the search ``said`` it when it stopped)."""
+    """Which of the best rows tie on every held-out window, and why ("" where none do)."""
 
     def costs(v: Validated) -> list[float]:
         return [episode_cost(c, weights) for c in v.all_cards()]
@@ -328,8 +301,7 @@ def _tie_text(
 
 
 def describe_records(records: list[Any]) -> dict[str, Any]:
-    """What a policy searched on ``records`` describes instead of a workload: each run's folder,
-    command and steps, and what its record says of it (the scaler, torch, the device)."""
+    """What a policy searched on ``records`` describes instead of a workload."""
     runs = []
     for rec in records:
         meta = rec.meta

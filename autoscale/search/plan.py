@@ -1,39 +1,8 @@
-"""What a budget affords: measure the real step time of each workload, then size the search to it.
-
-A search spends its budget in phases: measure a few real steps; **record** long traces of every
-member's train and test instances (real steps); **search** on their replay (fast); **validate** the
-best candidates and every built-in rule on real steps of the test instances; run the **no-harm
-check** (long clean runs next to ``torch``) on what it would export; export. Replay trials cost
-milliseconds, so the budget is decided by the real-step phases.
-
-The plan trades three things, and says what it traded:
-
-* **horizon**: the length of the replayed episodes, up to the spec's ``episode.horizon`` (2048 by
-  default). A policy runs for 10^4 to 10^6 steps, so long episodes come first: a rule that grows
-  every 14 steps wins a 64-step episode and loses a real run.
-* **windows**: a trace of two horizons holds the same run early and late in training, and a
-  policy is judged on both.
-* **instances and seeds** per set.
-
-:func:`make_plan` walks shapes from the richest: the longest horizon first, with at least three
-instances per set where the spec has them (then two, then one), two windows, then more instances
-and seeds; it takes the first whose recording fits in :data:`RECORD_SHARE` of the budget and whose real-step phases
-(recording, validation of a candidate and ``torch``, the no-harm check) fit in :data:`REAL_SHARE`.
-Real-step validation episodes (as long as the replay horizon at most) are then made as long as
-:data:`VALIDATE_SHARE` of the budget and the rest of the real-step share allow with every built-in
-rule and a few candidates validated, else the candidate and ``torch`` are, and the other rules are
-validated as time allows (the rest on replay of the test instances). ``auto``, the bar a candidate
-must clear to be exported, is always validated on real steps beside ``torch``. What is left is for
-the search.
-
-**A plan that bends.** The plan is sized from a few steps timed at the start; a machine that is
-busier later runs every real-step phase slower. Recording then records each member's first
-instances before the others, leaves out what no longer fits and records a first instance shorter
-(down to :data:`MIN_HORIZON` steps), to a deadline that moves with the pace it sees. After it, the
-worker that creates a study plans the rest once at that pace (:func:`replan`: the recorded suite,
-validation as long as the time left allows, the no-harm check on its tiny proxy where needed) and
-stores the plan; a worker that joins or resumes adopts the stored shape and times only its own
-phases (:func:`retime`). Only the start refuses: when even the smallest plan does not fit.
+"""What a budget affords: :func:`make_plan` sizes a search (:class:`Plan`) to measured step times,
+and after recording :func:`replan` (the study's creator) or :func:`retime` (other workers) bends it
+to the pace the machine kept. Replay trials cost milliseconds, so the real-step phases decide the
+plan; it says what it traded (:attr:`Plan.cuts`). User-facing detail: docs/search.md, phase 2 and
+"A budget that bends".
 """
 
 from __future__ import annotations
@@ -72,16 +41,13 @@ __all__ = [
     "retime",
 ]
 
-RECORD_SHARE = 0.50  # at most this share of the working budget records traces (replay trials cost
-# milliseconds: what a search learns is bounded by what it recorded, not by its search time)
+RECORD_SHARE = 0.50  # at most this share records traces: a search learns from what it recorded
 NO_HARM_SHARE = 0.30  # a no-harm workload whose runs need more is checked on its tiny proxy
 REAL_SHARE = 0.80  # recording + validation + the no-harm check fit in this share
 VALIDATE_SHARE = 0.30  # validation takes at most this share
 VALIDATED_CANDIDATES = 3  # validation is planned for every rule and this many candidates
-# RL is tried where the search leaves room for the warm start: an RL trial starts after the
-# parametric trials' share (with --space both) and only before the search's last
-# RLObjective.MIN_TRIAL_S / 2, and this much search leaves it time between the two to fine-tune
-# the shipped agent; it exports and scores it after that
+# RL is tried where the search leaves room between the parametric trials' share and the last
+# RLObjective.MIN_TRIAL_S / 2 to fine-tune the shipped agent, then export and score it
 RL_MIN_SEARCH_S = 8.0
 HORIZON_LADDER = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
 VALIDATION_LADDER = (4096, 2048, 1024, 512, 256, 128, 96, 64, 48, 32, 24, 16, 8)
@@ -99,8 +65,8 @@ def _cheapest(group: tuple[InstanceSpec, ...], n: int) -> tuple[InstanceSpec, ..
 
 
 def shape_suite(suite: SuiteSpec, steps: int, n: int, seeds: int) -> SuiteSpec:
-    """``suite`` with ``steps``-step episodes, each member's ``n`` cheapest instances per set
-    (those with the fewest warm-up steps), each with ``seeds`` seeds."""
+    """``suite`` with ``steps``-step episodes and each member's ``n`` cheapest instances per set,
+    each with ``seeds`` seeds."""
     from autoscale.envs.episodes import expand_seeds
 
     def shape(member: EnvSpec) -> EnvSpec:
@@ -136,8 +102,7 @@ def validate_cost(suite: SuiteSpec, t: Timings, scalers: int) -> float:
 
 
 class StoredPlan(NamedTuple):
-    """What a study keeps of its plan for every worker: the searched and validation suites, the
-    trace length, and whether every rule's real-step validation was planned."""
+    """What a study keeps of its plan for every worker."""
 
     suite: SuiteSpec
     validation: SuiteSpec
@@ -150,14 +115,11 @@ class Plan:
     """A sized search.
 
     Attributes:
-        suite: The searched suite, reshaped: episodes of the replay horizon; every trial is scored
-            on its train instances' replay.
-        validation: The same members and instances with real-step episodes (validation).
+        suite: The searched suite, with episodes of the replay horizon.
+        validation: The same members and instances with real-step episodes.
         trace_steps: Steps recorded per instance (one or two horizons).
         space: ``parametric``, ``rl`` or ``both`` (what the budget affords of the asked space).
         rules: The built-in rules validated against.
-        timings: The measurements the plan was made from.
-        no_harm: The no-harm check.
         record_s, validate_s, no_harm_s, search_s: Estimated seconds of each phase.
         all_rules_real: Whether every rule's real-step validation fits.
         cuts: What the budget could not afford, in words.
@@ -233,7 +195,8 @@ def _horizons(suite: SuiteSpec) -> list[int]:
 
 
 def _shapes(suite: SuiteSpec) -> list[tuple[int, int, int, int]]:
-    """(horizon, windows, instances per set, seeds), richest first (see the module docstring)."""
+    """(horizon, windows, instances per set, seeds), richest first: the longest horizon with at
+    least three instances per set (then two, one), two windows, then more instances and seeds."""
     first = suite.members[0]
     n_max = min(len(first.instances["train"]), len(first.instances["test"]))
     out = []
@@ -265,20 +228,18 @@ def make_plan(
     warm_start: bool = True,
     min_search_s: float = 0.0,
 ) -> Plan:
-    """Size the search of ``suite`` to ``work_s`` seconds (see the module docstring).
+    """Size the search of ``suite`` to ``work_s`` seconds.
+
+    Takes the first shape (:func:`_shapes`) whose recording fits :data:`RECORD_SHARE` of
+    ``work_s`` and whose real-step phases fit :data:`REAL_SHARE`, with the longest validation
+    episodes that fit (:func:`fit_validation`); what is left is for the search.
 
     Args:
-        no_harm: The no-harm check's workloads and steps (its cost is planned, its torch runs may be
-            cached already).
-        cached_traces: Share (0..1) of a shaped suite's recording of ``trace_steps`` already in
-            the trace cache (a resume or a second worker records less).
-        cached_no_harm: Whether the no-harm check's ``torch`` run of a workload and seed is cached.
-        warm_start: The first RL trial starts from the shipped residual agent (asked for): then
-            RL is not dropped for search time (that trial is scored in seconds where none is left).
-        stored: A study's :class:`StoredPlan` (or its first three fields): kept as it is (every
-            worker of a study must score alike), only the costs are estimated.
-        min_search_s: Seconds the rounds search at least (where the phases after it leave
-            less): the search estimate is not below it.
+        cached_traces: Share (0..1) of a shaped suite's recording already in the trace cache.
+        cached_no_harm: Whether the check's ``torch`` run of a workload and seed is cached.
+        warm_start: The first RL trial starts from the shipped agent (RL then needs no search).
+        stored: A study's :class:`StoredPlan`, kept as it is: only the costs are estimated.
+        min_search_s: The search estimate's floor.
 
     Raises:
         BudgetError: not even the smallest shape fits; says what budget would.
@@ -346,8 +307,8 @@ def _too_small(
 def fit_no_harm(
     no_harm: NoHarmPlan, timings: Timings, work_s: float, cached: Callable[[Any, int], bool]
 ) -> tuple[NoHarmPlan, tuple[str, ...]]:
-    """``no_harm`` with each workload whose runs cost more than :data:`NO_HARM_SHARE` of the budget
-    replaced by its tiny proxy (said in the cuts)."""
+    """``no_harm`` with each workload whose runs cost over :data:`NO_HARM_SHARE` of the budget
+    replaced by its tiny proxy, and the cuts saying so."""
     from autoscale.search.no_harm import no_harm_proxy
 
     kept: list[Any] = []
@@ -391,16 +352,13 @@ def fit_validation(
 def search_estimate(
     left_s: float, validate_s: float, no_harm_s: float, min_search_s: float
 ) -> float:
-    """The first round's search in ``left_s`` seconds: what the rounds leave it before validation
-    and the check, each reserved with their :data:`~autoscale.search.timing.MARGIN`, and not
-    less than the ``min_search_s`` they search where that leaves less."""
+    """The first round's search time: ``left_s`` less validation and the check (with their
+    :data:`~autoscale.search.timing.MARGIN`), at least ``min_search_s``."""
     return max(0.0, min(min_search_s, left_s), left_s - MARGIN * (validate_s + no_harm_s))
 
 
 def validated_scalers(n_rules: int, all_rules: bool) -> int:
-    """The scalers a plan's real-step validation is priced for: the ``n_rules`` rules, ``auto``
-    and :data:`VALIDATED_CANDIDATES` candidates where every rule's validation fits, else torch,
-    auto and a candidate."""
+    """The scalers a plan's real-step validation is priced for (else torch, auto, a candidate)."""
     return n_rules + 1 + VALIDATED_CANDIDATES if all_rules else 3
 
 
@@ -495,10 +453,8 @@ def _firsts(suite: SuiteSpec) -> SuiteSpec:
 
 
 def least_after_record(plan: Plan, cached_no_harm: Callable[[Any, int], bool]) -> float:
-    """Seconds the least useful end of a search needs after recording, at the measured step
-    times: ``torch``, ``auto`` (the bar, validated in any time left) and one candidate validated
-    on the shortest episodes of each member's first test instance, and one candidate's no-harm
-    check."""
+    """Seconds the least useful end of a search needs after recording: ``torch``, ``auto`` and a
+    candidate validated on the shortest episodes of each first test instance, and one check."""
     shortest = _firsts(plan.validation).with_episode_steps(VALIDATION_LADDER[-1])
     return validate_cost(shortest, plan.timings, 3) + plan.no_harm.cost(
         plan.timings, 1, cached_no_harm
@@ -506,8 +462,7 @@ def least_after_record(plan: Plan, cached_no_harm: Callable[[Any, int], bool]) -
 
 
 def recorded_suite(suite: SuiteSpec, traces: dict[str, Any], shortest: int) -> SuiteSpec:
-    """``suite`` with the instances that were recorded, and replay episodes no longer than the
-    ``shortest`` trace."""
+    """``suite`` with the recorded instances and episodes no longer than the ``shortest`` trace."""
 
     def shape(m):
         if m.name not in traces:
@@ -530,8 +485,7 @@ def instance_count(suite: SuiteSpec) -> int:
 def _at_pace(
     plan: Plan, pace: float, left_s: float, cached_no_harm: Callable[[Any, int], bool], why: str
 ) -> tuple[Timings, NoHarmPlan, list[str]]:
-    """The step times scaled by ``pace`` (when slow), the no-harm check fitted to ``left_s`` at
-    them, and what the fit traded."""
+    """The step times at ``pace``, the no-harm check fitted to them, and what the fit traded."""
     timings = plan.timings.scaled(pace) if pace > SLOW else plan.timings
     no_harm, cuts = fit_no_harm(plan.no_harm, timings, max(left_s, 1.0), cached_no_harm)
     return timings, no_harm, [f"{c} ({why})" for c in cuts if c not in plan.cuts]
@@ -548,8 +502,7 @@ def _estimated(
     min_search_s: float,
     **changes: Any,
 ) -> Plan:
-    """``plan`` with ``changes``, its validation and no-harm estimates at its (new) step times,
-    and the search given what is left of ``left_s`` (at least ``min_search_s``)."""
+    """``plan`` with ``changes``, and its phases estimated again at its step times."""
     new = dataclasses.replace(plan, **changes)
     scalers = validated_scalers(len(new.rules), new.all_rules_real)
     val_s = validate_cost(new.validation, new.timings, scalers)
@@ -570,15 +523,12 @@ def retime(
     cached_no_harm: Callable[[Any, int], bool],
     min_search_s: float = 0.0,
 ) -> Plan:
-    """``plan``'s shape as it is (suite, validation, trace length: a study's, which every worker
-    scores and validates alike), its phases after recording timed at the pace the recording kept
-    and its no-harm check fitted to them; ``plan`` itself when the recording kept to the measured
-    step times. What a worker that adopted a study's plan bends: its own time.
+    """``plan``'s shape kept (every worker of a study scores alike), its phases after recording
+    timed at the pace recording kept; ``plan`` itself when it kept the measured step times.
 
     Args:
         stats: What :func:`~autoscale.search.traces.load_traces` returned.
         left_s: Working seconds left in the budget.
-        min_search_s: Seconds the rounds search at least.
     """
     pace = pace_of(stats)
     if pace <= SLOW:
@@ -602,9 +552,8 @@ def replan(
     min_search_s: float,
     cached_no_harm: Callable[[Any, int], bool],
 ) -> Plan:
-    """The plan for what is left after recording (see the module docstring: a plan that bends); ``plan`` itself
-    when the recording kept to it. Only the worker that creates a study re-plans it, before any
-    trial or validation is scored on it.
+    """The plan for what is left after recording; ``plan`` itself when the recording kept to
+    it. Only a study's creator re-plans it, before anything is scored on it.
 
     Args:
         traces, stats: What :func:`~autoscale.search.traces.load_traces` returned.

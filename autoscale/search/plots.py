@@ -1,9 +1,5 @@
-"""The per-trial plot: scale trajectory against the recorded overflow threshold, as SVG.
-
-Written directly as SVG text rather than through matplotlib, whose figure costs more than a
-replay trial itself: every trial gets one, and bookkeeping must stay a small share of the search.
-The dashboard shows SVG artifacts as images. Final comparisons on real steps use
-:func:`autoscale.training.report.plot_comparison`.
+"""The per-trial plot (:func:`trajectory_svg`): scale trajectory against the recorded overflow
+threshold, written as SVG text because a matplotlib figure costs more than a replay trial.
 """
 
 from __future__ import annotations
@@ -60,8 +56,7 @@ def trajectory_svg(
         for v in (hi - 1, lo + 1):
             _, y = xy(0, v)
             out.append(f'<text x="{_LEFT - 4}" y="{y + 4:.1f}" text-anchor="end">2^{v:.0f}</text>')
-        # long episodes: the threshold is drawn per bin of steps (its lowest value there), the
-        # scale only where it changes, and a skip mark per bin that has skips
+        # long episodes: the threshold per bin of steps (its lowest), a skip mark per bin
         stride = max(1, math.ceil(n / _MAX_POINTS))
         if thresholds is not None:
             t = list(thresholds)[:n]

@@ -29,11 +29,9 @@ def _label(v: Validated) -> str:
 def comparison_table(
     rows: list[Validated], reference: Validated, validation: SuiteSpec, winner: str | None = None
 ) -> str:
-    """The rows (ranked) over every test episode, ``winner`` (a key) marked with ``*``: those
-    validated on real steps in one table (the scorecard's means and the objective against
-    ``torch`` on the same episodes), and those only replayed on the recorded test steps in a
-    second one that shows only what replay measures (a replay cannot know the loss a scale would
-    have given: its loss is the recorded one)."""
+    """The rows (ranked) over every test episode, ``winner`` (a key) marked with ``*``: real-step
+    rows in one table, replayed rows in a second that shows only what replay measures (not the
+    loss, which replay keeps as recorded)."""
     from autoscale.training import summarize
     from autoscale.training.report import REPLAY_COLUMNS, format_comparison
 
@@ -80,10 +78,7 @@ def member_table(rows: list[Validated], reference: Validated, validation: SuiteS
 
 
 def limit_block(rows: list[Validated], traces: dict, validation: SuiteSpec) -> list[str]:
-    """The hindsight limit of the test episodes' steps (from the recorded traces of the same
-    instances: the same batches, the weights on the recording's own trajectory) and each real-step
-    row's share of it (:func:`~autoscale.envs.limit.limit_lines`); no lines when a member's test
-    instances were not recorded."""
+    """The test steps' hindsight limit and each real row's share of it (none: not recorded)."""
     import math
 
     from autoscale.envs.limit import episodes_limit, limit_lines
@@ -110,8 +105,7 @@ def limit_block(rows: list[Validated], traces: dict, validation: SuiteSpec) -> l
 
 
 def draw_comparison(rows: list[Validated], path: Path, title: str) -> bool:
-    """PNG of the trajectories on the first test episode of the rows that have them; whether
-    there was anything to draw."""
+    """PNG of the rows' trajectories on the first test episode; whether any had one."""
     from autoscale.training.report import plot_comparison
 
     runs = {_label(v): [v.records] for v in rows if v.records}

@@ -1,36 +1,8 @@
-"""``autoscale search`` end to end: one worker's phases, each a method of :class:`SearchRunner`.
-
-1. **measure** real steps of each workload (:mod:`~autoscale.search.timing`);
-2. **plan** the search to the budget (:mod:`~autoscale.search.plan`; a study that exists keeps
-   its stored plan, so every worker and every resume scores trials alike);
-3. **record** long traces of every member's train and test instances
-   (:mod:`~autoscale.search.traces`, cached next to the storage); the worker that creates the
-   study then plans what is left again, once, when its steps ran slower than measured
-   (:mod:`~autoscale.search.plan`), and stores the plan for good;
-4. **search** on replay (:mod:`~autoscale.search.loop`, :mod:`~autoscale.search.trials`);
-5. **validate** the best candidates and every built-in rule on real steps of the test instances
-   (:mod:`~autoscale.search.validate`, shared between workers through the study);
-6. **export** the best of the ranking that passes the no-harm check
-   (:mod:`~autoscale.search.choose`, :mod:`~autoscale.search.no_harm`), and print the ranking.
-
-The budget is spent: phases 4-6 run in rounds, and a round that ends with time left gives it to
-more trials, more validated candidates and their checks, until less than a round is left (its
-last seconds go to replay trials kept in the study) or nothing is left to learn (every candidate
-validated and checked); the search says which. When a round starts, what it does and where it
-stops is decided in one place, :meth:`SearchRunner._next_round`. Candidates and built-in rules are
-keyed ``rule:NAME`` and ``trial:NUMBER`` in :attr:`SearchRunner.validated`.
-
-The search on a user's records runs the same phases from a :class:`Source`
-(:class:`~autoscale.search.on_traces.RecordsSource`): it supplies what precedes the search (its
-own plan, in place of measure, plan and record), a validator (the replay of held-out windows), a
-no-harm check (the replay of the whole records), its one round and the words of its export.
-
-Several workers may run this on one storage: Optuna keeps trials unique; the first worker creates
-the study, plans, records and re-plans it; the others wait for the plan it stores, adopt it and
-never re-plan it (they bend only their own time to their pace); traces and torch's clean runs are
-recorded once per host (locks); each worker validates the study's best candidates not yet
-validated, and exports the study-wide pick when it finishes (under a lock), so the last worker to
-finish leaves the export.
+"""``autoscale search`` end to end: :class:`SearchRunner` runs one worker's phases (measure, plan,
+record, search, validate, export) for a :class:`SearchConfig`; phases 4-6 run in rounds decided
+in one place, :meth:`SearchRunner._next_round`. A :class:`Source` replaces the first phases for a
+search of a user's records. User-facing detail: docs/search.md ("The budget is spent", "Many
+workers, one study") and docs/design.md section 7.
 """
 
 from __future__ import annotations
@@ -140,12 +112,11 @@ class SearchConfig:
 
     Attributes:
         base: The env spec or suite of the workloads (reshaped by the plan).
-        explicit: The user named the workload (``--env``/``--model``/``--scenario``); a study
-            that exists must then have those workloads, else its own are adopted.
-        families: The rule families searched (``--family``; None: every family that adapts, a
-            fixed scale only when asked for). ``torch`` is always validated: it is the reference.
-        warm_start: The study's first RL trial fine-tunes the shipped general agent
-            (:mod:`autoscale.agents.warm`) instead of training one from nothing.
+        explicit: The user named the workload, which an existing study must then have.
+        families: The rule families searched (``--family``; None: every family that adapts).
+            ``torch`` is always validated: it is the reference.
+        warm_start: The study's first RL trial fine-tunes the shipped agent
+            (:mod:`autoscale.agents.warm`).
     """
 
     base: Any
@@ -191,12 +162,9 @@ class Round:
     Attributes:
         number: 1 for the first.
         candidates: How many of the best candidates not validated yet it validates.
-        search_until: Its replay search stops here (``time.monotonic()``; None: the tail, which
-            searches only after validating).
-        check_at: Validation past torch, auto and the agent brought to real steps stops here,
-            where a check of the pick still fits after it.
-        tail_before: The tail's replay trials run if its validation and pick end before this
-            (None: not the tail).
+        search_until: Its replay search stops here (``time.monotonic()``; None: the tail).
+        check_at: Validation past torch, auto and the agent stops here (a check still fits).
+        tail_before: The tail's replay trials run if validation ends before this (None: no tail).
     """
 
     number: int
@@ -207,12 +175,11 @@ class Round:
 
 
 class Source(Protocol):
-    """Where a search's episodes come from, other than a workload's real steps (the runner's own
-    measure, plan and record phases): what differs, supplied to the runner's phases
+    """Where a search's episodes come from other than a workload's real steps
     (:class:`~autoscale.search.on_traces.RecordsSource`: a user's records).
 
     Attributes:
-        phases: The phases said, in order (a line of another phase is not numbered).
+        phases: The phases said, in order.
         searched_on: What the trials were scored on, in the search's line.
         provenance: What the exported manifest's workload says of the evidence.
         round: The one round the search runs (its ``search_until`` None: no search).
@@ -225,7 +192,7 @@ class Source(Protocol):
 
     def open(self, runner: SearchRunner) -> ReplayBench:
         """The phases before the search: set ``runner.study``, ``plan``, ``families``,
-        ``validator`` and ``no_harm``; the bench of the traces searched."""
+        ``validator`` and ``no_harm``; return the bench of the traces searched."""
 
     def validated_line(self, runner: SearchRunner, seconds: float) -> str:
         """The validate phase's line, once the round validated in ``seconds``."""
@@ -253,7 +220,7 @@ class SearchRunner:
         cfg: The request.
         budget: The wall-clock budget (started when the process did, for the CLI).
         out: Where phase messages go (default: printed above the progress bars).
-        source: Where the episodes come from (None: real steps of ``cfg.base``, the workload).
+        source: Where the episodes come from (None: real steps of ``cfg.base``).
 
     Attributes:
         plan: The plan in use (the study's; re-planned or re-timed after recording).
@@ -312,7 +279,7 @@ class SearchRunner:
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are said once, here
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         cfg = self.cfg
-        # what the export will need is checked before anything is written (the storage, caches)
+        # the export target is checked before anything is written (the storage, caches)
         check_export_target(
             cfg.export, cfg.policy_dir, cfg.study, cfg.force, storage=mask_url(cfg.storage)
         )
@@ -329,8 +296,7 @@ class SearchRunner:
         self.store = artifact_store(self.folder)
 
     def _open(self) -> ReplayBench:
-        """A workload's phases before the search: measure, plan, record (and re-plan); the bench
-        of the traces recorded, with the plan's validator."""
+        """Measure, plan, record (and re-plan); the bench of the traces recorded."""
         import optuna
 
         cfg = self.cfg
@@ -369,8 +335,7 @@ class SearchRunner:
         return bench
 
     def _measure(self, base: SuiteSpec) -> tuple[Timings, NoHarmPlan]:
-        """Time the workloads, the no-harm check's and their proxies; (timings, the check as it
-        would run unfitted: its cache answers the plan what torch's runs cost still)."""
+        """Time the workloads, the no-harm check's and their proxies; (timings, unfitted check)."""
         no_harm = NoHarmPlan(no_harm_workloads(list(base.members)), NO_HARM_STEPS)
         proxies = [p for p in map(no_harm_proxy, no_harm.workloads) if p is not None]
         with self.ledger.track("work:measure"):
@@ -393,8 +358,7 @@ class SearchRunner:
             )
 
     def _use(self, plan: Plan) -> None:
-        """Go on with ``plan``, and the check it fitted to the budget (a model too slow for long
-        runs is checked on its tiny proxy): its cost decides what the rounds leave time for."""
+        """Go on with ``plan`` and the no-harm check it fitted to the budget."""
         self.plan = self.result.plan = plan
         self._check(plan.no_harm, plan.suite)
 
@@ -444,8 +408,7 @@ class SearchRunner:
         )
 
     def _open_study(self, storage: Any, stored: Any) -> Any:
-        """Create the study (recording its plan), or load it; a worker that loses the race to
-        create it adopts the winner's plan."""
+        """Create the study, or load it (a worker that loses the race adopts the winner's plan)."""
         import optuna
 
         cfg, plan = self.cfg, self.plan
@@ -492,14 +455,10 @@ class SearchRunner:
         return study
 
     def _record(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Record the plan's traces. The worker that creates the study bends to the pace the
-        machine keeps (see :mod:`~autoscale.search.plan`): the instances beyond each member's
-        first ones stop where the phases after recording keep their planned time at that pace;
-        the first ones (shortened if need be) where the least of those phases keeps its measured
-        time. Any other worker records the study's plan whole, or stops where that least begins
-        (a BudgetError: what it recorded stays cached)."""
+        """Record the plan's traces. The study's creator bends recording to the machine's pace
+        (:mod:`~autoscale.search.plan`); any other worker records the plan whole, or stops with a
+        BudgetError where the least the later phases need begins (what it recorded stays cached)."""
         plan = self.plan
-        # what the plan keeps after recording: validation and the check with their MARGIN
         after = MARGIN * (plan.validate_s + plan.no_harm_s)
         least = least_after_record(plan, self.no_harm.cached) + self.min_search_s
         bend: dict[str, Any] = {"stop_at": self.budget.end - least}
@@ -546,11 +505,8 @@ class SearchRunner:
         return traces, stats
 
     def _replan(self, traces: dict, stats: dict) -> dict[str, Any]:
-        """After recording; the traces to replay. The worker that created the study plans what
-        is left again when it ran slower than measured or left instances out, caches the traces
-        of the new plan under its keys, and stores the plan for good (nothing is scored on the
-        study before). Any other worker keeps the study's plan and only times its own phases at
-        its pace."""
+        """The traces to replay after recording. Only the study's creator re-plans (and stores
+        the plan for good, before anything is scored); others re-time their own phases."""
         plan = self.plan
         if not self.creator:
             new = retime(
@@ -611,37 +567,15 @@ class SearchRunner:
 
     def _next_round(self, last: Round | None, new: bool, now: float) -> Round | None:
         """The round to start at ``now`` after ``last`` (which validated something ``new``), or
-        None to stop. The stop rule, in order:
+        None to stop.
 
-        1. The first round always runs. Its search stops where validating the
-           :data:`CANDIDATES_PER_ROUND` best candidates, the rules and the bar (``auto``), and
-           checking :data:`~autoscale.search.plan.CHECKED_CANDIDATES` picks, still fits before
-           the end. Where the phases before it overran (recording a slow model under load), it
-           still searches ``min_search_s`` (replay trials are cheap) as long as the least a round
-           does after it fits (torch and a candidate validated, one check); what it validates
-           then is cut to the time left.
-        2. Torch has no validation after a round (its pick said so): stop; nothing is scored
-           without the reference.
-        3. The last round validated nothing new and this worker ran its ``--n-trials``: stop,
-           saying so (nothing is left to learn).
-        4. :data:`MAX_ROUNDS` rounds ran, or the last one was the tail: stop.
-        5. A later round runs where its share (one candidate validated, one check)
-           and ``min_search_s`` of search fit in the time left; its search stops where that
-           share begins.
-        6. Else the tail: no search first; the :data:`CANDIDATES_PER_ROUND` best candidates not
-           validated yet in the time left, a new pick if any was; then, where more than
-           :data:`TAIL_SHARE` of the budget is left, parametric replay trials to the end (kept in
-           the study for a resumed search or another worker; not RL trials, which train for
-           seconds to minutes each where a parametric trial replays in milliseconds).
-
-        Within a round, a trial starts only before the search's stop (:class:`TrialLoop`, which
-        also stops at ``--n-trials``); torch and auto are validated in any time left, and so is
-        the agent brought to real steps (after the best candidate; :meth:`_validate`), the others
-        until :attr:`Round.check_at` (a pick's check still fits after it, with a margin over the
-        check's own :data:`~autoscale.search.timing.MARGIN`: a machine busier now would leave it a few seconds short), or, where
-        that has passed when they start, in any time left too (a lead over auto cannot be
-        exported unchecked, but the answer names it); a scaler starts only where all its
-        episodes fit (:class:`~autoscale.search.validate.Validator`).
+        The first round always runs, its search stopped where validation and the checks still
+        fit (but lasting ``min_search_s`` where the least of a round fits). Stop without torch's
+        validation, when nothing new was validated and ``--n-trials`` ran, or after
+        :data:`MAX_ROUNDS` or the tail. A later round runs where one candidate, one check and
+        ``min_search_s`` fit; else the tail: validation, then parametric replay trials (not RL:
+        seconds to minutes each). ``check_at`` keeps a margin over the check's own ``MARGIN``: a
+        busier machine would leave it a few seconds short.
         """
         if self.source is not None:  # the one round its source planned
             return self.source.round if last is None else None
@@ -649,7 +583,6 @@ class SearchRunner:
         check_at = end - (MARGIN + 0.2) * self.no_harm.cost(plan.timings, 1)
         number = 1 if last is None else last.number + 1
         if last is None:  # after its search: validate (the best few, the rules), check picks
-            # what the study holds whole (a resumed search, another worker's) is read back
             held = self._held([Candidate.rule(r) for r in plan.rules] + [AUTO])
             rules_left = [
                 r for r in plan.rules if Candidate.rule(r) not in {*self.validated, *held}
@@ -690,8 +623,7 @@ class SearchRunner:
         return Round(number, CANDIDATES_PER_ROUND, None, check_at, tail_before)
 
     def _held(self, keys: list[Candidate]) -> set[Candidate]:
-        """Of ``keys``, those whose real-step scorecards of every test episode the study holds:
-        the validator reads them back and runs nothing for them."""
+        """Of ``keys``, those the study holds real-step scorecards of for every test episode."""
         from autoscale.search.validate import PREFIX, real_cards
 
         attrs, names = self.study.user_attrs, self.validator.names
@@ -703,8 +635,7 @@ class SearchRunner:
         }
 
     def _agent_pending(self) -> bool:
-        """An agent in the race reaches real steps beside the round's candidates, in any time
-        left (:meth:`_validate`), where none has yet: the round's reserve counts it."""
+        """Whether an agent is still to reach real steps (the round's reserve counts it)."""
         if self.plan.space == "parametric":
             return False
         done = {c.number for c in map(Candidate.parse, self.validated) if c.is_trial}
@@ -750,10 +681,8 @@ class SearchRunner:
         )
 
     def _baselines(self) -> None:
-        """Score the built-in rules' defaults the study enqueued (parametric trials marked
-        ``baseline``) with the parametric objective, whatever the time (replays: seconds): any
-        objective takes an enqueued trial first, and an agent trial that took one would carry
-        the mark and never reach validation."""
+        """Score the rules' enqueued defaults first, whatever the time: an agent trial that took
+        one would carry the ``baseline`` mark and never reach validation."""
         import optuna
 
         waiting = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
@@ -763,10 +692,8 @@ class SearchRunner:
         self._trials(self._parametric(), stop_at, n_trials=self._more(len(waiting)), progress=False)
 
     def _warm_trial(self, stop: float) -> None:
-        """The study's first RL trial, the shipped residual agent fine-tuned on the replay
-        (:class:`~autoscale.search.agent_trials.RLObjective`), run first and even where no time
-        is left to search: then it is the shipped agent as it came, scored on the replay alone
-        (seconds), so an agent that starts at ``auto`` always reaches validation."""
+        """The study's first RL trial (the shipped agent, fine-tuned), run even where no time is
+        left to search, so an agent that starts at ``auto`` always reaches validation."""
         objective_fn = self._rl(stop)
         if objective_fn.warm is None or any(
             t.user_attrs.get("warm_start") for t in self.study.get_trials(deepcopy=False)
@@ -781,8 +708,7 @@ class SearchRunner:
         return n if self.cfg.n_trials is None else min(n, self.cfg.n_trials)
 
     def _tail_search(self, start_by: float) -> None:
-        """The tail's last seconds: parametric replay trials to the end, where it is not past
-        ``start_by`` (see :meth:`_next_round`)."""
+        """The tail's parametric replay trials to the end, unless past ``start_by``."""
         left = self.budget.left()
         if time.monotonic() >= start_by:
             return
@@ -831,8 +757,7 @@ class SearchRunner:
 
     # ------------------------------------------------------------------ validation
     def _validate(self, r: Round) -> bool:
-        """Validate torch, auto, the round's best candidates not validated yet and the rules
-        (first round); True if anything new was."""
+        """Validate what :meth:`_to_validate` orders; True if anything new was."""
         first, validator = r.number == 1, self.validator
         order, rules, trials, agent = self._to_validate(r.candidates)
         if not order:
@@ -842,11 +767,8 @@ class SearchRunner:
         def note(v: Validated) -> None:
             self._note_validated(trials.get(v.key.number) if v.key.is_trial else None, v)
 
-        # torch, auto and, after the best candidate, the round's agent (where none reached real
-        # steps yet: the warm-started one, which starts at auto, else the best; whether an agent
-        # is level with auto is the question RL answers) in any time left; the others until the
-        # round's check_at (a pick's check still fits after it), or in any time left where it
-        # has passed when they start
+        # torch, auto and the round's agent in any time left; the others until check_at (a
+        # pick's check still fits after it), or in any time left once it has passed
         results: dict[str, Validated] = {}
         keys = [o[0] for o in order]
         cut = keys.index(agent) if agent in keys else len(order)
@@ -884,11 +806,9 @@ class SearchRunner:
         return bool(results)
 
     def _to_validate(self, k: int) -> tuple[list, list, dict[int, Any], Candidate | None]:
-        """(key, label, factory) to validate in order: torch first (every objective is measured
-        against it), auto (the bar a candidate must clear), the best of the ``k`` best candidates
-        not validated yet (and the best agent), the other rules, the other candidates; (that
-        order, the rules in it, the candidates' trials by number, the key of the agent brought to
-        real steps where none reached them before: the warm-started one, else the best)."""
+        """(key, label, factory) to validate, in order: torch, auto, the best of the ``k`` best
+        candidates not validated yet (and an agent), the other rules and candidates; returns
+        (that order, the rules in it, the trials by number, the agent's key or None)."""
         import optuna
 
         plan = self.plan
@@ -905,7 +825,6 @@ class SearchRunner:
         for t, factory in candidates:
             self.factories[Candidate.trial(t.number)] = factory
             order.append((Candidate.trial(t.number), policy_label(t), factory))
-        # the agent brought to real steps: the warm-started one (it starts at auto), else the best
         agents = [
             i for i, (t, _) in enumerate(candidates)
             if t.user_attrs.get("policy", {}).get("kind") == "residual"
@@ -927,8 +846,7 @@ class SearchRunner:
         return order, rules, {t.number: t for t, _ in candidates}, first_agent
 
     def _replay_rules(self, rules: list) -> None:
-        """The rules the first round left without real steps: on the replay of the test
-        instances, marked so."""
+        """Score the rules the first round left without real steps on the test replay."""
         for key, label, factory in rules:
             if key not in self.validated:
                 cards: dict[str, list] = {}
@@ -986,9 +904,8 @@ class SearchRunner:
             self._report(ranked, reference, self.exported)
 
     def _choose(self, ranked: list[Validated]) -> Validated | None:
-        # a source's rows are the replay of its held-out windows, at the horizon itself (no lead
-        # to hold there again), all the evidence there is, and its check a replay that its plan
-        # left time for: it always runs, so nothing is exported unchecked
+        # a source's rows are replay at the horizon itself (no lead to hold there again), and
+        # its check always fits its plan, so nothing is exported unchecked
         replay = self.source is not None
         study, families = self.study, self.cfg.families
         choice = choose(
@@ -1028,9 +945,7 @@ class SearchRunner:
         return choice.winner
 
     def _export(self, chosen: Validated | None, reference: Validated, since: float) -> None:
-        """Export the pick ``chosen`` (None: ``auto``, unmeasured), its rows against
-        ``reference`` and the evidence in its manifest, and say so; the pick started at
-        ``since``."""
+        """Export ``chosen`` (None: ``auto``, unmeasured) with its evidence, and say so."""
         from autoscale.scalers import make_scaler
         from autoscale.scalers.policies import policy_ref
         from autoscale.search.answer import answer_lines, evidence
@@ -1102,8 +1017,7 @@ class SearchRunner:
         self._comparison_plot(real[:4])
 
     def _comparison_plot(self, rows: list[Validated]) -> None:
-        """A PNG of the real-step trajectories, kept as a study artifact, where time and the
-        bookkeeping share allow (a matplotlib figure costs far more than a trial's SVG)."""
+        """A PNG of the real-step trajectories as a study artifact, where time allows."""
         if self.budget.left() + 0.5 * self.budget.reserve < 1.0:
             return
         from matplotlib.figure import Figure  # noqa: F401  (import outside the timed drawing)
@@ -1131,8 +1045,7 @@ def _scale_kw(suite: SuiteSpec) -> dict[str, float]:
 
 
 def _preload() -> None:
-    """Import what storage access loads lazily, so module imports count as start-up rather than
-    as bookkeeping in the ledger."""
+    """Import what storage access loads lazily, so the ledger counts it as start-up."""
     import importlib
 
     for name in (
@@ -1146,7 +1059,6 @@ def _preload() -> None:
 
 
 def rules_torch_first(families: Sequence[str] | None = None) -> tuple[str, ...]:
-    """The built-in rules a search validates and searches: ``torch`` (the reference) first, then
-    ``families`` (None: every family whose scale adapts to the gradients)."""
+    """The built-in rules a search validates and searches: ``torch``, then ``families``."""
     rules = list(searched_families(families))
     return tuple([REFERENCE_RULE] + [r for r in rules if r != REFERENCE_RULE])

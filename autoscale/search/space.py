@@ -1,13 +1,7 @@
-"""The two search spaces: parametric rule families with their knobs, and RL agents.
-
-Parametric: a trial picks a rule (``rule``) among the registered built-in rules, then the knobs
-that rule takes, each under the name ``RULE.KNOB`` so that every rule keeps its own distribution.
-Knob ranges are defined by knob name in :data:`KNOBS`, so a new rule whose keywords reuse these
-names is searched without any change here; other keywords keep their defaults. The initial scale
-comes from the env spec's episode, except for ``static``, where the scale *is* the policy.
-
-RL: algorithm (those that support the spec's action mode), learning rate, discount, exploration,
-and a multiplier of the precision weight of the *training* reward (the objective keeps the spec's).
+"""The two search spaces: parametric rule families with their knobs (:func:`suggest_parametric`),
+and residual RL agents (:func:`suggest_residual`). A rule's knobs are sampled as ``RULE.KNOB``, so
+each rule keeps its own distribution; ranges are defined by knob name in :data:`KNOBS`, so a new
+rule reusing those keyword names is searched with no change here.
 """
 
 from __future__ import annotations
@@ -30,8 +24,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Knob:
-    """A searched keyword: ``kind`` is ``int``, ``float``, ``bool`` or ``log2`` (an integer
-    exponent k standing for the value 2**k)."""
+    """A searched keyword: ``kind`` is ``int``, ``float``, ``bool`` or ``log2`` (2**k, k an int)."""
 
     kind: str
     low: float = 0.0
@@ -90,8 +83,7 @@ def parametric_families() -> dict[str, dict[str, Any]]:
 
 def searched_families(names: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     """The families a search tries: ``names`` (``--family``), else every built-in rule whose
-    scale adapts to the gradients (a fixed scale cannot follow gradients that drift over a run of
-    10^4 to 10^6 steps, so ``static`` is searched only when asked for).
+    scale adapts (``static`` cannot follow gradients that drift over a run).
 
     Raises:
         UnknownNameError: a name that is no built-in rule (with the nearest one).
@@ -131,8 +123,7 @@ def suggest_parametric(
 
 
 def default_trial_params(rule: str, defaults: dict[str, Any], episode: Any) -> dict[str, Any]:
-    """The trial parameters of ``rule`` as the built-in rule is evaluated (for enqueueing), with
-    the initial scale of ``episode`` (an :class:`~autoscale.envs.spec.EpisodeSpec`)."""
+    """The trial parameters of the built-in ``rule`` as it is evaluated, for enqueueing."""
     values = {**defaults, "init_scale": episode.init_scale}
     out: dict[str, Any] = {"rule": rule}
     for knob, k in _knobs(rule, defaults).items():
@@ -141,9 +132,7 @@ def default_trial_params(rule: str, defaults: dict[str, Any], episode: Any) -> d
 
 
 def suggest_residual(trial: Any) -> dict[str, Any]:
-    """Sample a residual agent's algorithm (discrete offsets: PPO, DQN or A2C), its
-    hyperparameters, and the weight of precision in its reward (the bar's constraints hold
-    whatever the weight)."""
+    """Sample a residual agent's algorithm, hyperparameters and precision reward multiplier."""
     algo = trial.suggest_categorical("algo", ["a2c", "dqn", "ppo"])
     hp: dict[str, Any] = {
         "learning_rate": trial.suggest_float(f"{algo}.learning_rate", 1e-4, 3e-3, log=True),

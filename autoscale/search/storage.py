@@ -1,14 +1,8 @@
-"""Optuna storages from URLs, the artifact store and the cache folder next to them.
-
-``--storage`` takes an SQLite URL or file (``sqlite:///autoscale.db``, ``runs.db``; the default),
-a path ending in ``.log`` (a JournalFile: several processes on one host), or any URL SQLAlchemy
-knows (``postgresql://user:pw@host/db``: several hosts). SQLite runs in WAL mode with
-``synchronous=NORMAL``: every commit survives a crash of the process, and a trial costs a few
-milliseconds of storage instead of tens (the default mode syncs the disk on every write).
-
-Next to a file storage lives ``artifacts/`` (for a server URL: ``./artifacts``, or ``--artifacts``):
-``store/`` is Optuna's FileSystemArtifactStore (plots, RL policies), ``traces/`` caches recorded
-traces, ``locks/`` serialises work that several local workers would otherwise repeat.
+"""Optuna storages from URLs (:func:`open_storage`: SQLite, a ``.log`` JournalFile, or a server
+URL), the artifact store and the cache folder next to them (:func:`artifacts_dir`: ``store/``,
+``traces/``, ``locks/``). SQLite runs in WAL mode with ``synchronous=NORMAL``: commits survive a
+crash of the process without a disk sync on every write. User-facing detail: docs/search.md,
+"Many workers, one study".
 """
 
 from __future__ import annotations
@@ -46,9 +40,7 @@ def mask_url(url: str) -> str:
 
 
 def storage_id(url: str) -> str:
-    """A storage URL as it names the storage from any folder: a file storage by its absolute
-    path (``autoscale.db`` -> ``sqlite:////home/me/autoscale.db``), a server by its URL, any
-    password masked."""
+    """A storage URL as it names the storage from any folder (a file by its absolute path)."""
     try:
         kind, path = _file_of(str(url))
     except StorageError:
@@ -60,8 +52,7 @@ def storage_id(url: str) -> str:
 
 
 def same_storage(a: str, b: str) -> bool:
-    """Whether two storage URLs (as given or masked) name one storage: a file by its absolute
-    path (``autoscale.db`` and ``sqlite:///autoscale.db`` are one), a server by its URL."""
+    """Whether two storage URLs (as given or masked) name one storage (:func:`storage_id`)."""
     return storage_id(a) == storage_id(b)
 
 
@@ -92,8 +83,7 @@ _LOST = ("OperationalError", "InterfaceError", "DisconnectionError")
 
 
 def lost_connection(exc: BaseException) -> str | None:
-    """The reason, in a few words, when ``exc`` (or an exception it came from) says that the
-    database went away or refused a connection in the middle of a run; else None."""
+    """The reason, in a few words, when ``exc`` (or its cause) says the database went away."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
@@ -106,7 +96,7 @@ def lost_connection(exc: BaseException) -> str | None:
 
 
 def open_storage(url: str, *, must_exist: bool = False) -> Any:
-    """An Optuna storage for ``url`` (see the module docstring).
+    """An Optuna storage for ``url``.
 
     Args:
         must_exist: Refuse to create a new file storage (for commands that only read).
@@ -136,8 +126,7 @@ def open_storage(url: str, *, must_exist: bool = False) -> Any:
 
             return JournalStorage(JournalFileBackend(str(path)))
         if kind == "sqlite":
-            # one host: the worker check of study.fail_stale_trials (host:pid) covers it, and
-            # heartbeats would add a write and a query to every trial
+            # one host: study.fail_stale_trials covers it without heartbeats' write per trial
             storage = _rdb(url if "://" in url else f"sqlite:///{path}", {}, heartbeat=False)
             _sqlite_wal(storage.engine)
             return storage
@@ -159,11 +148,9 @@ def open_storage(url: str, *, must_exist: bool = False) -> Any:
 
 
 def _check_journal(path: Path, shown: str) -> None:
-    """Optuna reads past a journal's last line when it is no whole entry (a bad line before
-    others it refuses itself) and writes its next entry onto it: the study is lost on the read
-    after. That line is refused before any write. Cut short, it may be another worker's entry
-    being written (Optuna appends whole lines under its lock): read again after a moment, it is
-    whole or it is refused."""
+    """Refuse a journal whose last line is no whole entry: Optuna would write its next entry
+    onto it and lose the study on the read after. A line cut short may be another worker's
+    write in progress, so it is read again once first."""
     for attempt in range(2):
         if not path.is_file():
             return
@@ -181,8 +168,7 @@ def _check_journal(path: Path, shown: str) -> None:
 
 
 def _last_line(path: Path) -> tuple[int, bytes]:
-    """(its number, the line) of a file's last line, with its newline if it has one; (0, b"")
-    for an empty file. Read in blocks: nothing else is kept or parsed."""
+    """(number, line) of a file's last line, with its newline if any; (0, b"") if empty."""
     count, whole, partial = 0, b"", b""
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -201,19 +187,15 @@ def _entry(line: bytes) -> bool:
 
 
 _RACE = ("already exists", "unique constraint", "duplicate key", "database is locked")
-# Optuna's heartbeat on database servers: each running trial's worker writes one every HEARTBEAT_S;
-# a trial whose heartbeat is older than GRACE_S (its worker was killed) is failed by the next
-# worker that starts a trial, on any host. SQLite and JournalFile storages serve one host, where
-# study.fail_stale_trials (a dead worker's host:pid) does it without a write per trial.
+# heartbeats on database servers only: a trial whose beat is older than GRACE_S is failed by the
+# next worker on any host; on one host study.fail_stale_trials does it without a write per trial
 HEARTBEAT_S, GRACE_S = 10, 60
 
 
 def _rdb(
     url: str, engine_kwargs: dict[str, Any], attempts: int = 5, *, heartbeat: bool = True
 ) -> Any:
-    """An RDBStorage (with heartbeats for servers that several hosts share); retried when workers
-    starting together race to create its tables (one sees 'table already exists' or a duplicate
-    schema version)."""
+    """An RDBStorage, retried when workers starting together race to create its tables."""
     import random
     import time
 
@@ -266,12 +248,9 @@ def _postgres_driver(url: str) -> str:
 def _sqlite_wal(engine: Any) -> None:
     """WAL mode, and every transaction begun with ``BEGIN IMMEDIATE``.
 
-    Python's sqlite3 begins a transaction only at the first write, so Optuna's read-then-write
-    of a trial's state (``set_trial_state_values``: a WAITING trial becomes RUNNING) is two steps
-    with another worker's commit possibly between them: two workers then pop the same enqueued
-    trial, and the second to finish it dies on "Cannot tell a COMPLETE trial". Taking the write
-    lock when a transaction begins makes each one atomic (SQLAlchemy's documented recipe for
-    pysqlite); other workers wait for it (``busy_timeout``), as they do for any write."""
+    sqlite3 begins a transaction only at the first write, so two workers could both pop one
+    enqueued trial between Optuna's read and write of its state (the second then dies on "Cannot
+    tell a COMPLETE trial"); taking the write lock at BEGIN makes it atomic."""
     from sqlalchemy import event
 
     def on_connect(dbapi_conn: Any, _record: Any) -> None:

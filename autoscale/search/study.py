@@ -40,11 +40,9 @@ PLANNING = "planning"
 
 
 def study_kwargs(seed: int, trials_before: int, ledger: Ledger | None = None) -> dict[str, Any]:
-    """A seeded TPE sampler and a median pruner (it starts once every family's default and a
-    few sampled trials are complete). The seed is offset by the trials already in the study, so a
-    fresh study is reproducible and a resume or a second worker samples differently; with
-    ``constant_liar`` running trials of other workers count as bad, so workers spread out.
-    With a ledger, their time is counted as ``alg:sampler`` and ``alg:pruner``."""
+    """A seeded TPE sampler and a median pruner, timed into ``ledger``. The seed is offset by
+    the trials already in the study, so a resume or a second worker samples differently, and
+    ``constant_liar`` spreads workers out."""
     import optuna
 
     sampler = optuna.samplers.TPESampler(seed=seed + trials_before, constant_liar=True)
@@ -65,8 +63,7 @@ SAMPLER_CALLS = (
 
 
 def _timed(obj: Any, calls: tuple[str, ...], category: str, ledger: Ledger) -> Any:
-    """``obj`` with each of its methods ``calls`` timed into ``ledger`` under ``category`` (none
-    of them calls another of them: nothing is counted twice)."""
+    """``obj`` with its methods ``calls`` timed into ``ledger`` under ``category``."""
 
     def timing(call: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -127,9 +124,8 @@ def study_note(name: str, plan: Plan, table: str = "") -> str:
 def describe_new_study(
     study: Any, plan: Plan, *, command: str, budget: dict[str, Any], planner: str, until: float
 ) -> None:
-    """Record what a new study is (user attributes and note) and enqueue every rule family's
-    defaults, so the search starts from the built-in rules. ``planner`` (this worker) plans it
-    until ``until`` (epoch seconds) at the latest: see :func:`store_plan`."""
+    """Record what a new study is and enqueue every rule's defaults; ``planner`` (this worker)
+    plans it until ``until`` (epoch seconds) at the latest."""
     from autoscale.search.trials import write_note
 
     attrs = {
@@ -157,11 +153,8 @@ def describe_new_study(
 
 
 def store_plan(study: Any, plan: Plan | None = None) -> None:
-    """Store a new study's plan for good: the worker that created the study does, after its
-    recording and re-plan, before any trial is scored; ``plan`` when it re-planned (the note says
-    what was traded), else the plan stored at creation stays. Workers joining or resuming the
-    study adopt it (:func:`wait_for_plan`) and never re-plan it, so every worker scores and
-    validates alike."""
+    """Store a new study's plan for good (``plan`` where its creator re-planned, else the one
+    stored at creation stays); other workers adopt it and never re-plan it."""
     from autoscale.search.trials import write_note
 
     if plan is not None:
@@ -181,15 +174,12 @@ def wait_for_plan(
     timeout: float = 60.0,
     poll_s: float = 0.5,
 ) -> StoredPlan:
-    """The study's plan for good: waits for a worker that is creating the study to
-    store them (``timeout`` seconds at most), then, while that worker plans (it records and may
-    re-plan), until it stores its plan, its budget ends, or it is a process of this host that no
-    longer runs (then the plan stored at creation is the study's, and this says so in the study).
-    ``on_wait`` hears the planner's ``host:pid`` once, when there is something to wait for.
+    """The study's plan for good, once its planner stores it, its budget ends or it is a dead
+    process of this host (then the plan stored at creation is the study's). ``on_wait`` hears
+    the planner's ``host:pid`` once.
 
     Raises:
-        BudgetError: the planner still plans at ``give_up_at`` (``time.monotonic()``: this
-            worker's budget end).
+        BudgetError: the planner still plans at ``give_up_at`` (this worker's budget end).
     """
     deadline = time.monotonic() + timeout
     while "suite" not in study.user_attrs and time.monotonic() < deadline:
@@ -227,9 +217,8 @@ def records_id(records: list[Any]) -> list[list[Any]]:
 def check_source(
     attrs: dict[str, Any], study: str, records: list[Any] | None = None, suite: Any = None
 ) -> None:
-    """A study resumes only from what it was made from, for both sources of episodes: a workload's
-    real steps (``records`` None) or recorded runs (``records`` and their ``suite``). Its trials,
-    and their scores, were measured there; else one line says how to start another."""
+    """Refuse to resume a study from another source than it was made from: a workload's real
+    steps (``records`` None) or these recorded runs (``records`` and their ``suite``)."""
     made = attrs.get("traces")
     if "suite" not in attrs and made is None:
         return  # new, or being created by another worker: nothing to compare yet
@@ -278,9 +267,8 @@ def check_workload(stored: SuiteSpec, asked: SuiteSpec, study: str) -> None:
             )
 
 
-# A worker tags its trial (``worker`` = host:pid) as the trial's objective starts, milliseconds
-# after Optuna created it; a trial still untagged this long after its start had its worker killed
-# in between (in the sampler's work inside ``ask``), and nobody else would ever fail it.
+# a trial still untagged (``worker`` = host:pid) this long after its start had its worker killed
+# inside Optuna's ``ask``, and nobody else would ever fail it
 UNTAGGED_GRACE_S = 300.0
 
 
@@ -308,8 +296,7 @@ def fail_stale_trials(study: Any, storage: Any, untagged_grace_s: float = UNTAGG
 
 
 def fail_worker_trials(study: Any, worker: str) -> int:
-    """Fail the running trials of ``worker`` (its ``worker`` user attribute): what an interrupted
-    worker could not tell itself."""
+    """Fail the running trials of ``worker``, which an interrupted worker could not tell."""
     import contextlib
 
     from optuna.trial import TrialState

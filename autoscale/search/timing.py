@@ -1,11 +1,6 @@
-"""What real training costs here: step times measured within a time limit, and the no-harm
-check's shape (whose cost the plan and the check both read).
-
-:func:`measure` times building a run, a few real steps, an evaluation and recorded steps of a
-workload within a limit (checked between steps: a step that runs past it finishes and counts);
-:class:`Timings` holds them per :func:`workload_key` (what the step time depends on), and every
-cost estimate of the search (:mod:`~autoscale.search.plan`, the validator, the no-harm check) is
-computed from them.
+"""What real training costs here: :func:`measure_all` times each workload (:class:`Timings`, by
+:func:`workload_key`), and every cost estimate of the search is computed from them, the no-harm
+check's (:class:`NoHarmPlan`) included.
 """
 
 from __future__ import annotations
@@ -41,11 +36,11 @@ class Timing:
     Attributes:
         step_s: Seconds per real optimizer step.
         build_s: Seconds to build one run (model, data, optimizer).
-        eval_s: Seconds of one held-out evaluation (``TrainingRun.eval_loss``).
+        eval_s: Seconds of one held-out evaluation.
         steps: Steps timed.
-        complete: False when building the run took all the time allowed and no step was timed:
-            ``step_s`` is then 0, a lower bound, as is every estimate made from it.
-        record_step_s: Seconds per recorded step (with the trace's histograms and backward amax).
+        complete: False when building the run took all the time allowed: ``step_s`` is then 0,
+            a lower bound, as is every estimate made from it.
+        record_step_s: Seconds per recorded step.
     """
 
     step_s: float
@@ -60,9 +55,8 @@ class Timing:
         return self.record_step_s if self.record_step_s else RECORD_SLOWDOWN * self.step_s
 
     def run_s(self, steps: int, *, record: bool = False, reference: bool = False) -> float:
-        """Seconds to build a run, take ``steps`` steps (with ``reference``, the long runs'
-        sampled fp32 reference backward: :data:`REFERENCE_FACTOR` on the steps alone) and
-        evaluate it."""
+        """Seconds to build a run, take ``steps`` steps and evaluate it (``reference``: with the
+        long runs' sampled fp32 backward, :data:`REFERENCE_FACTOR`)."""
         step_s = (self.record_s if record else self.step_s) * (
             REFERENCE_FACTOR if reference else 1.0
         )
@@ -91,9 +85,8 @@ def _model_label(key: str) -> str:
 
 
 def workload_key(workload: Any) -> str:
-    """What the step time depends on: the workload without its scenario's knobs and seed (a
-    preference loss runs two forward passes, RL fine-tuning samples and scores completions first,
-    so those scenarios count)."""
+    """What the step time depends on: the workload without its scenario's knobs and seed (but
+    the preference and RL fine-tuning scenarios, which cost more a step)."""
     d = workload.to_dict()
     keep = ("model", "dtype", "device", "batch_size", "seq_len", "grad_accum", "data", "init")
     extra = {"preference": "+pref", "rl-finetune": "+rlft"}.get(d["scenario"], "")
@@ -164,13 +157,9 @@ def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: floa
     """Time building a run of ``workload``, a few real steps and two recorded ones, within
     ``limit_s`` seconds.
 
-    Nothing is cut short: the time is checked after the build and between steps, and a step that
-    runs past the limit finishes and is measured (its time is the step time, not a bound). So a
-    measurement costs at most about the limit plus one step, or the build alone where building
-    the run takes longer than the limit: no step is taken then (one might cost as much again), and
-    the result is not ``complete``. The first step is a warm-up; later ones are timed while time
-    is left and their total stays under ``step_share_s``; the evaluation and the recorded steps
-    are measured where what is left holds them, and estimated otherwise.
+    Nothing is cut short: a step that runs past the limit finishes and counts, so a measurement
+    costs about the limit plus one step, or the build alone (then not ``complete``) where the
+    build takes longer. The evaluation and recorded steps are estimated where no time is left.
     """
     from autoscale.training import TrainingRun
 
@@ -192,9 +181,8 @@ def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: floa
         times.append(_timed(run.step))
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
     eval_s, record_step = _eval_estimate(workload, step), None
-    # evaluation and one or two recorded steps, where what is left holds them (a recorded step of
-    # a large model can cost far more or about the same as a plain one: the estimate of the
-    # recording phase, the largest, is measured, not guessed)
+    # a recorded step of a large model can cost far more or about the same as a plain one: the
+    # recording phase, the largest, is measured where time allows, not guessed
     if left() > 4.0 * times[-1]:
         eval_s = _timed(run.eval_loss)
         run.record = True
@@ -206,9 +194,8 @@ def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: floa
 
 
 def _warm_up(workload: Any) -> None:
-    """Build and step a run of the smallest preset once, untimed: the one-off imports of a cold
-    process (the optimizer's first step imports ``torch._dynamo``, seconds on a fresh install)
-    would otherwise be charged to the first workload's build, as if every run paid them."""
+    """Step a run of the smallest preset once, untimed, so a cold process's one-off imports
+    (``torch._dynamo`` on the first optimizer step) are not charged to the first build."""
     from autoscale.training import TrainingRun, WorkloadSpec
 
     small = WorkloadSpec(
@@ -219,8 +206,7 @@ def _warm_up(workload: Any) -> None:
 
 
 def measure_all(workloads: list[Any], *, limit_s: float, step_share_s: float) -> Timings:
-    """:func:`measure` each distinct workload (by :func:`workload_key`) within ``limit_s`` in all
-    (each may run one step past its share); a workload measured last gets what the others left."""
+    """:func:`measure` each distinct workload within ``limit_s`` in all, shared out in turn."""
     distinct: dict[str, Any] = {}
     for w in workloads:
         distinct.setdefault(workload_key(w), w)
@@ -261,8 +247,7 @@ class NoHarmPlan:
     candidate_seeds: tuple[int, ...] = (0,)
 
     def cost(self, timings: Timings, candidates: int, cached: Callable[[Any, int], bool]) -> float:
-        """Seconds for ``candidates`` candidates and the ``torch`` runs not cached yet (recorded:
-        the check screens candidates on their replay, so they cost recorded steps)."""
+        """Seconds for ``candidates`` candidates and the uncached (recorded) ``torch`` runs."""
         total = 0.0
         for w in self.workloads:
             t = timings.of(w)

@@ -1,13 +1,7 @@
-"""Recorded traces of a search's instances (every member of its suite), cached next to the storage
-so a resume (or a second worker on the same host) does not record them again.
-
-Each instance is recorded and cached on its own, under a hash of everything the recording depends
-on (workload, episode, the instance's seed and start, the trace length, trace and feature
-versions, torch version), so an interrupted recording keeps the instances it finished. A lock per instance makes a second
-local worker wait for the first one's recording and then read it, instead of recording it too.
-Only the worker that creates a study records it bending (a trace cut at its deadline is cached
-under its own, shorter length); its re-plan then caches every trace of the plan it stores under
-that plan's keys (:func:`keep_planned`), so a worker adopting the plan reads what it replays.
+"""Recorded traces of a search's instances (:func:`load_traces`), cached next to the storage per
+instance under :func:`instance_key`, so an interrupted recording, a resume or a second worker
+(which waits on the instance's lock) does not record them again. A re-plan caches its traces under
+its own keys (:func:`keep_planned`). User-facing detail: docs/search.md, "A budget that bends".
 """
 
 from __future__ import annotations
@@ -56,8 +50,7 @@ def _jobs(suite: SuiteSpec) -> list[tuple[EnvSpec, InstanceSpec]]:
 def cached_share(
     suite: SuiteSpec, folder: Path, steps: int, cost: Callable[[EnvSpec, int], float]
 ) -> float:
-    """Share (0..1) of the recording cost of ``steps``-step traces of ``suite`` already in the
-    cache ``folder/traces``; ``cost(member, steps)`` is a recording's cost."""
+    """Share (0..1) of the recording cost of ``steps``-step traces of ``suite`` already cached."""
     jobs = _jobs(suite)
     total = sum(cost(m, i.start + steps) for m, i in jobs)
     hit = sum(
@@ -69,8 +62,7 @@ def cached_share(
 
 
 def _essential_first(suite: SuiteSpec) -> list[tuple[EnvSpec, InstanceSpec, bool]]:
-    """Every job, the least a search needs first: each member's first train and first test
-    instance (marked True), then the rest in the plan's order."""
+    """Every job, each member's first train and test instance (marked True) first."""
     jobs = _jobs(suite)
     first = set()
     for m in suite.members:
@@ -103,30 +95,21 @@ def load_traces(
 
     Args:
         folder: The artifacts folder (traces go to ``folder/traces``).
-        cost: Seconds to record ``n`` steps of a member (build and evaluation included), to check
-            that a recording fits before starting it.
-        stop_at: ``time.monotonic()`` value past which no recording may start, or a function of
-            the pace so far (recorded seconds over planned ones, 1.0 before the first) giving it.
-        warn: Told, in one line, of each cached trace that does not read back (truncated,
-            overwritten, of another version); it is recorded again.
-        shrink_to: Bend instead of breaking: each member's first train and test instance are
-            recorded first; an instance that does not fit ``stop_at`` after them is left out
-            (``stats["dropped"]``), and a first one that does not fit ``floor_at`` (default
-            ``stop_at``) is recorded shorter, halving down to ``shrink_to`` steps
-            (``stats["shortest"]``). None: every instance, whole, or a BudgetError.
-        on_slow: Called with the pace after a recording that ran over 1.3x its plan (to look at
-            the machine's load again).
+        cost: Seconds to record ``n`` steps of a member, to check that a recording fits.
+        stop_at: ``time.monotonic()`` past which no recording starts, or a function of the pace.
+        warn: Told of each cached trace that does not read back; it is recorded again.
+        shrink_to: Bend instead of breaking: leave out an instance past each member's first ones
+            that misses ``stop_at``, and halve a first one that misses ``floor_at`` down to
+            ``shrink_to`` steps. None: every instance, whole, or a BudgetError.
+        on_slow: Called with the pace after a recording that ran over 1.3x its plan.
 
     Returns:
-        (member -> trace, stats): stats holds ``recorded`` and ``cached`` instance counts, real
-        ``steps`` recorded, ``wall_s`` spent recording and the ``planned_s`` of those recordings,
-        ``dropped`` (``MEMBER:INSTANCE`` names left out), ``shortened`` (those shorter than
-        ``steps``) and ``shortest`` (the shortest trace).
+        (member -> trace, stats): counts, ``wall_s`` and ``planned_s`` of the recordings, the
+        instances ``dropped`` and ``shortened``, and the ``shortest`` trace.
 
     Raises:
-        BudgetError: the budget ran out before every instance (with ``shrink_to``: every member's
-            first train and test instance, at ``shrink_to`` steps) was recorded (those recorded
-            stay cached: a rerun continues).
+        BudgetError: the budget ran out before every instance (with ``shrink_to``: every first
+            one) was recorded; those recorded stay cached.
     """
     (folder / "traces").mkdir(parents=True, exist_ok=True)
     floor = stop_at if floor_at is None else floor_at
@@ -166,8 +149,7 @@ def load_traces(
 
 @dataclasses.dataclass
 class _Recording:
-    """One :func:`load_traces` call: its cache, deadlines and bending (its arguments), and its
-    ``stats``; :meth:`instance` reads or records one instance."""
+    """One :func:`load_traces` call's state; :meth:`instance` reads or records one instance."""
 
     folder: Path
     cost: Callable[[EnvSpec, int], float]
@@ -191,10 +173,8 @@ class _Recording:
         return self.stats["wall_s"] / self.stats["planned_s"] if self.stats["planned_s"] else 1.0
 
     def instance(self, member: EnvSpec, inst: InstanceSpec, essential: bool) -> Trace | None:
-        """``inst``'s trace, from the cache or recorded where it fits its deadline (``floor``
-        for a first instance, ``stop_at`` for the others); bending, a first instance that does
-        not fit is recorded shorter (halving down to ``shrink_to`` steps) and any other is left
-        out (None); else a BudgetError."""
+        """``inst``'s trace, cached or recorded where it fits its deadline; bending, a first
+        instance is shortened and any other left out (None); else a BudgetError."""
         n = self.steps
         while True:
             key = instance_key(member, inst, n)
@@ -217,10 +197,8 @@ class _Recording:
     def _record(
         self, member: EnvSpec, inst: InstanceSpec, n: int, need: float, essential: bool
     ) -> Trace | None:
-        """Record ``n`` steps of ``inst`` and cache them. Bending, a recording slower than planned
-        is cut where the phases after it keep their time at this pace (a first instance: once it
-        has ``shrink_to`` steps); an instance beyond the first ones is then left out (None), a
-        first one cut is cached under its own, shorter length."""
+        """Record ``n`` steps of ``inst`` and cache them. Bending, a recording cut at its
+        deadline leaves a later instance out (None); a first one is cached at its cut length."""
         t0 = time.monotonic()
         trace = record_trace(
             member,
@@ -246,9 +224,8 @@ class _Recording:
 def keep_planned(
     suite: SuiteSpec, traces: dict[str, Trace], folder: Path, steps: int
 ) -> dict[str, Trace]:
-    """``traces`` as a re-plan made them: the instances ``suite`` plans, each cut to ``steps``
-    steps and cached under ``suite``'s key (a re-plan may shorten the traces and the replay
-    episodes, which the key holds), so that every worker of the study replays the same steps."""
+    """``traces`` cut to the instances and ``steps`` of a re-planned ``suite``, cached under its
+    keys so that every worker of the study replays the same steps."""
     cache = folder / "traces"
     out = {}
     for m in suite.members:

@@ -1,16 +1,7 @@
-"""Trials on replay: the parametric objective (the RL one: :mod:`~autoscale.search.agent_trials`),
-and what each trial leaves in the study.
-
-A trial is tuned on the train episodes' replay of every member of the suite: it reports its running
-objective to the pruner as it goes (:func:`report_points`), and is also scored on the test
-episodes' replay, for the record only. Every trial, pruned ones included, leaves a summary per
-member as user attributes; the complete trials among the best :data:`DETAILED_TOP` this worker has
-seen also leave an SVG of their scale trajectories as an artifact and a markdown note saying why
-they scored as they did, next to the ``torch`` rule on the same episodes (a note and a plot cost
-more storage time than a replayed trial: written for every trial, they would be most of the
-search's time). A trial whose
-training diverges is stopped and recorded as pruned (worse than any complete trial for the
-sampler); one that raises is failed by the loop.
+"""Trials on replay: :class:`ParametricObjective` (RL: :mod:`~autoscale.search.agent_trials`),
+scored on the train replay, and what each trial leaves in the study (:class:`TrialRecorder`).
+Every trial leaves a summary per member; only the best :data:`DETAILED_TOP` also leave a plot and a
+note, which cost more storage time than a replayed trial. A trial that diverges is pruned.
 """
 
 from __future__ import annotations
@@ -82,8 +73,7 @@ def trial_note(
     total: int,
     test_objective: float | None = None,
 ) -> str:
-    """Markdown: the objective, what it is made of, and a row per member next to ``torch`` on the
-    same episodes. ``total``: train episodes a complete trial is scored on."""
+    """Markdown: the objective, its terms, and a row per member next to ``torch``."""
     ref = {m: reference[m][: len(c)] for m, c in cards.items()}
     t = objective_terms(cards, ref, weights)
     done = sum(len(c) for c in cards.values())
@@ -128,10 +118,7 @@ def trial_note(
 
 
 class TrialRecorder:
-    """Writes a trial's scorecards, plot and note into the study; failures only warn.
-
-    Every write is timed into the ledger under ``bk:*`` (bookkeeping).
-    """
+    """Writes a trial's scorecards, plot and note into the study; failures only warn."""
 
     def __init__(
         self,
@@ -229,8 +216,7 @@ def store_artifact(store: Any, path: Path, study_or_trial: Any, mimetype: str) -
 
 
 def best_line(study: Any) -> str:
-    """The study's best trial on the train replay, in words (an enqueued rule's defaults are
-    validated as that rule)."""
+    """The study's best trial on the train replay, in words."""
     try:
         best = study.best_trial
     except ValueError:
@@ -259,9 +245,8 @@ def describe_params(rule: str, params: dict[str, Any]) -> str:
 
 
 def report_points(n: int) -> set[int]:
-    """After how many of ``n`` train episodes a trial reports its running objective to the
-    pruner: after a third and two thirds of them (each report is a storage write and a pruner
-    decision, which reads every trial: few reports keep bookkeeping small)."""
+    """After how many of ``n`` train episodes a trial reports to the pruner: a third and two
+    thirds (each report is a storage write and a pruner decision that reads every trial)."""
     return {max(1, round(n * f)) for f in (1 / 3, 2 / 3)} - {n}
 
 
@@ -286,11 +271,9 @@ class Objective:
         cards_of: Callable[[str], dict[str, list[Scorecard]] | None] | None = None,
         prune: bool = True,
     ) -> float:
-        """Score ``factory``'s scalers on the train replay, reporting as it goes; ``cards_of``
-        (which -> member -> scorecards, or None) gives them at once where it can (the vectorised
-        replay): the same cards, reported at the same points, and step records replayed only for
-        the plots of a detailed trial. ``prune=False``: reported, never pruned (a trained agent:
-        pruning it now would save only its replay and lose the agent)."""
+        """Score ``factory``'s scalers on the train replay, reporting as it goes. ``cards_of``
+        gives the same cards at once where it can (the vectorised replay). ``prune=False``: never
+        pruned (a trained agent: pruning would save only its replay and lose the agent)."""
         import optuna
 
         bench = self.bench
@@ -348,8 +331,7 @@ class Objective:
 
 
 class _ReplayedRecords(Mapping):
-    """Episode key -> step records of the episodes added, replayed (scalar) when first read: the
-    vectorised replay gives scorecards only, and only a detailed trial's plot reads records."""
+    """Episode key -> step records, replayed only when first read (by a detailed trial's plot)."""
 
     def __init__(self, bench: ReplayBench, factory: Callable[[], Any]) -> None:
         self.bench, self.factory = bench, factory

@@ -1,13 +1,7 @@
-"""Validation on real steps of the test instances of every member, shared by every worker of a study.
-
-The real-step episodes of a scaler (``rule:NAME`` or ``trial:NUMBER``) are stored in the study's
-user attributes under ``real:SCALER`` as ``{"cards": {MEMBER:INSTANCE: scorecard}}``: written when
-the scaler is done, and at least every :data:`FLUSH_S` seconds before that, so an interrupt loses at
-most that much work, and a resumed search or another worker never repeats an episode stored:
-built-in rules are validated once per study. A scaler is started only when all its remaining
-episodes fit before the deadline (measured step times, 20% margin), so validation ends in budget
-and every validated scaler has the full test set. Candidates and built-in rules are scored on
-exactly these episodes, against ``torch`` on the same ones.
+"""Validation on real steps of every member's test instances (:class:`Validator`), shared by
+every worker of a study: a scaler's episodes are stored in the study under ``real:SCALER`` at
+least every :data:`FLUSH_S` seconds, so no stored episode is run again. A scaler starts only where
+all its remaining episodes fit before the deadline, so every validated scaler has the full test set.
 """
 
 from __future__ import annotations
@@ -53,9 +47,7 @@ def keep_cards(
     ledger: Ledger,
     on: str | None = None,
 ) -> None:
-    """Keep ``key``'s scorecards by episode name in the study, under ``real:KEY`` (``on``: where
-    they were measured, where not on real steps: ``replay``), for every worker and for
-    ``autoscale export``."""
+    """Keep ``key``'s scorecards by episode name in the study under ``real:KEY``."""
     value: dict[str, Any] = {"cards": {n: c.to_dict() for n, c in cards.items()}, "worker": worker}
     if on is not None:
         value["on"] = on
@@ -78,7 +70,7 @@ class Validated:
     """A scaler scored on every test episode of every member.
 
     Attributes:
-        key: ``rule:NAME`` or ``trial:NUMBER``.
+        key: ``rule:NAME``, ``policy:NAME`` or ``trial:NUMBER``.
         label: Row name in tables.
         cards: Member -> one scorecard per test instance, in the suite's order.
         real: Real steps (False: replay of the recorded real test steps).
@@ -103,9 +95,8 @@ class Validator:
     """Runs scalers on real steps of the test episodes of a suite, within a deadline.
 
     Args:
-        study: The study whose user attributes keep the episodes.
         validation: The plan's validation suite (its members' test instances are run).
-        timings: Measured costs; each member's episode time is refined by every episode run here.
+        timings: Measured costs, refined by every episode run here.
     """
 
     def __init__(
@@ -152,9 +143,8 @@ class Validator:
         stop_at: float,
         on_done: Callable[[Validated], None] | None = None,
     ) -> dict[str, Validated]:
-        """Validate ``(key, label, factory)`` scalers in order; those that do not fit are
-        skipped (listed in :attr:`skipped`). ``on_done`` is called for each scaler this call ran
-        episodes of (not for those wholly stored before)."""
+        """Validate ``(key, label, factory)`` scalers in order, skipping (into :attr:`skipped`)
+        those that do not fit; ``on_done`` is called for each this call ran episodes of."""
         with self.ledger.track("bk:attrs"):
             attrs = self.study.user_attrs
         have = {key: real_cards(attrs, key, self.names) for key, _, _ in scalers}
@@ -211,9 +201,8 @@ class Validator:
 
 
 class ReplayValidator:
-    """Validation on the replay of the test episodes of a bench, where no real step can be taken
-    (a search on records: its held-out windows), with :class:`Validator`'s interface; each row is
-    kept in the study as real-step rows are, marked ``on: replay``.
+    """:class:`Validator`'s interface on the replay of a bench's test episodes (a search on
+    records); rows are kept in the study marked ``on: replay``.
 
     Args:
         bench: The :class:`~autoscale.search.bench.ReplayBench` whose test episodes are replayed.
@@ -240,10 +229,8 @@ class ReplayValidator:
         stop_at: float,
         on_done: Callable[[Validated], None] | None = None,
     ) -> dict[str, Validated]:
-        """Replay ``(key, label, factory)`` scalers in order, each kept in the study; ``stop_at``
-        is not needed: a replay takes a fraction of a second, and the search planned its time.
-        A scaler whose rows the study holds already (an earlier run of a resumed study) is read
-        back, not replayed; ``on_done`` is called for the others, as :meth:`Validator.run` does."""
+        """Replay ``(key, label, factory)`` scalers in order (rows the study holds are read back);
+        ``stop_at`` is ignored: replay takes a fraction of a second and the search planned it."""
         with self.ledger.track("bk:attrs"):
             attrs = self.study.user_attrs
         out: dict[str, Validated] = {}

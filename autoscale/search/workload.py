@@ -25,8 +25,7 @@ DEFAULT_SCENARIO = "bad-batches"
 
 
 def _template(scenario: str) -> EnvSpec | None:
-    """The ``envs/*.yaml`` spec of ``scenario``: the file named after it, else the first whose
-    workload has that scenario."""
+    """The ``envs/*.yaml`` spec of ``scenario`` (the file named after it first)."""
     files = [f for d in spec_dirs() if d.is_dir() for f in sorted(d.glob("*.yaml"))]
     files.sort(key=lambda f: f.stem != scenario)
     for f in files:
@@ -45,10 +44,8 @@ def base_spec(
     dtype: str | None = None,
     fp16: str | None = None,
 ) -> EnvSpec | SuiteSpec:
-    """The spec to search: ``env`` (an env spec or a suite) with any workload field given here
-    replacing its own (every member's, for ``dtype`` and ``fp16`` on a suite); else the spec of
-    ``scenario`` (default bad-batches) from ``envs/`` with ``model`` (default gpt2-tiny), or a
-    default spec (3 train and 3 test instances) where none matches.
+    """The spec to search: ``env`` with the workload fields given here replacing its own; else
+    the ``envs/`` spec of ``scenario`` with ``model``, or a built-in default spec.
 
     Raises:
         ConfigError: ``--model``/``--scenario``/``--param`` with a suite (its members name them).
@@ -115,9 +112,8 @@ def default_study_name(spec: EnvSpec | SuiteSpec, space: str) -> str:
 
 
 def check_user_workloads(spec: EnvSpec | SuiteSpec) -> None:
-    """One real step of every user workload (``module:factory``) the spec names, so that a
-    broken one (import, factory, parts, a loss that is not a scalar, no op in fp16) is refused in
-    one line before a study, trace or policy is written."""
+    """One real step of every user workload (``module:factory``) the spec names, so a broken one
+    is refused in one line before anything is written."""
     from autoscale.training import TrainingRun
     from autoscale.training.presets import is_user_workload
 
