@@ -2,12 +2,15 @@
 
 import json
 
+import pytest
+
 from autoscale.cli import main
 from autoscale.training.fp16 import native_fp16_matmul
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # about a second or more
 def test_compare_mlp_with_bf16_reference(tmp_path, capsys):
     out, png = tmp_path / "cmp.json", tmp_path / "cmp.png"
     rc = main(
@@ -35,6 +38,7 @@ def test_compare_mlp_with_bf16_reference(tmp_path, capsys):
     assert png.read_bytes()[:8] == PNG
 
 
+@pytest.mark.slow  # about a second or more
 def test_compare_gpt2_tiny(capsys):
     assert (
         main(

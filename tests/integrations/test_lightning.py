@@ -69,6 +69,7 @@ def test_fit_uses_the_scaler_and_checkpoints_it(tmp_path, clip_spy):
     assert resumed.scaler.steps == 4 and resumed.scaler.get_scale() == SCALE * 4
 
 
+@pytest.mark.slow  # about a second or more
 def test_fsdp_plugin_holds_the_scaler():
     # FSDPPrecision autocasts on CUDA only, and Lightning's FSDP needs CUDA: only the plugin is
     # checked here (its own scaler= argument raises in Lightning 2.6, hence the workaround).

@@ -95,6 +95,7 @@ def test_both_keep_the_largest_float32_power_of_two():
     assert theirs[-1] == 2.0**127 and growth_steps(theirs, 2.0**120) == [9, 19, 29, 39, 49, 59, 69]
 
 
+@pytest.mark.slow  # about a second or more
 def test_jmp_grows_past_our_default_max_scale():
     """Below float32's range jmp has no ceiling; ours stops at max_scale (2^64 by default), the
     only difference on a clean run, and backs off from there."""

@@ -112,6 +112,7 @@ def test_same_scale_sequence_as_dynamic_grad_scaler(case):
     assert all(v > 0 for v in seen.values()), seen
 
 
+@pytest.mark.slow  # about a second or more
 def test_megatron_grows_past_our_max_scale():
     """Megatron has no ceiling; ours stops at max_scale (the only difference on a clean run)."""
     clean = [False] * 3000

@@ -84,6 +84,7 @@ def test_exporting_auto_itself_names_it_once():
     assert "; torch: skipped 12.50%" in lines[2]
 
 
+@pytest.mark.slow  # about a second or more
 def test_the_final_table_ends_with_the_limit_and_each_real_rows_share(tmp_path):
     from autoscale.envs.limit import episodes_limit
     from autoscale.envs.suite import as_suite

@@ -169,6 +169,7 @@ def test_a_ctrl_c_inside_an_import_is_raised_after_it_not_in_it(tmp_path, monkey
     del sys.modules["sigint_mid_import"]
 
 
+@pytest.mark.slow  # about a second or more
 def test_a_ctrl_c_inside_a_storage_call_is_raised_after_it_not_in_it(tmp_path, caplog):
     """A KeyboardInterrupt raised inside SQLAlchemy's fetch (a pruner reading the study mid-trial)
     made it close the connection under its own cursor and log "Error closing cursor" with a
