@@ -10,8 +10,9 @@ Two measurements, printed in one run:
    equally often; ``--small-repeats`` rounds). Per rule: the overhead per step, the median over
    rounds of (rule block - GradScaler block) / steps, in microseconds; the median step's (the
    median of every step's time, minus GradScaler's: a step another process preempted moves its
-   block, hardly the median step); and the time attributed to the scaler (below). Targets, held to the median step's overhead:
-   :data:`SMALL_TARGET_US` (counter rules 20 us, ``auto`` and the amax rules 50 us).
+   block, hardly the median step); and the time attributed to the scaler (below). Targets,
+   held to the median step's overhead: :data:`SMALL_TARGET_US` (counter rules 20 us, ``auto``
+   and the amax rules 50 us).
 2. **Large model: the ratio.** Every rule (or ``--rules``) trains its own copy of an MLP
    (``--width``, ``--depth``) under autocast (bf16 on CPU, so that the time is not fp16
    emulation; fp16 on CUDA), and so does a plain GradScaler. Blocks of ``--steps`` steps
