@@ -259,10 +259,11 @@ def make_plan(
         shaped, validation, trace_steps, all_rules = StoredPlan(*stored)
         rec = rec_cost(shaped, trace_steps)
         val = validate_cost(validation, timings, validated_scalers(len(rules), all_rules))
-        return _finish(
-            suite, shaped, validation, trace_steps, space, rules, timings, no_harm, work_s, rec,
-            val, no_harm_s, all_rules, no_harm_cuts, warm_start, min_search_s,
+        plan = Plan(
+            shaped, validation, trace_steps, space, rules, timings, no_harm, rec, val, no_harm_s,
+            0.0, all_rules, no_harm_cuts,
         )  # fmt: skip
+        return _finish(plan, work_s, warm_start, min_search_s)
     if timings.complete:
         for h, windows, n, k in _shapes(suite):
             shaped = shape_suite(suite, h, n, k)
@@ -275,10 +276,11 @@ def make_plan(
                 continue
             validation, all_rules, val = choice
             cuts = _cuts(suite, h, windows, n, k, validation, all_rules) + no_harm_cuts
-            return _finish(
-                suite, shaped, validation, windows * h, space, rules, timings, no_harm, work_s,
-                rec, val, no_harm_s, all_rules, cuts, warm_start, min_search_s,
+            plan = Plan(
+                shaped, validation, windows * h, space, rules, timings, no_harm, rec, val,
+                no_harm_s, 0.0, all_rules, cuts,
             )  # fmt: skip
+            return _finish(plan, work_s, warm_start, min_search_s)
     smallest = shape_suite(suite, _horizons(suite)[-1], 1, 1)
     rec = rec_cost(smallest, smallest.episode.steps)
     val = validate_cost(smallest.with_episode_steps(VALIDATION_LADDER[-1]), timings, 3)
@@ -383,32 +385,19 @@ def _cuts(
     return tuple(cuts)
 
 
-def _finish(
-    base: SuiteSpec,
-    shaped: SuiteSpec,
-    validation: SuiteSpec,
-    trace_steps: int,
-    space: str,
-    rules: tuple[str, ...],
-    timings: Timings,
-    no_harm: NoHarmPlan,
-    work_s: float,
-    rec: float,
-    val: float,
-    no_harm_s: float,
-    all_rules: bool,
-    cuts: tuple[str, ...],
-    warm_start: bool = True,
-    min_search_s: float = 0.0,
-) -> Plan:
-    cuts = list(cuts)
-    search_s = search_estimate(work_s - rec, val, no_harm_s, min_search_s)
+def _finish(plan: Plan, work_s: float, warm_start: bool, min_search_s: float) -> Plan:
+    """``plan`` with the search time it leaves, and RL dropped (said in its cuts) where the
+    budget or the suite cannot hold it."""
+    search_s = search_estimate(
+        work_s - plan.record_s, plan.validate_s, plan.no_harm_s, min_search_s
+    )
+    space, cuts = plan.space, tuple(plan.cuts)
     if space in ("rl", "both"):
         from autoscale.search.agent_trials import RLObjective
 
         reason = None
-        if not RLObjective.fits(shaped):  # the rule the RL trials themselves apply
-            n = min(len(m.instances["train"]) for m in shaped.members)
+        if not RLObjective.fits(plan.suite):  # the rule the RL trials themselves apply
+            n = min(len(m.instances["train"]) for m in plan.suite.members)
             reason = (
                 f"an agent needs 2 train instances per member, one to select it on, or the "
                 f"shipped residual agent to start from; the plan keeps {n}"
@@ -417,23 +406,9 @@ def _finish(
             # (a shipped residual agent needs no search time: its trial is scored in seconds)
             reason = f"needs {format_duration(RL_MIN_SEARCH_S)} of search, the budget leaves {format_duration(search_s)}"
         if reason:
-            cuts.append(f"RL dropped ({reason}): searching the parametric space only")
+            cuts += (f"RL dropped ({reason}): searching the parametric space only",)
             space = "parametric"
-    return Plan(
-        shaped,
-        validation,
-        trace_steps,
-        space,
-        rules,
-        timings,
-        no_harm,
-        rec,
-        val,
-        no_harm_s,
-        search_s,
-        all_rules,
-        tuple(cuts),
-    )
+    return dataclasses.replace(plan, space=space, search_s=search_s, cuts=cuts)
 
 
 # ---------------------------------------------------------------------- after recording
