@@ -84,14 +84,7 @@ def expand_all_seeds(spec: Any, seeds: int, which: str) -> Any:
 
 def scaler_for(name: str, spec: Any, **overrides: Any) -> LossScaler:
     """The scaler ``name`` with the episode's initial scale and bounds (an env or suite spec)."""
-    ep = spec.episode
-    kw = {
-        "init_scale": ep.init_scale,
-        "min_scale": ep.min_scale,
-        "max_scale": ep.max_scale,
-        **overrides,
-    }
-    return make_scaler(name, device="cpu", **kw)
+    return make_scaler(name, device="cpu", **{**spec.episode.scale_kwargs(), **overrides})
 
 
 def drive_episode(

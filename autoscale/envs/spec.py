@@ -121,6 +121,14 @@ class EpisodeSpec:
                 f"episode min_scale ({self.min_scale:g}) exceeds max_scale ({self.max_scale:g})"
             )
 
+    def scale_kwargs(self) -> dict[str, float]:
+        """The initial scale and the bounds, as a scaler's keyword arguments."""
+        return {
+            "init_scale": self.init_scale,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+        }
+
     def at_scale_time(self) -> EpisodeSpec:
         """This episode with the agent acting when the loss is scaled (``scale_time``); discrete
         actions that give no ``drops`` get the default ones (4, 8, 12, 16 bits)."""

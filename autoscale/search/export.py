@@ -399,8 +399,7 @@ def export_candidate(
     workload = _workload(study, suite, {**extra, **(provenance or {})})
     scorecard = scorecard or {}
     if key.is_rule or policy["kind"] == "parametric":
-        ep = suite.episode
-        bounds = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
+        bounds = suite.episode.scale_kwargs()
         rule, params = (key.name, {}) if key.is_rule else (policy["rule"], policy["params"])
         kw = {"workload": workload, "scorecard": scorecard, "out_dir": out_dir, "force": replace}
         return export_parametric(rule, {**bounds, **params}, name, **kw), how

@@ -351,7 +351,7 @@ class SearchRunner:
 
     def _check(self, no_harm: NoHarmPlan, suite: SuiteSpec) -> None:
         """Check with ``no_harm``: the check in use is kept where it is that one."""
-        kw = _scale_kw(suite)
+        kw = suite.episode.scale_kwargs()
         if self.no_harm is None or (self.no_harm.no_harm, self.no_harm.scale_kw) != (no_harm, kw):
             self.no_harm = NoHarmCheck(
                 no_harm, self.folder, self.ledger, kw, progress=self.cfg.progress
@@ -1037,11 +1037,6 @@ class SearchRunner:
                     store_artifact(self.store, path, self.study, "image/png")
                 except Exception as exc:
                     self.warn(f"could not store the comparison plot: {exc}")
-
-
-def _scale_kw(suite: SuiteSpec) -> dict[str, float]:
-    ep = suite.episode
-    return {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
 
 
 def _preload() -> None:

@@ -324,10 +324,7 @@ class AutoBuild:
             no_harm = NoHarmPlan(
                 no_harm_workloads(list(self.suite.members), s.no_harm_steps), s.no_harm_steps
             )
-            self._check = NoHarmCheck(
-                no_harm, self.no_harm_cache, Ledger(),
-                {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale},
-            )  # fmt: skip
+            self._check = NoHarmCheck(no_harm, self.no_harm_cache, Ledger(), ep.scale_kwargs())
         t0 = time.monotonic()
         verdict = self._check.check(self.factories[name], name)
         r.timings["no-harm"] += time.monotonic() - t0
@@ -477,7 +474,7 @@ class AutoBuild:
         if r.pick is None or r.evidence is None or r.evidence_acceptance is None:
             raise ValueError("nothing to export: no candidate passed")
         pick, ep = r.pick, self.member.episode
-        bounds = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
+        bounds = ep.scale_kwargs()
         source = self.agents.get(pick) or (
             self.searched_pick if pick == "suite-parametric" else None
         )
