@@ -163,9 +163,14 @@ class RecordsSource:
         """The study: created for these records, or the one they made, resumed (and said)."""
         import optuna
 
-        from autoscale.search.space import default_trial_params
         from autoscale.search.storage import mask_url, open_storage, study_names
-        from autoscale.search.study import check_source, fail_stale_trials, records_id, study_kwargs
+        from autoscale.search.study import (
+            check_source,
+            enqueue_defaults,
+            fail_stale_trials,
+            records_id,
+            study_kwargs,
+        )
         from autoscale.search.trials import write_note
 
         cfg, name, records, suite = runner.cfg, runner.cfg.study, self.records, self.suite
@@ -186,11 +191,7 @@ class RecordsSource:
             study.set_user_attr("records", records_id(records))
             study.set_user_attr("command", cfg.command)
             study.set_user_attr("suite", suite.to_dict())
-            for rule, defaults in runner.families.items():
-                study.enqueue_trial(
-                    default_trial_params(rule, defaults, suite.episode),
-                    user_attrs={"baseline": True},
-                )
+            enqueue_defaults(study, runner.families, suite.episode)
             write_note(study, _note(name, records, suite))
         # what autoscale export reads (a study of an earlier autoscale lacks some)
         if not isinstance(study.user_attrs.get("validation"), dict):

@@ -31,6 +31,7 @@ __all__ = [
     "records_id",
     "fail_stale_trials",
     "fail_worker_trials",
+    "enqueue_defaults",
 ]
 
 
@@ -142,14 +143,17 @@ def describe_new_study(
     for key, value in attrs.items():
         study.set_user_attr(key, value)
     if plan.space in ("parametric", "both"):
-        families = parametric_families()
-        for rule in plan.rules:  # torch and the families searched (--family)
-            defaults = families[rule]
-            study.enqueue_trial(
-                default_trial_params(rule, defaults, plan.suite.episode),
-                user_attrs={"baseline": True},
-            )
+        families = parametric_families()  # torch and the families searched (--family)
+        enqueue_defaults(study, {rule: families[rule] for rule in plan.rules}, plan.suite.episode)
     write_note(study, study_note(study.study_name, plan))
+
+
+def enqueue_defaults(study: Any, families: dict[str, Any], episode: Any) -> None:
+    """Queue each rule's defaults as a trial, marked a baseline (the search scores them first)."""
+    for rule, defaults in families.items():
+        study.enqueue_trial(
+            default_trial_params(rule, defaults, episode), user_attrs={"baseline": True}
+        )
 
 
 def store_plan(study: Any, plan: Plan | None = None) -> None:
