@@ -6,7 +6,8 @@ op by op (every aten op the scaler's ``scale``, ``unscale_``, ``step`` and ``upd
 ``optimizer.step`` left out); then, beside the real scalers, a loop replays only those ops each
 step, on that step's loss and gradients, with nothing else around them: one Python call per op,
 the least any implementation of the same ops in Python issues. Blocks of ``--steps`` steps,
-every loop in turn, the order reversed every round; medians per step.
+every loop in turn (``scaler_overhead.rotation``: each in each place of the order equally
+often); medians per step.
 
 - overhead: the real scaler's step minus GradScaler's;
 - ops alone: the replay of its ops minus GradScaler's real step. A target under this cannot be
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
         loop.block(args.steps)
         loop.step_s.clear()
     for r in range(args.repeats):
-        for loop in loops if r % 2 == 0 else loops[::-1]:
+        for loop in scaler_overhead.rotation(loops, r):
             loop.block(args.steps)
     med = {loop.label: statistics.median(loop.step_s) * 1e6 for loop in loops}
     base = med["GradScaler"]
