@@ -41,6 +41,7 @@ REQUIRED: tuple[str, ...] = (
     "torch._foreach_mul_",
     "torch._amp_update_scale_",
     "torch._amp_foreach_non_finite_check_and_unscale_",
+    "torch._C._set_grad_enabled",
     "torch.Tensor._version",
     "torch.utils._python_dispatch.TorchDispatchMode",
     "torch.utils._pytree.tree_flatten",

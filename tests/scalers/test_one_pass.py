@@ -181,26 +181,42 @@ def test_the_one_pass_turns_autograd_back_on_when_it_raises(monkeypatch):
     scaler.scale(forward_loss(model, *batches(1)[0])).backward()
 
     def broken(*args, **kwargs):
-        assert not torch.is_grad_enabled()  # the kernel runs with autograd off
-        raise RuntimeError("kernel failed")
+        assert not torch.is_grad_enabled()  # the pass reads with autograd off
+        raise RuntimeError("read failed")
 
-    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", broken)
-    monkeypatch.setattr(torch, "aminmax", lambda *a, **k: broken())
-    with pytest.raises(RuntimeError, match="kernel failed"):
-        scaler.unscale_(opt)
-    assert torch.is_grad_enabled()
+    monkeypatch.setattr(torch, "aminmax", broken)  # the pass's first op on a CPU
+    try:
+        with pytest.raises(RuntimeError, match="read failed"):
+            scaler.unscale_(opt)
+        assert torch.is_grad_enabled()
+    finally:  # a failure here must not leave the tests after it without autograd
+        torch.set_grad_enabled(True)
 
 
-def test_the_one_pass_unscales_gradients_that_carry_a_graph():
-    # backward(create_graph=True): the gradients require grad; the in-place unscale must not
-    # record into their graph (GradScaler's runs under no_grad), and gives GradScaler's values
+@pytest.mark.parametrize("path", ["host", "rms", "fused"])
+def test_the_one_pass_unscales_gradients_that_carry_a_graph(path):
+    # backward(create_graph=True): the gradients require grad; the pass must read and unscale
+    # them with autograd off, as GradScaler's unscale runs under no_grad (with it on, an
+    # aminmax(out=...) of them raises and an in-place unscale records into their graph).
+    # host: auto on a CPU; rms: the statistics read on the device path (collect_stats); fused:
+    # a fused optimizer, whose found-inf flag comes from the amax read without unscaling
+    fused = path == "fused"
     runs = []
-    for scaler in (torch.amp.GradScaler("cpu"), autoscale.get_scaler("auto", device="cpu")):
+    for scaler in (
+        torch.amp.GradScaler("cpu"),
+        autoscale.get_scaler(
+            "auto", device="cpu", **({"collect_stats": True} if path == "rms" else {})
+        ),
+    ):
         model = tiny_model()
-        opt = adamw(model)
+        opt = adamw(model, fused=fused)
         scaler.scale(forward_loss(model, *batches(1)[0])).backward(create_graph=True)
         fns = [p.grad.grad_fn for p in model.parameters()]
-        scaler.unscale_(opt)
+        if not fused:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
         assert [p.grad.grad_fn for p in model.parameters()] == fns
-        runs.append([p.grad.detach().clone() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+        assert torch.is_grad_enabled()
+        runs.append(model)
+    assert_same_params(*runs)
