@@ -53,7 +53,9 @@ class RLObjective(Objective):
 
     @staticmethod
     def fits(suite: Any, warn: Callable[[str], Any] | None = None, warm_start: bool = True) -> bool:
-        """Whether agents can train on ``suite`` (two train instances a member, or warm start)."""
+        """Whether agents can train on ``suite``'s recorded train instances: with two per member
+        one selects the agent; with one, only where a shipped residual agent starts them (it is
+        judged by the real-step validation alone); ``warn`` says why not."""
         if min(len(m.instances["train"]) for m in suite.members) >= 2:
             return True
         if warm_start and RLObjective.warm_ships():

@@ -237,7 +237,10 @@ class NoHarmCheck:
     def reference(
         self, workload: Any, seed: int, deadline: float | None = None
     ) -> tuple[dict[str, Any], Any]:
-        """torch's measured run and trace, run and cached where missing (or :class:`OutOfTime`)."""
+        """torch's measured run (``{"card": Scorecard, "kept": [...]}``, see
+        :func:`~autoscale.training.long_run.measured_run`) and its recorded trace (run and cached
+        if missing; a run that reaches ``deadline`` first raises :class:`OutOfTime` and is not
+        cached)."""
         from autoscale.envs.traces import Trace
         from autoscale.search.storage import file_lock
 
@@ -344,7 +347,9 @@ class NoHarmCheck:
     def check(
         self, factory: Callable[[], Any], label: str, deadline: float | None = None
     ) -> Verdict:
-        """Judge the candidate's long runs against torch's (:class:`OutOfTime` at ``deadline``)."""
+        """Run the candidate's long clean runs and judge them against torch's. A run that reaches
+        ``deadline`` (``time.monotonic()``) before its last step raises :class:`OutOfTime`: a
+        budget's end stops a check rather than letting it overrun."""
         from autoscale.training import TrainingRun
 
         reasons: list[str] = []

@@ -1054,6 +1054,7 @@ def _preload() -> None:
 
 
 def rules_torch_first(families: Sequence[str] | None = None) -> tuple[str, ...]:
-    """The built-in rules a search validates and searches: ``torch``, then ``families``."""
+    """The built-in rules a search validates and searches: ``torch`` (the reference) first, then
+    ``families`` (None: every family whose scale adapts to the gradients)."""
     rules = list(searched_families(families))
     return tuple([REFERENCE_RULE] + [r for r in rules if r != REFERENCE_RULE])

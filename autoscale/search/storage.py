@@ -83,7 +83,8 @@ _LOST = ("OperationalError", "InterfaceError", "DisconnectionError")
 
 
 def lost_connection(exc: BaseException) -> str | None:
-    """The reason, in a few words, when ``exc`` (or its cause) says the database went away."""
+    """The reason, in a few words, when ``exc`` (or an exception it came from) says that the
+    database went away or refused a connection in the middle of a run; else None."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:

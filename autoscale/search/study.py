@@ -178,12 +178,15 @@ def wait_for_plan(
     timeout: float = 60.0,
     poll_s: float = 0.5,
 ) -> StoredPlan:
-    """The study's plan for good, once its planner stores it, its budget ends or it is a dead
-    process of this host (then the plan stored at creation is the study's). ``on_wait`` hears
-    the planner's ``host:pid`` once.
+    """The study's plan for good: waits for a worker that is creating the study to
+    store them (``timeout`` seconds at most), then, while that worker plans (it records and may
+    re-plan), until it stores its plan, its budget ends, or it is a process of this host that no
+    longer runs (then the plan stored at creation is the study's, and this says so in the study).
+    ``on_wait`` hears the planner's ``host:pid`` once, when there is something to wait for.
 
     Raises:
-        BudgetError: the planner still plans at ``give_up_at`` (this worker's budget end).
+        BudgetError: the planner still plans at ``give_up_at`` (``time.monotonic()``: this
+            worker's budget end).
     """
     deadline = time.monotonic() + timeout
     while "suite" not in study.user_attrs and time.monotonic() < deadline:

@@ -157,9 +157,13 @@ def measure(workload: Any, *, limit_s: float, steps: int = 4, step_share_s: floa
     """Time building a run of ``workload``, a few real steps and two recorded ones, within
     ``limit_s`` seconds.
 
-    Nothing is cut short: a step that runs past the limit finishes and counts, so a measurement
-    costs about the limit plus one step, or the build alone (then not ``complete``) where the
-    build takes longer. The evaluation and recorded steps are estimated where no time is left.
+    Nothing is cut short: the time is checked after the build and between steps, and a step that
+    runs past the limit finishes and is measured (its time is the step time, not a bound). So a
+    measurement costs at most about the limit plus one step, or the build alone where building
+    the run takes longer than the limit: no step is taken then (one might cost as much again), and
+    the result is not ``complete``. The first step is a warm-up; later ones are timed while time
+    is left and their total stays under ``step_share_s``; the evaluation and the recorded steps
+    are measured where what is left holds them, and estimated otherwise.
     """
     from autoscale.training import TrainingRun
 

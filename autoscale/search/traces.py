@@ -95,21 +95,30 @@ def load_traces(
 
     Args:
         folder: The artifacts folder (traces go to ``folder/traces``).
-        cost: Seconds to record ``n`` steps of a member, to check that a recording fits.
-        stop_at: ``time.monotonic()`` past which no recording starts, or a function of the pace.
-        warn: Told of each cached trace that does not read back; it is recorded again.
-        shrink_to: Bend instead of breaking: leave out an instance past each member's first ones
-            that misses ``stop_at``, and halve a first one that misses ``floor_at`` down to
-            ``shrink_to`` steps. None: every instance, whole, or a BudgetError.
-        on_slow: Called with the pace after a recording that ran over 1.3x its plan.
+        cost: Seconds to record ``n`` steps of a member (build and evaluation included), to check
+            that a recording fits before starting it.
+        stop_at: ``time.monotonic()`` value past which no recording may start, or a function of
+            the pace so far (recorded seconds over planned ones, 1.0 before the first) giving it.
+        warn: Told, in one line, of each cached trace that does not read back (truncated,
+            overwritten, of another version); it is recorded again.
+        shrink_to: Bend instead of breaking: each member's first train and test instance are
+            recorded first; an instance that does not fit ``stop_at`` after them is left out
+            (``stats["dropped"]``), and a first one that does not fit ``floor_at`` (default
+            ``stop_at``) is recorded shorter, halving down to ``shrink_to`` steps
+            (``stats["shortest"]``). None: every instance, whole, or a BudgetError.
+        on_slow: Called with the pace after a recording that ran over 1.3x its plan (to look at
+            the machine's load again).
 
     Returns:
-        (member -> trace, stats): counts, ``wall_s`` and ``planned_s`` of the recordings, the
-        instances ``dropped`` and ``shortened``, and the ``shortest`` trace.
+        (member -> trace, stats): stats holds ``recorded`` and ``cached`` instance counts, real
+        ``steps`` recorded, ``wall_s`` spent recording and the ``planned_s`` of those recordings,
+        ``dropped`` (``MEMBER:INSTANCE`` names left out), ``shortened`` (those shorter than
+        ``steps``) and ``shortest`` (the shortest trace).
 
     Raises:
-        BudgetError: the budget ran out before every instance (with ``shrink_to``: every first
-            one) was recorded; those recorded stay cached.
+        BudgetError: the budget ran out before every instance (with ``shrink_to``: every member's
+            first train and test instance, at ``shrink_to`` steps) was recorded (those recorded
+            stay cached: a rerun continues).
     """
     (folder / "traces").mkdir(parents=True, exist_ok=True)
     floor = stop_at if floor_at is None else floor_at

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         [m.workload for m in base.members] + list(plan.workloads), limit_s=75, step_share_s=3
     )
     ep = base.members[0].episode
-    scale_kw = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
+    scale_kw = ep.scale_kwargs()
     check = NoHarmCheck(plan, Path(tempfile.mkdtemp()), Ledger(), scale_kw)
     uncached = check.cost(timings, 1)
     print("\n| run | estimate s | taken s | ratio |\n|---|---:|---:|---:|")

@@ -154,7 +154,7 @@ def factories(spec, policies: tuple[str, ...] = (), only_policies: bool = False)
     from autoscale.scalers import list_scalers
 
     ep = spec.episode
-    bounds = {"init_scale": ep.init_scale, "min_scale": ep.min_scale, "max_scale": ep.max_scale}
+    bounds = ep.scale_kwargs()
     if only_policies:
         out = {n: (lambda n=n: scaler_for(n, spec)) for n in ("torch", "amax-loss")}
         out["random-now"] = lambda: LossScaler(RandomNowRule(seed=1), "cpu", **bounds)

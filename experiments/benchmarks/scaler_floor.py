@@ -6,8 +6,8 @@ op by op (every aten op the scaler's ``scale``, ``unscale_``, ``step`` and ``upd
 ``optimizer.step`` left out); then, beside the real scalers, a loop replays only those ops each
 step, on that step's loss and gradients, with nothing else around them: one Python call per op,
 the least any implementation of the same ops in Python issues. Blocks of ``--steps`` steps,
-every loop in turn (``scaler_overhead.rotation``: each in each place of the order equally
-often); medians per step.
+every loop in turn (``scaler_overhead.rotation``: each in each place of the order about
+equally often, exactly so over rounds that are a multiple of twice the loops); medians per step.
 
 - overhead: the real scaler's step minus GradScaler's;
 - ops alone: the replay of its ops minus GradScaler's real step. A target under this cannot be

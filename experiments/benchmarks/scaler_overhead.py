@@ -7,7 +7,7 @@ Two measurements, printed in one run:
    where a scaler's fixed cost (Python calls, small tensor ops) weighs most. GradScaler and the
    ``--small-rules`` (default ``torch`` and ``auto``) each train their own copy, in blocks of
    ``--small-steps`` steps taken in turn (:func:`rotation`: each in each place of the order
-   equally often; ``--small-repeats`` rounds). Per rule: the overhead per step, the median over
+   about equally often; ``--small-repeats`` rounds). Per rule: the overhead per step, the median over
    rounds of (rule block - GradScaler block) / steps, in microseconds; the median step's (the
    median of every step's time, minus GradScaler's: a step another process preempted moves its
    block, hardly the median step); and the time attributed to the scaler (below). Targets,
@@ -315,10 +315,11 @@ def small_model() -> torch.nn.Module:
 
 def rotation(jobs: list, r: int) -> list:
     """The order of round ``r``: rotated by one place every two rounds, reversed every other
-    round, so that over ``2 * len(jobs)`` rounds each job takes each place equally often, after
-    each other job as often as before it. (Reversal alone leaves the middle of three jobs in the
-    middle every round, and a block's time depends on the block before it by a few microseconds
-    a step.)"""
+    round. Over each ``2 * len(jobs)`` rounds every job takes every place equally often (over
+    other round counts, nearly), and comes before each other job as often as after it; with
+    three jobs it also follows each other job directly equally often (with four or more, only
+    its neighbours in the rotation). Reversal alone left the middle of three jobs in the middle
+    every round, and a block's time depends on the block before it by a few microseconds a step."""
     k = (r // 2) % len(jobs)
     order = jobs[k:] + jobs[:k]
     return order if r % 2 == 0 else order[::-1]
@@ -384,7 +385,7 @@ def small_table(rows: list[dict], args) -> str:
         f"- conv net 3 -> 4 -> 4 channels, 8x8 images, batch 8, linear head ({n_params:,} "
         f"parameters), fp16 autocast, AdamW, device {args.device}; {args.small_repeats} rounds "
         f"of {args.small_steps}-step blocks, GradScaler and every rule in turn, each in each "
-        "place of the order equally often",
+        "place of the order about equally often",
         "- overhead = median over rounds of (rule block - GradScaler block) / steps; IQR: its "
         "quartiles; per step: median of the rule's step times - median of GradScaler's (a "
         "step that another process preempted moves a block's time, hardly the median step); "
