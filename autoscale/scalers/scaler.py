@@ -311,7 +311,7 @@ class LossScaler(torch.amp.GradScaler):
             self._unscale_with_amax(optimizer, grads)
         else:
             scale = self._scale if self._enabled and self._plain_gradscaler else None
-            if scale is not None and scale.device.type != "mps":
+            if scale is not None and (self._cpu or scale.device.type != "mps"):
                 self._unscale(optimizer)
             else:
                 super().unscale_(optimizer)
@@ -419,8 +419,7 @@ class LossScaler(torch.amp.GradScaler):
             return
         if not self._guarded:
             self._adopt_written()
-        states = list(self._per_optimizer_states.values())
-        states = [s for s in states if s["found_inf_per_device"]]
+        states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
         if not states:
             raise AssertionError("No inf checks were recorded prior to update.")
         if self._loss_sum is not None and all(sv.VEC in s or sv.HOST in s for s in states):
@@ -611,9 +610,11 @@ class LossScaler(torch.amp.GradScaler):
         1/scale, ``get_scale()`` and the rule follow it, as GradScaler's would. A check of the
         tensor's identity and version; the read (a sync on a GPU) only after such a write.
         Not within a guarded step (the guard writes the tensor)."""
-        scale = self._scale
-        if scale is None or not self._written():
-            return
+        scale, synced = self._scale, self._synced
+        if scale is None or (
+            synced is not None and synced[0] is scale and synced[1] == scale._version
+        ):
+            return  # (_written, inline: this runs up to three times a step)
         value = float(scale)
         self._host_scale = value
         self._guard_scale = self._step_scale = None
@@ -621,11 +622,12 @@ class LossScaler(torch.amp.GradScaler):
         self._note_synced()
 
     def _set_scale(self, value: float, adopted: bool = False) -> None:
-        """Make ``value`` the scale of the next step (``adopted``: the rule knows it already)."""
+        """Make ``value`` the scale of the next step (``adopted``: the rule knows it already, and
+        :meth:`update`, which passes it, took any write to the tensor first)."""
         scale = self._scale
         if scale is None:
             self._init_scale = value
-        elif value != self._host_scale or self._guarded or self._written():  # most keep it
+        elif value != self._host_scale or self._guarded or (not adopted and self._written()):
             scale.fill_(value)
             self._note_synced()
         self._host_scale = value
