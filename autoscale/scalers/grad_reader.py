@@ -97,6 +97,20 @@ class GradReader:
         finally:
             _grad_back(grad_mode)
 
+    def unscale_plain(
+        self, grads: list[torch.Tensor], inv: torch.Tensor, found: torch.Tensor
+    ) -> None:
+        """GradScaler's unscale of ``grads`` (:func:`~autoscale.scalers.grad_stats.one_pass_grads`:
+        dense float32 on the flag's device) into the zero flag ``found``: its kernel, with
+        autograd off as GradScaler runs it, without its ``_unscale_grads_``, which sorts every
+        gradient by device and dtype in Python first (most of GradScaler's ``unscale_`` on a
+        CPU: ``experiments/results/scaler_overhead.md``). No statistics are read."""
+        grad_mode = _grad_off()
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        finally:
+            _grad_back(grad_mode)
+
     def amax(
         self, state: dict[str, Any], grads: list[torch.Tensor], inv: Any, dev: torch.device
     ) -> None:

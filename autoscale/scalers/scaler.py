@@ -324,12 +324,20 @@ class LossScaler(torch.amp.GradScaler):
 
     def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """GradScaler's ``unscale_`` with 1/scale from :meth:`_inv_scale` (the same float32
-        value, computed once for a scale instead of three ops a step)."""
+        value, computed once for a scale instead of three ops a step); dense float32 gradients
+        on the scale's device go straight to its kernel (:meth:`GradReader.unscale_plain`), any
+        others through GradScaler's ``_unscale_grads_`` (its errors, sparse gradients, dtypes,
+        devices, DTensors)."""
         state = self._unscale_state(optimizer)
-        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
-        state["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, self._inv_scale(), found_inf, False
-        )
+        dev = self._scale.device
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=dev)
+        inv = self._inv_scale()
+        grads = one_pass_grads(optimizer, dev)
+        if grads is None:
+            state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv, found_inf, False)
+        else:
+            self.grads.unscale_plain(grads, inv, found_inf)
+            state["found_inf_per_device"] = {dev: found_inf}
         state["stage"] = OptState.UNSCALED
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

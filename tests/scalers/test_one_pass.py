@@ -193,19 +193,23 @@ def test_the_one_pass_turns_autograd_back_on_when_it_raises(monkeypatch):
         torch.set_grad_enabled(True)
 
 
-@pytest.mark.parametrize("path", ["host", "rms", "fused"])
+@pytest.mark.parametrize("path", ["host", "rms", "fused", "plain"])
 def test_the_one_pass_unscales_gradients_that_carry_a_graph(path):
     # backward(create_graph=True): the gradients require grad; the pass must read and unscale
     # them with autograd off, as GradScaler's unscale runs under no_grad (with it on, an
     # aminmax(out=...) of them raises and an in-place unscale records into their graph).
     # host: auto on a CPU; rms: the statistics read on the device path (collect_stats); fused:
-    # a fused optimizer, whose found-inf flag comes from the amax read without unscaling
+    # a fused optimizer, whose found-inf flag comes from the amax read without unscaling;
+    # plain: the torch rule, GradScaler's kernel without a read (GradReader.unscale_plain;
+    # torch 2.13's kernel records nothing with autograd on either: the switch there mirrors
+    # GradScaler's no_grad, and this case checks the result)
     fused = path == "fused"
+    rule = "torch" if path == "plain" else "auto"
     runs = []
     for scaler in (
         torch.amp.GradScaler("cpu"),
         autoscale.get_scaler(
-            "auto", device="cpu", **({"collect_stats": True} if path == "rms" else {})
+            rule, device="cpu", **({"collect_stats": True} if path == "rms" else {})
         ),
     ):
         model = tiny_model()
@@ -220,3 +224,55 @@ def test_the_one_pass_unscales_gradients_that_carry_a_graph(path):
         assert torch.is_grad_enabled()
         runs.append(model)
     assert_same_params(*runs)
+
+
+@pytest.mark.parametrize("grad_on", [True, False], ids=["grad-on", "grad-off"])
+def test_a_rule_without_statistics_unscales_with_gradscalers_kernel_alone(monkeypatch, grad_on):
+    # dense float32 gradients skip GradScaler's _unscale_grads_ (its Python sorting of every
+    # gradient by device and dtype: most of its unscale_ on a CPU) for the kernel it calls;
+    # the same gradients and flag, autograd left as it was found
+    sorted_by_gradscaler = []
+    real = torch.amp.GradScaler._unscale_grads_
+
+    def counted(self, *args):
+        sorted_by_gradscaler.append(type(self).__name__)
+        return real(self, *args)
+
+    monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", counted)
+    runs = []
+    for scaler in (torch.amp.GradScaler("cpu"), autoscale.get_scaler("torch", device="cpu")):
+        model = tiny_model()
+        opt = adamw(model)
+        scaler.scale(forward_loss(model, *batches(1)[0])).backward()
+        model[2].weight.grad[0, 1] = math.inf
+        with torch.set_grad_enabled(grad_on):
+            scaler.unscale_(opt)
+            assert torch.is_grad_enabled() is grad_on
+        runs.append((model, [f.item() for f in scaler._found_inf_per_device(opt).values()]))
+    assert sorted_by_gradscaler == ["GradScaler"]
+    (m_ref, flags_ref), (m_ours, flags_ours) = runs
+    assert flags_ours == flags_ref == [1.0]
+    for a, b in zip(m_ours.parameters(), m_ref.parameters()):
+        assert torch.equal(a.grad.nan_to_num(), b.grad.nan_to_num())
+
+
+def test_gradients_the_kernel_alone_cannot_take_go_through_gradscalers_sorting():
+    # float16 gradients: GradScaler's error; a float64 one beside float32 ones: its per-dtype
+    # lists, the same gradients
+    model = tiny_model().half()
+    scaler = autoscale.get_scaler("torch", device="cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(2, model[0].in_features, dtype=torch.half)).sum()).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        scaler.unscale_(opt)
+    runs = []
+    for scaler in (torch.amp.GradScaler("cpu"), autoscale.get_scaler("torch", device="cpu")):
+        model = tiny_model()
+        model[2].double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.ones(2, model[0].in_features)
+        out = model[2](model[1](model[0](x)).double())
+        scaler.scale(out.sum()).backward()
+        scaler.unscale_(opt)
+        runs.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
