@@ -68,13 +68,15 @@ class TorchVersionError(AutoscaleError, ImportError):
 #: The top-level modules each optional extra of pyproject installs, so that a command whose module
 #: is missing can name the extra to install. The base install (torch, NumPy, PyYAML, tqdm,
 #: matplotlib) runs the scalers, ``wrap`` and ``report``, and ``run``, ``compare`` and ``doctor`` on
-#: the models that are not Hugging Face's.
+#: the models that are not Hugging Face's; ``autoscale.integrations`` names its frameworks' extra too.
 EXTRA_OF_MODULE: dict[str, str] = {
     "optuna": "search",
     "optuna_dashboard": "search",
     "gymnasium": "search",
     "stable_baselines3": "search",
     "transformers": "hf",
+    "accelerate": "integrations",
+    "lightning": "integrations",
 }
 
 
@@ -110,26 +112,37 @@ def unknown_name(kind: str, name: str, known: Iterable[str], how_to_list: str) -
         how_to_list: Where the user sees all names, e.g. ``"autoscale list"``.
     """
     known = sorted(known)
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return UnknownNameError(
         f"unknown {kind} '{name}'{hint} ({how_to_list} shows all: {', '.join(known)})"
     )
 
 
-def check_keys(where: str, data: Iterable[str], allowed: Iterable[str]) -> None:
-    """Raise ConfigError for the first key of ``data`` not in ``allowed``, suggesting the nearest.
+def check_keys(
+    where: str,
+    data: Iterable[str],
+    allowed: Iterable[str],
+    elsewhere: dict[str, Iterable[str]] | None = None,
+) -> None:
+    """Raise ConfigError for the first key of ``data`` not in ``allowed``, suggesting the nearest,
+    or the section the key belongs to.
 
     Args:
         where: What holds the keys, e.g. ``"envs/x.yaml: episode"``.
         data: The keys given (a mapping works).
         allowed: The valid keys.
+        elsewhere: The keys of the sections nested in this one, by section: a key of one of
+            them is said to belong there.
     """
     allowed = list(allowed)
     for key in data:
-        if key not in allowed:
+        if key in allowed:
+            continue
+        section = next((s for s, keys in (elsewhere or {}).items() if key in keys), None)
+        if section is not None:
+            hint = f"; it belongs under '{section}:'"
+        else:
             close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(
-                f"{where}: unknown key '{key}'; {hint}(allowed: {', '.join(allowed)})"
-            )
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"{where}: unknown key '{key}'{hint} (allowed: {', '.join(allowed)})")

@@ -180,7 +180,7 @@ def _check(algo: str, timesteps: Any, replay: Any, export_name, export_dir, forc
     if export_name:
         from autoscale.scalers.policies import check_export_dest
 
-        check_export_dest(export_name, export_dir, force)
+        check_export_dest(export_name, export_dir, force, flag="--out")
     return algo
 
 

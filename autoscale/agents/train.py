@@ -244,7 +244,7 @@ def _checked(spec, algo, timesteps, replay, export_name, export_dir, force, tens
     if export_name:
         from autoscale.scalers.policies import check_export_dest
 
-        check_export_dest(export_name, export_dir, force)
+        check_export_dest(export_name, export_dir, force, flag="--out")
     if tensorboard:
         try:
             import tensorboard as _tb  # noqa: F401

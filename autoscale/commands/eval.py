@@ -47,6 +47,7 @@ class EvalCommand(Command):
         from autoscale.commands.run import check_output, write_json
         from autoscale.envs import load_env_spec
         from autoscale.scalers import list_scalers
+        from autoscale.search.budget import plural
         from autoscale.training import summarize
         from autoscale.training.report import format_comparison, plot_comparison
 
@@ -75,7 +76,7 @@ class EvalCommand(Command):
         n = len(next(iter(cards.values())))
         where = "replay of " + args.replay if args.replay else "real steps"
         print(
-            f"{spec.name}: {n} test episode(s) of {spec.episode.steps} steps ({where}); mean ± std"
+            f"{spec.name}: {plural(n, 'test episode')} of {spec.episode.steps} steps ({where}); mean ± std"
         )
         print(format_comparison(summaries, n))
         limit = None

@@ -63,7 +63,12 @@ pick, one warning says why. The manifest's evidence says either way.
         study = load_study(args.study, storage, args.storage)
         suite, validation, _ = study_suites(study)
         check_export_target(
-            args.name, args.policy_dir, study.study_name, args.force, own_study_ok=False
+            args.name,
+            args.policy_dir,
+            study.study_name,
+            args.force,
+            own_study_ok=False,
+            flag="--name",
         )
         pick = stored_pick(study, validation, suite.reward)
         if args.trial == "best":

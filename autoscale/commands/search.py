@@ -164,9 +164,7 @@ class SearchCommand(Command):
             print(_interrupted(runner.counts, study, runner.result, held), file=sys.stderr)
             return 130
         if source is None:
-            from autoscale.search.storage import mask_url
-
-            _print_done(result, mask_url(args.storage))
+            _print_done(result, _dashboard_storage(args.storage))
         else:
             _print_records_done(result, runner, source)
         return 0
@@ -246,15 +244,24 @@ def _interrupted(counts: dict[str, int], study: str, result: Any, held: str = ""
 def _print_records_done(result: Any, runner: Any, source: Any) -> None:
     """A search on records' last line: its time, its trials and the study's, the dashboard."""
     from autoscale.search.budget import format_duration
-    from autoscale.search.storage import mask_url
 
     stopped = " (stopped early: see the search line)" if result.stopped_early else ""
     print(
         f"done in {format_duration(result.wall_s)} of a {format_duration(result.budget_s)} "
         f"budget{stopped}; this run: {sum(runner.counts.values())} trials; the study holds "
         f"{source.held(runner.study)}; review it with: autoscale dashboard --storage "
-        f"{mask_url(runner.cfg.storage)}"
+        f"{_dashboard_storage(runner.cfg.storage)}"
     )
+
+
+def _dashboard_storage(storage: str) -> str:
+    """The storage as the dashboard line gives it: from any folder (a file by its absolute
+    path), any password masked, quoted for a shell where it must be."""
+    import shlex
+
+    from autoscale.search.storage import storage_id
+
+    return shlex.quote(storage_id(storage))
 
 
 def _print_done(result: Any, storage: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from autoscale.commands.base import POLICY_DIR_HELP, Command
 
@@ -101,6 +102,10 @@ keeps the last model (no checkpoint selection), and says so.
                 raise ConfigError(f"{flag} must be a positive number of steps, got {value}")
         if args.window is not None and not args.residual:
             raise ConfigError("--window sets a residual agent's offset: add --residual or drop it")
+        if args.replay and not Path(args.replay).is_file():  # said with the command's --env
+            from autoscale.envs.traces import missing_trace
+
+            raise missing_trace(args.replay, args.env)
         env = args.env
         if args.residual:
             return _residual(args)

@@ -56,6 +56,18 @@ class RewardWeights:
                 )
 
 
+# the keys of an env spec's ``episode`` section
+EPISODE_KEYS = (
+    "steps",
+    "action",
+    "init_scale",
+    "min_scale",
+    "max_scale",
+    "horizon",
+    "history",
+    "guard",
+    "scale_time",
+)
 DEFAULT_HORIZON = 2048
 
 
@@ -277,7 +289,12 @@ class EnvSpec:
             raise ConfigError(
                 f"{where}: expected a mapping at the top level, got {type(data).__name__}"
             )
-        check_keys(where, data, ["name", "workload", "episode", "instances", "reward"])
+        nested = {
+            "workload": [f.name for f in fields(WorkloadSpec)],
+            "episode": EPISODE_KEYS,
+            "reward": [f.name for f in fields(RewardWeights)],
+        }
+        check_keys(where, data, ["name", "workload", "episode", "instances", "reward"], nested)
         name = data.get("name") or (Path(source).stem if source else "env")
         if not isinstance(name, (str, int)) or isinstance(name, bool):
             raise ConfigError(f"{where}: 'name' must be a string, got {name!r}")
@@ -292,21 +309,7 @@ class EnvSpec:
                     f"{where}: '{key}' must be a mapping of its fields, got {data[key]!r}"
                 )
         ep = dict(data.get("episode") or {})
-        check_keys(
-            f"{where}: episode",
-            ep,
-            [
-                "steps",
-                "action",
-                "init_scale",
-                "min_scale",
-                "max_scale",
-                "horizon",
-                "history",
-                "guard",
-                "scale_time",
-            ],
-        )
+        check_keys(f"{where}: episode", ep, EPISODE_KEYS)
         guard = GuardSpec.parse(ep.pop("guard", None), where)
         scale_time = ep.pop("scale_time", False)
         action = ep.pop("action", None) or {}

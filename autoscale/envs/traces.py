@@ -26,6 +26,7 @@ from autoscale.errors import ConfigError, unknown_name
 
 __all__ = [
     "TRACE_VERSION",
+    "missing_trace",
     "InstanceTrace",
     "Trace",
     "instance_trace",
@@ -81,6 +82,14 @@ class InstanceTrace:
             k: getattr(self, k)[:steps] for k in _ARRAYS + _OPTIONAL if getattr(self, k) is not None
         }
         return dataclasses.replace(self, **cut)
+
+
+def missing_trace(path: str | os.PathLike, env: str = "SPEC") -> ConfigError:
+    """The error for a trace file that is not there: how to record it (for ``env`` if known)."""
+    return ConfigError(
+        f"no trace file '{path}'; record one with: autoscale record --env {env} --steps N "
+        f"--out {path}"
+    )
 
 
 @dataclass
@@ -143,9 +152,7 @@ class Trace:
         """
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(
-                f"no trace file '{path}'; record one with: autoscale record --env SPEC --steps N --out {path}"
-            )
+            raise missing_trace(path)
         with open(path, "rb") as fh:
             head = fh.read(4)
         if head != b"PK\x03\x04":  # every .npz is a zip archive

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from autoscale.errors import ConfigError
+from autoscale.errors import ConfigError, missing_extra
 from autoscale.integrations._scaler import resolve_scaler
 
 if TYPE_CHECKING:
@@ -115,7 +115,10 @@ def make_accelerator(
         accelerator = make_accelerator("deepspeed", scaler_overrides={"loss_scale_window": 500})
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     """
-    from accelerate import Accelerator
+    try:
+        from accelerate import Accelerator
+    except ModuleNotFoundError:
+        raise missing_extra("autoscale.integrations.make_accelerator", "accelerate") from None
 
     accelerator_kwargs.setdefault("mixed_precision", "fp16")
     accelerator = Accelerator(**accelerator_kwargs)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from autoscale.errors import missing_extra
 from autoscale.integrations._scaler import resolve_scaler
 from autoscale.scalers.scaler import default_device
 
@@ -37,7 +38,10 @@ def _callback_base():
     try:
         from lightning.pytorch import Callback
     except ImportError:  # the standalone package
-        from pytorch_lightning import Callback
+        try:
+            from pytorch_lightning import Callback
+        except ImportError:
+            raise missing_extra("autoscale.integrations.lightning", "lightning") from None
     return Callback
 
 
@@ -88,7 +92,10 @@ def _plugins():
     try:
         from lightning.pytorch import plugins
     except ImportError:  # the standalone package
-        from pytorch_lightning import plugins
+        try:
+            from pytorch_lightning import plugins
+        except ImportError:
+            raise missing_extra("autoscale.integrations.lightning", "lightning") from None
     return plugins
 
 

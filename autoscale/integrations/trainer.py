@@ -14,9 +14,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from transformers import Trainer, TrainerCallback
+from autoscale.errors import ConfigError, missing_extra
 
-from autoscale.errors import ConfigError
+try:
+    from transformers import Trainer, TrainerCallback
+except ModuleNotFoundError as exc:  # the 'hf' extra's, said in one line
+    _missing = missing_extra("autoscale.integrations.trainer", exc.name or "")
+    if _missing is None:
+        raise
+    raise _missing from None
+
 from autoscale.integrations.accelerate import install_scaler
 
 if TYPE_CHECKING:

@@ -385,17 +385,29 @@ def load_policy(path: str | os.PathLike, device: str | None = None, **overrides:
 
 
 # ---------------------------------------------------------------------- publishing
-def existing_policy_error(dest: Path, *, other: bool = False) -> ConfigError:
-    """The one message for an export that would replace a policy without ``--force``."""
+def existing_policy_error(
+    dest: Path, *, other: bool = False, flag: str | None = None
+) -> ConfigError:
+    """The one message for an export that would replace a policy without ``--force``;
+    ``flag``: the command's option that names the export (``--export``, ``--name``, ...)."""
     what = "already exists and holds another policy" if other else "already exists"
-    return ConfigError(f"policy folder '{dest}' {what}; choose another name or pass --force")
+    return ConfigError(f"policy folder '{dest}' {what}; {another_name(flag)}")
+
+
+def another_name(flag: str | None) -> str:
+    """The fix of an export name that is taken, naming the command's option where known."""
+    return f"choose another name{f' ({flag} NAME)' if flag else ''} or pass --force"
 
 
 def check_export_dest(
-    name: str, folder: str | os.PathLike | None = None, force: bool = False
+    name: str,
+    folder: str | os.PathLike | None = None,
+    force: bool = False,
+    flag: str | None = None,
 ) -> Path:
     """Where an export of ``name`` into ``folder`` (default: :func:`default_policy_dir`) will go,
-    checked before any work: a valid name, and no policy there unless ``force``.
+    checked before any work: a valid name, and no policy there unless ``force`` (``flag``: the
+    command's option that names it, for the message).
 
     Raises:
         ConfigError: an invalid name, or a policy already there without ``force``.
@@ -404,7 +416,7 @@ def check_export_dest(
     dest = root / check_policy_name(name)
     check_not_shipped(name, root)
     if dest.exists() and not force:
-        raise existing_policy_error(dest)
+        raise existing_policy_error(dest, flag=flag)
     return dest
 
 

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 from autoscale.errors import BudgetError
 
-__all__ = ["Budget", "Ledger", "format_duration", "parse_budget", "percent", "process_elapsed"]
+__all__ = [
+    "Budget",
+    "Ledger",
+    "format_duration",
+    "parse_budget",
+    "percent",
+    "plural",
+    "process_elapsed",
+]
 
 _BUDGET_RE = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
 BUDGET_FORMS = "90s, 30m, 2h or 1h30m (h, m, s; largest unit first)"
@@ -38,6 +46,11 @@ def parse_budget(text: str) -> float:
     if not seconds > 0:
         raise BudgetError(f"--budget '{raw}' is zero; give a positive duration like {BUDGET_FORMS}")
     return seconds
+
+
+def plural(n: int, word: str) -> str:
+    """``n`` and ``word``, an ``s`` added unless ``n`` is 1 (``1 test episode``, ``0 candidates``)."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def percent(share: float | None) -> str:

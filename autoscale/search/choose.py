@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoscale.search.budget import Ledger, format_duration
+from autoscale.search.budget import Ledger, format_duration, plural
 from autoscale.search.candidates import AUTO, TORCH
 from autoscale.search.no_harm import Check, OutOfTime, Verdict
 from autoscale.search.objective import Lead, lead
@@ -199,8 +199,9 @@ def _why_auto(choice: Choice, real: list[Validated]) -> str:
     ld = choice.leads[best]
     if not math.isfinite(ld.noise):  # one paired episode a member: no spread to measure
         return (
-            f"the best ({_label(real, best)}) led it by {ld.lead:.4f} on {ld.episodes} held-out "
-            "episode(s), one a member: too few to tell a lead from seed noise (a member needs two)"
+            f"the best ({_label(real, best)}) led it by {ld.lead:.4f} on "
+            f"{plural(ld.episodes, 'held-out episode')}, one a member: too few to tell a lead "
+            "from seed noise (a member needs two)"
         )
     return (
         f"the best ({_label(real, best)}) led it by {ld.lead:.4f}, within the seed noise "

@@ -21,6 +21,7 @@ from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import ConfigError, unknown_name
 from autoscale.scalers.policies import PolicyManifest, staged_policy, write_manifest
 from autoscale.scalers.registry import build_scaler, rule_class, rule_names
+from autoscale.search.budget import plural
 from autoscale.search.candidates import TORCH, Candidate
 from autoscale.search.validate import Validated
 from autoscale.training.scorecard import Scorecard, json_safe
@@ -169,7 +170,9 @@ def rank(
     validated: dict[Candidate, Validated], reference: Validated, weights: Any
 ) -> list[Validated]:
     """Every validated scaler, best first by the objective against ``reference`` (``torch``);
-    real-step rows before replayed ones, and on a tie ``auto``, then the rules, then trials."""
+    real-step rows before replayed ones, and on a tie ``auto``, then the rules (``torch`` first),
+    then trials, then by key: the same order however ``validated`` was filled (the search's
+    order of validation, or a study read back by ``autoscale export``)."""
     return sorted(
         validated.values(),
         key=lambda v: (
@@ -177,6 +180,8 @@ def rank(
             v.objective(reference, weights),
             v.key.kind != "policy",
             not v.key.is_rule,
+            v.key != TORCH,
+            str(v.key),
         ),
     )
 
@@ -206,7 +211,7 @@ def rows_where(v: Validated, validation: SuiteSpec) -> str:
     """Where a validated row was measured, in words (real steps, or replayed windows)."""
     n, steps = sum(len(c) for c in v.cards.values()), validation.episode.steps
     if v.real:
-        return f"real steps: {n} test episodes of {steps} steps"
+        return f"real steps: {plural(n, 'test episode')} of {steps} steps"
     return f"replay of {n} held-out windows of {steps} recorded steps"
 
 
@@ -221,16 +226,19 @@ def check_export_target(
     *,
     own_study_ok: bool = True,
     storage: str | None = None,
+    flag: str = "--export",
 ) -> bool:
     """Whether exporting ``name`` may replace an existing folder: with ``force``, or (with
     ``own_study_ok``) when it holds a search's own export of study ``study_name`` in ``storage``
-    (masked URL), which a resumed search or another worker updates.
+    (masked URL), which a resumed search or another worker updates. ``flag``: the command's
+    option that names the export, for the messages.
 
     Raises:
         ConfigError: a bad name, or a folder holding another policy without ``force``.
     """
     from autoscale.errors import PolicyError
     from autoscale.scalers.policies import (
+        another_name,
         check_not_shipped,
         check_policy_name,
         default_policy_dir,
@@ -251,10 +259,10 @@ def check_export_target(
         raise ConfigError(
             f"policy folder '{dest}' already exists and is not a readable policy "
             f"({str(exc).split('; ')[0]}); "
-            "remove it, choose another name or pass --force"
+            f"remove it, {another_name(flag)}"
         ) from None
     if not (own_study_ok and workload.get("study") == study_name):
-        raise existing_policy_error(dest, other=True)
+        raise existing_policy_error(dest, other=True, flag=flag)
     by = workload.get("exported_by")
     # an earlier autoscale's search wrote no exported_by, but what it searched or validated on
     by_search = by == SEARCH_EXPORT or (
@@ -273,7 +281,7 @@ def check_export_target(
         held = f"an export of study '{study_name}' that does not say a search made it"
     raise ConfigError(
         f"policy folder '{dest}' already exists and holds {held}, not this search's own; "
-        "choose another name or pass --force"
+        + another_name(flag)
     )
 
 

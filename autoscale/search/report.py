@@ -7,6 +7,7 @@ from pathlib import Path
 
 from autoscale.envs.suite import SuiteSpec
 from autoscale.progress import draw_bars
+from autoscale.search.budget import plural
 from autoscale.search.study import describe_spec
 from autoscale.search.validate import Validated
 
@@ -45,8 +46,8 @@ def comparison_table(
         return ", ".join(f"{labels[v.key]} {v.objective(reference, weights):+.4f}" for v in group)
 
     lines = [
-        f"{describe_spec(validation)}: {n} test episodes of {validation.episode.steps} real steps; "
-        "mean ± std over them",
+        f"{describe_spec(validation)}: {plural(n, 'test episode')} of "
+        f"{validation.episode.steps} real steps; mean ± std over them",
         format_comparison({labels[v.key]: summarize(v.all_cards()) for v in real}, n),
         f"objective vs torch (lower is better; * = exported): {scores(real)}",
     ]

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from autoscale.envs.suite import SuiteSpec, as_suite
 from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
-from autoscale.search.budget import Budget, Ledger, format_duration
+from autoscale.search.budget import Budget, Ledger, format_duration, plural
 from autoscale.search.candidates import AUTO, TORCH, Candidate
 from autoscale.search.choose import choose, family_refusal, record_pick, refusal, unchecked_lines
 from autoscale.search.export import (
@@ -662,7 +662,8 @@ class SearchRunner:
             if first and self.counts == before:
                 self.say(
                     "search",
-                    "no time left to search after validation's share; validating what the study has",
+                    "none of the budget is left to search before validation and the no-harm "
+                    "check (the plan keeps the rest for them); validating what the study has",
                 )
             if self.counts == before:
                 return
@@ -793,9 +794,10 @@ class SearchRunner:
             n_cand = sum(1 for k in results if Candidate.parse(k).is_trial)
             n_rules = sum(1 for k in self.validated if Candidate.parse(k).is_rule)
             msg = (
-                f"{n_cand} candidate(s); auto{'' if self._bar_real() else ' not yet'}; "
+                f"{plural(n_cand, 'candidate')}; auto{'' if self._bar_real() else ' not yet'}; "
                 f"{n_rules} of {len(self.plan.rules)} built-in rules so far; on "
-                f"{len(validator.names)} test episodes x {self.plan.steps} real steps in {format_duration(time.monotonic() - t0)}"
+                f"{plural(len(validator.names), 'test episode')} x {self.plan.steps} real steps "
+                f"in {format_duration(time.monotonic() - t0)}"
             )
         if validator.skipped:
             msg += f"; no time left for: {' | '.join(validator.skipped)}"

@@ -137,10 +137,12 @@ def open_storage(url: str, *, must_exist: bool = False) -> Any:
     except ImportError as exc:
         cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else exc
         name = getattr(cause, "name", None) or "for this URL"
-        hint = " (pip install 'autoscale[postgres]')" if url.startswith("postgres") else ""
-        raise StorageError(
-            f"cannot open storage '{shown}': its database driver {name} is not installed{hint}"
-        ) from None
+        if url.startswith("postgres"):  # either driver will do; the extra installs psycopg2
+            what = "no PostgreSQL driver (psycopg2 or psycopg) is installed"
+            hint = ": pip install 'autoscale[postgres]' (psycopg2)"
+        else:
+            what, hint = f"its database driver {name} is not installed", ""
+        raise StorageError(f"cannot open storage '{shown}': {what}{hint}") from None
     except Exception as exc:
         raise StorageError(
             f"cannot open storage '{shown}': {_reason(exc)}; check the URL, that the server runs "

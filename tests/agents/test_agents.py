@@ -153,7 +153,9 @@ def test_corrupt_and_incompatible_policies_are_refused(agents, tmp_path):
 def test_export_never_overwrites_without_force(agents, tiny_spec, tiny_trace):
     out, _ = agents
     before = (out / "tiny-ppo" / "weights.pt").read_bytes()
-    with pytest.raises(ConfigError, match="already exists; choose another name or pass --force"):
+    with pytest.raises(
+        ConfigError, match=r"already exists; choose another name \(--out NAME\) or pass --force"
+    ):
         train_agent(
             tiny_spec, "ppo", 64, replay=tiny_trace, export_name="tiny-ppo", export_dir=str(out)
         )

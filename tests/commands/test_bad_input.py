@@ -185,6 +185,7 @@ ROWS: dict[str, Row] = {
     "cli: suite traces under a file": Row(("record", "--env", "suite", "--steps", "5", "--out", "t.txt/traces"), "t.txt is a file", "pick another path"),
     "cli: JSON to an unwritable path": Row(_run("--json", "/proc/nope.json"), "'/proc/nope.json'", "pick a path in a writable folder"),
     "cli: agent export folder unwritable": Row(("train-agent", "--env", "mlp-bad-batches", "--timesteps", "64", "--out", "x", "--policy-dir", "/proc/nope"), "'/proc/nope'", "pick a path in a writable folder"),
+    "cli: agent replay missing": Row(_agent("--replay", "gone.npz"), "no trace file 'gone.npz'", "autoscale record --env mlp-bad-batches --steps N --out gone.npz"),
     "cli: search export folder unwritable": Row(("search", "--model", "mlp", "--budget", "90s", "--policy-dir", "/proc/nope"), "'/proc/nope'", "pass --policy-dir DIR"),
     "cli: scaler parameter in words": Row(_run("--scaler", "amax-loss", "--scaler-param", "probe_after=x"), "got 'x'", "probe_after must be a number"),
     "cli: switch neither true nor false": Row(_run("--scaler-param", "raise_at_min=maybe"), "got 'maybe'", "must be true or false"),

@@ -38,6 +38,8 @@ from autoscale.cli import main
             ["run", "--scaler", "torh", "--model", "mlp"],
             "unknown scaler 'torh'; did you mean 'torch'?",
         ),
+        # a name that is no near miss gets no suggestion (it shared three letters with torch)
+        (["run", "--scaler", "nosuch", "--model", "mlp"], "unknown scaler 'nosuch' (autoscale"),
         (["run", "--dtype", "fp8"], "dtype must be one of fp16, bf16, fp32"),
         (
             ["run", "--model", "mlp", "--fp16", "emulate"],

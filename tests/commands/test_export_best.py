@@ -198,3 +198,13 @@ def test_best_reads_the_verdicts_of_the_check_the_search_last_decided_with(work,
     study.set_user_attr(CHECK_SHAPE, "R")
     rc, out, err = _export(capsys, "s", "best", "other")
     assert rc == 0 and "auto, the shipped general policy, unchanged" in out, out
+
+
+def test_a_name_taken_says_the_option_that_names_the_export(work, capsys):
+    """The second export under the same name is refused in one line that names --name (the
+    search's own line names --export, train-agent's --out: tests/search, tests/agents)."""
+    _study(work, "s")
+    assert _export(capsys, "s", "best", "mine")[0] == 0
+    rc, out, err = _export(capsys, "s", "best", "mine")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.strip().endswith("choose another name (--name NAME) or pass --force"), err

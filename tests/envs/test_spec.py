@@ -47,6 +47,11 @@ def test_spec_by_name():
             "unknown key 'step'; did you mean 'steps'",
         ),
         (
+            "name: x\nmodel: mlp\n",
+            r"unknown key 'model'; it belongs under 'workload:' \(allowed: name, workload,",
+        ),
+        ("name: x\nworkload: {model: mlp}\nhorizon: 9\n", "'horizon'; it belongs under 'episode:'"),
+        (
             "name: x\nworkload: {model: mlp}\ninstances: {train: [0]}\n",
             "instance set 'test' is missing or empty",
         ),

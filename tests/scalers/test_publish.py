@@ -180,7 +180,7 @@ def test_a_policy_folder_written_half_way_is_refused_in_one_line(tmp_path, monke
     with pytest.raises(ConfigError) as info:
         check_export_target("cut", tmp_path, "some-study", force=False)
     assert "already exists and is not a readable policy" in str(info.value)
-    assert "remove it, choose another name or pass --force" in str(info.value)
+    assert "remove it, choose another name (--export NAME) or pass --force" in str(info.value)
     assert "\n" not in str(info.value)
 
 

@@ -59,5 +59,7 @@ def test_a_search_never_replaces_a_policy_it_did_not_export(tmp_path, workload, 
     _export(tmp_path, "keepme", **workload)
     with pytest.raises(ConfigError, match="'.*keepme' already exists and holds") as err:
         check_export_target("keepme", tmp_path, STUDY, False, storage=HERE)
-    assert held in str(err.value) and str(err.value).endswith("choose another name or pass --force")
+    assert held in str(err.value) and str(err.value).endswith(
+        "choose another name (--export NAME) or pass --force"
+    )
     assert check_export_target("keepme", tmp_path, STUDY, True, storage=HERE)  # --force may

@@ -56,7 +56,7 @@ BUDGET = "90s"
 N_TRIALS = "12"
 FINISHED = 5  # trials finished in the storage before a fault is injected
 WARM_STUDY, WARM_DB = "faults-warm", "warm.db"  # the warm cache's study, beside its artifacts
-VALIDATION_SHAPE = re.compile(r"on (\d+) test episodes x (\d+) real steps")
+VALIDATION_SHAPE = re.compile(r"on (\d+) test episodes? x (\d+) real steps")
 
 
 def _search_args(storage: str, study: str) -> tuple[str, ...]:
@@ -347,7 +347,7 @@ def test_damaged_caches_and_a_half_written_policy(cached, warm_cache, request):
     (line,) = refused.err.strip().splitlines()
     assert line.startswith(f"autoscale search: error: policy folder '{half}' already exists and ")
     assert "is not a readable policy (cannot read" in line
-    assert line.endswith("remove it, choose another name or pass --force")
+    assert line.endswith("remove it, choose another name (--export NAME) or pass --force")
     assert db.read_bytes() == stored  # refused before writing anything
 
     half.rename(tmp_path / "damaged-aside")

@@ -183,6 +183,20 @@ def test_a_built_in_rule_that_beats_every_candidate_ranks_first_and_auto_wins_ti
     assert [v.key for v in rank(tie, torch, REWARD)][0] == "policy:auto"  # and to auto first
 
 
+def test_rules_that_tie_rank_the_same_whatever_order_they_were_validated_in():
+    # the search ranks in the order it validated, `autoscale export` in the study's order: a
+    # tie between rules (torch and deepspeed on steps where both keep one scale) goes to torch
+    # both times, and between other rules by name
+    torch = validated("rule:torch", 0.125, 0.3)
+    rows = [validated(f"rule:{r}", 0.0, 0.05) for r in ("deepspeed", "megatron")]
+    rows.append(validated("rule:torch", 0.0, 0.05))
+    orders = {
+        tuple(v.key for v in rank({v.key: v for v in group}, torch, REWARD))
+        for group in (rows, rows[::-1], rows[1:] + rows[:1])
+    }
+    assert orders == {("rule:torch", "rule:deepspeed", "rule:megatron")}
+
+
 def test_a_lead_within_the_seed_noise_exports_auto_and_says_why(check):
     torch = validated("rule:torch", 0.125, 0.3)
     auto = validated("policy:auto", 0.0, 0.05)
@@ -214,7 +228,7 @@ def test_a_lead_on_one_episode_a_member_says_it_cannot_be_told_from_noise(check)
     choice, _, _ = pick(check, [torch, auto, better], {}, study=study)
     assert choice.winner.key == "policy:auto"
     assert choice.leads["rule:jmp"].noise == math.inf
-    assert "led it by 0.2400 on 1 held-out episode(s), one a member: too few" in choice.why
+    assert "led it by 0.2400 on 1 held-out episode, one a member: too few" in choice.why
     assert "inf" not in choice.why
     # and `autoscale export --trial` of it says the same in its warning
     rows = {v.key: v for v in (torch, auto, better)}

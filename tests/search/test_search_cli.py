@@ -39,6 +39,10 @@ def test_ninety_second_search_spends_its_budget_and_exports_a_loadable_policy(se
     assert run.wall_s <= SEARCH_BUDGET_S * 1.05, f"took {run.wall_s:.1f} s of {SEARCH_BUDGET_S} s"
     done = re.search(r"done in ([\dms.]+) of a 1m30s budget", run.out)
     assert done, run.out[-2000:]
+    # the dashboard line works from any folder: the storage by its absolute path
+    assert f"review it with: autoscale dashboard --storage sqlite:///{searched.db.resolve()}\n" in (
+        run.out
+    ), run.out[-500:]
     # the budget is spent, but for what the search says it left and why (a slow machine's tail)
     stop = re.search(r"stopping with ([\dms.]+) left: (.+)", run.out)
     left = parse_budget(stop.group(1)) if stop else 0.0
@@ -47,7 +51,7 @@ def test_ninety_second_search_spends_its_budget_and_exports_a_loadable_policy(se
     for k, phase in enumerate(("measure", "plan", "record", "search", "validate", "export"), 1):
         assert f"[{k}/6 {phase}]" in run.out
     # the ranking: every built-in rule and the candidates on the same real test episodes
-    table = run.out[run.out.rindex("test episodes of") :]
+    table = run.out[run.out.rindex(" real steps; mean ± std over them") :]
     rows = [
         line.split("  ")[0].lstrip("* ").strip()
         for line in table.splitlines()[3:]

@@ -41,6 +41,20 @@ def test_unreachable_server_is_one_line_storage_error():
     assert "secret" not in msg and "\n" not in msg
 
 
+def test_a_postgresql_url_without_a_driver_names_the_extra_and_what_it_installs(monkeypatch):
+    # neither psycopg2 (which the extra installs) nor psycopg (SQLAlchemy's default) importable
+    import sys
+
+    for module in ("psycopg2", "psycopg"):
+        monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(StorageError) as info:
+        open_storage("postgresql://nobody@127.0.0.1:1/x")
+    assert str(info.value) == (
+        "cannot open storage 'postgresql://nobody@127.0.0.1:1/x': no PostgreSQL driver (psycopg2 "
+        "or psycopg) is installed: pip install 'autoscale[postgres]' (psycopg2)"
+    )
+
+
 def test_missing_folder_and_missing_file_are_refused(tmp_path):
     with pytest.raises(StorageError, match="does not exist"):
         open_storage(f"sqlite:///{tmp_path / 'nope' / 'a.db'}")
