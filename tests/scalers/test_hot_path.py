@@ -76,8 +76,12 @@ def test_the_cpu_read_of_a_loss_is_the_packed_ones(dtype):
     assert seen == [f32, f32]
 
 
-@pytest.mark.parametrize("sizes", [[6, 40, 3], [6, 40_000, 3]], ids=["in-cache", "one-large"])
-@pytest.mark.parametrize("bad", [None, math.inf, math.nan])
+@pytest.mark.parametrize(
+    "sizes",
+    [[6, 40, 3], [6, 10_000, 9_000], [6, 40_000, 3]],
+    ids=["in-cache", "more-than-cache-each-in", "one-large"],
+)
+@pytest.mark.parametrize("bad", [None, math.inf, -math.inf, math.nan])
 def test_the_amax_read_multiplies_as_gradscaler_either_way(sizes, bad, monkeypatch):
     """Small gradients are multiplied in one op after their reads, a large one right after its
     own: the same gradients as GradScaler's unscale, the same amax, either way; and so with the
