@@ -113,7 +113,9 @@ def unknown_name(kind: str, name: str, known: Iterable[str], how_to_list: str) -
     """
     known = sorted(known)
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
+    if not close and len(name) >= 3:  # a name cut short: the one it begins, where one is
+        close = [k for k in known if k.startswith(name)]
+    hint = f"; did you mean '{close[0]}'?" if len(close) == 1 else ""
     return UnknownNameError(
         f"unknown {kind} '{name}'{hint} ({how_to_list} shows all: {', '.join(known)})"
     )

@@ -92,6 +92,7 @@ pick, one warning says why. The manifest's evidence says either way.
             own_study_ok=False,
             scorecard=_scorecard(study, pick, key, against, validation, suite.reward),
             provenance={"storage": storage_id(args.storage), "exported_by": "autoscale export"},
+            flag="--name",
         )
         if against:
             print(

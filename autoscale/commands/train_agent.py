@@ -102,9 +102,11 @@ keeps the last model (no checkpoint selection), and says so.
                 raise ConfigError(f"{flag} must be a positive number of steps, got {value}")
         if args.window is not None and not args.residual:
             raise ConfigError("--window sets a residual agent's offset: add --residual or drop it")
-        if args.replay and not Path(args.replay).is_file():  # said with the command's --env
+        if args.replay and not Path(args.replay).exists():  # (a suite's traces: a folder)
+            from autoscale.envs.suite import load_spec
             from autoscale.envs.traces import missing_trace
 
+            load_spec(args.env)  # an --env that is no spec is said first
             raise missing_trace(args.replay, args.env)
         env = args.env
         if args.residual:

@@ -117,7 +117,9 @@ def make_accelerator(
     """
     try:
         from accelerate import Accelerator
-    except ModuleNotFoundError:
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "accelerate":  # a dependency of it: as it is
+            raise
         raise missing_extra("autoscale.integrations.make_accelerator", "accelerate") from None
 
     accelerator_kwargs.setdefault("mixed_precision", "fp16")

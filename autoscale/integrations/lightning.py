@@ -19,6 +19,7 @@ Imports ``lightning.pytorch``, or ``pytorch_lightning`` when only that is instal
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -34,15 +35,21 @@ if TYPE_CHECKING:
 __all__ = ["ScaleMonitor", "mixed_precision_plugin", "fsdp_precision_plugin"]
 
 
-def _callback_base():
-    try:
-        from lightning.pytorch import Callback
-    except ImportError:  # the standalone package
+def _from_lightning(name: str) -> Any:
+    """``lightning.pytorch``'s ``name``, or ``pytorch_lightning``'s where only the standalone
+    package is installed; neither: the error naming the extra (a missing dependency of an
+    installed one is raised as it is)."""
+    for package in ("lightning.pytorch", "pytorch_lightning"):
         try:
-            from pytorch_lightning import Callback
-        except ImportError:
-            raise missing_extra("autoscale.integrations.lightning", "lightning") from None
-    return Callback
+            return getattr(importlib.import_module(package), name)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] != package.split(".")[0]:
+                raise
+    raise missing_extra("autoscale.integrations.lightning", "lightning")
+
+
+def _callback_base():
+    return _from_lightning("Callback")
 
 
 class ScaleMonitor(_callback_base()):
@@ -89,14 +96,7 @@ class ScaleMonitor(_callback_base()):
 
 
 def _plugins():
-    try:
-        from lightning.pytorch import plugins
-    except ImportError:  # the standalone package
-        try:
-            from pytorch_lightning import plugins
-        except ImportError:
-            raise missing_extra("autoscale.integrations.lightning", "lightning") from None
-    return plugins
+    return _from_lightning("plugins")
 
 
 def mixed_precision_plugin(

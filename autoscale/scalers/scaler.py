@@ -99,12 +99,15 @@ class LossScaler(torch.amp.GradScaler):
     # this step's spike test (ScaleRule.spike_limit), made at its first agreement: None before
     # it, a bool where it ran on the host, a bool tensor on the device
     _spike: bool | torch.Tensor | None = None
-    # GradScaler's own scale() and unscale_() come next in the class order: their product and
-    # 1/scale are computed here, in fewer ops (set for each subclass: __init_subclass__)
+    # GradScaler's own scale(), unscale_() and _unscale_grads_() come next in the class order:
+    # their product, 1/scale and the sort of the gradients are done here, in fewer ops (set for
+    # each subclass: __init_subclass__)
     _plain_gradscaler = True
     # the scale tensor as this scaler last left it holding _host_scale, and its version: code
     # that writes GradScaler's `_scale` itself shows as another tensor or version (_adopt_written)
     _synced: tuple[torch.Tensor, int] | None = None
+    # the scale tensor and its version as this step's guard left it (None: no guard this step)
+    _guard_wrote: tuple[torch.Tensor, int] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -112,7 +115,7 @@ class LossScaler(torch.amp.GradScaler):
         gradscaler = LossScaler.__bases__[0]  # (torch.amp.GradScaler, which `wrap` replaces)
         cls._plain_gradscaler = all(
             next((c.__dict__[m] for c in later if m in c.__dict__), None) is gradscaler.__dict__[m]
-            for m in ("scale", "unscale_")
+            for m in ("scale", "unscale_", "_unscale_grads_")
         )
 
     def __init__(
@@ -290,14 +293,15 @@ class LossScaler(torch.amp.GradScaler):
         if limit is not None and self._cpu and group is None and loss.is_cpu:
             self._guard_scale = None
             self._step_scale = guard_on_host(scale, loss, limit, bounds.min_scale, self._host_scale)
-            return
-        self._guard_scale = (
-            apply_step_scale(rule, scale, loss, bounds, self._host_scale, group)
-            if rule.scale_time
-            else apply_guard(scale, loss, limit, bounds.min_scale, self._host_scale, group)
-        )
-        # set on the host of a CPU (no tensor returned): read once, for get_scale and 1/scale
-        self._step_scale = scale.item() if self._guard_scale is None and self._cpu else None
+        else:
+            self._guard_scale = (
+                apply_step_scale(rule, scale, loss, bounds, self._host_scale, group)
+                if rule.scale_time
+                else apply_guard(scale, loss, limit, bounds.min_scale, self._host_scale, group)
+            )
+            # set on the host of a CPU (no tensor returned): read once, for get_scale and 1/scale
+            self._step_scale = scale.item() if self._guard_scale is None and self._cpu else None
+        self._guard_wrote = (scale, scale._version)  # a later write is other code's
 
     def _spike_limit(self) -> float | None:
         """The ``|loss|`` above which this step is a spike to skip (the rule's
@@ -425,6 +429,10 @@ class LossScaler(torch.amp.GradScaler):
             self._set_scale(bounds.clamp(value))
             self._end_step()
             return
+        if self._guarded and self._written_since_guard():
+            # other code wrote the tensor within a guarded step: its value is the scale set
+            # from now on, as outside one (the loss took the guard's: the step keeps that)
+            self._guarded, self._synced = False, None
         if not self._guarded:
             self._adopt_written()
         states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
@@ -583,6 +591,7 @@ class LossScaler(torch.amp.GradScaler):
             _step_group=None,
             _spike=None,
             _synced=None,
+            _guard_wrote=None,
         )
         state["_inverse"] = InverseScale()
         return state
@@ -610,6 +619,12 @@ class LossScaler(torch.amp.GradScaler):
         """Whether code other than this scaler's wrote the scale tensor since it last set it."""
         scale, synced = self._scale, self._synced
         return synced is None or synced[0] is not scale or synced[1] != scale._version
+
+    def _written_since_guard(self) -> bool:
+        """Whether code other than this scaler's wrote the scale tensor since this step's guard
+        set it."""
+        scale, wrote = self._scale, self._guard_wrote
+        return wrote is not None and (wrote[0] is not scale or wrote[1] != scale._version)
 
     def _adopt_written(self) -> None:
         """Take the scale tensor's value as the scale set where code other than this scaler's
@@ -653,6 +668,7 @@ class LossScaler(torch.amp.GradScaler):
         self._loss_count = 0
         self._guarded = False
         self._guard_scale = self._step_scale = self._step_group = self._spike = None
+        self._guard_wrote = None
         self.grads.forget()  # grad_abs answers for the step that filled it only
 
     def _collect_grad_stats(self, optimizer: torch.optim.Optimizer, inv_scale: Any) -> None:

@@ -181,6 +181,7 @@ def rank(
             v.key.kind != "policy",
             not v.key.is_rule,
             v.key != TORCH,
+            v.key.number if v.key.is_trial else -1,  # trial 9 before trial 10
             str(v.key),
         ),
     )
@@ -375,11 +376,13 @@ def export_candidate(
     own_study_ok: bool = True,
     scorecard: dict[str, Any] | None = None,
     provenance: dict[str, Any] | None = None,
+    flag: str = "--export",
 ) -> tuple[Path, str]:
     """Export ``key`` as ``out_dir/NAME`` (nothing half-written on interrupt); returns the folder
     and what it holds, in words. ``auto`` is copied unchanged under the new name; a rule or
     parametric trial is exported with the episode's scale bounds; an agent from its artifact in
-    ``store``. Replacing a folder follows :func:`check_export_target`."""
+    ``store``. Replacing a folder follows :func:`check_export_target` (``flag``: the option
+    that names the export, for its messages)."""
     from autoscale.scalers.policies import find_policy, read_manifest
 
     source = find_policy(key.name) if key.is_policy else None
@@ -392,6 +395,7 @@ def export_candidate(
         force,
         own_study_ok=own_study_ok,
         storage=(provenance or {}).get("storage"),
+        flag=flag,
     )
     trial = study.trials[key.number] if key.is_trial else None
     policy = trial_policy(trial) if trial is not None else {"kind": "named"}

@@ -137,7 +137,7 @@ def open_storage(url: str, *, must_exist: bool = False) -> Any:
     except ImportError as exc:
         cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else exc
         name = getattr(cause, "name", None) or "for this URL"
-        if url.startswith("postgres"):  # either driver will do; the extra installs psycopg2
+        if url.split("://")[0] in ("postgresql", "postgres"):  # either driver will do
             what = "no PostgreSQL driver (psycopg2 or psycopg) is installed"
             hint = ": pip install 'autoscale[postgres]' (psycopg2)"
         else:

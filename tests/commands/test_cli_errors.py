@@ -40,6 +40,10 @@ from autoscale.cli import main
         ),
         # a name that is no near miss gets no suggestion (it shared three letters with torch)
         (["run", "--scaler", "nosuch", "--model", "mlp"], "unknown scaler 'nosuch' (autoscale"),
+        (
+            ["run", "--model", "mlp", "--scenario", "pref"],
+            "unknown scenario 'pref'; did you mean 'preference'?",
+        ),  # a name cut short
         (["run", "--dtype", "fp8"], "dtype must be one of fp16, bf16, fp32"),
         (
             ["run", "--model", "mlp", "--fp16", "emulate"],

@@ -256,9 +256,17 @@ def test_a_rule_without_statistics_unscales_with_gradscalers_kernel_alone(monkey
         assert torch.equal(a.grad.nan_to_num(), b.grad.nan_to_num())
 
 
-def test_gradients_the_kernel_alone_cannot_take_go_through_gradscalers_sorting():
+def test_gradients_the_kernel_alone_cannot_take_go_through_gradscalers_sorting(monkeypatch):
     # float16 gradients: GradScaler's error; a float64 one beside float32 ones: its per-dtype
     # lists, the same gradients
+    sorted_by_gradscaler = []
+    real = torch.amp.GradScaler._unscale_grads_
+
+    def counted(self, *args):
+        sorted_by_gradscaler.append(type(self).__name__)
+        return real(self, *args)
+
+    monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", counted)
     model = tiny_model().half()
     scaler = autoscale.get_scaler("torch", device="cpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -276,3 +284,4 @@ def test_gradients_the_kernel_alone_cannot_take_go_through_gradscalers_sorting()
         scaler.unscale_(opt)
         runs.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert sorted_by_gradscaler == ["LossScaler", "GradScaler", "LossScaler"]

@@ -72,6 +72,31 @@ def test_a_scale_written_by_other_code_is_the_one_unscaled_by(name, stats, write
     assert ours.get_scale() == twin.get_scale()
 
 
+@pytest.mark.parametrize("writer", ["fill", "replace", "copy"])
+def test_a_scale_written_within_a_guarded_step_is_the_scale_set_after_it(writer):
+    # auto's guard writes the tensor at scale(); code that writes it after that (before update)
+    # sets the scale as outside a guarded step: the tensor, get_scale() and 1/scale agree after
+    scaler = autoscale.get_scaler("auto", "cpu", init_scale=1024.0)
+    for _ in range(3):  # clean steps with a loss: the guard has a limit now
+        _step(scaler)
+    model, opt = _model()
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    assert scaler._guarded
+    WRITERS[writer](scaler)
+    scaler.step(opt)
+    scaler.update()
+    # the rule went on from 8 (its next scale is its own); the tensor holds what it set
+    assert scaler.get_base_scale() == float(scaler._scale)
+    model, opt = _model()
+    loss = model(torch.ones(2, 4)).pow(2).mean()
+    (ref,) = torch.autograd.grad(loss, [model.weight], retain_graph=True)
+    scaled = scaler.scale(loss)
+    assert scaled.item() / loss.item() == scaler.get_scale()
+    scaled.backward()
+    scaler.unscale_(opt)
+    assert torch.equal(model.weight.grad, ref)  # divided by what the loss was multiplied by
+
+
 def test_a_scale_loaded_by_gradscaler_before_the_first_step_is_taken():
     torch_scaler, ours = GS("cpu", init_scale=1024.0), autoscale.get_scaler("torch", "cpu")
     for scaler in (torch_scaler, ours):
@@ -132,3 +157,29 @@ def test_a_subclass_keeps_the_scale_and_unscale_of_the_gradscaler_it_mixes_in():
     scaled.float().backward()
     scaler.unscale_(opt)
     assert scaler.calls == ["scale", "unscale_"]
+
+
+class _OwnSort(GS):
+    """A GradScaler subclass that sorts the gradients itself (its own _unscale_grads_)."""
+
+    calls: list[str]
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        self.calls.append("_unscale_grads_")
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+
+class _MixedSort(LossScaler, _OwnSort):
+    pass
+
+
+def test_a_subclass_keeps_the_gradient_sort_of_the_gradscaler_it_mixes_in():
+    # the torch rule's unscale skips GradScaler's _unscale_grads_ for its kernel: not where a
+    # GradScaler mixed in after LossScaler has its own
+    assert not _MixedSort._plain_gradscaler
+    scaler = _MixedSort(autoscale.get_scaler("torch").rule, device="cpu")
+    scaler.calls = []
+    model, opt = _model()
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    scaler.unscale_(opt)
+    assert scaler.calls == ["_unscale_grads_"]

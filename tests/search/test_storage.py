@@ -53,6 +53,9 @@ def test_a_postgresql_url_without_a_driver_names_the_extra_and_what_it_installs(
         "cannot open storage 'postgresql://nobody@127.0.0.1:1/x': no PostgreSQL driver (psycopg2 "
         "or psycopg) is installed: pip install 'autoscale[postgres]' (psycopg2)"
     )
+    # a URL that names its driver: that one is missing, whatever the extra installs
+    with pytest.raises(StorageError, match="its database driver psycopg is not installed$"):
+        open_storage("postgresql+psycopg://nobody@127.0.0.1:1/x")
 
 
 def test_missing_folder_and_missing_file_are_refused(tmp_path):
