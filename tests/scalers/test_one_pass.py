@@ -226,19 +226,27 @@ def test_the_one_pass_unscales_gradients_that_carry_a_graph(path):
     assert_same_params(*runs)
 
 
-@pytest.mark.parametrize("grad_on", [True, False], ids=["grad-on", "grad-off"])
-def test_a_rule_without_statistics_unscales_with_gradscalers_kernel_alone(monkeypatch, grad_on):
-    # dense float32 gradients skip GradScaler's _unscale_grads_ (its Python sorting of every
-    # gradient by device and dtype: most of its unscale_ on a CPU) for the kernel it calls;
-    # the same gradients and flag, autograd left as it was found
-    sorted_by_gradscaler = []
+@pytest.fixture
+def sorted_by_gradscaler(monkeypatch) -> list[str]:
+    """The class of each scaler that GradScaler's ``_unscale_grads_`` runs for, in order."""
+    calls: list[str] = []
     real = torch.amp.GradScaler._unscale_grads_
 
     def counted(self, *args):
-        sorted_by_gradscaler.append(type(self).__name__)
+        calls.append(type(self).__name__)
         return real(self, *args)
 
     monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", counted)
+    return calls
+
+
+@pytest.mark.parametrize("grad_on", [True, False], ids=["grad-on", "grad-off"])
+def test_a_rule_without_statistics_unscales_with_gradscalers_kernel_alone(
+    sorted_by_gradscaler, grad_on
+):
+    # dense float32 gradients skip GradScaler's _unscale_grads_ (its Python sorting of every
+    # gradient by device and dtype: most of its unscale_ on a CPU) for the kernel it calls;
+    # the same gradients and flag, autograd left as it was found
     runs = []
     for scaler in (torch.amp.GradScaler("cpu"), autoscale.get_scaler("torch", device="cpu")):
         model = tiny_model()
@@ -256,17 +264,11 @@ def test_a_rule_without_statistics_unscales_with_gradscalers_kernel_alone(monkey
         assert torch.equal(a.grad.nan_to_num(), b.grad.nan_to_num())
 
 
-def test_gradients_the_kernel_alone_cannot_take_go_through_gradscalers_sorting(monkeypatch):
+def test_gradients_the_kernel_alone_cannot_take_go_through_gradscalers_sorting(
+    sorted_by_gradscaler,
+):
     # float16 gradients: GradScaler's error; a float64 one beside float32 ones: its per-dtype
     # lists, the same gradients
-    sorted_by_gradscaler = []
-    real = torch.amp.GradScaler._unscale_grads_
-
-    def counted(self, *args):
-        sorted_by_gradscaler.append(type(self).__name__)
-        return real(self, *args)
-
-    monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", counted)
     model = tiny_model().half()
     scaler = autoscale.get_scaler("torch", device="cpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
