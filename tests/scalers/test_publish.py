@@ -275,7 +275,9 @@ for r in range(rounds):
         result = "ok"
     except AutoscaleError as exc:
         result = str(exc)
-    (root / f"done-{r}-{k}").write_text(result)
+    # written whole, then renamed: the test reads it as soon as the name exists
+    (root / f"done-{r}-{k}.part").write_text(result)
+    os.replace(root / f"done-{r}-{k}.part", root / f"done-{r}-{k}")
 """
 
 
@@ -301,7 +303,10 @@ def test_processes_exporting_one_name_at_once(tmp_path, force, request):
     for r in range(rounds):
         wait_for(f"{n} exporters ready", lambda r=r: len(list(tmp_path.glob(f"ready-{r}-*"))) == n)
         (tmp_path / f"go-{r}").touch()
-        wait_for(f"{n} exports done", lambda r=r: len(list(tmp_path.glob(f"done-{r}-*"))) == n)
+        wait_for(
+            f"{n} exports done",
+            lambda r=r: all((tmp_path / f"done-{r}-{k}").exists() for k in range(n)),
+        )
         results = [(tmp_path / f"done-{r}-{k}").read_text() for k in range(n)]
         assert _entries(tmp_path / f"r{r}") == ["same"]
         _whole(tmp_path / f"r{r}" / "same")
@@ -315,7 +320,7 @@ def test_processes_exporting_one_name_at_once(tmp_path, force, request):
                 "already exists; choose another name or pass --force" in text and "\n" not in text
                 for k, text in enumerate(results)
                 if k not in winners
-            )
+            ), results
     assert [p.wait(timeout=120) for p in procs] == [0] * n
     report(
         FaultRecord(
