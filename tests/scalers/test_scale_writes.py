@@ -80,9 +80,13 @@ def test_a_scale_written_within_a_guarded_step_is_the_scale_set_after_it(writer)
     for _ in range(3):  # clean steps with a loss: the guard has a limit now
         _step(scaler)
     model, opt = _model()
-    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    loss = model(torch.ones(2, 4)).pow(2).mean()
+    (ref,) = torch.autograd.grad(loss, [model.weight], retain_graph=True)
+    scaler.scale(loss).backward()
     assert scaler._guarded
     WRITERS[writer](scaler)
+    scaler.unscale_(opt)  # this step's gradients: by the factor the loss took (docs/integrations)
+    assert torch.equal(model.weight.grad, ref)
     scaler.step(opt)
     scaler.update()
     # the rule went on from 8 (its next scale is its own); the tensor holds what it set
