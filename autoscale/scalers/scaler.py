@@ -331,12 +331,14 @@ class LossScaler(torch.amp.GradScaler):
         value, computed once for a scale instead of three ops a step); dense float32 gradients
         on the scale's device go straight to its kernel (:meth:`GradReader.unscale_plain`), any
         others through GradScaler's ``_unscale_grads_`` (its errors, sparse gradients, dtypes,
-        devices, DTensors)."""
+        devices, DTensors; and a replaced ``GradScaler._unscale_grads_``)."""
         state = self._unscale_state(optimizer)
         dev = self._scale.device
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=dev)
         inv = self._inv_scale()
-        grads = one_pass_grads(optimizer, dev)
+        # (a GradScaler whose sort another library replaced, as extensions for other devices
+        # do, keeps it)
+        grads = one_pass_grads(optimizer, dev) if type(self)._unscale_grads_ is _SORT else None
         if grads is None:
             state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv, found_inf, False)
         else:
@@ -763,3 +765,7 @@ class LossScaler(torch.amp.GradScaler):
         )
         if self._guarded:
             state[sv.USED] = self._step_scale if self._step_scale is not None else self.get_scale()
+
+
+# GradScaler's own sort of the gradients by device and dtype (LossScaler._unscale goes around it)
+_SORT = LossScaler.__bases__[0].__dict__["_unscale_grads_"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import autoscale
+from autoscale.scalers.grad_reader import GradReader
 from autoscale.scalers.grad_stats import AbsMax, grad_amax, one_pass_grads
 from tests.scalers.helpers import (
     FIXTURE_POLICIES,
@@ -241,12 +242,18 @@ def sorted_by_gradscaler(monkeypatch) -> list[str]:
 
 
 @pytest.mark.parametrize("grad_on", [True, False], ids=["grad-on", "grad-off"])
-def test_a_rule_without_statistics_unscales_with_gradscalers_kernel_alone(
-    sorted_by_gradscaler, grad_on
-):
+def test_a_rule_without_statistics_unscales_with_gradscalers_kernel_alone(monkeypatch, grad_on):
     # dense float32 gradients skip GradScaler's _unscale_grads_ (its Python sorting of every
     # gradient by device and dtype: most of its unscale_ on a CPU) for the kernel it calls;
     # the same gradients and flag, autograd left as it was found
+    plain = []
+    real = GradReader.unscale_plain
+
+    def counted(self, *args):
+        plain.append(len(args[0]))
+        return real(self, *args)
+
+    monkeypatch.setattr(GradReader, "unscale_plain", counted)
     runs = []
     for scaler in (torch.amp.GradScaler("cpu"), autoscale.get_scaler("torch", device="cpu")):
         model = tiny_model()
@@ -257,7 +264,7 @@ def test_a_rule_without_statistics_unscales_with_gradscalers_kernel_alone(
             scaler.unscale_(opt)
             assert torch.is_grad_enabled() is grad_on
         runs.append((model, [f.item() for f in scaler._found_inf_per_device(opt).values()]))
-    assert sorted_by_gradscaler == ["GradScaler"]
+    assert plain == [4]  # once, with the model's four gradients
     (m_ref, flags_ref), (m_ours, flags_ours) = runs
     assert flags_ours == flags_ref == [1.0]
     for a, b in zip(m_ours.parameters(), m_ref.parameters()):
@@ -287,3 +294,14 @@ def test_gradients_the_kernel_alone_cannot_take_go_through_gradscalers_sorting(
         runs.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     assert sorted_by_gradscaler == ["LossScaler", "GradScaler", "LossScaler"]
+
+
+def test_a_gradscaler_sort_another_library_replaced_is_kept(sorted_by_gradscaler):
+    # extensions for other devices have replaced GradScaler._unscale_grads_ in place: the
+    # kernel path goes around GradScaler's own sort only, never around a replacement
+    model = tiny_model()
+    opt = adamw(model)
+    scaler = autoscale.get_scaler("torch", device="cpu")
+    scaler.scale(forward_loss(model, *batches(1)[0])).backward()
+    scaler.unscale_(opt)
+    assert sorted_by_gradscaler == ["LossScaler"]
