@@ -617,16 +617,20 @@ class LossScaler(torch.amp.GradScaler):
         scale = self._scale
         self._synced = (scale, scale._version)
 
+    def _moved(self, mark: tuple[torch.Tensor, int] | None) -> bool:
+        """Whether the scale tensor is no longer ``mark``'s tensor at ``mark``'s version (a
+        ``(tensor, version)`` noted after a write of this scaler's; None: not known, moved)."""
+        scale = self._scale
+        return mark is None or mark[0] is not scale or mark[1] != scale._version
+
     def _written(self) -> bool:
         """Whether code other than this scaler's wrote the scale tensor since it last set it."""
-        scale, synced = self._scale, self._synced
-        return synced is None or synced[0] is not scale or synced[1] != scale._version
+        return self._moved(self._synced)
 
     def _written_since_guard(self) -> bool:
         """Whether code other than this scaler's wrote the scale tensor since this step's guard
         set it."""
-        scale, wrote = self._scale, self._guard_wrote
-        return wrote is not None and (wrote[0] is not scale or wrote[1] != scale._version)
+        return self._guard_wrote is not None and self._moved(self._guard_wrote)
 
     def _adopt_written(self) -> None:
         """Take the scale tensor's value as the scale set where code other than this scaler's
