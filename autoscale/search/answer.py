@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoscale.search.budget import percent
+from autoscale.search.budget import percent, plural
 from autoscale.search.candidates import AUTO, TORCH
 from autoscale.search.choose import Choice
 from autoscale.search.validate import Validated
@@ -75,5 +75,7 @@ def answer_lines(
             f"{percent(r['precision_loss'])}, eval loss {r['eval_loss']:.4g}, objective "
             f"{r['objective']:+.4f}"
         )
-    lines.append(f"on your {n} held-out episodes of {steps} real steps: " + "; ".join(parts))
+    lines.append(
+        f"on your {plural(n, 'held-out episode')} of {steps} real steps: " + "; ".join(parts)
+    )
     return lines

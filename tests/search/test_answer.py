@@ -66,6 +66,14 @@ def test_the_answer_says_what_was_exported_why_and_how_it_compares_with_torch_an
     assert (
         "auto: skipped 12.50%, precision loss 1.00%, eval loss 3.04, objective -2.3200" in lines[2]
     )
+    t1, a1, b1 = (
+        Validated(v.key, v.label, {m: cs[:1] for m, cs in v.cards.items()}, v.real)
+        for v in (torch, auto, best)
+    )
+    ld1 = lead(b1.cards, a1.cards, t1.cards, SPEC.reward)
+    one = Choice(b1, why=choice.why, bar=a1, leads={b1.key: ld1})
+    single = answer_lines("mine", "amax-loss (trial 4)", one, b1, t1, SPEC.reward, 96)
+    assert single[2].startswith("on your 1 held-out episode of 96 real steps: ")  # (the main job's)
     ev = evidence(choice, best, torch, SPEC.reward)
     assert ev["bar"] == "auto" and ev["why"] == choice.why
     assert set(ev["held_out"]) == {"exported", "torch", "auto"}
