@@ -1,6 +1,6 @@
 """What a budget affords: :func:`make_plan` sizes a search (:class:`Plan`) to measured step times,
-and after recording :func:`replan` (the study's creator) or :func:`retime` (other workers) bends it
-to the pace the machine kept. Replay trials cost milliseconds, so the real-step phases decide the
+and after recording :func:`replan` bends it to the pace the machine kept (the study's creator its
+shape too, other workers their own phases). Replay trials cost milliseconds, so the real-step phases decide the
 plan; it says what it traded (:attr:`Plan.cuts`). User-facing detail: docs/search.md, phase 2 and
 "A budget that bends".
 """
@@ -18,6 +18,7 @@ from autoscale.errors import BudgetError
 from autoscale.search.budget import format_duration
 from autoscale.search.no_harm import no_harm_label
 from autoscale.search.timing import MARGIN, NoHarmPlan, Timings
+from autoscale.search.traces import pace_of
 
 __all__ = [
     "Plan",
@@ -35,10 +36,8 @@ __all__ = [
     "SLOW",
     "instance_count",
     "least_after_record",
-    "pace_of",
     "recorded_suite",
     "replan",
-    "retime",
 ]
 
 RECORD_SHARE = 0.50  # at most this share records traces: a search learns from what it recorded
@@ -414,11 +413,6 @@ def _finish(plan: Plan, work_s: float, warm_start: bool, min_search_s: float) ->
 # ---------------------------------------------------------------------- after recording
 
 
-def pace_of(stats: dict[str, Any]) -> float:
-    """Recorded seconds over the seconds planned for them (1.0 when nothing was recorded)."""
-    return stats["wall_s"] / stats["planned_s"] if stats.get("planned_s", 0) > 0 else 1.0
-
-
 def _firsts(suite: SuiteSpec) -> SuiteSpec:
     def first(m):
         inst = {k: v[:1] for k, v in m.instances.items()}
@@ -457,19 +451,6 @@ def instance_count(suite: SuiteSpec) -> int:
     return sum(len(m.instances["train"]) + len(m.instances["test"]) for m in suite.members)
 
 
-def _at_pace(
-    plan: Plan, pace: float, left_s: float, cached_no_harm: Callable[[Any, int], bool], why: str
-) -> tuple[Timings, NoHarmPlan, list[str]]:
-    """The step times at ``pace``, the no-harm check fitted to them, and what the fit traded."""
-    timings = plan.timings.scaled(pace) if pace > SLOW else plan.timings
-    no_harm, cuts = fit_no_harm(plan.no_harm, timings, max(left_s, 1.0), cached_no_harm)
-    return timings, no_harm, [f"{c} ({why})" for c in cuts if c not in plan.cuts]
-
-
-def _paced(why: str) -> str:
-    return f"the phases after recording planned at the pace seen ({why})"
-
-
 def _estimated(
     plan: Plan,
     left_s: float,
@@ -490,55 +471,30 @@ def _estimated(
     )
 
 
-def retime(
+def replan(
     plan: Plan,
+    traces: dict[str, Any] | None,
     stats: dict[str, Any],
     *,
     left_s: float,
     cached_no_harm: Callable[[Any, int], bool],
     min_search_s: float = 0.0,
-) -> Plan:
-    """``plan``'s shape kept (every worker of a study scores alike), its phases after recording
-    timed at the pace recording kept; ``plan`` itself when it kept the measured step times.
-
-    Args:
-        stats: What :func:`~autoscale.search.traces.load_traces` returned.
-        left_s: Working seconds left in the budget.
-    """
-    pace = pace_of(stats)
-    if pace <= SLOW:
-        return plan
-    why = f"steps ran {pace:.1f}x slower than measured"
-    timings, no_harm, no_harm_cuts = _at_pace(plan, pace, left_s, cached_no_harm, why)
-    cuts = (_paced(why), *no_harm_cuts)
-    return _estimated(
-        plan, left_s, cached_no_harm, min_search_s, timings=timings, no_harm=no_harm,
-        cuts=plan.cuts + cuts,
-    )  # fmt: skip
-
-
-def replan(
-    plan: Plan,
-    traces: dict[str, Any],
-    stats: dict[str, Any],
-    *,
-    left_s: float,
-    budget_s: float,
-    min_search_s: float,
-    cached_no_harm: Callable[[Any, int], bool],
+    budget_s: float = 0.0,
 ) -> Plan:
     """The plan for what is left after recording; ``plan`` itself when the recording kept to
-    it. Only a study's creator re-plans it, before anything is scored on it.
+    it. The study's creator passes the ``traces`` recorded and re-plans the study's shape, before
+    anything is scored on it; any other worker passes None: the shape stays (every worker of a
+    study scores alike), its phases timed at the pace recording kept.
 
     Args:
         traces, stats: What :func:`~autoscale.search.traces.load_traces` returned.
         left_s: Working seconds left in the budget.
-        budget_s: The whole budget (validation's share is a share of it).
         min_search_s: Seconds the search keeps at least.
+        budget_s: The whole budget (validation's share is a share of it).
     """
     pace = pace_of(stats)
     slow = pace > SLOW
-    suite = recorded_suite(plan.suite, traces, stats["shortest"])
+    suite = plan.suite if traces is None else recorded_suite(plan.suite, traces, stats["shortest"])
     if not slow and suite == plan.suite:
         return plan
     why = (
@@ -546,8 +502,14 @@ def replan(
         if slow
         else "the time left kept for validation and the no-harm check"
     )
-    timings, no_harm, no_harm_cuts = _at_pace(plan, pace, left_s, cached_no_harm, why)
-    cuts = [_paced(why)] if slow else []
+    timings = plan.timings.scaled(pace) if slow else plan.timings
+    no_harm, fitted = fit_no_harm(plan.no_harm, timings, max(left_s, 1.0), cached_no_harm)
+    no_harm_cuts = [f"{c} ({why})" for c in fitted if c not in plan.cuts]
+    cuts = [f"the phases after recording planned at the pace seen ({why})"] if slow else []
+    estimated = {"timings": timings, "no_harm": no_harm}
+    if traces is None:
+        cuts = plan.cuts + tuple(cuts + no_harm_cuts)
+        return _estimated(plan, left_s, cached_no_harm, min_search_s, cuts=cuts, **estimated)
     if stats["dropped"]:
         cuts.append(
             f"{len(stats['dropped'])} of {instance_count(plan.suite)} instances unrecorded ({why})"
@@ -578,8 +540,7 @@ def replan(
         suite=suite,
         validation=validation,
         trace_steps=min(plan.trace_steps, stats["shortest"]),
-        timings=timings,
-        no_harm=no_harm,
         all_rules_real=all_rules,
         cuts=plan.cuts + tuple(cuts),
+        **estimated,
     )

@@ -45,9 +45,7 @@ from autoscale.search.plan import (
     instance_count,
     least_after_record,
     make_plan,
-    pace_of,
     replan,
-    retime,
 )
 from autoscale.search.report import comparison_table, draw_comparison, limit_block, member_table
 from autoscale.search.space import parametric_families, searched_families
@@ -73,7 +71,7 @@ from autoscale.search.study import (
     wait_for_plan,
 )
 from autoscale.search.timing import MARGIN, NoHarmPlan, Timings, measure_all
-from autoscale.search.traces import cached_share, keep_planned, load_traces
+from autoscale.search.traces import cached_share, keep_planned, load_traces, pace_of
 from autoscale.search.trials import (
     REFERENCE_RULE,
     ParametricObjective,
@@ -508,14 +506,16 @@ class SearchRunner:
         """The traces to replay after recording. Only the study's creator re-plans (and stores
         the plan for good, before anything is scored); others re-time their own phases."""
         plan = self.plan
+        new = replan(
+            plan,
+            traces if self.creator else None,
+            stats,
+            left_s=self.budget.left(),
+            budget_s=self.budget.seconds,
+            min_search_s=self.min_search_s,
+            cached_no_harm=self.no_harm.cached,
+        )
         if not self.creator:
-            new = retime(
-                plan,
-                stats,
-                left_s=self.budget.left(),
-                cached_no_harm=self.no_harm.cached,
-                min_search_s=self.min_search_s,
-            )
             if new is not plan:
                 self.say(
                     "plan",
@@ -524,15 +524,6 @@ class SearchRunner:
                 )
                 self._use(new)
             return traces
-        new = replan(
-            plan,
-            traces,
-            stats,
-            left_s=self.budget.left(),
-            budget_s=self.budget.seconds,
-            min_search_s=self.min_search_s,
-            cached_no_harm=self.no_harm.cached,
-        )
         if new is not plan:
             traded = new.cuts[len(plan.cuts) :]
             self.say(

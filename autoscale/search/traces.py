@@ -21,7 +21,7 @@ from autoscale.errors import BudgetError, ConfigError
 from autoscale.search.budget import format_duration
 from autoscale.search.storage import file_lock
 
-__all__ = ["instance_key", "cached_share", "load_traces", "keep_planned"]
+__all__ = ["instance_key", "cached_share", "load_traces", "keep_planned", "pace_of"]
 
 
 def instance_key(spec: EnvSpec, inst: InstanceSpec, steps: int) -> str:
@@ -178,8 +178,7 @@ class _Recording:
         }  # fmt: skip
 
     def pace(self) -> float:
-        """Recorded seconds over planned ones so far (1.0 before the first recording)."""
-        return self.stats["wall_s"] / self.stats["planned_s"] if self.stats["planned_s"] else 1.0
+        return pace_of(self.stats)
 
     def instance(self, member: EnvSpec, inst: InstanceSpec, essential: bool) -> Trace | None:
         """``inst``'s trace, cached or recorded where it fits its deadline; bending, a first
@@ -230,6 +229,11 @@ class _Recording:
         return trace
 
 
+def pace_of(stats: dict[str, Any]) -> float:
+    """Recorded seconds over the seconds planned for them (1.0 when nothing was recorded)."""
+    return stats["wall_s"] / stats["planned_s"] if stats.get("planned_s", 0) > 0 else 1.0
+
+
 def keep_planned(
     suite: SuiteSpec, traces: dict[str, Trace], folder: Path, steps: int
 ) -> dict[str, Trace]:
@@ -258,13 +262,10 @@ def keep_planned(
 
 def _ran_out(stats: dict[str, Any], member: EnvSpec, inst: InstanceSpec, need: float) -> str:
     slower = ""
-    if stats["recorded"] and stats["planned_s"] > 0:
-        ratio = stats["wall_s"] / stats["planned_s"]
-        if ratio > 1.2:
-            slower = (
-                f"; steps ran {ratio:.1f}x slower than measured at the start "
-                "(other jobs on the cores?)"
-            )
+    if stats["recorded"] and (ratio := pace_of(stats)) > 1.2:
+        slower = (
+            f"; steps ran {ratio:.1f}x slower than measured at the start (other jobs on the cores?)"
+        )
     return (
         f"the budget ran out while recording traces ({stats['recorded']} recorded, "
         f"'{member.name}' instance '{inst.name}' needs ~{format_duration(need)} more"

@@ -20,16 +20,14 @@ from autoscale.search.export import study_suites
 from autoscale.search.plan import (
     SLOW,
     least_after_record,
-    pace_of,
     recorded_suite,
     replan,
-    retime,
     shape_suite,
 )
 from autoscale.search.storage import open_storage
 from autoscale.search.study import PLANNING, describe_new_study, store_plan, wait_for_plan
 from autoscale.search.timing import MARGIN
-from autoscale.search.traces import cached_share, load_traces
+from autoscale.search.traces import cached_share, load_traces, pace_of
 from autoscale.search.workload import base_spec
 from tests.search.test_plan import plan_for, timings_for
 from tests.training.conftest import torch  # noqa: F401  (one intra-op thread: deterministic steps)
@@ -147,13 +145,13 @@ def test_helpers():
     assert all(len(m.instances["train"]) == 1 for m in suite.members)
 
 
-def test_retime_keeps_the_shape_and_times_the_rest_at_the_pace_seen():
+def test_replan_without_traces_keeps_the_shape_and_times_the_rest_at_the_pace_seen():
     """What a worker that adopted a study's plan bends: its own step times, not the study's
     suite, validation or trace length."""
     plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
     kept = dict(left_s=200, cached_no_harm=lambda w, s: False)
-    assert retime(plan, _stats(SLOW, [], plan.trace_steps), **kept) is plan
-    new = retime(plan, _stats(2.0, [], plan.trace_steps), **kept)
+    assert replan(plan, None, _stats(SLOW, [], plan.trace_steps), **kept) is plan
+    new = replan(plan, None, _stats(2.0, [], plan.trace_steps), **kept)
     shape = (new.suite, new.validation, new.trace_steps, new.all_rules_real)
     assert shape == (plan.suite, plan.validation, plan.trace_steps, plan.all_rules_real)
     key = next(iter(plan.timings.by_key))
