@@ -134,7 +134,7 @@ class RLObjective(Objective):
                     self.rate = max(50.0, done / max(1e-3, time.monotonic() - t1))
                     path = result.policy_dir
                 trained = min(time.monotonic(), t1 + seconds)
-                if warm is not None and (done == 0 or not self._improved(path, before)):
+                if warm is not None and (done == 0 or not self._train_objective(path) < before):
                     # the fine-tuning did not beat where it started: the trial is the start
                     path, done = shipped, 0
                     trial.set_user_attr("warm_kept", True)
@@ -182,10 +182,6 @@ class RLObjective(Objective):
         return dataclasses.replace(
             suite, members=tuple(shaped(m) for m in suite.members), left_out=()
         )
-
-    def _improved(self, path: Path, before: float) -> bool:
-        """Whether the agent exported at ``path`` beats ``before`` on the train replay."""
-        return self._train_objective(path) < before
 
     def _train_objective(self, path: Path) -> float:
         """The train-replay objective of the policy exported at ``path``."""

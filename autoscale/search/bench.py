@@ -12,12 +12,12 @@ from typing import Any
 
 from autoscale.envs.suite import SuiteSpec
 from autoscale.envs.traces import Trace
+from autoscale.search.candidates import TORCH
 from autoscale.search.objective import objective
 from autoscale.training.scorecard import Scorecard
 
-__all__ = ["Episode", "ReplayBench", "REFERENCE_RULE"]
+__all__ = ["Episode", "ReplayBench"]
 
-REFERENCE_RULE = "torch"
 # fewer episodes than this replay faster scalar (experiments/results/vector_replay_few_lanes.md)
 VECTOR_MIN_LANES = 16
 
@@ -50,7 +50,7 @@ class ReplayBench:
         self.envs = {which: SuiteEnv(suite, which, traces=traces) for which in ("train", "test")}
         self.episodes = {which: self._episodes(which) for which in self.envs}
         self.reference = {
-            which: self.run(which, lambda: self.scaler(REFERENCE_RULE))[0] for which in self.envs
+            which: self.run(which, lambda: self.scaler(TORCH.name))[0] for which in self.envs
         }
         self._windows: dict[str, Any] = {}  # which -> its episodes' ReplayWindows, when needed
         self.vector_min_lanes = VECTOR_MIN_LANES

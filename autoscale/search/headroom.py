@@ -13,6 +13,7 @@ from typing import Any
 from autoscale.search.budget import percent
 from autoscale.search.candidates import AUTO
 from autoscale.search.objective import LEAD_FLOOR
+from autoscale.training.bar import mean
 
 __all__ = ["Room", "headroom"]
 
@@ -156,8 +157,4 @@ def _floor_card(bench: Any, ep: Any, recs: list, card: Any, weights: Any) -> tup
 def _means(cards: dict[str, list]) -> dict[str, float]:
     """Mean skip rate and precision loss over every card (no applied step: charged 1)."""
     all_cards = [c for cs in cards.values() for c in cs]
-    precision = [c.precision_loss if math.isfinite(c.precision_loss) else 1.0 for c in all_cards]
-    return {
-        "skip_rate": sum(c.skip_rate for c in all_cards) / len(all_cards),
-        "precision_loss": sum(precision) / len(all_cards),
-    }
+    return {f: mean(all_cards, f) for f in ("skip_rate", "precision_loss")}

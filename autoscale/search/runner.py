@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from autoscale.envs.suite import SuiteSpec, as_suite
+from autoscale.processes import owner_tag
 from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
 from autoscale.search.budget import Budget, Ledger, format_duration, plural
@@ -73,12 +74,10 @@ from autoscale.search.study import (
 from autoscale.search.timing import MARGIN, NoHarmPlan, Timings, measure_all
 from autoscale.search.traces import cached_share, keep_planned, load_traces, pace_of
 from autoscale.search.trials import (
-    REFERENCE_RULE,
     ParametricObjective,
     TrialRecorder,
     best_line,
     store_artifact,
-    worker_id,
     write_note,
 )
 from autoscale.search.validate import Validated, Validator
@@ -240,7 +239,7 @@ class SearchRunner:
         self.out = out or _print
         self.phases = PHASES if source is None else source.phases
         self.ledger = Ledger()
-        self.worker = worker_id()
+        self.worker = owner_tag()  # host:pid, naming the worker that ran a trial
         self.creator = False  # this worker created the study: it plans it (see _replan)
         self.counts = {"complete": 0, "pruned": 0, "failed": 0}
         self.min_search_s = max(2.0, 0.02 * budget.seconds)
@@ -1050,4 +1049,4 @@ def rules_torch_first(families: Sequence[str] | None = None) -> tuple[str, ...]:
     """The built-in rules a search validates and searches: ``torch`` (the reference) first, then
     ``families`` (None: every family whose scale adapts to the gradients)."""
     rules = list(searched_families(families))
-    return tuple([REFERENCE_RULE] + [r for r in rules if r != REFERENCE_RULE])
+    return tuple([TORCH.name] + [r for r in rules if r != TORCH.name])

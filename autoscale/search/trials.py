@@ -6,16 +6,17 @@ note, which cost more storage time than a replayed trial. A trial that diverges 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from autoscale.search.bench import REFERENCE_RULE, Episode, ReplayBench
+from autoscale.search.bench import Episode, ReplayBench
 from autoscale.search.budget import Ledger, percent
+from autoscale.search.candidates import TORCH
 from autoscale.search.objective import mean_cost, objective_terms
 from autoscale.search.plots import trajectory_svg
 from autoscale.search.space import suggest_parametric
+from autoscale.training.bar import mean
 from autoscale.training.scorecard import Scorecard, json_safe
 
 __all__ = [
@@ -26,18 +27,9 @@ __all__ = [
     "ParametricObjective",
     "trial_note",
     "member_summary",
-    "worker_id",
-    "REFERENCE_RULE",
 ]
 
 DETAILED_TOP = 10  # complete trials ranking among this many best get a note and a plot
-
-
-def worker_id() -> str:
-    """``host:pid``, naming the worker that ran a trial or a validation."""
-    from autoscale.processes import owner_tag
-
-    return owner_tag()
 
 
 def member_summary(
@@ -50,17 +42,13 @@ def member_summary(
         n = len(cs)
         out[m] = {
             "episodes": n,
-            "skip_rate": math.fsum(c.skip_rate for c in cs) / n,
-            "precision_loss": math.fsum(_finite(c.precision_loss) for c in cs) / n,
-            "torch_skip_rate": math.fsum(c.skip_rate for c in ref) / n,
-            "torch_precision_loss": math.fsum(_finite(c.precision_loss) for c in ref) / n,
+            "skip_rate": mean(cs, "skip_rate"),
+            "precision_loss": mean(cs, "precision_loss"),
+            "torch_skip_rate": mean(ref, "skip_rate"),
+            "torch_precision_loss": mean(ref, "precision_loss"),
             "regret": mean_cost(cs, weights) - mean_cost(ref, weights),
         }
     return out
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else 1.0
 
 
 def trial_note(
@@ -80,13 +68,13 @@ def trial_note(
     where = f"{done} of {total} train episodes" if done < total else f"{total} train episodes"
     lines = [f"### {title}", f"`{policy}`", ""]
     lines.append(
-        f"**objective {t['objective']:+.4f}** on {where} (replay; 0 = `{REFERENCE_RULE}`, lower is "
+        f"**objective {t['objective']:+.4f}** on {where} (replay; 0 = `{TORCH.name}`, lower is "
         f"better): mean regret {t['mean_regret']:+.4f}, worst {t['worst_regret']:+.4f} on "
         f"`{t['worst_member']}`."
     )
     lines.append(
-        f"It skipped {percent(t['skip_rate'])} of steps ({REFERENCE_RULE}: {percent(t['reference_skip_rate'])}) and "
-        f"lost precision on {percent(t['precision_loss'])} of gradient elements ({REFERENCE_RULE}: "
+        f"It skipped {percent(t['skip_rate'])} of steps ({TORCH.name}: {percent(t['reference_skip_rate'])}) and "
+        f"lost precision on {percent(t['precision_loss'])} of gradient elements ({TORCH.name}: "
         f"{percent(t['reference_precision_loss'])})."
     )
     diverged = [m for m, cs in cards.items() if any(c.diverged for c in cs)]
@@ -99,8 +87,8 @@ def trial_note(
         )
     lines += [
         "",
-        f"| member | skip rate | precision loss | {REFERENCE_RULE} skip rate | "
-        f"{REFERENCE_RULE} precision loss | regret |",
+        f"| member | skip rate | precision loss | {TORCH.name} skip rate | "
+        f"{TORCH.name} precision loss | regret |",
         "|---|---|---|---|---|---|",
     ]
     for m, row in member_summary(cards, ref, weights).items():

@@ -109,7 +109,7 @@ class Validator:
         worker: str,
         progress: bool = False,
     ) -> None:
-        from autoscale.envs.suite_env import SuiteEnv, split_instance
+        from autoscale.envs.suite_env import SuiteEnv
 
         self.study, self.validation, self.ledger, self.worker = study, validation, ledger, worker
         self.progress = progress
@@ -123,7 +123,6 @@ class Validator:
             t = timings.of(validation.member(member).workload)
             self.episode_s[name] = steps * t.step_s + t.eval_s
             self.setup_s[name] = t.build_s + inst.start * t.step_s
-        self._split = split_instance
         self.prepared: set[str] = set()
         self.skipped: list[str] = []
 
@@ -169,7 +168,7 @@ class Validator:
                     cards[name], recs = self._episode(factory, name)
                     records = recs if name == self.names[0] else records
                     if i + 1 == len(todo) or time.monotonic() - flushed > FLUSH_S:
-                        self._store(key, cards)
+                        keep_cards(self.study, key, cards, worker=self.worker, ledger=self.ledger)
                         flushed = time.monotonic()
                     if bar is not None:
                         bar.update(1)
@@ -183,10 +182,11 @@ class Validator:
 
     def _episode(self, factory: Callable[[], Any], name: str):
         from autoscale.envs.episodes import drive_episode
+        from autoscale.envs.suite_env import split_instance
 
         with self.ledger.track("work:validate"):
             if name not in self.prepared:
-                member, inst = self._split(name)
+                member, inst = split_instance(name)
                 env = self.env.envs[member]
                 (spec,) = env.env_spec.instance_set([inst])
                 env.prepare(spec)
@@ -195,9 +195,6 @@ class Validator:
             result = drive_episode(self.env, factory(), name)
             self.episode_s[name] = 0.5 * self.episode_s[name] + 0.5 * (time.monotonic() - t0)
         return result
-
-    def _store(self, key: str, cards: dict[str, Scorecard]) -> None:
-        keep_cards(self.study, key, cards, worker=self.worker, ledger=self.ledger)
 
 
 class ReplayValidator:
