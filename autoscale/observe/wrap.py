@@ -156,13 +156,20 @@ def _build(
     config = _state["config"]
     name = config.get("scaler") or "torch"
     build: dict[str, Any] = {"enabled": given.pop("enabled", True)}
-    if "init_scale" in given:
-        build["init_scale"] = float(given.pop("init_scale"))
-    # the settings given on the command line (--scaler-param) over the program's
+    # the settings given on the command line (--scaler-param) over an exported policy's own
+    # (what it was searched and validated with), over the program's
     params = config.get("scaler_params") or {}
-    build.update(params)
     for key in params:
         given.pop(key, None)
+    own = {k: v for k, v in _policy_parameters(name).items() if k not in params}
+    replaced = []  # the program's arguments a policy's own values replace
+    for key in [k for k in ("init_scale", *_KNOBS) if k in given and k in own]:
+        value = given.pop(key)
+        if float(value) != float(own[key]):
+            replaced.append((f"{key}={own[key]:g}", f"{key}={value:g}"))
+    if "init_scale" in given:
+        build["init_scale"] = float(given.pop("init_scale"))
+    build.update(params)
     _state["building"] = True  # (not a scaler the program built itself: see _adopt)
     try:
         if sharded:
@@ -193,8 +200,32 @@ def _build(
             f"{', '.join(ignored)} (its rule has no such parameter)",
             file=sys.stderr,
         )
-    _register(scaler, name, ignored)
+    if replaced and not _state["built"]:
+        print(
+            f"autoscale wrap: '{name}' runs with its own {', '.join(o for o, _ in replaced)}, "
+            f"not the program's GradScaler arguments {', '.join(p for _, p in replaced)} (an "
+            "exported policy runs as it was searched; --scaler-param KEY=VALUE sets one)",
+            file=sys.stderr,
+        )
+    _register(scaler, name, ignored + [p for _, p in replaced])
     return scaler
+
+
+def _policy_parameters(name: str) -> dict[str, Any]:
+    """The parameters the exported policy ``name`` carries, which win over the program's
+    GradScaler arguments; none for a rule, a plugin, or a policy that does not read (building it
+    says why)."""
+    from autoscale.errors import PolicyError
+    from autoscale.scalers.policies import find_policy, read_manifest
+    from autoscale.scalers.registry import rule_class
+
+    path = None if rule_class(name) is not None else find_policy(name)
+    if path is None:
+        return {}
+    try:
+        return dict(read_manifest(path).parameters)
+    except PolicyError:
+        return {}
 
 
 def _adopt(scaler: LossScaler) -> None:

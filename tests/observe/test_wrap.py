@@ -123,6 +123,44 @@ def test_scaler_params_set_the_replacing_rule(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_exported_policy_keeps_its_own_settings_over_the_programs(tmp_path):
+    """A searched policy runs with the values it was searched and validated with: the program's
+    GradScaler arguments give way where the policy has its own (said in one line, with both
+    values), and apply where it has none; --scaler-param still sets any."""
+    import dataclasses
+
+    from autoscale.scalers.policies import find_policy, read_manifest, write_manifest
+
+    shipped = read_manifest(find_policy("auto"))
+    assert "growth_interval" not in shipped.parameters  # (the program's 50 applies to auto)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    parameters = {**shipped.parameters, "growth_interval": 27, "init_scale": 1024.0}
+    write_manifest(mine, dataclasses.replace(shipped, name="mine", parameters=parameters))
+    script = [sys.executable, str(SCRIPTS / "plain.py"), "12"]  # growth_interval=50, 2**16
+    out = _wrap("--scaler", str(mine), "--record", "runs/m", "--", *script, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    said = [line for line in out.stderr.splitlines() if "runs with its own" in line]
+    assert said == [
+        f"autoscale wrap: '{mine}' runs with its own init_scale=1024, growth_interval=27, not the "
+        "program's GradScaler arguments init_scale=65536, growth_interval=50 (an exported policy "
+        "runs as it was searched; --scaler-param KEY=VALUE sets one)"
+    ], out.stderr
+    meta = read_record(tmp_path / "runs" / "m").meta
+    assert meta["spec"]["growth_interval"] == 27 and meta["spec"]["init_scale"] == 1024.0
+    both = _wrap(
+        "--scaler", str(mine), "--scaler-param", "growth_interval=9", "--record", "runs/p", "--",
+        *script, cwd=tmp_path,
+    )  # fmt: skip
+    assert both.returncode == 0, both.stderr
+    assert read_record(tmp_path / "runs" / "p").meta["spec"]["growth_interval"] == 9
+    assert (
+        "growth_interval=27" not in both.stderr
+        and "runs with its own init_scale=1024, not" in both.stderr
+    )
+
+
+@pytest.mark.slow
 def test_exit_status_and_bad_input(tmp_path):
     fail = _wrap("--", sys.executable, "-c", "import torch, sys; sys.exit(3)", cwd=tmp_path)
     assert fail.returncode == 3
