@@ -235,10 +235,35 @@ def test_corrupt_manifest_raises_policy_error(tmp_path, monkeypatch, text, match
 
 
 def test_policy_with_invalid_parameters(tmp_path, monkeypatch):
+    """A value the rule refuses in the file is the policy's error, naming its folder's file and
+    the fix; the same value given by the caller is the caller's ConfigError, as for a rule."""
     _export(tmp_path, name="bad-params", parameters={"growth_interval": 0})
     monkeypatch.setenv(policies.POLICY_PATH_ENV, str(tmp_path))
-    with pytest.raises(ConfigError, match="growth_interval.*got 0"):
+    file = tmp_path / "bad-params" / "policy.yaml"
+    with pytest.raises(PolicyError) as caught:
         autoscale.get_scaler("bad-params", device="cpu")
+    assert str(caught.value).startswith(f"policy 'bad-params' ({file}): growth_interval")
+    assert "got 0" in str(caught.value) and str(caught.value).endswith("export the policy again")
+    with pytest.raises(PolicyError, match="growth_interval"):  # an override does not mend it
+        autoscale.get_scaler("bad-params", device="cpu", backoff_factor=0.5)
+    _export(tmp_path, name="fine", parameters={"growth_interval": 100})
+    with pytest.raises(ConfigError, match="growth_interval") as caught:
+        autoscale.get_scaler("fine", device="cpu", growth_interval=0)
+    assert not isinstance(caught.value, PolicyError)
+
+
+def test_a_copied_policy_with_a_mistyped_rule_is_named_by_its_folder(tmp_path, monkeypatch):
+    """A policy folder copied under another name and edited by hand: the error names the folder
+    the user asked for (not the name inside the file) and the rule it likely meant."""
+    _export(tmp_path, name="mine", family="amax-lose", parameters={})
+    (tmp_path / "mine").rename(tmp_path / "copy")
+    monkeypatch.setenv(policies.POLICY_PATH_ENV, str(tmp_path))
+    with pytest.raises(PolicyError) as caught:
+        autoscale.get_scaler("copy", device="cpu")
+    assert str(caught.value).startswith(
+        f"policy 'copy' ({tmp_path / 'copy' / 'policy.yaml'}) uses rule 'amax-lose', which is not "
+        "registered here (did you mean 'amax-loss'?); fix its family or export the policy again"
+    ), caught.value
 
 
 def test_parameter_values_are_read_as_their_defaults_kind():
