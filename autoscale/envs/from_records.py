@@ -119,7 +119,7 @@ def suite_from_records(records: list, horizon: int | None = None) -> tuple[Any, 
         ``(suite, traces)``: a :class:`~autoscale.envs.suite.SuiteSpec` and member -> trace.
 
     Raises:
-        ConfigError: as above, or two records of the same folder.
+        ConfigError: as above, or one record given twice.
     """
     from autoscale.envs.spec import EnvSpec, EpisodeSpec
     from autoscale.envs.suite import SuiteSpec
@@ -132,7 +132,13 @@ def suite_from_records(records: list, horizon: int | None = None) -> tuple[Any, 
         horizon = records_horizon(shortest)
     members, traces = [], {}
     names: set[str] = set()
+    seen: dict[Path, str] = {}
     for rec in loaded:
+        here = Path(rec.path).resolve()
+        if here in seen:  # the same steps twice would count as two runs' held-out windows
+            also = f" (also as '{seen[here]}')" if seen[here] != str(rec.path) else ""
+            raise ConfigError(f"record '{rec.path}' is given twice{also}; pass each record once")
+        seen[here] = str(rec.path)
         n = len(rec.steps)
         windows = n // horizon
         if windows < 3:

@@ -258,6 +258,29 @@ def test_one_held_out_window_cannot_tell_a_lead(tmp_path):
     assert "one held-out window" in room.reason()
 
 
+def test_a_record_given_twice_is_refused(tmp_path):
+    """The same run twice would count its held-out windows twice, narrowing the noise a lead is
+    weighed against: one line, before anything is stored."""
+    import autoscale
+    from autoscale.envs.from_records import suite_from_records
+    from autoscale.errors import ConfigError
+    from autoscale.observe import watch_scaler
+    from tests.observe.helpers import fp16_loop
+
+    scaler = autoscale.get_scaler("torch", device="cpu")
+    watch = watch_scaler(scaler, record=str(tmp_path / "r"))
+    fp16_loop(scaler, 200, bad_every=50, weight=2.0**-10)
+    watch.close()
+    with pytest.raises(ConfigError, match="record '.*r' is given twice"):
+        suite_from_records([tmp_path / "r", tmp_path / "." / "r"], horizon=64)
+    run = run_cli("search", "--traces", "r", "./r/", "--budget", "20s", cwd=tmp_path)
+    assert run.rc == 2, run.err
+    assert run.err.strip().splitlines() == [
+        "autoscale search: error: record 'r' is given twice; pass each record once"
+    ], run.err
+    assert not (tmp_path / "autoscale.db").exists()
+
+
 def test_a_ctrl_c_inside_optunas_tell_leaves_no_trial_running(searched, tmp_path, monkeypatch):
     """Optuna fails a trial on a Ctrl-C inside the objective, not on one inside its ask or tell:
     the trial being told would stay RUNNING in the study for ever. The records search runs its
