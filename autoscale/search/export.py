@@ -263,7 +263,14 @@ def check_export_target(
             f"remove it, {another_name(flag)}"
         ) from None
     if not (own_study_ok and workload.get("study") == study_name):
-        raise existing_policy_error(dest, other=True, flag=flag)
+        other, there = workload.get("study"), workload.get("storage")
+        if not other:
+            raise existing_policy_error(dest, other=True, flag=flag)
+        held = f"the export of study '{other}'" + (f" in {there}" if there else "")
+        raise ConfigError(
+            f"policy folder '{dest}' already exists and holds {held}, not of study "
+            f"'{study_name}'; {another_name(flag)}"
+        )
     by = workload.get("exported_by")
     # an earlier autoscale's search wrote no exported_by, but what it searched or validated on
     by_search = by == SEARCH_EXPORT or (

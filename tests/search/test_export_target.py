@@ -51,7 +51,10 @@ def test_a_search_replaces_its_own_export_of_the_same_study_and_storage(
         # an earlier records search's export: no storage named
         ({"study": STUDY, "validated_on": "replay"}, "that does not name its storage"),
         # another study's policy
-        ({"study": "another", "storage": HERE, "exported_by": SEARCH_EXPORT}, "another policy"),
+        (
+            {"study": "another", "storage": HERE, "exported_by": SEARCH_EXPORT},
+            f"the export of study 'another' in {HERE}, not of study '{STUDY}'",
+        ),
     ],
     ids=["other-storage", "by-hand", "unmarked", "no-storage", "other-study"],
 )
