@@ -530,6 +530,11 @@ def replan(
             f"real-step validation episodes of {validation.episode.steps} of the planned "
             f"{plan.steps} steps ({why})"
         )
+    elif validation.episode.steps > plan.steps:  # fewer instances, or less time recording
+        cuts.append(
+            f"real-step validation episodes of {validation.episode.steps} steps, not the planned "
+            f"{plan.steps}: the time left allows them"
+        )
     if plan.all_rules_real and not all_rules:
         cuts.append(f"real-step validation of every rule ({why})")
     return _estimated(

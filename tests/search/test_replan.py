@@ -114,6 +114,21 @@ def test_slow_steps_scale_the_timings_shorten_validation_and_say_what_was_traded
     assert "traded: " in new.describe()
 
 
+def test_validation_episodes_that_grow_are_said():
+    """Instances left out of the recording leave validation fewer episodes to run: the re-plan
+    lengthens them where the time allows, and says so with the shortening it would say."""
+    plan, _ = plan_for(base_spec(model="mlp"), 0.01, 300)
+    traces, dropped = _recorded(plan, 1)
+    stats = _stats(1.0, dropped, plan.trace_steps)
+    new = replan(plan, traces, stats, left_s=150, budget_s=300, min_search_s=6,
+                 cached_no_harm=lambda w, s: False)  # fmt: skip
+    assert new.steps > plan.steps
+    assert new.cuts[len(plan.cuts) :][-1] == (
+        f"real-step validation episodes of {new.steps} steps, not the planned {plan.steps}: the "
+        "time left allows them"
+    )
+
+
 def test_a_shorter_first_trace_shortens_the_replay_horizon():
     plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
     short = plan.horizon // 4
