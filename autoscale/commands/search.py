@@ -268,12 +268,13 @@ def _print_done(result: Any, storage: str) -> None:
     """A workload search's last lines: its time and where it went, the answer, the dashboard."""
     from autoscale.search.budget import format_duration
 
-    ledger = result.ledger
-    work, bk = ledger.total("work:"), ledger.total("bk:")
+    ledger, wall = result.ledger, max(result.wall_s, 1e-9)
+    work, alg, bk = (ledger.total(k) for k in ("work:", "alg:", "bk:"))
     print(
         f"done in {format_duration(result.wall_s)} of a {format_duration(result.budget_s)} budget; "
-        f"training and evaluation {100 * work / result.wall_s:.0f}%, bookkeeping (storage, plots, notes, "
-        f"artifacts) {100 * bk / result.wall_s:.1f}%; this worker ran {sum(result.trials.values())} trials"
+        f"training and evaluation {100 * work / wall:.0f}%, Optuna's sampler and pruner "
+        f"{100 * alg / wall:.0f}%, bookkeeping (storage, plots, notes, artifacts) "
+        f"{100 * bk / wall:.1f}%; this worker ran {sum(result.trials.values())} trials"
     )
     for line in result.answer:
         print(line)

@@ -24,6 +24,7 @@ __all__ = [
     "percent",
     "plural",
     "process_elapsed",
+    "trial_counts",
 ]
 
 _BUDGET_RE = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
@@ -51,6 +52,16 @@ def parse_budget(text: str) -> float:
 def plural(n: int, word: str) -> str:
     """``n`` and ``word``, an ``s`` added unless ``n`` is 1 (``1 test episode``, ``0 candidates``)."""
     return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def trial_counts(counts: dict[str, int], after: str = "") -> str:
+    """``12 trials (9 complete, 3 pruned, 0 failed)``, ``after`` inside the brackets, from counts
+    by outcome (``complete``, ``pruned``, ``failed``)."""
+    c = counts
+    return (
+        f"{plural(sum(c.values()), 'trial')} ({c['complete']} complete, {c['pruned']} pruned, "
+        f"{c['failed']} failed{after})"
+    )
 
 
 def percent(share: float | None) -> str:

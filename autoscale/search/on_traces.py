@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import ConfigError
 from autoscale.search.bench import ReplayBench
-from autoscale.search.budget import format_duration, percent
+from autoscale.search.budget import format_duration, percent, trial_counts
 from autoscale.search.candidates import TORCH
 from autoscale.search.export import rank
 from autoscale.search.headroom import Room, headroom
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["RecordsSource", "RecordsPlan", "PHASES", "describe_records"]
 
 PHASES = ("plan", "search", "validate", "export")
+_OUTCOMES = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}
 CANDIDATES = 5  # best trials validated
 REPLAY_NOTE = (
     "validated on the replay of held-out windows of the recorded runs (no real steps: a record "
@@ -207,17 +208,12 @@ class RecordsSource:
         stale = fail_stale_trials(study, storage)
         kept = _finished(study.get_trials(deepcopy=False))
         self.kept = len(kept)
-        n = {s: sum(1 for t in kept if t.state.name == s) for s in ("COMPLETE", "PRUNED", "FAIL")}
+        n = {k: sum(1 for t in kept if t.state.name == s) for k, s in _OUTCOMES.items()}
+        stopped = f", {stale} of them left running by a stopped search and failed now"
         runner.say(
             "plan",
-            f"resuming study '{name}': {len(kept)} trials kept ({n['COMPLETE']} complete, "
-            f"{n['PRUNED']} pruned, {n['FAIL']} failed"
-            + (
-                f", {stale} of them left running by a stopped search and failed now"
-                if stale
-                else ""
-            )
-            + f"); this run's {format_duration(runner.budget.seconds)} budget goes to new trials "
+            f"resuming study '{name}': {trial_counts(n, stopped if stale else '')} kept"
+            + f"; this run's {format_duration(runner.budget.seconds)} budget goes to new trials "
             f"beside them, and validation weighs them all ({mask_url(cfg.storage)})",
         )
         return study

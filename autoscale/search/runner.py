@@ -22,7 +22,7 @@ from autoscale.envs.suite import SuiteSpec, as_suite
 from autoscale.processes import owner_tag
 from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
-from autoscale.search.budget import Budget, Ledger, format_duration, plural
+from autoscale.search.budget import Budget, Ledger, format_duration, plural, trial_counts
 from autoscale.search.candidates import AUTO, TORCH, Candidate
 from autoscale.search.choose import choose, family_refusal, record_pick, refusal, unchecked_lines
 from autoscale.search.export import (
@@ -667,8 +667,8 @@ class SearchRunner:
         on = "" if self.source is None else f" {self.source.searched_on}"
         self.say(
             "search",
-            f"{sum(c.values())} trials in {format_duration(time.monotonic() - t0)} ({c['complete']} complete, "
-            f"{c['pruned']} pruned, {c['failed']} failed){on}; {best_line(self.study)}",
+            f"{trial_counts(c)} in {format_duration(time.monotonic() - t0)}{on}; "
+            + best_line(self.study),
         )
 
     def _baselines(self) -> None:
@@ -715,7 +715,7 @@ class SearchRunner:
             return
         self.result.stopped_early = (
             f"{why}; its last {format_duration(time.monotonic() - t0)} went to the replay search: "
-            f"{c['complete']} complete trials ({c['pruned']} pruned, {c['failed']} failed) kept "
+            f"{trial_counts(c)} kept "
             "in the study for a resumed search, not validated in this run"
         )
         self.say("export", f"{format_duration(left)} left: {self.result.stopped_early}")

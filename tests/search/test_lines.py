@@ -80,3 +80,22 @@ def test_bars_are_drawn_on_a_terminal_only(tmp_path):
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_the_last_line_says_where_the_time_went_sampler_included(capsys):
+    """With thousands of trials in a study, Optuna's TPE sampler takes most of a resumed search
+    (its cost grows with the trials): the done line names its share beside the work and the
+    bookkeeping, so the shares account for the time."""
+    from autoscale.commands.search import _print_done
+    from autoscale.search.runner import SearchResult
+
+    ledger = Ledger()
+    for category, seconds in (("work:replay", 40.0), ("alg:sampler", 180.0), ("bk:optuna", 30.0)):
+        ledger.add(category, seconds)
+    result = SearchResult("s", None, {"complete": 900, "pruned": 1200, "failed": 0},
+                          wall_s=288.0, budget_s=300.0, ledger=ledger)  # fmt: skip
+    _print_done(result, "sqlite:////tmp/a.db")
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "done in 4m48s of a 5m budget; training and evaluation 14%, Optuna's sampler and pruner "
+        "62%, bookkeeping (storage, plots, notes, artifacts) 10.4%; this worker ran 2100 trials"
+    )

@@ -231,7 +231,8 @@ def test_ctrl_c_keeps_the_trials_and_the_same_command_says_it_resumes(searched, 
     assert interrupted.endswith("the same command resumes it")
     again = run_cli(*args, "--n-trials", "5", cwd=tmp_path)
     assert again.rc == 0, again.err
-    assert f"resuming study 'run-traces': {held} trials kept" in again.out
+    n = sum(1 for s in states if s == "COMPLETE")
+    assert f"resuming study 'run-traces': {held} trials ({n} complete, " in again.out, again.out
     assert "this run's 40s budget" in again.out
     done = again.out.strip().splitlines()[-1]
     assert f"this run: 5 trials; the study holds {held + 5}" in done, done
