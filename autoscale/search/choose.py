@@ -55,6 +55,7 @@ class Choice:
         leads: Key -> the lead over ``auto`` of each scaler ranked above it.
         refused: Key -> why a lead does not count.
         verdicts: The verdicts reached, in order (stored ones included).
+        reused: Those of them read back from the study, not reached by this call.
         unchecked: (label, reason) of each scaler left unchecked.
     """
 
@@ -64,6 +65,7 @@ class Choice:
     leads: dict[str, Lead] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
     verdicts: list[Verdict] = field(default_factory=list)
+    reused: list[Verdict] = field(default_factory=list)
     unchecked: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -309,6 +311,8 @@ def _verdict(
         with ledger.track("bk:attrs"):
             study.set_user_attr(verdict_key(v.key, shape), json_safe(stored))
     choice.verdicts.append(verdict)
+    if not fresh:
+        choice.reused.append(verdict)
     if fresh:
         say(verdict.summary())
     return verdict

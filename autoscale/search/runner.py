@@ -928,6 +928,16 @@ class SearchRunner:
                 for key, why in choice.refused.items()
             )
         ] + [(text, text) for text in unchecked_lines(choice.unchecked)]
+        # a verdict an earlier run stored: said once, as one reached now was (by choose)
+        reused = {id(v) for v in choice.reused}
+        self.said.update(f"verdict:{v.label}" for v in choice.verdicts if id(v) not in reused)
+        lines += [
+            (
+                f"verdict:{v.label}",
+                f"{v.summary()} (the verdict an earlier run of this check stored)",
+            )
+            for v in choice.reused
+        ]
         if choice.winner is None and choice.bar is None:
             lines.append(("auto unmeasured", f"{choice.why}: " + AUTO_UNMEASURED))
         for mark, text in lines:

@@ -205,6 +205,9 @@ def test_a_lead_within_the_seed_noise_exports_auto_and_says_why(check):
         check, [torch, auto, noisy], {}, study=study_with(True, shape=check.shape)
     )
     assert choice.winner.key == "policy:auto"
+    # auto's verdict is the study's (a resumed search): not said here, handed back to be said
+    # once as the earlier run's (runner._choose)
+    assert [v.label for v in choice.reused] == ["auto"] and choice.reused[0].passed
     ld = choice.leads["trial:3"]
     assert ld.lead == pytest.approx(0.04) and ld.noise == pytest.approx(0.4) and not ld.clear
     assert choice.why.startswith(
