@@ -36,7 +36,7 @@ class ListCommand(Command):
         for kind, title in (
             ("rule", "Built-in rules"),
             ("plugin", "Plugins"),
-            ("policy", "Exported policies"),
+            ("policy", "Policies (shipped with autoscale, or exported)"),
         ):
             rows = [i for i in infos if i.kind == kind]
             if not rows:

@@ -48,7 +48,7 @@ def test_list_shows_exported_policies(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv(policies.POLICY_PATH_ENV, str(tmp_path))
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    assert "Exported policies:\n  tuned" in out
+    assert "Policies (shipped with autoscale, or exported):\n  tuned" in out
     assert "parametric policy (deepspeed)" in out
 
 
