@@ -258,7 +258,12 @@ def _why_none(result: WrapResult, plan: WrapPlan) -> str:
             "(no PYTHONPATH) or -S (no sitecustomize), which the wrap needs"
         )
     if result.processes == 0:
-        return "the command's Python never imported torch; nothing was scaled or recorded"
+        ended = (
+            f"exited with status {result.returncode} before importing torch"
+            if result.returncode
+            else "never imported torch"
+        )
+        return f"the command's Python {ended}; nothing was scaled or recorded"
     return (
         "no torch.amp.GradScaler was built; Accelerate and the Hugging Face Trainer build one "
         "for fp16 only on a GPU; nothing was scaled or recorded"

@@ -92,6 +92,12 @@ def test_pythons_that_skip_the_wrap_are_named(tmp_path):
     show = "import os, autoscale; print('PATH', os.environ['PYTHONPATH']); print('AT', os.path.realpath(autoscale.__file__))"
     no_torch = _wrap("--", sys.executable, "-c", "pass", cwd=tmp_path)
     assert "the command's Python never imported torch" in no_torch.stderr
+    missing = _wrap("--", sys.executable, "no-such-script.py", cwd=tmp_path)
+    assert missing.returncode == 2  # the command's own status
+    assert _summary(missing.stderr) == [
+        "autoscale wrap: the command built no GradScaler (the command's Python exited with "
+        "status 2 before importing torch; nothing was scaled or recorded)"
+    ], missing.stderr
     shown = _wrap("--", sys.executable, "-c", show, cwd=tmp_path)
     # a checkout (an editable install) lends the package only, not its root (tests, experiments)
     checkout = str(Path(autoscale.__file__).resolve().parents[1])

@@ -228,7 +228,10 @@ def test_the_search_runner_runs_a_search_on_records_through_their_source(tmp_pat
     ) + ["done"], text
     assert all(n == str(1 + source.phases.index(p)) for n, p in heads[:-1]), text
     assert name == "run-traces" and result.stopped_early is None
-    assert "14 trials (14 complete, 0 pruned, 0 failed) in " in said[2] and "on the train windows' replay" in said[2]
+    assert (
+        "14 trials (14 complete, 0 pruned, 0 failed) in " in said[2]
+        and "on the train windows' replay" in said[2]
+    )
     assert result.wall_s < 0.5 * budget.seconds  # the trials ran out, not the budget
     study = optuna.load_study(study_name=name, storage=storage)
     rows = {k: v for k, v in study.user_attrs.items() if k.startswith(PREFIX)}
