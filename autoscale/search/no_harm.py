@@ -136,8 +136,10 @@ class Verdict:
             parts = []
             for model, r in self.runs.items():
                 c, t = r["candidate"][0], r["torch"][0]
+                noise = r.get("noise")
+                within = f", seed noise {noise:.2g}" if noise else ""  # (what the check allows)
                 second = (
-                    f"eval loss {c['eval_loss']:.4g} (torch {t['eval_loss']:.4g})"
+                    f"eval loss {c['eval_loss']:.4g} (torch {t['eval_loss']:.4g}{within})"
                     if "eval_loss" in c
                     else f"below fp16's range {100 * c['precision_loss']:.2f}% "
                     f"(torch {100 * t['precision_loss']:.2f}%)"

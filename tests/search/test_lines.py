@@ -99,3 +99,19 @@ def test_the_last_line_says_where_the_time_went_sampler_included(capsys):
         "done in 4m48s of a 5m budget; training and evaluation 14%, Optuna's sampler and pruner "
         "62%, bookkeeping (storage, plots, notes, artifacts) 10.4%; this worker ran 2100 trials"
     )
+
+
+def test_a_passed_check_shows_the_seed_noise_its_eval_loss_is_judged_against():
+    """A candidate's eval loss 10% above torch's passes where torch's own seeds spread wider:
+    the line shows that spread, so a pass does not read as a failure."""
+    from autoscale.search.no_harm import Verdict
+
+    run = {"skip_rate": 0.0, "eval_loss": 0.001966, "kept": 1.0}
+    ref = {"skip_rate": 0.0, "eval_loss": 0.001782, "kept": 0.9662}
+    verdict = Verdict("auto", True, [], {"mlp/drift": {"candidate": [run], "torch": [ref],
+                                                        "noise": 0.00031}})  # fmt: skip
+    assert verdict.summary() == (
+        "auto passed the no-harm check: mlp/drift: skipped 0.00% (torch 0.00%), eval loss "
+        "0.001966 (torch 0.001782, seed noise 0.00031), kept at fp16 precision 100.00% "
+        "(torch 96.62%)"
+    )
