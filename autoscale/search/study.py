@@ -79,10 +79,13 @@ def _timed(obj: Any, calls: tuple[str, ...], category: str, ledger: Ledger) -> A
 
 
 def describe_spec(suite: SuiteSpec) -> str:
-    """``bad-batches (gpt2-tiny, bad-batches, fp16)``, or ``suite 'suite' (8 members: ...)``."""
+    """``gpt2-tiny/bad-batches (fp16)`` (a spec named otherwise: ``name (model, scenario,
+    dtype)``), or ``suite 'suite' (8 members: ...)``."""
     if suite.is_single:
         spec = suite.members[0]
         wl = spec.workload
+        if spec.name in (wl.scenario, f"{wl.model}/{wl.scenario}"):
+            return f"{wl.model}/{wl.scenario} ({wl.dtype})"
         return f"{spec.name} ({wl.model}, {wl.scenario}, {wl.dtype})"
     models = sorted({m.workload.model for m in suite.members})
     scenarios = sorted({m.workload.scenario for m in suite.members})

@@ -115,3 +115,17 @@ def test_a_passed_check_shows_the_seed_noise_its_eval_loss_is_judged_against():
         "0.001966 (torch 0.001782, seed noise 0.00031), kept at fp16 precision 100.00% "
         "(torch 96.62%)"
     )
+
+
+def test_a_workload_is_named_once():
+    """The search's first line and its table name the workload without saying the scenario
+    twice (it read 'bad-batches (gpt2-tiny, bad-batches, fp16)')."""
+    import dataclasses
+
+    from autoscale.envs.suite import as_suite
+    from autoscale.search.study import describe_spec
+
+    spec = base_spec(model="gpt2-tiny", scenario="bad-batches")
+    assert describe_spec(as_suite(spec)) == "gpt2-tiny/bad-batches (fp16)"
+    mine = dataclasses.replace(spec, name="nightly")
+    assert describe_spec(as_suite(mine)) == "nightly (gpt2-tiny, bad-batches, fp16)"
