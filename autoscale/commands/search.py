@@ -249,7 +249,7 @@ def _print_records_done(result: Any, runner: Any, source: Any) -> None:
     print(
         f"done in {format_duration(result.wall_s)} of a {format_duration(result.budget_s)} "
         f"budget{stopped}; this run: {sum(runner.counts.values())} trials; the study holds "
-        f"{source.held(runner.study)}; review it with: autoscale dashboard --storage "
+        f"{source.held(runner.study)} finished; review it with: autoscale dashboard --storage "
         f"{_dashboard_storage(runner.cfg.storage)}"
     )
 
