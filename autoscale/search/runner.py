@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from autoscale.envs.suite import SuiteSpec, as_suite
+from autoscale.errors import BudgetError
 from autoscale.processes import owner_tag
 from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
@@ -54,8 +55,10 @@ from autoscale.search.storage import (
     DEFAULT_STORAGE,
     artifact_store,
     artifacts_dir,
+    discard_unused,
     file_lock,
     mask_url,
+    new_paths,
     open_storage,
     storage_id,
     study_names,
@@ -297,6 +300,7 @@ class SearchRunner:
         import optuna
 
         cfg = self.cfg
+        fresh = new_paths(cfg.storage, artifacts_dir(cfg.storage, cfg.artifacts))
         with self.ledger.track("bk:optuna"):
             storage = open_storage(cfg.storage)
             stored = (
@@ -311,8 +315,12 @@ class SearchRunner:
             f"search {cfg.space} policies for {describe_spec(base)} in {format_duration(self.budget.seconds)}; "
             f"study '{cfg.study}' in {mask_url(cfg.storage)}" + (" (resuming)" if stored else "")
         )
-        timings, no_harm = self._measure(base)
-        self._plan(base, timings, no_harm, kept)
+        try:
+            timings, no_harm = self._measure(base)
+            self._plan(base, timings, no_harm, kept)
+        except BudgetError:  # refused before the study: nothing of this run is left behind
+            discard_unused(fresh, storage)
+            raise
         self._open_study(storage, stored)
         with self.ledger.track("work:record"):
             traces, stats = self._record()
