@@ -144,7 +144,8 @@ def suite_from_records(records: list, horizon: int | None = None) -> tuple[Any, 
         if windows < 3:
             raise ConfigError(
                 f"record '{rec.path}' has {n} whole steps, fewer than three windows of {horizon} "
-                f"(train and test need {3 * horizon}); record a longer run"
+                f"(a search reads {3 * horizon} at least; a lead over auto needs two windows held "
+                f"out, {4 * horizon} steps); record a longer run"
             )
         whole = trace_from_record(rec)
         inst = next(iter(whole.instances.values()))
