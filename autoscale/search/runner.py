@@ -260,6 +260,7 @@ class SearchRunner:
         self.said: set[str] = set()  # lines about the pick said once
         self.choice: Any = None  # the last pick (autoscale.search.choose.Choice)
         self.auto_replays: dict[Any, Any] = {}  # auto's horizon replay, once a bench
+        self.first_cuts: list[str] = []  # what the re-plan of a resumed study's first run traded
 
     # ------------------------------------------------------------------ messages
     def say(self, phase: str, text: str) -> None:
@@ -396,12 +397,20 @@ class SearchRunner:
             min_search_s=self.min_search_s,
         )
         self.say("plan", plan.describe())
+        if kept is not None and self.first_cuts:  # (a busy machine's plan, kept on a quiet one)
+            self.say(
+                "plan",
+                "the study keeps the plan its first run bent to its recording ("
+                + "; ".join(self.first_cuts)
+                + "); a new --study NAME plans afresh for this machine",
+            )
         self._use(plan)
         return plan
 
     def _adopt(self, stored: Any) -> StoredPlan:
         check_source(stored.user_attrs, self.cfg.study)
         kept = wait_for_plan(stored, self._waiting, give_up_at=self.budget.end)
+        self.first_cuts = list(stored.user_attrs.get("replanned") or [])  # (said at plan)
         if self.cfg.explicit:
             check_workload(kept[0], as_suite(self.cfg.base), self.cfg.study)
         return kept
@@ -541,7 +550,7 @@ class SearchRunner:
             with self.ledger.track("work:record"):
                 traces = keep_planned(new.suite, traces, self.folder, new.trace_steps)
         with self.ledger.track("bk:optuna"):
-            store_plan(self.study, None if new is plan else new)  # the workers waiting adopt it
+            store_plan(self.study, None if new is plan else new, self.result.replanned)
         return traces
 
     # ------------------------------------------------------------------ the rounds

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from autoscale.envs.suite import SuiteSpec
@@ -159,12 +159,14 @@ def enqueue_defaults(study: Any, families: dict[str, Any], episode: Any) -> None
         )
 
 
-def store_plan(study: Any, plan: Plan | None = None) -> None:
-    """Store a new study's plan for good (``plan`` where its creator re-planned, else the one
-    stored at creation stays); other workers adopt it and never re-plan it."""
+def store_plan(study: Any, plan: Plan | None = None, traded: Sequence[str] = ()) -> None:
+    """Store a new study's plan for good (``plan`` where its creator re-planned after recording,
+    ``traded`` what that re-plan traded; else the one stored at creation stays); other workers
+    and resumes adopt it and never re-plan it."""
     from autoscale.search.trials import write_note
 
     if plan is not None:
+        study.set_user_attr("replanned", list(traded))
         study.set_user_attr("plan", plan.to_dict())
         study.set_user_attr("validation", plan.validation.to_dict())
         study.set_user_attr("trace_steps", plan.trace_steps)

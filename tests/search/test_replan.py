@@ -256,6 +256,15 @@ def test_the_creator_re_plans_once_and_a_joining_worker_adopts_its_plan(tmp_path
     kept = joiner._adopt(study)
     measured = timings_for(new.suite, 1e-5)  # faster than its steps will run
     joined = joiner._plan(new.suite, measured, new.no_harm, kept)
+    # the plan it adopts is the creator's as re-planned on a busy machine: it says so, once
+    traded = new.cuts[len(plan.cuts) :]
+    assert traded and study.user_attrs["replanned"] == list(traded)
+    (stays,) = [line for line in said_b if "bent to its recording" in line]
+    assert stays == (
+        "[2/6 plan] the study keeps the plan its first run bent to its recording ("
+        + "; ".join(traded)
+        + "); a new --study NAME plans afresh for this machine"
+    ), said_b
     before = study.user_attrs
     traces_b, stats_b = joiner._record()
     assert stats_b["recorded"] == 2 and pace_of(stats_b) > SLOW
