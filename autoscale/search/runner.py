@@ -944,7 +944,11 @@ class SearchRunner:
                 f"{self.validated[key].label} leads auto beyond the seed noise, but {why}"
                 for key, why in choice.refused.items()
             )
-        ] + [(text, text) for text in unchecked_lines(choice.unchecked)]
+        ]
+        # a scaler left unchecked is said once (its seconds left differ from round to round)
+        unchecked = [u for u in choice.unchecked if f"unchecked:{u[0]}" not in self.said]
+        self.said.update(f"unchecked:{label}" for label, _ in unchecked)
+        lines += [(text, text) for text in unchecked_lines(unchecked)]
         # a verdict an earlier run stored: said once, as one reached now was (by choose)
         reused = {id(v) for v in choice.reused}
         self.said.update(f"verdict:{v.label}" for v in choice.verdicts if id(v) not in reused)

@@ -129,3 +129,33 @@ def test_a_workload_is_named_once():
     assert describe_spec(as_suite(spec)) == "gpt2-tiny/bad-batches (fp16)"
     mine = dataclasses.replace(spec, name="nightly")
     assert describe_spec(as_suite(mine)) == "nightly (gpt2-tiny, bad-batches, fp16)"
+
+
+def test_a_scaler_left_unchecked_is_said_once_across_rounds(monkeypatch):
+    """A candidate whose check does not fit is said once, not again each round with its seconds
+    left counted down; one first left unchecked in a later round is said then."""
+    from types import SimpleNamespace
+
+    from autoscale.search import runner as runner_mod
+    from autoscale.search.choose import Choice
+
+    why = "its no-harm check needs ~26s, {}s left"
+    rounds = [
+        Choice(None, bar=object(), unchecked=[("trial 7", why.format(25))]),
+        Choice(None, bar=object(), unchecked=[("trial 7", why.format(19)), ("trial 9", why.format(19))]),
+    ]  # fmt: skip
+    monkeypatch.setattr(runner_mod, "choose", lambda *a, **k: rounds.pop(0))
+    monkeypatch.setattr(runner_mod, "record_pick", lambda *a, **k: None)
+    said: list[str] = []
+    runner = SimpleNamespace(
+        source=None, study=None, cfg=SimpleNamespace(families=None), factories={}, no_harm=None,
+        plan=SimpleNamespace(timings=None, suite=SimpleNamespace(reward=None)), ledger=Ledger(),
+        budget=SimpleNamespace(end=0.0), bench=None, auto_replays={}, validated={}, said=set(),
+        say=lambda phase, text: said.append(text),
+    )  # fmt: skip
+    for _ in range(2):
+        runner_mod.SearchRunner._choose(runner, [])
+    assert said == [
+        f"not checked: trial 7 ({why.format(25)})",
+        f"not checked: trial 9 ({why.format(19)})",
+    ]
