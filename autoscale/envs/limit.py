@@ -120,7 +120,7 @@ def limit_lines(precision: dict[str, float], p_limit: float, unsavable: int) -> 
     (``precision``: name -> mean precision loss over the same episodes, ``torch`` among them)."""
     head = (
         f"hindsight limit: precision loss {100 * p_limit:.2f}% (the largest scale that does not "
-        f"overflow each step; {unsavable} step(s) fail at any scale)"
+        f"overflow each step; {unsavable} step{'' if unsavable == 1 else 's'} fail{'s' if unsavable == 1 else ''} at any scale)"
     )
     if "torch" not in precision:
         return [head, "share of the limit: needs torch's row on the same episodes"]

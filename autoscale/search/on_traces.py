@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import ConfigError
 from autoscale.search.bench import ReplayBench
-from autoscale.search.budget import format_duration, percent, trial_counts
+from autoscale.search.budget import format_duration, percent, plural, trial_counts
 from autoscale.search.candidates import TORCH
 from autoscale.search.export import rank
 from autoscale.search.headroom import Room, headroom
@@ -116,7 +116,7 @@ class RecordsSource:
         windows = {m.name: {k: len(v) for k, v in m.instances.items()} for m in self.suite.members}
         runner.say(
             "plan",
-            f"{len(self.records)} record(s), {sum(len(r.steps) for r in self.records)} steps; "
+            f"{plural(len(self.records), 'record')}, {sum(len(r.steps) for r in self.records)} steps; "
             f"windows of {self.suite.episode.steps} steps: {_windows_text(windows)}; "
             f"{room.describe()}",
         )
@@ -224,7 +224,7 @@ class RecordsSource:
         weights, torch_row = self.suite.reward, runner.validated[TORCH]
         ranked = rank(runner.validated, torch_row, weights)
         return (
-            f"in {seconds:.1f}s, on the replay of {self.room.windows} held-out window(s) "
+            f"in {seconds:.1f}s, on the replay of {plural(self.room.windows, 'held-out window')} "
             "(objective vs torch, lower is better): "
             + ", ".join(f"{v.label} {v.objective(torch_row, weights):+.4f}" for v in ranked)
             + _tie_text(ranked, torch_row, weights, self.room, said=runner.result.stopped_early)

@@ -433,7 +433,9 @@ class SearchRunner:
                 study = optuna.load_study(study_name=cfg.study, storage=storage, **kwargs)
                 stale = fail_stale_trials(study, storage)
                 if stale:
-                    self.say("plan", f"failed {stale} trial(s) left running by stopped workers")
+                    self.say(
+                        "plan", f"failed {plural(stale, 'trial')} left running by stopped workers"
+                    )
             else:
                 try:
                     study = optuna.create_study(

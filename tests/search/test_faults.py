@@ -185,7 +185,7 @@ def test_worker_killed_mid_trial(cached, request):
     storage.close()
 
     assert after[victim].state == TrialState.FAIL
-    assert "failed 1 trial(s) left running by stopped workers" in restarted.out
+    assert "failed 1 trial left running by stopped workers" in restarted.out
     assert not [n for n, t in after.items() if t.state == TrialState.RUNNING]
     assert lost(before, after) == []
     assert sorted(after) == list(range(len(after)))
@@ -276,7 +276,8 @@ def test_postgresql_server_stops_and_restarts(postgres, cached, request):
     final = storage.trials(study)
     storage.close()
     assert "(resuming)" in again.out and "Traceback" not in again.err
-    assert f"failed {len(tagged)} trial(s) left running by stopped workers" in again.out
+    k = len(tagged)
+    assert f"failed {k} trial{'' if k == 1 else 's'} left running by stopped workers" in again.out
     assert all(final[n].state == TrialState.FAIL for n in tagged)
     assert all(final[n].state == TrialState.RUNNING for n in untagged)
     assert [n for n, t in final.items() if t.state == TrialState.RUNNING] == untagged
