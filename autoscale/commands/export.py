@@ -18,6 +18,8 @@ class ExportCommand(Command):
     epilog = """examples:
   autoscale export --study gpt2-tiny-bad-batches-parametric --name bb-best
   autoscale export --study team --storage runs.log --trial 42 --name team-42 --force
+  autoscale export --list                          the storage's studies, in text
+  autoscale export --list --study team             its validated rows and best trials
 
 best: what the search exports, decided by the search's own pick from what the study holds: the
 rows validated on real steps (by any worker) against auto, the families the search was asked
@@ -29,13 +31,15 @@ pick, one warning says why. The manifest's evidence says either way.
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         from autoscale.commands.search import add_storage_arguments
 
-        parser.add_argument(
-            "--study", required=True, help="study name (autoscale dashboard lists them)"
-        )
+        parser.add_argument("--study", help="study name (--list lists them)")
         add_storage_arguments(parser)
         parser.add_argument("--trial", default="best", help="trial number, or 'best' (default)")
+        parser.add_argument("--name", help="policy name: exported to DIR/NAME (see --policy-dir)")
         parser.add_argument(
-            "--name", required=True, help="policy name: exported to DIR/NAME (see --policy-dir)"
+            "--list",
+            action="store_true",
+            help="list the storage's studies, or with --study its validated rows and best "
+            "trials; exports nothing",
         )
         parser.add_argument("--force", action="store_true", help="overwrite an existing policy")
         parser.add_argument("--policy-dir", metavar="DIR", help=POLICY_DIR_HELP)
@@ -59,7 +63,19 @@ pick, one warning says why. The manifest's evidence says either way.
         )
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        if not args.list and not (args.study and args.name):
+            missing = [f for f, v in (("--study", args.study), ("--name", args.name)) if not v]
+            raise ConfigError(
+                f"export needs {' and '.join(missing)}; autoscale export --list lists the "
+                "studies and their trials"
+            )
         storage = open_storage(args.storage, must_exist=True)
+        if args.list:
+            if args.study is None:
+                _list_studies(storage, args.storage)
+            else:
+                _list_study(load_study(args.study, storage, args.storage), args.storage)
+            return 0
         study = load_study(args.study, storage, args.storage)
         suite, validation, _ = study_suites(study)
         check_export_target(
@@ -107,6 +123,84 @@ pick, one warning says why. The manifest's evidence says either way.
             f"exported {path} ({how}; {why}); use it with autoscale.get_scaler('{policy_ref(path)}')"
         )
         return 0
+
+
+LISTED_TRIALS = 10  # the best trials on the train replay that --list --study shows
+
+
+def _counts(trials: list) -> str:
+    from autoscale.search.budget import trial_counts
+
+    states = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}
+    return trial_counts({k: sum(t.state.name == s for t in trials) for k, s in states.items()})
+
+
+def _list_studies(storage, url: str) -> None:
+    """Every study of ``storage``: its workload, its trials and what its search exports."""
+    from autoscale.search.export import stored_pick, study_suites
+    from autoscale.search.storage import mask_url
+    from autoscale.search.study import describe_spec
+
+    summaries = sorted(storage.get_all_studies(), key=lambda s: s.study_name)
+    print(f"{len(summaries)} stud{'y' if len(summaries) == 1 else 'ies'} in {mask_url(url)}:")
+    for summary in summaries:
+        import optuna
+
+        study = optuna.load_study(study_name=summary.study_name, storage=storage)
+        trials = study.get_trials(deepcopy=False)
+        try:
+            suite, validation, _ = study_suites(study)
+        except ConfigError:  # a study this autoscale did not make
+            print(f"  {study.study_name}: {_counts(trials)}; not a search's study")
+            continue
+        pick = stored_pick(study, validation, suite.reward)
+        exports = "nothing yet (torch not validated)" if pick.key is None else pick.key.name
+        if pick.key is not None and pick.key.is_trial:
+            exports = pick.rows[pick.key].label
+        print(f"  {study.study_name}: {describe_spec(suite)}; {_counts(trials)}; exports {exports}")
+    print("autoscale export --list --study NAME shows a study's rows and best trials")
+
+
+def _list_study(study, url: str) -> None:
+    """``study``'s validated rows (the search's ranking, its pick marked, each verdict) and its
+    best trials on the train replay, in text."""
+    import optuna
+
+    from autoscale.search.choose import stored_verdict
+    from autoscale.search.export import policy_label, rank, stored_pick, study_suites
+    from autoscale.search.objective import objective
+    from autoscale.search.storage import mask_url
+    from autoscale.search.study import describe_spec
+
+    suite, validation, _ = study_suites(study)
+    trials = study.get_trials(deepcopy=False)
+    print(
+        f"study '{study.study_name}' in {mask_url(url)}: {describe_spec(suite)}; {_counts(trials)}"
+    )
+    pick = stored_pick(study, validation, suite.reward)
+    if pick.reference is None:
+        print("validated: nothing yet (the search exports nothing before torch is validated)")
+    else:
+        ranked = rank(pick.rows, pick.reference, suite.reward)
+        where = "replay of held-out windows" if "traces" in study.user_attrs else "real steps"
+        print(
+            f"validated on {where} (objective vs torch, lower is better; * = what the search exports):"
+        )
+        for v in ranked:
+            verdict = stored_verdict(study, v.key)
+            checked = (
+                "" if verdict is None else f"  no-harm {'passed' if verdict.passed else 'failed'}"
+            )
+            mark = "*" if v.key == pick.key else " "
+            value = objective(v.cards, pick.reference.cards, suite.reward)
+            print(f"  {mark} {v.label:<28} {value:+.4f}{checked}")
+    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    best = sorted(done, key=lambda t: t.value)[:LISTED_TRIALS]
+    if best:
+        print("best trials on the train replay (autoscale export --trial N exports one):")
+        for t in best:
+            what = policy_label(t).removesuffix(f", trial {t.number}")
+            print(f"    trial {t.number:<6} {what:<22} {t.value:+.4f}")
 
 
 def _scorecard(study, pick, key, against: list[str], validation, weights) -> dict:

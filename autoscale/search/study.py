@@ -84,7 +84,7 @@ def describe_spec(suite: SuiteSpec) -> str:
     if suite.is_single:
         spec = suite.members[0]
         wl = spec.workload
-        if spec.name in (wl.scenario, f"{wl.model}/{wl.scenario}"):
+        if spec.name in (wl.scenario, f"{wl.model}/{wl.scenario}", f"{wl.model}-{wl.scenario}"):
             return f"{wl.model}/{wl.scenario} ({wl.dtype})"
         return f"{spec.name} ({wl.model}, {wl.scenario}, {wl.dtype})"
     models = sorted({m.workload.model for m in suite.members})

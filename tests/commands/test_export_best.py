@@ -208,3 +208,41 @@ def test_a_name_taken_says_the_option_that_names_the_export(work, capsys):
     rc, out, err = _export(capsys, "s", "best", "mine")
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert err.strip().endswith("choose another name (--name NAME) or pass --force"), err
+
+
+def test_list_shows_the_studies_and_a_studys_rows_and_trials_in_text(work, capsys):
+    """Without a browser (a training server over SSH): --list names the storage's studies, what
+    each search exports, and a study's ranking (its pick marked, each verdict) and best trials;
+    it exports nothing, and an export without --name says where to look."""
+    study = _study(work, "s")
+    passed = _trial(study, "deepspeed", -0.8, {})
+    _trial(study, "amax-history", -0.9, {})
+    _validated(study, f"trial:{passed}", 0.0, 0.01)
+    _verdict(study, f"trial:{passed}", True)
+    _study(work, "bare", torch_validated=False)
+
+    assert main(["export", "--list", "--storage", "s.db"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "2 studies in s.db:"
+    assert out[1].startswith("  bare: mlp/bad-batches (fp16); 0 trials (0 complete, ")
+    assert out[1].endswith("; exports nothing yet (torch not validated)")
+    assert out[2].startswith(
+        "  s: mlp/bad-batches (fp16); 2 trials (2 complete, 0 pruned, 0 failed)"
+    )
+    assert out[2].endswith(f"; exports deepspeed, trial {passed}")
+
+    assert main(["export", "--list", "--study", "s", "--storage", "s.db"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("validated on real steps (objective vs torch")
+    rows = [line.split()[:3] for line in out[2:5]]
+    assert rows[0][:2] == ["*", "deepspeed,"] and out[2].endswith("no-harm passed")
+    assert [r[0] for r in rows[1:]] == ["auto", "torch"]
+    assert out[5].startswith("best trials on the train replay")
+    assert out[6].split()[:3] == ["trial", "1", "amax-history"] and out[6].endswith("-0.9000")
+    assert not (work / "pol").exists()
+
+    assert main(["export", "--study", "s", "--storage", "s.db"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "autoscale export: error: export needs --name; autoscale export --list lists the studies "
+        "and their trials"
+    ]
