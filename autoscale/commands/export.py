@@ -132,7 +132,9 @@ def _counts(trials: list) -> str:
     from autoscale.search.budget import trial_counts
 
     states = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}
-    return trial_counts({k: sum(t.state.name == s for t in trials) for k, s in states.items()})
+    counts = {k: sum(t.state.name == s for t in trials) for k, s in states.items()}
+    unfinished = len(trials) - sum(counts.values())  # waiting (enqueued defaults) or running
+    return trial_counts(counts, f"; {unfinished} waiting or running" if unfinished else "")
 
 
 def _list_studies(storage, url: str) -> None:
@@ -166,7 +168,7 @@ def _list_study(study, url: str) -> None:
     best trials on the train replay, in text."""
     import optuna
 
-    from autoscale.search.choose import stored_verdict
+    from autoscale.search.choose import CHECK_SHAPE, stored_verdict
     from autoscale.search.export import policy_label, rank, stored_pick, study_suites
     from autoscale.search.objective import objective
     from autoscale.search.storage import mask_url
@@ -187,14 +189,15 @@ def _list_study(study, url: str) -> None:
             f"validated on {where} (objective vs torch, lower is better; * = what the search exports):"
         )
         for v in ranked:
-            verdict = stored_verdict(study, v.key)
+            verdict = stored_verdict(study, v.key, study.user_attrs.get(CHECK_SHAPE))
             checked = (
                 "" if verdict is None else f"  no-harm {'passed' if verdict.passed else 'failed'}"
             )
             mark = "*" if v.key == pick.key else " "
             value = objective(v.cards, pick.reference.cards, suite.reward)
             print(f"  {mark} {v.label:<28} {value:+.4f}{checked}")
-    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    complete = optuna.trial.TrialState.COMPLETE
+    done = [t for t in trials if t.state == complete and "policy" in t.user_attrs]
     best = sorted(done, key=lambda t: t.value)[:LISTED_TRIALS]
     if best:
         print("best trials on the train replay (autoscale export --trial N exports one):")

@@ -164,9 +164,12 @@ def _build(
     own = {k: v for k, v in _policy_parameters(name).items() if k not in params}
     replaced = []  # the program's arguments a policy's own values replace
     for key in [k for k in ("init_scale", *_KNOBS) if k in given and k in own]:
-        value = given.pop(key)
-        if float(value) != float(own[key]):
-            replaced.append((f"{key}={own[key]:g}", f"{key}={value:g}"))
+        mine, theirs = _number(own[key]), _number(given[key])
+        if mine is None or theirs is None:  # (not a number: building the scaler says what is)
+            continue
+        given.pop(key)
+        if theirs != mine:
+            replaced.append((f"{key}={mine:g}", f"{key}={theirs:g}"))
     if "init_scale" in given:
         build["init_scale"] = float(given.pop("init_scale"))
     build.update(params)
@@ -223,9 +226,21 @@ def _policy_parameters(name: str) -> dict[str, Any]:
     if path is None:
         return {}
     try:
-        return dict(read_manifest(path).parameters)
+        manifest = read_manifest(path)
     except PolicyError:
         return {}
+    own = dict(manifest.parameters)
+    if (manifest.kind, manifest.family) != ("parametric", "static"):
+        own.pop("init_scale", None)  # where it starts, not what was searched (but a fixed scale)
+    return own
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float (a YAML string such as ``1e3`` too), or None where it is none."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _adopt(scaler: LossScaler) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from autoscale.errors import ConfigError, PolicyError
 from autoscale.scalers.policies import MANIFEST, PolicyManifest, register_policy_kind
-from autoscale.scalers.registry import build_scaler, rule_class, rule_names
+from autoscale.scalers.registry import build_rule, build_scaler, rule_class, rule_names
 from autoscale.scalers.scaler import LossScaler
 
 __all__ = ["load_parametric"]
@@ -37,18 +37,12 @@ def load_parametric(
             "family or export the policy again (a rule of a plugin needs its package installed; "
             "autoscale list shows the rules)"
         )
-    try:
-        return build_scaler(cls, device, {**manifest.parameters, **overrides}, name=manifest.name)
+    try:  # the file's own parameters first: a value it holds is the policy's error
+        build_rule(cls, dict(manifest.parameters), manifest.name)
     except ConfigError as exc:
-        if overrides:  # the policy's own parameters alone: whose value was refused
-            try:
-                build_scaler(cls, "cpu", dict(manifest.parameters), name=manifest.name)
-            except ConfigError:
-                pass
-            else:
-                raise
         why = str(exc).removeprefix(f"scaler '{manifest.name}': ")
         raise PolicyError(f"{where}: {why}; fix the file or export the policy again") from None
+    return build_scaler(cls, device, {**manifest.parameters, **overrides}, name=manifest.name)
 
 
 register_policy_kind("parametric", load_parametric)

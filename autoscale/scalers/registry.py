@@ -24,6 +24,7 @@ from autoscale.scalers.scaler import LossScaler
 __all__ = [
     "register_loss_scaler",
     "build_scaler",
+    "build_rule",
     "rule_class",
     "rule_names",
     "rule_defaults",
@@ -149,8 +150,21 @@ def build_scaler(
     Raises:
         ConfigError: a keyword neither takes (nearest valid one suggested), or an invalid value.
     """
-    overrides = dict(overrides or {})
     what = what or name or cls.name
+    rule, options = build_rule(cls, overrides, what)
+    return LossScaler(rule, device, name=name, **options)
+
+
+def build_rule(
+    cls: type[ScaleRule], overrides: dict[str, Any] | None, what: str
+) -> tuple[ScaleRule, dict[str, Any]]:
+    """:func:`build_scaler`'s checks and rule, without a scaler (none is announced to what
+    watches scalers being built): ``(rule, the scaler's options)``.
+
+    Raises:
+        ConfigError: as :func:`build_scaler`, naming the scaler ``what``.
+    """
+    overrides = dict(overrides or {})
     params = rule_params(cls)
     for key in overrides:
         if key not in params and key not in SCALER_OPTIONS:
@@ -167,7 +181,7 @@ def build_scaler(
         rule = cls(**overrides)
     except (TypeError, ValueError) as exc:  # a parameter of the wrong kind
         raise ConfigError(f"scaler '{what}': {exc}") from None
-    return LossScaler(rule, device, name=name, **options)
+    return rule, options
 
 
 def _of_kind(default: Any, key: str, value: Any, what: str) -> Any:

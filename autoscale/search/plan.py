@@ -477,9 +477,9 @@ def replan(
     stats: dict[str, Any],
     *,
     left_s: float,
+    budget_s: float,
     cached_no_harm: Callable[[Any, int], bool],
     min_search_s: float = 0.0,
-    budget_s: float = 0.0,
 ) -> Plan:
     """The plan for what is left after recording; ``plan`` itself when the recording kept to
     it. The study's creator passes the ``traces`` recorded and re-plans the study's shape, before

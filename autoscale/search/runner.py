@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from autoscale.envs.suite import SuiteSpec, as_suite
-from autoscale.errors import BudgetError
 from autoscale.processes import owner_tag
 from autoscale.search.agent_trials import RLObjective
 from autoscale.search.bench import ReplayBench
@@ -55,10 +54,8 @@ from autoscale.search.storage import (
     DEFAULT_STORAGE,
     artifact_store,
     artifacts_dir,
-    discard_unused,
     file_lock,
     mask_url,
-    new_paths,
     open_storage,
     storage_id,
     study_names,
@@ -301,7 +298,6 @@ class SearchRunner:
         import optuna
 
         cfg = self.cfg
-        fresh = new_paths(cfg.storage, artifacts_dir(cfg.storage, cfg.artifacts))
         with self.ledger.track("bk:optuna"):
             storage = open_storage(cfg.storage)
             stored = (
@@ -316,12 +312,8 @@ class SearchRunner:
             f"search {cfg.space} policies for {describe_spec(base)} in {format_duration(self.budget.seconds)}; "
             f"study '{cfg.study}' in {mask_url(cfg.storage)}" + (" (resuming)" if stored else "")
         )
-        try:
-            timings, no_harm = self._measure(base)
-            self._plan(base, timings, no_harm, kept)
-        except BudgetError:  # refused before the study: nothing of this run is left behind
-            discard_unused(fresh, storage)
-            raise
+        timings, no_harm = self._measure(base)
+        self._plan(base, timings, no_harm, kept)
         self._open_study(storage, stored)
         with self.ledger.track("work:record"):
             traces, stats = self._record()
@@ -457,6 +449,7 @@ class SearchRunner:
                     self.say("plan", "another worker created the study first: adopting its plan")
                     kept = wait_for_plan(study, self._waiting, give_up_at=self.budget.end)
                     check_source(study.user_attrs, cfg.study)
+                    self.first_cuts = list(study.user_attrs.get("replanned") or [])
                     self._plan(plan.suite, plan.timings, plan.no_harm, kept)
             study.set_user_attr(
                 f"worker:{self.worker}",

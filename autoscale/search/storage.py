@@ -28,8 +28,6 @@ __all__ = [
     "mask_url",
     "file_lock",
     "lost_connection",
-    "new_paths",
-    "discard_unused",
 ]
 
 DEFAULT_STORAGE = "sqlite:///autoscale.db"
@@ -294,30 +292,6 @@ def artifact_store(folder: Path) -> Any:
             f"cannot create the artifact folder '{store}': {exc.strerror}; pass --artifacts DIR"
         ) from None
     return FileSystemArtifactStore(str(store))
-
-
-def new_paths(url: str, folder: Path) -> list[Path]:
-    """Of the storage ``url``'s file and its artifacts ``folder``, those that do not exist yet
-    (what :func:`discard_unused` may remove again)."""
-    _, path = _file_of(str(url))
-    return [p for p in (path, folder) if p is not None and not p.exists()]
-
-
-def discard_unused(paths: list[Path], storage: Any) -> None:
-    """Remove what a search that stopped before creating its study made of ``paths``
-    (:func:`new_paths`): a storage file that holds no study, and an artifacts folder that holds
-    no file (its empty folders only)."""
-    import shutil
-
-    for path in paths:
-        if path.is_file() and not study_names(storage):
-            engine = getattr(storage, "engine", None)
-            if engine is not None:
-                engine.dispose()
-            for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
-                leftover.unlink(missing_ok=True)
-        elif path.is_dir() and not any(p.is_file() for p in path.rglob("*")):
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def study_names(storage: Any) -> list[str]:

@@ -126,38 +126,45 @@ def test_scaler_params_set_the_replacing_rule(tmp_path):
 def test_an_exported_policy_keeps_its_own_settings_over_the_programs(tmp_path):
     """A searched policy runs with the values it was searched and validated with: the program's
     GradScaler arguments give way where the policy has its own (said in one line, with both
-    values), and apply where it has none; --scaler-param still sets any."""
+    values), and apply where it has none; init_scale stays the program's (where a run starts,
+    not searched), but for a static policy, whose scale it is; --scaler-param still sets any."""
     import dataclasses
 
     from autoscale.scalers.policies import find_policy, read_manifest, write_manifest
 
     shipped = read_manifest(find_policy("auto"))
     assert "growth_interval" not in shipped.parameters  # (the program's 50 applies to auto)
-    mine = tmp_path / "mine"
-    mine.mkdir()
+    mine, fixed = tmp_path / "mine", tmp_path / "fixed"
     parameters = {**shipped.parameters, "growth_interval": 27, "init_scale": 1024.0}
     write_manifest(mine, dataclasses.replace(shipped, name="mine", parameters=parameters))
+    static = {"init_scale": "1e3"}  # (YAML 1.1 reads 1e3 as a string: a number all the same)
+    write_manifest(
+        fixed, dataclasses.replace(shipped, name="fixed", family="static", parameters=static)
+    )
     script = [sys.executable, str(SCRIPTS / "plain.py"), "12"]  # growth_interval=50, 2**16
     out = _wrap("--scaler", str(mine), "--record", "runs/m", "--", *script, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     said = [line for line in out.stderr.splitlines() if "runs with its own" in line]
     assert said == [
-        f"autoscale wrap: '{mine}' runs with its own init_scale=1024, growth_interval=27, not the "
-        "program's GradScaler arguments init_scale=65536, growth_interval=50 (an exported policy "
-        "runs as it was searched; --scaler-param KEY=VALUE sets one)"
+        f"autoscale wrap: '{mine}' runs with its own growth_interval=27, not the program's "
+        "GradScaler arguments growth_interval=50 (an exported policy runs as it was searched; "
+        "--scaler-param KEY=VALUE sets one)"
     ], out.stderr
     meta = read_record(tmp_path / "runs" / "m").meta
-    assert meta["spec"]["growth_interval"] == 27 and meta["spec"]["init_scale"] == 1024.0
+    assert meta["spec"]["growth_interval"] == 27 and meta["spec"]["init_scale"] == 2.0**16
+    out = _wrap("--scaler", str(fixed), "--record", "runs/f", "--", *script, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (
+        f"'{fixed}' runs with its own init_scale=1000, not the program's GradScaler " in out.stderr
+    )
+    assert read_record(tmp_path / "runs" / "f").meta["spec"]["init_scale"] == 1000.0
     both = _wrap(
         "--scaler", str(mine), "--scaler-param", "growth_interval=9", "--record", "runs/p", "--",
         *script, cwd=tmp_path,
     )  # fmt: skip
     assert both.returncode == 0, both.stderr
     assert read_record(tmp_path / "runs" / "p").meta["spec"]["growth_interval"] == 9
-    assert (
-        "growth_interval=27" not in both.stderr
-        and "runs with its own init_scale=1024, not" in both.stderr
-    )
+    assert "runs with its own" not in both.stderr
 
 
 @pytest.mark.slow

@@ -164,7 +164,7 @@ def test_replan_without_traces_keeps_the_shape_and_times_the_rest_at_the_pace_se
     """What a worker that adopted a study's plan bends: its own step times, not the study's
     suite, validation or trace length."""
     plan, _ = plan_for(base_spec(model="mlp"), 0.01, 600)
-    kept = dict(left_s=200, cached_no_harm=lambda w, s: False)
+    kept = dict(left_s=200, budget_s=600, cached_no_harm=lambda w, s: False)
     assert replan(plan, None, _stats(SLOW, [], plan.trace_steps), **kept) is plan
     new = replan(plan, None, _stats(2.0, [], plan.trace_steps), **kept)
     shape = (new.suite, new.validation, new.trace_steps, new.all_rules_real)

@@ -267,8 +267,6 @@ def test_slow_model_ends_in_budget_saying_what_it_would_need(tmp_path):
     assert re.search(r"needs (about|more than) (\d+h)?\d+m", run.err)  # 1h51m40s when slower
     assert run.wall_s < 20 * 1.05
     assert "[1/6 measure] gpt2: " in run.out  # each workload's step time, the check's too
-    # refused before its study: the storage file and artifacts folder it made are gone again
-    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
 
 
 def test_dashboard_command_serves_the_storage_on_localhost(searched):
