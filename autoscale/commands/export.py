@@ -129,16 +129,17 @@ LISTED_TRIALS = 10  # the best trials on the train replay that --list --study sh
 
 
 def _counts(trials: list) -> str:
-    from autoscale.search.budget import trial_counts
+    from autoscale.search.budget import outcome_counts, trial_counts
 
-    states = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}
-    counts = {k: sum(t.state.name == s for t in trials) for k, s in states.items()}
+    counts = outcome_counts(trials)
     unfinished = len(trials) - sum(counts.values())  # waiting (enqueued defaults) or running
     return trial_counts(counts, f"; {unfinished} waiting or running" if unfinished else "")
 
 
 def _list_studies(storage, url: str) -> None:
     """Every study of ``storage``: its workload, its trials and what its search exports."""
+    import optuna
+
     from autoscale.search.export import stored_pick, study_suites
     from autoscale.search.storage import mask_url
     from autoscale.search.study import describe_spec
@@ -146,8 +147,6 @@ def _list_studies(storage, url: str) -> None:
     summaries = sorted(storage.get_all_studies(), key=lambda s: s.study_name)
     print(f"{len(summaries)} stud{'y' if len(summaries) == 1 else 'ies'} in {mask_url(url)}:")
     for summary in summaries:
-        import optuna
-
         study = optuna.load_study(study_name=summary.study_name, storage=storage)
         trials = study.get_trials(deepcopy=False)
         try:

@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from autoscale.errors import BudgetError
 
@@ -25,6 +26,8 @@ __all__ = [
     "plural",
     "process_elapsed",
     "trial_counts",
+    "outcome_counts",
+    "OUTCOMES",
 ]
 
 _BUDGET_RE = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
@@ -52,6 +55,18 @@ def parse_budget(text: str) -> float:
 def plural(n: int, word: str) -> str:
     """``n`` and ``word``, an ``s`` added unless ``n`` is 1 (``1 test episode``, ``0 candidates``)."""
     return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+OUTCOMES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}  # a trial's end, by state
+
+
+def outcome_counts(trials: list[Any]) -> dict[str, int]:
+    """Optuna trials counted by how they ended (:data:`OUTCOMES`; waiting or running ones not)."""
+    counts = dict.fromkeys(OUTCOMES.values(), 0)
+    for t in trials:
+        if t.state.name in OUTCOMES:
+            counts[OUTCOMES[t.state.name]] += 1
+    return counts
 
 
 def trial_counts(counts: dict[str, int], after: str = "") -> str:

@@ -12,13 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 from autoscale.processes import raise_if_interrupted
-from autoscale.search.budget import Ledger
+from autoscale.search.budget import OUTCOMES, Ledger
 from autoscale.search.interrupts import deferred_interrupt, interruptible
 from autoscale.search.storage import lost_connection
 
 __all__ = ["TrialLoop"]
-
-_OUTCOMES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
 
 
 class TrialLoop:
@@ -96,7 +94,7 @@ class TrialLoop:
                 alg_inside[0] += self.ledger.total("alg:") - alg0
 
         def after(study: Any, frozen: Any) -> None:
-            outcome = _OUTCOMES.get(frozen.state.name)
+            outcome = OUTCOMES.get(frozen.state.name)
             if outcome:
                 self.counts[outcome] += 1
             if bar is not None:

@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 from autoscale.envs.suite import SuiteSpec
 from autoscale.errors import ConfigError
 from autoscale.search.bench import ReplayBench
-from autoscale.search.budget import format_duration, percent, plural, trial_counts
+from autoscale.search.budget import (
+    OUTCOMES,
+    format_duration,
+    outcome_counts,
+    percent,
+    plural,
+    trial_counts,
+)
 from autoscale.search.candidates import TORCH
 from autoscale.search.export import rank
 from autoscale.search.headroom import Room, headroom
@@ -34,7 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["RecordsSource", "RecordsPlan", "PHASES", "describe_records"]
 
 PHASES = ("plan", "search", "validate", "export")
-_OUTCOMES = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}
 CANDIDATES = 5  # best trials validated
 REPLAY_NOTE = (
     "validated on the replay of held-out windows of the recorded runs (no real steps: a record "
@@ -208,7 +214,7 @@ class RecordsSource:
         stale = fail_stale_trials(study, storage)
         kept = _finished(study.get_trials(deepcopy=False))
         self.kept = len(kept)
-        n = {k: sum(1 for t in kept if t.state.name == s) for k, s in _OUTCOMES.items()}
+        n = outcome_counts(kept)
         stopped = f", {stale} of them left running by a stopped search and failed now"
         runner.say(
             "plan",
@@ -270,7 +276,7 @@ class RecordsSource:
 
 def _finished(trials: list[Any]) -> list[Any]:
     """The trials that ran to an end (complete, pruned or failed: not waiting or running)."""
-    return [t for t in trials if t.state.name in ("COMPLETE", "PRUNED", "FAIL")]
+    return [t for t in trials if t.state.name in OUTCOMES]
 
 
 def _tie_text(
