@@ -37,12 +37,15 @@ def load_parametric(
             "family or export the policy again (a rule of a plugin needs its package installed; "
             "autoscale list shows the rules)"
         )
-    try:  # the file's own parameters first: a value it holds is the policy's error
-        build_rule(cls, dict(manifest.parameters), manifest.name)
-    except ConfigError as exc:
-        why = str(exc).removeprefix(f"scaler '{manifest.name}': ")
-        raise PolicyError(f"{where}: {why}; fix the file or export the policy again") from None
-    return build_scaler(cls, device, {**manifest.parameters, **overrides}, name=manifest.name)
+    try:
+        return build_scaler(cls, device, {**manifest.parameters, **overrides}, name=manifest.name)
+    except ConfigError:
+        try:  # the file's parameters alone, by its rule (no scaler built): whose value it was
+            build_rule(cls, dict(manifest.parameters), manifest.name)
+        except ConfigError as exc:
+            why = str(exc).removeprefix(f"scaler '{manifest.name}': ")
+            raise PolicyError(f"{where}: {why}; fix the file or export the policy again") from None
+        raise  # an override's: the caller's error, as for a rule
 
 
 register_policy_kind("parametric", load_parametric)
