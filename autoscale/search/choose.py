@@ -311,10 +311,10 @@ def _verdict(
         with ledger.track("bk:attrs"):
             study.set_user_attr(verdict_key(v.key, shape), json_safe(stored))
     choice.verdicts.append(verdict)
-    if not fresh:
-        choice.reused.append(verdict)
     if fresh:
         say(verdict.summary())
+    else:
+        choice.reused.append(verdict)
     return verdict
 
 

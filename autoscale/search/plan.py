@@ -1,7 +1,7 @@
 """What a budget affords: :func:`make_plan` sizes a search (:class:`Plan`) to measured step times,
 and after recording :func:`replan` bends it to the pace the machine kept (the study's creator its
-shape too, other workers their own phases). Replay trials cost milliseconds, so the real-step phases decide the
-plan; it says what it traded (:attr:`Plan.cuts`). User-facing detail: docs/search.md, phase 2 and
+shape too, other workers their own phases). Replay trials cost milliseconds, so the real-step
+phases decide the plan; it says what it traded (:attr:`Plan.cuts`). User-facing detail: docs/search.md, phase 2 and
 "A budget that bends".
 """
 
